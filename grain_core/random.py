@@ -1,0 +1,454 @@
+"""Deterministic randomness: Grain's ``index_shuffle``, seed derivation, per-index Philox.
+
+Everything here is bit-exact with Grain (spec 1.1.5-1.1.7, 7.11, 13.1) except where Grain
+is defective (spec 15, rough edge 1), which is called out at the place we differ.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import operator
+import struct
+import threading
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+__all__ = [
+    "RngPool",
+    "derive_seed",
+    "index_shuffle",
+    "index_shuffle_array",
+    "reset_philox",
+    "validate_seed",
+]
+
+_UINT32_MASK = 0xFFFFFFFF
+_SEED_LIMIT = 2**32
+_INDEX_LIMIT = 2**64
+# Domains whose Grain block is the 16-bit floor pay ~2**16 / (max_index + 1) encryptions
+# per lookup; for them the whole permutation is computed once and looked up instead.
+_TABLE_LIMIT = 2**16
+_TABLE_CACHE_SIZE = 32
+_KEY_CACHE_SIZE = 4096
+
+
+def validate_seed(seed: Any, what: str) -> int:
+    """Checks that ``seed`` is an integer in ``[0, 2**32)`` and returns it as ``int``.
+
+    Args:
+      seed: Python or NumPy integer.
+      what: name of the seed's owner, used in error messages (e.g. "`shuffle`").
+
+    Raises:
+      TypeError: ``seed`` is not an integer (bools are rejected too).
+      ValueError: ``seed`` is outside ``[0, 2**32)``.
+    """
+    if isinstance(seed, bool) or not isinstance(seed, int | np.integer):
+        raise TypeError(f"{what} seed must be an integer, got {seed!r} ({type(seed).__name__}).")
+    value = int(seed)
+    if not 0 <= value < _SEED_LIMIT:
+        raise ValueError(f"{what} seed must be in [0, 2**32), got {value}.")
+    return value
+
+
+def derive_seed(seeds_with_depths: Sequence[tuple[int, int]]) -> int | None:
+    """Combines ``(seed, depth)`` pairs found above a node into its default seed (spec 1.1.5).
+
+    Args:
+      seeds_with_depths: pairs in breadth-first discovery order.
+
+    Returns:
+      ``SeedSequence([s0, d0, s1, d1, ...]).generate_state(1, uint32)[0]``, or ``None`` when
+      no seed was found.
+    """
+    if not seeds_with_depths:
+        return None
+    flat = [int(value) for pair in seeds_with_depths for value in pair]
+    return int(np.random.SeedSequence(flat).generate_state(1, dtype=np.uint32)[0])
+
+
+# --------------------------------------------------------------------------------------
+# index_shuffle: keyed Feistel permutation with cycle walking (spec 13.1).
+# --------------------------------------------------------------------------------------
+
+
+def _seed_seq_generate(seed: int, count: int) -> list[int]:
+    """C++ ``std::seed_seq{seed}.generate()`` of ``count`` 32-bit words ([rand.util.seedseq])."""
+    entropy = [seed & _UINT32_MASK]
+    size = len(entropy)
+    out = [0x8B8B8B8B] * count
+    if count >= 623:
+        spread = 11
+    elif count >= 68:
+        spread = 7
+    elif count >= 39:
+        spread = 5
+    elif count >= 7:
+        spread = 3
+    else:
+        spread = (count - 1) // 2
+    p = (count - spread) // 2
+    q = p + spread
+    steps = max(size + 1, count)
+
+    def tangle(x: int) -> int:
+        return x ^ (x >> 27)
+
+    for k in range(steps):
+        here, ahead, behind = k % count, (k + p) % count, (k - 1) % count
+        r1 = (1664525 * tangle(out[here] ^ out[ahead] ^ out[behind])) & _UINT32_MASK
+        if k == 0:
+            r2 = r1 + size
+        elif k <= size:
+            r2 = r1 + here + entropy[k - 1]
+        else:
+            r2 = r1 + here
+        r2 &= _UINT32_MASK
+        out[ahead] = (out[ahead] + r1) & _UINT32_MASK
+        out[(k + q) % count] = (out[(k + q) % count] + r2) & _UINT32_MASK
+        out[here] = r2
+    for k in range(steps, steps + count):
+        here, ahead, behind = k % count, (k + p) % count, (k - 1) % count
+        r3 = (1566083941 * tangle((out[here] + out[ahead] + out[behind]) & _UINT32_MASK)) & _UINT32_MASK
+        r4 = (r3 - here) & _UINT32_MASK
+        out[ahead] ^= r3
+        out[(k + q) % count] ^= r4
+        out[here] = r4
+    return out
+
+
+def _block_bits(max_index: int) -> int:
+    """Feistel block size in bits for the domain ``[0, max_index]`` (``max_index >= 1``).
+
+    Grain uses ``ceil(log2(max_index))`` rounded up to even, at least 16. That cannot
+    represent ``max_index`` itself when ``max_index == 2**k`` with even ``k >= 16``: Grain
+    then drops the input's top bit and its map is not a bijection (spec 15, rough edge 1).
+    Only in exactly those cases we take the next even size, ``k + 2``; every other domain
+    keeps Grain's block size, so its orders are identical to Grain's.
+    """
+    bits = (max_index - 1).bit_length()  # == ceil(log2(max_index))
+    bits = max(bits + (bits & 1), 16)
+    if max_index >> bits:  # Grain's defect: max_index == 2**bits is not representable.
+        bits += 2
+    return bits
+
+
+@functools.lru_cache(maxsize=_KEY_CACHE_SIZE)
+def _round_keys(seed: int, rounds: int, half_bits: int) -> tuple[tuple[int, int], ...]:
+    """Round keys as ``(k1, k2)`` pairs, truncated to the half-word (cached per seed)."""
+    mask = (1 << half_bits) - 1
+    words = [word & mask for word in _seed_seq_generate(seed, rounds)]
+    return tuple(zip(words[0::2], words[1::2], strict=True))
+
+
+def _encrypt(x: int, half_bits: int, keys: tuple[tuple[int, int], ...]) -> int:
+    """One Feistel encryption of ``x`` on ``2 * half_bits`` bits (SIMON-style round function)."""
+    w = half_bits
+    mask = (1 << w) - 1
+    left = x >> w
+    right = x & mask
+    for k1, k2 in keys:
+        r = right
+        left ^= ((((r << 1) | (r >> (w - 1))) & ((r << 8) | (r >> (w - 8)))) ^ ((r << 2) | (r >> (w - 2)))) & mask ^ k1
+        v = left
+        right ^= ((((v << 1) | (v >> (w - 1))) & ((v << 8) | (v >> (w - 8)))) ^ ((v << 2) | (v >> (w - 2)))) & mask ^ k2
+    return (left << w) | right
+
+
+def _encrypt_array(x: np.ndarray, half_bits: int, keys: tuple[tuple[int, int], ...]) -> np.ndarray:
+    """Vectorised :func:`_encrypt` of a uint64 array; halves are held as uint32 (``W <= 32``).
+
+    uint32 left shifts wrap, which is harmless: every round-function result is masked.
+    """
+    u32 = np.uint32
+    mask = u32((1 << half_bits) - 1)
+    left = (x >> np.uint64(half_bits)).astype(np.uint32)
+    right = (x & np.uint64(mask)).astype(np.uint32)
+    mixed = np.empty_like(right)
+    scratch = np.empty_like(right)
+    spare = np.empty_like(right)
+    shifts = [(u32(r), u32(half_bits - r)) for r in (1, 8, 2)]
+
+    def round_function(v: np.ndarray) -> np.ndarray:
+        (l1, r1), (l8, r8), (l2, r2) = shifts
+        np.left_shift(v, l1, out=mixed)
+        np.right_shift(v, r1, out=scratch)
+        np.bitwise_or(mixed, scratch, out=mixed)
+        np.left_shift(v, l8, out=scratch)
+        np.right_shift(v, r8, out=spare)
+        np.bitwise_or(scratch, spare, out=scratch)
+        np.bitwise_and(mixed, scratch, out=mixed)
+        np.left_shift(v, l2, out=scratch)
+        np.right_shift(v, r2, out=spare)
+        np.bitwise_or(scratch, spare, out=scratch)
+        np.bitwise_xor(mixed, scratch, out=mixed)
+        np.bitwise_and(mixed, mask, out=mixed)
+        return mixed
+
+    for k1, k2 in keys:
+        np.bitwise_xor(left, round_function(right), out=left)
+        np.bitwise_xor(left, u32(k1), out=left)
+        np.bitwise_xor(right, round_function(left), out=right)
+        np.bitwise_xor(right, u32(k2), out=right)
+    out = left.astype(np.uint64)
+    np.left_shift(out, np.uint64(half_bits), out=out)
+    np.bitwise_or(out, right, out=out)
+    return out
+
+
+def _walk_array(x: np.ndarray, max_index: int, half_bits: int, keys: tuple[tuple[int, int], ...]) -> np.ndarray:
+    """Cycle walking: encrypts ``x`` and re-encrypts only the lanes still above ``max_index``."""
+    out = _encrypt_array(x, half_bits, keys)
+    limit = np.uint64(max_index)
+    lanes = np.flatnonzero(out > limit)
+    while lanes.size:
+        walked = _encrypt_array(out[lanes], half_bits, keys)
+        out[lanes] = walked
+        lanes = lanes[walked > limit]
+    return out
+
+
+@functools.lru_cache(maxsize=_TABLE_CACHE_SIZE)
+def _permutation_table(max_index: int, seed: int, rounds: int) -> np.ndarray:
+    """Whole permutation of ``[0, max_index]`` for a small domain (read-only int64 array).
+
+    Encrypts the full block once, then resolves every cycle walk by pointer jumping:
+    ``jump[x]`` is the first in-range value among the next ``2**i`` encryptions of ``x``
+    (or the ``2**i``-th one), so each pass doubles the reach instead of stepping once.
+    """
+    bits = _block_bits(max_index)
+    half_bits = bits // 2
+    jump = _encrypt_array(np.arange(1 << bits, dtype=np.uint64), half_bits, _round_keys(seed, rounds, half_bits))
+    jump = jump.astype(np.int64)
+    while True:
+        pending = jump > max_index
+        if not pending[: max_index + 1].any():
+            break
+        jump = np.where(pending, jump[jump], jump)
+    table = jump[: max_index + 1].copy()
+    table.flags.writeable = False
+    return table
+
+
+def _check_rounds(rounds: int) -> None:
+    if rounds % 2 or not 4 <= rounds <= 1024:
+        raise ValueError(f"rounds must be an even integer between 4 and 1024, got {rounds}.")
+
+
+def _check_max_index(max_index: int, limit: int) -> None:
+    if not 0 <= max_index < limit:
+        raise ValueError(f"max_index must be in [0, {limit - 1}], got {max_index}.")
+
+
+def index_shuffle(index: int, max_index: int, seed: int, rounds: int = 4) -> int:
+    """Image of ``index`` under the ``seed``-keyed permutation of ``[0, max_index]``.
+
+    Bit-exact with Grain's ``index_shuffle`` wherever Grain's map is a bijection (see
+    ``_block_bits`` for the one family of domains where we differ). Small domains
+    (``max_index < 2**16``) are answered from a cached permutation table.
+
+    Args:
+      index: value to permute, in ``[0, max_index]``.
+      max_index: largest value of the domain, in ``[0, 2**64)``.
+      seed: key, in ``[0, 2**32)``.
+      rounds: Feistel rounds, even, in ``[4, 1024]``.
+
+    Raises:
+      TypeError: an argument is not an integer.
+      ValueError: ``rounds``, ``index``, ``max_index`` or ``seed`` out of range.
+    """
+    index = operator.index(index)
+    max_index = operator.index(max_index)
+    rounds = operator.index(rounds)
+    seed = validate_seed(seed, "index_shuffle")
+    _check_rounds(rounds)
+    _check_max_index(max_index, _INDEX_LIMIT)
+    if not 0 <= index <= max_index:
+        raise ValueError(f"index must be in [0, max_index] = [0, {max_index}], got {index}.")
+    if max_index < _TABLE_LIMIT:
+        return _permutation_table(max_index, seed, rounds).item(index) if max_index else 0
+    half_bits = _block_bits(max_index) // 2
+    keys = _round_keys(seed, rounds, half_bits)
+    index = _encrypt(index, half_bits, keys)
+    while index > max_index:
+        index = _encrypt(index, half_bits, keys)
+    return index
+
+
+def index_shuffle_array(indices: np.ndarray, max_index: int, seed: int, rounds: int = 4) -> np.ndarray:
+    """Vectorised :func:`index_shuffle`: same results, element by element.
+
+    Args:
+      indices: integer array (any shape) of values in ``[0, max_index]``.
+      max_index: largest value of the domain, in ``[0, 2**63)``.
+      seed: key, in ``[0, 2**32)``.
+      rounds: Feistel rounds, even, in ``[4, 1024]``.
+
+    Returns:
+      int64 array with the shape of ``indices``.
+
+    Raises:
+      TypeError: ``indices`` is not an integer array, or a scalar argument is not an integer.
+      ValueError: an argument is out of range (the first offending index is named).
+    """
+    values = np.asarray(indices)
+    max_index = operator.index(max_index)
+    rounds = operator.index(rounds)
+    seed = validate_seed(seed, "index_shuffle_array")
+    _check_rounds(rounds)
+    _check_max_index(max_index, 2**63)
+    if values.dtype.kind not in "iu":
+        raise TypeError(f"indices must be an integer array, got dtype {values.dtype}.")
+    if values.size:
+        outside = (values < 0) | (values > max_index)
+        if outside.any():
+            position = int(np.flatnonzero(outside.ravel())[0])
+            raise ValueError(
+                f"index must be in [0, max_index] = [0, {max_index}], got {values.ravel()[position]} "
+                f"at position {position}."
+            )
+    if max_index < _TABLE_LIMIT:
+        if not max_index:
+            return np.zeros(values.shape, dtype=np.int64)
+        return _permutation_table(max_index, seed, rounds)[values]
+    half_bits = _block_bits(max_index) // 2
+    keys = _round_keys(seed, rounds, half_bits)
+    flat = values.astype(np.uint64).ravel()
+    return _walk_array(flat, max_index, half_bits, keys).astype(np.int64).reshape(values.shape)
+
+
+# --------------------------------------------------------------------------------------
+# Per-index Philox generators (spec 1.1.6, 7.11).
+# --------------------------------------------------------------------------------------
+
+# NumPy's C ``philox_state`` on 64-bit platforms: ``uint64 *ctr; uint64 *key; int
+# buffer_pos; uint64 buffer[4]; int has_uint32; uint32 uinteger``. Writing it directly is
+# ~4x cheaper than the ``bit_generator.state`` setter (which also needs the key read back
+# first), and the reset runs once per element. The layout is private to NumPy, so it is
+# probed once against the public setter; if it ever differs we use the setter.
+_COUNTER = struct.Struct("=4Q")
+_TAIL_OFFSET = 16
+_TAIL = struct.pack("=iI4QiI", 4, 0, 0, 0, 0, 0, 0, 0)  # buffer_pos=4, buffer=0, flags=0
+
+
+def _raw_reset(bit_generator: Any, index: int, op_seed: int) -> None:
+    address = bit_generator.ctypes.state_address
+    ctypes.memmove(ctypes.c_uint64.from_address(address).value, _COUNTER.pack(0, 0, op_seed, index), _COUNTER.size)
+    ctypes.memmove(address + _TAIL_OFFSET, _TAIL, len(_TAIL))
+
+
+def _setter_reset(bit_generator: Any, index: int, op_seed: int) -> None:
+    state = bit_generator.state
+    state["state"]["counter"] = np.array([0, 0, op_seed, index], dtype=np.uint64)
+    state["buffer"] = np.zeros(4, dtype=np.uint64)
+    state.update(buffer_pos=4, has_uint32=0, uinteger=0)
+    bit_generator.state = state
+
+
+def _philox_layout_matches() -> bool:
+    """Whether NumPy's Philox state struct has the layout ``_raw_reset`` writes."""
+    if ctypes.sizeof(ctypes.c_void_p) != 8:
+        return False
+    probe = np.random.Philox(0)
+    state = probe.state
+    state["state"]["counter"] = np.array([11, 12, 13, 14], dtype=np.uint64)
+    state["buffer"] = np.array([21, 22, 23, 24], dtype=np.uint64)
+    state.update(buffer_pos=3, has_uint32=1, uinteger=31)
+    probe.state = state
+    address = probe.ctypes.state_address
+    if ctypes.string_at(address + _TAIL_OFFSET, len(_TAIL)) != struct.pack("=iI4QiI", 3, 0, 21, 22, 23, 24, 1, 31):
+        return False
+    counter_address = ctypes.c_uint64.from_address(address).value
+    if ctypes.string_at(counter_address, _COUNTER.size) != _COUNTER.pack(11, 12, 13, 14):
+        return False
+    _raw_reset(probe, 7, 5)
+    after = probe.state
+    return (
+        after["state"]["counter"].tolist() == [0, 0, 5, 7]
+        and after["buffer"].tolist() == [0, 0, 0, 0]
+        and (after["buffer_pos"], after["has_uint32"], after["uinteger"]) == (4, 0, 0)
+    )
+
+
+_reset_bit_generator = _raw_reset if _philox_layout_matches() else _setter_reset
+
+
+def reset_philox(rng: np.random.Generator, index: int, op_seed: int = 0) -> None:
+    """Resets a Philox-backed generator to counter ``[0, 0, op_seed, index]`` (spec 1.1.6).
+
+    The output buffer is zeroed, ``buffer_pos=4``, ``has_uint32=0``, ``uinteger=0``; the key
+    is kept. The next draw is then a pure function of (key, op_seed, index).
+
+    Args:
+      rng: generator whose bit generator is ``np.random.Philox``.
+      index: element index, in ``[0, 2**64)``.
+      op_seed: per-operation stream selector, in ``[0, 2**64)``.
+
+    Raises:
+      TypeError: ``rng`` is not Philox-backed.
+      ValueError: ``index`` or ``op_seed`` out of range.
+    """
+    bit_generator = rng.bit_generator
+    if type(bit_generator) is not np.random.Philox:
+        raise TypeError(f"reset_philox needs a Philox generator, got {type(bit_generator).__name__}.")
+    if not (0 <= index < _INDEX_LIMIT and 0 <= op_seed < _INDEX_LIMIT):
+        raise ValueError(f"index and op_seed must be in [0, 2**64), got index={index}, op_seed={op_seed}.")
+    _reset_bit_generator(bit_generator, index, op_seed)
+
+
+class RngPool:
+    """Thread-safe free list of ``Generator(Philox(seed))`` objects (spec 7.11).
+
+    Pickles as just the seed: unpickling yields a fresh, empty pool.
+    """
+
+    def __init__(self, seed: int) -> None:
+        """Args:
+          seed: non-negative integer Philox seed.
+
+        Raises:
+          TypeError: ``seed`` is not an integer.
+          ValueError: ``seed`` is negative.
+        """
+        if isinstance(seed, bool) or not isinstance(seed, int | np.integer):
+            raise TypeError(f"RngPool seed must be an integer, got {seed!r}.")
+        if seed < 0:
+            raise ValueError(f"RngPool seed must be non-negative, got {seed}.")
+        self._seed = int(seed)
+        self._free: list[np.random.Generator] = []
+        self._lock = threading.Lock()
+
+    @property
+    def seed(self) -> int:
+        return self._seed
+
+    def acquire_rng(self, index: int, *, op_seed: int = 0) -> np.random.Generator:
+        """Returns a generator reset to counter ``[0, 0, op_seed, index]``.
+
+        Raises:
+          ValueError: ``index`` or ``op_seed`` outside ``[0, 2**64)``.
+        """
+        with self._lock:
+            rng = self._free.pop() if self._free else None
+        if rng is None:
+            rng = np.random.Generator(np.random.Philox(self._seed))
+        try:
+            reset_philox(rng, index, op_seed)
+        except BaseException:
+            self.release_rng(rng)
+            raise
+        return rng
+
+    def release_rng(self, rng: np.random.Generator) -> None:
+        """Returns a generator obtained from :meth:`acquire_rng` to the pool."""
+        with self._lock:
+            self._free.append(rng)
+
+    def __reduce__(self) -> tuple[type[RngPool], tuple[int]]:
+        return (RngPool, (self._seed,))
+
+    def __repr__(self) -> str:
+        return f"RngPool(seed={self._seed})"
