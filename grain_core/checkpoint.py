@@ -1,0 +1,131 @@
+"""Saving and restoring iterator positions (``grain.checkpoint``).
+
+Each process writes ``process_{i}-of-{n}.json`` (``i, n`` from JAX when it is initialised,
+else ``0, 1``). Files are written atomically: temporary file, fsync, rename, fsync of the
+directory, so a crash during a save never leaves a truncated checkpoint.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+__all__ = ["CheckpointHandler", "process_file_name", "read_process_file", "write_process_file"]
+
+
+def _process_index_and_count() -> tuple[int, int]:
+    jax = sys.modules.get("jax")
+    if jax is None:
+        return 0, 1
+    return jax.process_index(), jax.process_count()
+
+
+def process_file_name() -> str:
+    """File name of this process's checkpoint, ``process_{i}-of-{n}.json``."""
+    i, n = _process_index_and_count()
+    return f"process_{i}-of-{n}.json"
+
+
+def atomic_write_text(path: Path, text: str) -> None:
+    """Writes ``text`` to ``path`` so that readers see the old file or the complete new one."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    dir_fd = os.open(path.parent, os.O_RDONLY)
+    try:
+        os.fsync(dir_fd)
+    finally:
+        os.close(dir_fd)
+
+
+def write_process_file(directory: Any, text: str) -> Path:
+    """Atomically writes this process's checkpoint file into ``directory``."""
+    path = Path(os.fspath(directory)) / process_file_name()
+    atomic_write_text(path, text)
+    return path
+
+
+def read_process_file(directory: Any) -> str:
+    """Reads this process's checkpoint file from ``directory``.
+
+    Raises:
+      ValueError: if the file does not exist.
+    """
+    path = Path(os.fspath(directory)) / process_file_name()
+    if not path.exists():
+        raise ValueError(
+            f"File {path} does not exist. The checkpoint was not written by this process "
+            "(check the directory and the JAX process count)."
+        )
+    return path.read_text(encoding="utf-8")
+
+
+class CheckpointHandler:
+    """Saves and restores a ``DatasetIterator`` (or ``DataLoaderIterator``) to a directory.
+
+    Compatible with Orbax's ``CheckpointHandler`` interface (``save``/``restore`` with ``item``
+    or ``args``).
+    """
+
+    def save(self, directory: Any, item: Any = None, args: Any = None) -> None:
+        item = item if item is not None else args.item
+        state = item.get_state()
+        text = state.decode() if isinstance(state, bytes) else json.dumps(state, indent=4)
+        write_process_file(directory, text)
+
+    def restore(self, directory: Any, item: Any = None, args: Any = None) -> Any:
+        """Restores ``item`` in place from ``directory`` and starts its prefetch.
+
+        Raises:
+          ValueError: if the file is missing, truncated or not JSON.
+        """
+        item = item if item is not None else args.item
+        text = read_process_file(directory)
+        try:
+            state = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise ValueError(
+                f"Checkpoint file {Path(os.fspath(directory)) / process_file_name()} is not "
+                f"valid JSON ({e}); it is truncated or corrupt. Restore an earlier checkpoint."
+            ) from e
+        if _takes_bytes(item):
+            item.set_state(text.encode())
+        else:
+            item.set_state(state)
+        item.start_prefetch()
+        return item
+
+    def structure(self) -> None:
+        return None
+
+    def metadata(self, directory: Any) -> None:
+        return None
+
+    def finalize(self, directory: Any) -> None:
+        return None
+
+    def close(self) -> None:
+        return None
+
+    @classmethod
+    def typestr(cls) -> str:
+        return f"{cls.__module__}.{cls.__qualname__}"
+
+
+def _takes_bytes(item: Any) -> bool:
+    from grain_core.dataset.base import DatasetIterator
+
+    return not isinstance(item, DatasetIterator)

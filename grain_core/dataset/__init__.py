@@ -1,0 +1,14 @@
+"""Dataset API: MapDataset, IterDataset, DatasetIterator and their transformation nodes."""
+
+from __future__ import annotations
+
+from grain_core.dataset.base import DatasetIterator, IterDataset, MapDataset
+from grain_core.dataset.options import DatasetOptions, ExecutionTrackingMode
+
+__all__ = [
+    "DatasetIterator",
+    "DatasetOptions",
+    "ExecutionTrackingMode",
+    "IterDataset",
+    "MapDataset",
+]

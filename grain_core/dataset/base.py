@@ -1,0 +1,553 @@
+"""The three core types: ``MapDataset``, ``IterDataset`` and ``DatasetIterator``.
+
+Every transformation is a node whose ``parents`` are its inputs. The base classes own the
+protocol (factories, chaining methods, seeds, state, closing); each node module implements only
+its own index arithmetic (``MapDataset``) or ``__next__``/state (``DatasetIterator``).
+
+Hot path: ``MapDataset._getitems(indices)`` reads a whole block of indices with one call per node,
+so a batch over a source is one call into the source. Nodes never add per-element bookkeeping.
+"""
+
+from __future__ import annotations
+
+import abc
+import asyncio
+import collections
+import functools
+import json
+import os
+import sys
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Generic, TypeVar, overload
+
+import numpy as np
+
+from grain_core import random as _random
+from grain_core.dataset.options import DatasetOptions
+
+if TYPE_CHECKING:
+    from grain_core import transforms
+    from grain_core.options import MultiprocessingOptions, ReadOptions
+
+__all__ = [
+    "DatasetIterator",
+    "IterDataset",
+    "IteratorContext",
+    "MapDataset",
+    "MultiprocessingContext",
+]
+
+T = TypeVar("T")
+S = TypeVar("S")
+
+#: Length of an infinite MapDataset (one epoch never ends).
+INFINITE = sys.maxsize
+
+
+def _parents_tuple(parents: Any) -> tuple[Any, ...]:
+    if isinstance(parents, (MapDataset, IterDataset)):
+        return (parents,)
+    return tuple(parents)
+
+
+class _Node:
+    """Shared DAG behaviour of MapDataset and IterDataset: parents and default seeds."""
+
+    _parents: tuple[Any, ...]
+    _seed_value: int | None = None
+
+    @property
+    def parents(self) -> tuple[Any, ...]:
+        return self._parents
+
+    @functools.cached_property
+    def _default_seed(self) -> int | None:
+        """Seed derived from the nearest ``.seed()`` calls upstream (spec 1.1.5, bit-exact)."""
+        found: list[tuple[int, int]] = []
+        queue: collections.deque[tuple[Any, int]] = collections.deque([(self, 0)])
+        while queue:
+            node, depth = queue.popleft()
+            seed = getattr(node, "_seed_value", None)
+            if seed is not None:
+                found.append((seed, depth))
+                continue
+            for parent in getattr(node, "_parents", ()):
+                queue.append((parent, depth + 1))
+        return _random.derive_seed(found)
+
+    def _resolve_seed(self, seed: int | None, op: str) -> int:
+        if seed is None:
+            seed = self._default_seed
+        if seed is None:
+            raise ValueError(
+                f"`{op}` requires a seed. Please provide it with `ds.seed(seed)` upstream or "
+                f"pass `seed=` to `{op}`."
+            )
+        return _random.validate_seed(seed, f"{op} seed")
+
+    def pipe(self, func: Callable[..., S], /, *args: Any, **kwargs: Any) -> S:
+        """Returns ``func(self, *args, **kwargs)`` to chain user-defined steps."""
+        return func(self, *args, **kwargs)
+
+
+def _transform_fn(transform: Any, method: str) -> Callable[..., Any]:
+    fn = getattr(transform, method, None)
+    if fn is not None and not isinstance(transform, type):
+        return fn
+    if callable(transform):
+        return transform
+    raise TypeError(f"Expected a callable or an object with `{method}`, got {transform!r}.")
+
+
+def transform_name(transform: Any) -> str:
+    """Display name of a user transform: class name, custom str/repr, or function and place."""
+    if isinstance(transform, functools.partial):
+        return f"partial({transform_name(transform.func)})"
+    code = getattr(transform, "__code__", None)
+    if code is not None:
+        parts = code.co_filename.split(os.sep)[-3:]
+        return f"{getattr(transform, '__name__', 'fn')} @ .../{'/'.join(parts)}:{code.co_firstlineno}"
+    cls = type(transform)
+    if cls.__str__ is not object.__str__ or cls.__repr__ is not object.__repr__:
+        return str(transform)
+    return cls.__name__
+
+
+class MapDataset(_Node, Generic[T], abc.ABC):
+    """A lazily computed, random-access dataset (an infinite ``Sequence``).
+
+    ``len(ds)`` is one epoch; ``ds[i]`` with ``i >= len(ds)`` reads epoch ``i // len(ds)``.
+    ``None`` at an index means "no element here" (a hole made by ``filter``).
+    """
+
+    def __init__(self, parents: MapDataset[Any] | Sequence[MapDataset[Any]] = ()) -> None:
+        self._parents = _parents_tuple(parents)
+
+    @abc.abstractmethod
+    def __len__(self) -> int: ...
+
+    @overload
+    def __getitem__(self, index: slice) -> MapDataset[T]: ...
+
+    @overload
+    def __getitem__(self, index: int) -> T | None: ...
+
+    @abc.abstractmethod
+    def __getitem__(self, index: Any) -> Any: ...
+
+    def _getitems(self, indices: Sequence[int]) -> list[T | None]:
+        """Reads many indices at once. Nodes override this to pass the block down in one call."""
+        return [self[int(i)] for i in indices]
+
+    def __iter__(self) -> Iterator[T]:
+        return iter(self.to_iter_dataset())
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(len={len(self)})"
+
+    # ----------------------------------------------------------------- factories
+    @staticmethod
+    def source(source: Any) -> MapDataset[Any]:
+        """Wraps anything with ``__len__`` and ``__getitem__`` (a data source, list, array...)."""
+        from grain_core.dataset.source import SourceMapDataset
+
+        return SourceMapDataset(source)
+
+    @staticmethod
+    def range(start: int, stop: int | None = None, step: int = 1) -> MapDataset[int]:
+        """Integers with Python ``range`` argument rules."""
+        from grain_core.dataset.source import RangeMapDataset
+
+        return RangeMapDataset(start, stop, step)
+
+    @staticmethod
+    def mix(
+        datasets: Sequence[MapDataset[Any]], weights: Sequence[float] | None = None
+    ) -> MapDataset[Any]:
+        """Deterministic proportional interleave of ``datasets`` (exact at every prefix)."""
+        from grain_core.dataset.mix import MixedMapDataset
+
+        return MixedMapDataset(datasets, proportions=weights)
+
+    @staticmethod
+    def select_from_datasets(
+        datasets: Sequence[MapDataset[Any]], selection_map: transforms.DatasetSelectionMap
+    ) -> MapDataset[Any]:
+        """Element ``i`` is ``datasets[d][j]`` where ``(d, j) = selection_map[i]``."""
+        from grain_core.dataset.mix import MixedMapDataset
+
+        return MixedMapDataset(datasets, selection_map=selection_map)
+
+    @staticmethod
+    def concatenate(datasets: Sequence[MapDataset[Any]]) -> MapDataset[Any]:
+        """Epoch ``e`` of the result is epoch ``e`` of every component, in order."""
+        from grain_core.dataset.mix import ConcatenateMapDataset
+
+        return ConcatenateMapDataset(datasets)
+
+    # --------------------------------------------------------------- transforms
+    def batch(
+        self,
+        batch_size: int,
+        *,
+        drop_remainder: bool = False,
+        batch_fn: Callable[[Sequence[T]], S] | None = None,
+    ) -> MapDataset[S]:
+        """Groups consecutive elements; leaves are stacked into NumPy arrays."""
+        from grain_core.dataset.batch import BatchMapDataset
+
+        return BatchMapDataset(self, batch_size, drop_remainder=drop_remainder, batch_fn=batch_fn)
+
+    def filter(self, transform: Any) -> MapDataset[T]:
+        """Keeps elements for which the predicate is true; others become holes (``None``)."""
+        from grain_core.dataset.map import FilterMapDataset
+
+        return FilterMapDataset(self, transform)
+
+    def map(self, transform: Any) -> MapDataset[Any]:
+        """Applies ``transform`` (a callable or ``transforms.Map``) to every element."""
+        from grain_core.dataset.map import MapMapDataset
+
+        return MapMapDataset(self, transform)
+
+    def map_with_index(self, transform: Any) -> MapDataset[Any]:
+        """Applies ``transform(index, element)`` with the raw index (may exceed ``len``)."""
+        from grain_core.dataset.map import MapWithIndexMapDataset
+
+        return MapWithIndexMapDataset(self, transform)
+
+    def random_map(self, transform: Any, *, seed: int | None = None) -> MapDataset[Any]:
+        """Applies ``transform(element, rng)`` with a per-index Philox generator."""
+        from grain_core.dataset.map import RandomMapMapDataset
+
+        return RandomMapMapDataset(self, transform, seed=seed)
+
+    def seed(self, seed: int) -> MapDataset[T]:
+        """Sets the root seed from which downstream random transforms derive theirs."""
+        return _WithSeedMapDataset(self, seed)
+
+    def shuffle(self, seed: int | None = None) -> MapDataset[T]:
+        """Global per-epoch permutation with O(1) memory and random access."""
+        from grain_core.dataset.shuffle import ShuffleMapDataset
+
+        return ShuffleMapDataset(self, seed=seed)
+
+    def slice(self, sl: slice | Sequence[int] | MapDataset[int]) -> MapDataset[T]:
+        """Selects ``ds[sl]`` for a slice, or re-indexes by a sequence of indices."""
+        from grain_core.dataset.slice import ReindexMapDataset, SliceMapDataset
+
+        if isinstance(sl, slice):
+            return SliceMapDataset(self, sl)
+        if isinstance(sl, (MapDataset, Sequence, np.ndarray)) and not isinstance(sl, (str, bytes)):
+            return ReindexMapDataset(self, sl)
+        raise ValueError(f"`slice` takes a slice or a sequence of indices, got {sl!r}.")
+
+    def repeat(
+        self, num_epochs: int | None = None, *, reseed_each_epoch: bool = True
+    ) -> MapDataset[T]:
+        """Repeats ``num_epochs`` times (``None``: forever); random nodes vary per epoch."""
+        from grain_core.dataset.repeat import RepeatMapDataset
+
+        return RepeatMapDataset(self, num_epochs, reseed_each_epoch=reseed_each_epoch)
+
+    def to_iter_dataset(
+        self, read_options: ReadOptions | None = None, *, allow_nones: bool = False
+    ) -> IterDataset[T]:
+        """Iterates one epoch in index order, reading ahead on a thread pool."""
+        from grain_core.dataset.prefetch import PrefetchIterDataset
+
+        return PrefetchIterDataset(self, read_options=read_options, allow_nones=allow_nones)
+
+    def apply(self, transformations: Any) -> MapDataset[Any]:
+        """Applies one transformation object or a sequence of them, in order."""
+        from grain_core.dataset.apply import apply_transformations
+
+        return apply_transformations(self, transformations)
+
+
+class _WithSeedMapDataset(MapDataset[T]):
+    """Pass-through node carrying the seed set by ``.seed()``."""
+
+    def __init__(self, parent: MapDataset[T], seed: int) -> None:
+        super().__init__(parent)
+        self._seed_value = _random.validate_seed(seed, "`seed`")
+        self._parent = parent
+
+    def __len__(self) -> int:
+        return len(self._parent)
+
+    def __getitem__(self, index: Any) -> Any:
+        if isinstance(index, slice):
+            return self.slice(index)
+        return self._parent[index]
+
+    def _getitems(self, indices: Sequence[int]) -> list[T | None]:
+        return self._parent._getitems(indices)
+
+    def __repr__(self) -> str:
+        return f"SeedMapDataset(seed={self._seed_value})"
+
+
+# ------------------------------------------------------------------------- iterators
+class MultiprocessingContext:
+    """Which worker of how many this iterator runs in (``(0, 1)`` outside workers)."""
+
+    __slots__ = ("process_index", "process_count")
+
+    def __init__(self, process_index: int = 0, process_count: int = 1) -> None:
+        self.process_index = process_index
+        self.process_count = process_count
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, MultiprocessingContext) and (
+            self.process_index,
+            self.process_count,
+        ) == (other.process_index, other.process_count)
+
+    def __repr__(self) -> str:
+        return f"MultiprocessingContext({self.process_index}, {self.process_count})"
+
+
+class IteratorContext:
+    """Mutable context shared by all iterators of one pipeline (options and worker identity)."""
+
+    __slots__ = ("dataset_options", "mp_context", "is_dataloader_pipeline")
+
+    def __init__(
+        self,
+        dataset_options: DatasetOptions | None = None,
+        mp_context: MultiprocessingContext | None = None,
+    ) -> None:
+        self.dataset_options = dataset_options or DatasetOptions()
+        self.mp_context = mp_context or MultiprocessingContext()
+        self.is_dataloader_pipeline = False
+
+    def merge(self, other: IteratorContext) -> None:
+        """Merges ``other`` into this context.
+
+        Raises:
+          ValueError: if the two contexts belong to different worker processes.
+        """
+        if self.mp_context != other.mp_context:
+            raise ValueError(
+                f"Cannot merge iterator contexts from different worker processes: "
+                f"{self.mp_context} vs {other.mp_context}."
+            )
+        self.dataset_options = self.dataset_options.merge(other.dataset_options)
+        self.is_dataloader_pipeline = self.is_dataloader_pipeline or other.is_dataloader_pipeline
+
+
+class DatasetIterator(Iterator[T], abc.ABC):
+    """A stateful iterator whose position can be saved (``get_state``) and restored.
+
+    ``get_state()`` returns a new JSON-serialisable dict that the caller may keep. Iterators are
+    context managers: leaving the ``with`` block closes them and every parent, releasing threads,
+    processes and shared memory deterministically.
+    """
+
+    _closed: bool = False
+
+    def __init__(self, parents: DatasetIterator[Any] | Sequence[Any] = ()) -> None:
+        if isinstance(parents, DatasetIterator):
+            parents = (parents,)
+        self._parents = tuple(parents)
+        ctx = IteratorContext()
+        for p in self._parents:
+            parent_ctx = getattr(p, "_ctx", None)
+            if parent_ctx is not None:
+                ctx.merge(parent_ctx)
+        self._ctx = ctx
+        for p in self._parents:
+            if isinstance(p, DatasetIterator):
+                p._share_ctx(ctx)
+
+    def _share_ctx(self, ctx: IteratorContext) -> None:
+        if self._ctx is ctx:
+            return
+        self._ctx = ctx
+        for p in self._parents:
+            if isinstance(p, DatasetIterator):
+                p._share_ctx(ctx)
+
+    @property
+    def _parent(self) -> Any:
+        return self._parents[0]
+
+    def __iter__(self) -> DatasetIterator[T]:
+        return self
+
+    @abc.abstractmethod
+    def __next__(self) -> T: ...
+
+    @abc.abstractmethod
+    def get_state(self) -> dict[str, Any]:
+        """Returns a new JSON-serialisable dict describing the position of this iterator."""
+
+    @abc.abstractmethod
+    def set_state(self, state: dict[str, Any]) -> None:
+        """Restores a position returned by ``get_state`` (of an equally defined pipeline)."""
+
+    def start_prefetch(self) -> None:
+        """Starts background work (threads, processes) without consuming elements."""
+        for p in self._parents:
+            start = getattr(p, "start_prefetch", None)
+            if start is not None:
+                start()
+
+    def close(self) -> None:
+        """Releases resources of this iterator and its parents. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        for p in self._parents:
+            close = getattr(p, "close", None)
+            if close is not None:
+                close()
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise ValueError(
+                f"Trying to advance a closed iterator ({type(self).__name__}). Create a new "
+                "iterator with iter(dataset)."
+            )
+
+    def __enter__(self) -> DatasetIterator[T]:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __del__(self) -> None:
+        try:
+            self.close()
+        except Exception:  # noqa: BLE001 - never raise from a finaliser
+            pass
+
+    def _get_next_index(self) -> int:
+        raise NotImplementedError(
+            f"{type(self).__name__} cannot report how many elements it has produced."
+        )
+
+    def _set_next_index(self, index: int) -> None:
+        raise NotImplementedError(
+            f"{type(self).__name__} cannot jump to an element index without processing data."
+        )
+
+    # Orbax v1 "stateful checkpointable" protocol.
+    async def save(self, directory: Any) -> Any:
+        state_text = json.dumps(self.get_state(), indent=4)
+
+        async def _write() -> None:
+            await_creation = getattr(directory, "await_creation", None)
+            if await_creation is not None:
+                await await_creation()
+            from grain_core.checkpoint import write_process_file
+
+            await asyncio.to_thread(write_process_file, directory, state_text)
+
+        return _write()
+
+    async def load(self, directory: Any) -> Any:
+        async def _read() -> None:
+            from grain_core.checkpoint import read_process_file
+
+            text = await asyncio.to_thread(read_process_file, directory)
+            self.set_state(json.loads(text))
+
+        return _read()
+
+
+class IterDataset(_Node, Iterable[T], Generic[T], abc.ABC):
+    """A dataset that can only be iterated; ``iter()`` builds a fresh ``DatasetIterator``."""
+
+    def __init__(self, parents: Any = ()) -> None:
+        self._parents = _parents_tuple(parents)
+
+    @abc.abstractmethod
+    def __iter__(self) -> DatasetIterator[T]: ...
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}()"
+
+    @staticmethod
+    def mix(
+        datasets: Sequence[IterDataset[Any]] | Mapping[str, IterDataset[Any]],
+        weights: Sequence[float] | Mapping[str, float] | None = None,
+    ) -> IterDataset[Any]:
+        """Proportional interleave; stops when a draw hits an exhausted component."""
+        from grain_core.dataset.mix import MixedIterDataset
+
+        return MixedIterDataset(datasets, weights)
+
+    def batch(
+        self,
+        batch_size: int,
+        *,
+        drop_remainder: bool = False,
+        batch_fn: Callable[[Sequence[T]], S] | None = None,
+    ) -> IterDataset[S]:
+        from grain_core.dataset.batch import BatchIterDataset
+
+        return BatchIterDataset(self, batch_size, drop_remainder=drop_remainder, batch_fn=batch_fn)
+
+    def filter(self, transform: Any) -> IterDataset[T]:
+        from grain_core.dataset.map import FilterIterDataset
+
+        return FilterIterDataset(self, transform)
+
+    def map(self, transform: Any) -> IterDataset[Any]:
+        from grain_core.dataset.map import MapIterDataset
+
+        return MapIterDataset(self, transform)
+
+    def map_with_index(self, transform: Any) -> IterDataset[Any]:
+        from grain_core.dataset.map import MapWithIndexIterDataset
+
+        return MapWithIndexIterDataset(self, transform)
+
+    def random_map(self, transform: Any, *, seed: int | None = None) -> IterDataset[Any]:
+        from grain_core.dataset.map import RandomMapIterDataset
+
+        return RandomMapIterDataset(self, transform, seed=seed)
+
+    def seed(self, seed: int) -> IterDataset[T]:
+        return _WithSeedIterDataset(self, seed)
+
+    def prefetch(self, multiprocessing_options: MultiprocessingOptions) -> IterDataset[T]:
+        """Deprecated alias of :meth:`mp_prefetch`."""
+        import warnings
+
+        warnings.warn(
+            "IterDataset.prefetch is deprecated; use mp_prefetch.", DeprecationWarning, stacklevel=2
+        )
+        return self.mp_prefetch(multiprocessing_options)
+
+    def mp_prefetch(
+        self,
+        options: MultiprocessingOptions | None = None,
+        worker_init_fn: Callable[[int, int], None] | None = None,
+        sequential_slice: bool = False,
+    ) -> IterDataset[T]:
+        """Runs the pipeline in worker processes, merged in strict round-robin order."""
+        from grain_core.dataset.mp_prefetch import mp_prefetch
+
+        return mp_prefetch(self, options, worker_init_fn, sequential_slice=sequential_slice)
+
+    def apply(self, transformations: Any) -> IterDataset[Any]:
+        from grain_core.dataset.apply import apply_transformations
+
+        return apply_transformations(self, transformations)
+
+
+class _WithSeedIterDataset(IterDataset[T]):
+    """Pass-through node carrying the seed set by ``.seed()``."""
+
+    def __init__(self, parent: IterDataset[T], seed: int) -> None:
+        super().__init__(parent)
+        self._seed_value = _random.validate_seed(seed, "`seed`")
+
+    def __iter__(self) -> DatasetIterator[T]:
+        return iter(self._parents[0])
+
+    def __repr__(self) -> str:
+        return f"SeedIterDataset(seed={self._seed_value})"

@@ -1,0 +1,234 @@
+"""Batching: ``make_batch`` and the Map/Iter ``batch`` nodes."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+
+from grain_core import _tree
+from grain_core.dataset.base import INFINITE, DatasetIterator, IterDataset, MapDataset
+
+__all__ = ["BatchIterDataset", "BatchMapDataset", "make_batch"]
+
+
+def _stack_leaves(*leaves: Any) -> np.ndarray:
+    first = leaves[0]
+    if isinstance(first, np.ndarray):
+        return np.stack(leaves)
+    _check_same_type(leaves)
+    # Python and NumPy scalars (and bytes/str) become a 1-D array in one call.
+    return np.asarray(leaves)
+
+
+def _check_same_type(leaves: Sequence[Any]) -> None:
+    kind = type(leaves[0])
+    for i, x in enumerate(leaves):
+        if type(x) is not kind:
+            raise ValueError(
+                f"Cannot batch leaves of different types: element 0 has {kind.__name__} and "
+                f"element {i} has {type(x).__name__}."
+            )
+
+
+def make_batch(values: Sequence[Any]) -> Any:
+    """Stacks a sequence of equally structured elements leaf-wise into NumPy arrays.
+
+    Raises:
+      ValueError: for no values, differing structures (naming the first element that differs),
+        or leaves that cannot be stacked (naming the leaf's shapes).
+    """
+    if len(values) == 0:
+        raise ValueError("Cannot batch 0 values: make_batch needs at least one element.")
+    first = values[0]
+    if isinstance(first, (int, float, np.generic)):
+        _check_same_type(values)
+        return np.asarray(values)
+    if len(values) == 1:
+        return _tree.map_structure(lambda x: np.expand_dims(x, 0), first)
+    try:
+        return _tree.map_structure(_stack_leaves, *values)
+    except ValueError as e:
+        raise ValueError(_describe_batch_error(values, e)) from e
+
+
+def _describe_batch_error(values: Sequence[Any], error: ValueError) -> str:
+    first_spec = _tree.spec_str(values[0])
+    for i, v in enumerate(values[1:], start=1):
+        spec = _tree.spec_str(v)
+        if spec != first_spec:
+            return (
+                "Expected all input elements to have the same structure and leaf shapes to "
+                f"batch them, but element 0 is {first_spec} and element {i} is {spec}. Pad or "
+                "resize elements first, or pass a custom `batch_fn`."
+            )
+    return f"Could not batch elements of structure {first_spec}: {error}"
+
+
+def _resolve_batch_fn(batch_fn: Callable[[Sequence[Any]], Any] | None) -> Callable[..., Any]:
+    return make_batch if batch_fn is None else batch_fn
+
+
+def _check_batch_size(batch_size: int) -> None:
+    if not isinstance(batch_size, (int, np.integer)) or batch_size <= 0:
+        raise ValueError(f"batch_size must be a positive integer, got {batch_size!r}.")
+
+
+def _has_holes_upstream(ds: MapDataset[Any]) -> str | None:
+    stack: list[Any] = [ds]
+    while stack:
+        node = stack.pop()
+        if getattr(node, "creates_holes", False):
+            return type(node).__name__
+        stack.extend(p for p in node.parents if isinstance(p, MapDataset))
+    return None
+
+
+class BatchMapDataset(MapDataset[Any]):
+    """``ds[i]`` batches parent elements ``[e*n + j*b, e*n + min(n, (j+1)*b))``."""
+
+    def __init__(
+        self,
+        parent: MapDataset[Any],
+        batch_size: int,
+        *,
+        drop_remainder: bool = False,
+        batch_fn: Callable[[Sequence[Any]], Any] | None = None,
+    ) -> None:
+        super().__init__(parent)
+        _check_batch_size(batch_size)
+        holes = _has_holes_upstream(parent)
+        if holes is not None:
+            raise ValueError(
+                f"`MapDataset.batch` cannot follow `{holes}`, which leaves holes in the index "
+                "space. Convert to an IterDataset with `to_iter_dataset()` first and batch "
+                "there."
+            )
+        self._parent = parent
+        self._batch_size = int(batch_size)
+        self._drop_remainder = drop_remainder
+        self._batch_fn = _resolve_batch_fn(batch_fn)
+        n = len(parent)
+        self._parent_len = n
+        if n >= INFINITE:
+            self._len = INFINITE // self._batch_size
+        elif drop_remainder:
+            self._len = n // self._batch_size
+        else:
+            self._len = -(-n // self._batch_size)
+
+    def __len__(self) -> int:
+        return self._len
+
+    def _parent_range(self, index: int) -> range:
+        if self._len == 0:
+            raise IndexError("Cannot read from an empty batched dataset.")
+        epoch, j = divmod(index, self._len)
+        base = epoch * self._parent_len
+        start = j * self._batch_size
+        stop = min(self._parent_len, start + self._batch_size)
+        return range(base + start, base + stop)
+
+    def _make(self, values: list[Any]) -> Any:
+        try:
+            return self._batch_fn(values)
+        except Exception as e:
+            e.add_note(
+                "If elements have holes or varying shapes, batch after `to_iter_dataset()` or "
+                "pass a custom `batch_fn`."
+            )
+            raise
+
+    def __getitem__(self, index: Any) -> Any:
+        if isinstance(index, slice):
+            return self.slice(index)
+        return self._make(self._parent._getitems(self._parent_range(index)))
+
+    def _getitems(self, indices: Sequence[int]) -> list[Any]:
+        ranges = [self._parent_range(int(i)) for i in indices]
+        flat = np.concatenate([np.arange(r.start, r.stop, dtype=np.int64) for r in ranges])
+        values = self._parent._getitems(flat)
+        out = []
+        pos = 0
+        for r in ranges:
+            out.append(self._make(values[pos : pos + len(r)]))
+            pos += len(r)
+        return out
+
+    def __repr__(self) -> str:
+        return (
+            f"BatchMapDataset(batch_size={self._batch_size}, "
+            f"drop_remainder={self._drop_remainder})"
+        )
+
+
+class _BatchIterator(DatasetIterator[Any]):
+    def __init__(self, parent: DatasetIterator[Any], ds: BatchIterDataset) -> None:
+        super().__init__(parent)
+        self._batch_size = ds._batch_size
+        self._drop_remainder = ds._drop_remainder
+        self._batch_fn = ds._batch_fn
+
+    def __next__(self) -> Any:
+        parent = self._parents[0]
+        values = []
+        for _ in range(self._batch_size):
+            try:
+                values.append(next(parent))
+            except StopIteration:
+                break
+        if not values or (self._drop_remainder and len(values) < self._batch_size):
+            raise StopIteration
+        return self._batch_fn(values)
+
+    def get_state(self) -> dict[str, Any]:
+        return self._parents[0].get_state()
+
+    def set_state(self, state: dict[str, Any]) -> None:
+        self._parents[0].set_state(state)
+
+    def _get_next_index(self) -> int:
+        return -(-self._parents[0]._get_next_index() // self._batch_size)
+
+    def _set_next_index(self, index: int) -> None:
+        self._parents[0]._set_next_index(index * self._batch_size)
+
+
+class BatchIterDataset(IterDataset[Any]):
+    """Pulls up to ``batch_size`` elements per batch; state is the parent's."""
+
+    def __init__(
+        self,
+        parent: IterDataset[Any],
+        batch_size: int,
+        *,
+        drop_remainder: bool = False,
+        batch_fn: Callable[[Sequence[Any]], Any] | None = None,
+    ) -> None:
+        super().__init__(parent)
+        _check_batch_size(batch_size)
+        self._batch_size = int(batch_size)
+        self._drop_remainder = drop_remainder
+        self._batch_fn = _resolve_batch_fn(batch_fn)
+
+    @property
+    def batch_size(self) -> int:
+        return self._batch_size
+
+    @property
+    def drop_remainder(self) -> bool:
+        return self._drop_remainder
+
+    @property
+    def batch_fn(self) -> Callable[..., Any]:
+        return self._batch_fn
+
+    def __iter__(self) -> DatasetIterator[Any]:
+        return _BatchIterator(iter(self._parents[0]), self)
+
+    def __repr__(self) -> str:
+        return (
+            f"BatchIterDataset(batch_size={self._batch_size}, "
+            f"drop_remainder={self._drop_remainder})"
+        )

@@ -1,0 +1,352 @@
+"""From MapDataset to IterDataset (``to_iter_dataset``) and background-thread prefetching."""
+
+from __future__ import annotations
+
+import collections
+import concurrent.futures
+import copy
+import queue
+import threading
+
+from typing import Any
+
+from grain_core.dataset.base import DatasetIterator, IterDataset, MapDataset
+from grain_core.dataset.options import FilterRatioChecker
+from grain_core.options import ReadOptions
+
+__all__ = [
+    "PrefetchDatasetIterator",
+    "PrefetchIterDataset",
+    "ThreadPrefetchDatasetIterator",
+    "ThreadPrefetchIterDataset",
+]
+
+# Largest block of indices read with one ``_getitems`` call. Blocks start at one element and
+# double, so the first element arrives quickly and steady state amortises per-call overhead.
+_MAX_CHUNK = 64
+
+
+class PrefetchIterDataset(IterDataset[Any]):
+    """Iterates one epoch of a MapDataset in index order (``MapDataset.to_iter_dataset``)."""
+
+    def __init__(
+        self,
+        parent: MapDataset[Any],
+        *,
+        read_options: ReadOptions | None = None,
+        allow_nones: bool = False,
+    ) -> None:
+        super().__init__(parent)
+        self.read_options = read_options or ReadOptions()
+        self.allow_nones = allow_nones
+
+    @property
+    def map_parent(self) -> MapDataset[Any]:
+        return self._parents[0]
+
+    def with_parent(self, parent: MapDataset[Any]) -> PrefetchIterDataset:
+        """Returns the same reader over another MapDataset (used to slice for workers)."""
+        return PrefetchIterDataset(
+            parent, read_options=self.read_options, allow_nones=self.allow_nones
+        )
+
+    def __iter__(self) -> PrefetchDatasetIterator:
+        return PrefetchDatasetIterator(self)
+
+    def __repr__(self) -> str:
+        return f"PrefetchIterDataset(read_options={self.read_options}, allow_nones={self.allow_nones})"
+
+
+class PrefetchDatasetIterator(DatasetIterator[Any]):
+    """Reads blocks of indices (on a thread pool when configured); state ``{"next_index"}``."""
+
+    def __init__(self, ds: PrefetchIterDataset) -> None:
+        super().__init__()
+        self._map_ds = ds.map_parent
+        self._len = len(self._map_ds)
+        self._allow_nones = ds.allow_nones
+        opts = ds.read_options
+        self._threaded = opts.num_threads > 0 and opts.prefetch_buffer_size > 0
+        self._num_threads = opts.num_threads
+        self._buffer_size = opts.prefetch_buffer_size
+        if self._threaded:
+            self._chunk_cap = max(1, min(_MAX_CHUNK, opts.prefetch_buffer_size // opts.num_threads))
+        else:
+            self._chunk_cap = max(1, min(_MAX_CHUNK, opts.prefetch_buffer_size))
+        self._executor: concurrent.futures.ThreadPoolExecutor | None = None
+        self._checker = FilterRatioChecker(f"to_iter_dataset over {self._map_ds!r}")
+        self._reset(0)
+
+    def _reset(self, next_index: int) -> None:
+        self._next_index = next_index  # parent indices consumed, holes included
+        self._chunk: list[Any] = []
+        self._chunk_pos = 0
+        self._read_index = next_index  # first index not yet requested
+        self._chunk_size = 1
+        self._pending: collections.deque[tuple[int, int, concurrent.futures.Future[Any]]] = (
+            collections.deque()
+        )
+        self._in_flight = 0
+
+    def _next_chunk_range(self) -> tuple[int, int]:
+        start = self._read_index
+        count = min(self._chunk_size, self._len - start)
+        self._chunk_size = min(self._chunk_size * 2, self._chunk_cap)
+        self._read_index += count
+        return start, count
+
+    def _read(self, start: int, count: int) -> list[Any]:
+        return self._map_ds._getitems(range(start, start + count))
+
+    def _fill(self) -> None:
+        if self._executor is None:
+            self._executor = concurrent.futures.ThreadPoolExecutor(
+                self._num_threads, thread_name_prefix="grain_core-read"
+            )
+        while self._read_index < self._len and self._in_flight < self._buffer_size:
+            start, count = self._next_chunk_range()
+            self._pending.append((start, count, self._executor.submit(self._read, start, count)))
+            self._in_flight += count
+
+    def _load_chunk(self) -> None:
+        if self._threaded:
+            self._fill()
+            start, count, future = self._pending.popleft()
+            self._in_flight -= count
+            try:
+                chunk = future.result()
+            except Exception:
+                chunk = self._read_one_by_one(start, count)
+            self._fill()
+        else:
+            start, count = self._next_chunk_range()
+            try:
+                chunk = self._read(start, count)
+            except Exception:
+                chunk = self._read_one_by_one(start, count)
+        if not self._allow_nones:
+            self._checker.record(
+                len(chunk), sum(x is None for x in chunk), self._ctx.dataset_options
+            )
+        self._chunk = chunk
+        self._chunk_pos = 0
+
+    def _read_one_by_one(self, start: int, count: int) -> list[Any]:
+        """Re-reads a failed block element by element so the good elements before the bad one
+        are delivered and the error surfaces at the index that caused it."""
+        out: list[Any] = []
+        for i in range(start, start + count):
+            try:
+                out.append(self._map_ds[i])
+            except Exception as e:
+                e.add_note(f"Raised while reading index {i} of {self._map_ds!r}.")
+                out.append(_Raise(e))
+                break
+        return out
+
+    def __next__(self) -> Any:
+        if self._closed:
+            self._check_open()
+        while True:
+            if self._chunk_pos < len(self._chunk):
+                x = self._chunk[self._chunk_pos]
+                self._chunk_pos += 1
+                if type(x) is _Raise:
+                    self._reset(self._next_index)
+                    raise x.error
+                self._next_index += 1
+                if x is None and not self._allow_nones:
+                    continue
+                return x
+            if self._next_index >= self._len:
+                raise StopIteration
+            self._load_chunk()
+
+    def get_state(self) -> dict[str, Any]:
+        return {"next_index": self._next_index}
+
+    def set_state(self, state: dict[str, Any]) -> None:
+        next_index = state["next_index"]
+        if not 0 <= next_index <= self._len:
+            raise IndexError(
+                f"Checkpoint `next_index` {next_index} is out of range [0, {self._len}] for "
+                f"{self._map_ds!r}: the checkpoint belongs to a different pipeline."
+            )
+        self._cancel_pending()
+        self._reset(int(next_index))
+
+    def _get_next_index(self) -> int:
+        return self._next_index
+
+    def _set_next_index(self, index: int) -> None:
+        self.set_state({"next_index": index})
+
+    def _cancel_pending(self) -> None:
+        for _, _, future in self._pending:
+            future.cancel()
+
+    def start_prefetch(self) -> None:
+        if self._threaded and not self._closed:
+            self._fill()
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        self._cancel_pending()
+        if self._executor is not None:
+            self._executor.shutdown(wait=False, cancel_futures=True)
+            self._executor = None
+
+
+class _Raise:
+    __slots__ = ("error",)
+
+    def __init__(self, error: Exception) -> None:
+        self.error = error
+
+
+# ------------------------------------------------------------------------ thread prefetch
+class ThreadPrefetchIterDataset(IterDataset[Any]):
+    """Runs the parent iterator on a background thread, ``prefetch_buffer_size`` ahead.
+
+    Raises:
+      ValueError: if ``prefetch_buffer_size`` is negative.
+    """
+
+    def __init__(self, parent: IterDataset[Any], *, prefetch_buffer_size: int) -> None:
+        super().__init__(parent)
+        if prefetch_buffer_size < 0:
+            raise ValueError(f"prefetch_buffer_size must be >= 0, got {prefetch_buffer_size}.")
+        self._buffer_size = prefetch_buffer_size
+
+    def __iter__(self) -> DatasetIterator[Any]:
+        parent = iter(self._parents[0])
+        if self._buffer_size == 0:
+            return parent
+        return ThreadPrefetchDatasetIterator(parent, self._buffer_size)
+
+    def __repr__(self) -> str:
+        return f"ThreadPrefetchIterDataset(prefetch_buffer_size={self._buffer_size})"
+
+
+_END = object()
+
+
+class ThreadPrefetchDatasetIterator(DatasetIterator[Any]):
+    """Prefetches ``(element, state)`` pairs from any iterator with get_state/set_state.
+
+    The state reported is the parent's state right after producing the last element handed out,
+    captured by the producer thread, so restoring it never skips or repeats an element.
+    """
+
+    def __init__(self, parent: Any, prefetch_buffer_size: int) -> None:
+        super().__init__([parent] if isinstance(parent, DatasetIterator) else [])
+        self._source = parent
+        self._owns_state_copies = not isinstance(parent, DatasetIterator)
+        self._buffer_size = prefetch_buffer_size
+        self._state = self._snapshot()
+        self._thread: threading.Thread | None = None
+        self._stop = threading.Event()
+        self._queue: queue.Queue[tuple[Any, Any, BaseException | None]] = queue.Queue(
+            maxsize=prefetch_buffer_size
+        )
+        self._exhausted = False
+
+    def _snapshot(self) -> Any:
+        state = self._source.get_state()
+        # grain_core iterators return fresh state dicts; foreign iterators may not.
+        return copy.deepcopy(state) if self._owns_state_copies else state
+
+    def _produce(self, stop: threading.Event, q: queue.Queue[Any]) -> None:
+        while not stop.is_set():
+            try:
+                item = (next(self._source), self._snapshot(), None)
+            except StopIteration:
+                item = (_END, None, None)
+            except BaseException as e:  # noqa: BLE001 - re-raised in the consumer
+                item = (_END, None, e)
+            while not stop.is_set():
+                try:
+                    q.put(item, timeout=0.1)
+                    break
+                except queue.Full:
+                    continue
+            if item[0] is _END:
+                return
+
+    def _start(self) -> None:
+        if self._thread is None and not self._exhausted:
+            self._stop = threading.Event()
+            self._queue = queue.Queue(maxsize=self._buffer_size)
+            self._thread = threading.Thread(
+                target=self._produce,
+                args=(self._stop, self._queue),
+                name="grain_core-thread-prefetch",
+                daemon=True,
+            )
+            self._thread.start()
+
+    def start_prefetch(self) -> None:
+        if not self._closed:
+            self._start()
+
+    def __next__(self) -> Any:
+        self._check_open()
+        if self._exhausted:
+            raise StopIteration
+        self._start()
+        element, state, error = self._queue.get()
+        if element is _END:
+            self._exhausted = True
+            self._thread = None
+            if error is not None:
+                raise error
+            raise StopIteration
+        self._state = state
+        return element
+
+    def _stop_thread(self) -> None:
+        if self._thread is not None:
+            self._stop.set()
+            while True:
+                try:
+                    self._queue.get_nowait()
+                except queue.Empty:
+                    break
+            self._thread.join(timeout=5)
+            self._thread = None
+
+    def get_state(self) -> dict[str, Any]:
+        return copy.deepcopy(self._state) if self._owns_state_copies else dict(self._state)
+
+    def set_state(self, state: dict[str, Any]) -> None:
+        self._stop_thread()
+        self._source.set_state(state)
+        self._state = self._snapshot()
+        self._exhausted = False
+
+    def _get_next_index(self) -> int:
+        # The producer may have run ahead: rewind the source to what was handed out.
+        self._stop_thread()
+        self._source.set_state(self._state)
+        self._exhausted = False
+        return self._source._get_next_index()
+
+    def _set_next_index(self, index: int) -> None:
+        self._stop_thread()
+        self._source._set_next_index(index)
+        self._state = self._snapshot()
+        self._exhausted = False
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._stop_thread()
+        super().close()
+        if self._owns_state_copies:
+            close = getattr(self._source, "close", None)
+            if close is not None:
+                close()
+
+

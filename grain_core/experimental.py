@@ -1,0 +1,38 @@
+"""Advanced datasets and helpers (``grain.experimental``).
+
+File-format datasets (``ParquetIterDataset``, ``TFRecordIterDataset``) come from format
+plugins and resolve lazily through the plugin registry.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from grain_core.dataset.apply import apply_transformations
+from grain_core.dataset.options import DatasetOptions, ExecutionTrackingMode
+from grain_core.dataset.prefetch import ThreadPrefetchDatasetIterator, ThreadPrefetchIterDataset
+from grain_core.dataset.zip import ZipMapDataset
+from grain_core.random import RngPool, index_shuffle
+from grain_core.testing import assert_equal_output_after_checkpoint
+from grain_core.transforms import FlatMap as FlatMapTransform
+from grain_core.transforms import MapWithIndex as MapWithIndexTransform
+
+__all__ = [
+    "DatasetOptions",
+    "ExecutionTrackingMode",
+    "FlatMapTransform",
+    "MapWithIndexTransform",
+    "RngPool",
+    "ThreadPrefetchDatasetIterator",
+    "ThreadPrefetchIterDataset",
+    "ZipMapDataset",
+    "apply_transformations",
+    "assert_equal_output_after_checkpoint",
+    "index_shuffle",
+]
+
+
+def __getattr__(name: str) -> Any:
+    from grain_core.plugins import resolve_public_name
+
+    return resolve_public_name(__name__, name)

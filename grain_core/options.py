@@ -1,0 +1,69 @@
+"""Per-process read and multiprocessing options (``grain.ReadOptions``, ``MultiprocessingOptions``)."""
+
+from __future__ import annotations
+
+import dataclasses
+import warnings
+
+__all__ = ["MultiprocessingOptions", "ReadOptions"]
+
+
+@dataclasses.dataclass(slots=True)
+class ReadOptions:
+    """How ``MapDataset.to_iter_dataset`` reads elements in one process.
+
+    Attributes:
+      num_threads: threads reading elements in parallel (0: read in the consumer thread). Order
+        never depends on this value.
+      prefetch_buffer_size: elements read ahead of the consumer (0: no read-ahead).
+
+    Raises:
+      ValueError: if either value is negative.
+    """
+
+    num_threads: int = 16
+    prefetch_buffer_size: int = 500
+
+    def __post_init__(self) -> None:
+        if self.num_threads < 0:
+            raise ValueError(f"ReadOptions.num_threads must be >= 0, got {self.num_threads}.")
+        if self.prefetch_buffer_size < 0:
+            raise ValueError(
+                f"ReadOptions.prefetch_buffer_size must be >= 0, got {self.prefetch_buffer_size}."
+            )
+        if 0 < self.prefetch_buffer_size < self.num_threads:
+            warnings.warn(
+                f"ReadOptions.prefetch_buffer_size={self.prefetch_buffer_size} is smaller than "
+                f"num_threads={self.num_threads}: at most prefetch_buffer_size reads run at once.",
+                stacklevel=3,
+            )
+
+
+@dataclasses.dataclass(slots=True)
+class MultiprocessingOptions:
+    """Worker processes for ``IterDataset.mp_prefetch`` and ``DataLoader``.
+
+    Attributes:
+      num_workers: worker processes (0: run in the calling process).
+      per_worker_buffer_size: final elements each worker may produce ahead of the consumer.
+      enable_profiling: accepted for API compatibility; use ``DatasetOptions`` execution
+        tracking for per-stage timing.
+
+    Raises:
+      ValueError: if a count is negative.
+    """
+
+    num_workers: int = 0
+    per_worker_buffer_size: int = 1
+    enable_profiling: bool = False
+
+    def __post_init__(self) -> None:
+        if self.num_workers < 0:
+            raise ValueError(
+                f"MultiprocessingOptions.num_workers must be >= 0, got {self.num_workers}."
+            )
+        if self.per_worker_buffer_size < 0:
+            raise ValueError(
+                "MultiprocessingOptions.per_worker_buffer_size must be >= 0, got "
+                f"{self.per_worker_buffer_size}."
+            )
