@@ -14,6 +14,7 @@ from grain_core import (
 )
 from grain_core.dataset.base import DatasetIterator, IterDataset, MapDataset
 from grain_core.options import MultiprocessingOptions, ReadOptions
+from grain_core.plugins import hookimpl
 
 __version__ = "0.1.0"
 __version_info__ = (0, 1, 0)
@@ -26,6 +27,7 @@ __all__ = [
     "ReadOptions",
     "checkpoint",
     "experimental",
+    "hookimpl",
     "sharding",
     "sources",
     "transforms",
