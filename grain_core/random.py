@@ -9,7 +9,7 @@ from __future__ import annotations
 import ctypes
 import functools
 import operator
-import struct
+import sys
 import threading
 from collections.abc import Sequence
 from typing import Any
@@ -33,6 +33,7 @@ _INDEX_LIMIT = 2**64
 _TABLE_LIMIT = 2**16
 _TABLE_CACHE_SIZE = 32
 _KEY_CACHE_SIZE = 4096
+_INTEGER_TYPES = (int, np.integer)
 
 
 def validate_seed(seed: Any, what: str) -> int:
@@ -46,7 +47,7 @@ def validate_seed(seed: Any, what: str) -> int:
       TypeError: ``seed`` is not an integer (bools are rejected too).
       ValueError: ``seed`` is outside ``[0, 2**32)``.
     """
-    if isinstance(seed, bool) or not isinstance(seed, int | np.integer):
+    if isinstance(seed, bool) or not isinstance(seed, _INTEGER_TYPES):
         raise TypeError(f"{what} seed must be an integer, got {seed!r} ({type(seed).__name__}).")
     value = int(seed)
     if not 0 <= value < _SEED_LIMIT:
@@ -112,7 +113,9 @@ def _seed_seq_generate(seed: int, count: int) -> list[int]:
         out[here] = r2
     for k in range(steps, steps + count):
         here, ahead, behind = k % count, (k + p) % count, (k - 1) % count
-        r3 = (1566083941 * tangle((out[here] + out[ahead] + out[behind]) & _UINT32_MASK)) & _UINT32_MASK
+        r3 = (
+            1566083941 * tangle((out[here] + out[ahead] + out[behind]) & _UINT32_MASK)
+        ) & _UINT32_MASK
         r4 = (r3 - here) & _UINT32_MASK
         out[ahead] ^= r3
         out[(k + q) % count] ^= r4
@@ -152,9 +155,15 @@ def _encrypt(x: int, half_bits: int, keys: tuple[tuple[int, int], ...]) -> int:
     right = x & mask
     for k1, k2 in keys:
         r = right
-        left ^= ((((r << 1) | (r >> (w - 1))) & ((r << 8) | (r >> (w - 8)))) ^ ((r << 2) | (r >> (w - 2)))) & mask ^ k1
+        left ^= (
+            (((r << 1) | (r >> (w - 1))) & ((r << 8) | (r >> (w - 8))))
+            ^ ((r << 2) | (r >> (w - 2)))
+        ) & mask ^ k1
         v = left
-        right ^= ((((v << 1) | (v >> (w - 1))) & ((v << 8) | (v >> (w - 8)))) ^ ((v << 2) | (v >> (w - 2)))) & mask ^ k2
+        right ^= (
+            (((v << 1) | (v >> (w - 1))) & ((v << 8) | (v >> (w - 8))))
+            ^ ((v << 2) | (v >> (w - 2)))
+        ) & mask ^ k2
     return (left << w) | right
 
 
@@ -199,7 +208,9 @@ def _encrypt_array(x: np.ndarray, half_bits: int, keys: tuple[tuple[int, int], .
     return out
 
 
-def _walk_array(x: np.ndarray, max_index: int, half_bits: int, keys: tuple[tuple[int, int], ...]) -> np.ndarray:
+def _walk_array(
+    x: np.ndarray, max_index: int, half_bits: int, keys: tuple[tuple[int, int], ...]
+) -> np.ndarray:
     """Cycle walking: encrypts ``x`` and re-encrypts only the lanes still above ``max_index``."""
     out = _encrypt_array(x, half_bits, keys)
     limit = np.uint64(max_index)
@@ -221,7 +232,9 @@ def _permutation_table(max_index: int, seed: int, rounds: int) -> np.ndarray:
     """
     bits = _block_bits(max_index)
     half_bits = bits // 2
-    jump = _encrypt_array(np.arange(1 << bits, dtype=np.uint64), half_bits, _round_keys(seed, rounds, half_bits))
+    jump = _encrypt_array(
+        np.arange(1 << bits, dtype=np.uint64), half_bits, _round_keys(seed, rounds, half_bits)
+    )
     jump = jump.astype(np.int64)
     while True:
         pending = jump > max_index
@@ -265,11 +278,11 @@ def index_shuffle(index: int, max_index: int, seed: int, rounds: int = 4) -> int
     rounds = operator.index(rounds)
     seed = validate_seed(seed, "index_shuffle")
     _check_rounds(rounds)
-    _check_max_index(max_index, _INDEX_LIMIT)
     if not 0 <= index <= max_index:
         raise ValueError(f"index must be in [0, max_index] = [0, {max_index}], got {index}.")
     if max_index < _TABLE_LIMIT:
         return _permutation_table(max_index, seed, rounds).item(index) if max_index else 0
+    _check_max_index(max_index, _INDEX_LIMIT)
     half_bits = _block_bits(max_index) // 2
     keys = _round_keys(seed, rounds, half_bits)
     index = _encrypt(index, half_bits, keys)
@@ -278,7 +291,9 @@ def index_shuffle(index: int, max_index: int, seed: int, rounds: int = 4) -> int
     return index
 
 
-def index_shuffle_array(indices: np.ndarray, max_index: int, seed: int, rounds: int = 4) -> np.ndarray:
+def index_shuffle_array(
+    indices: np.ndarray, max_index: int, seed: int, rounds: int = 4
+) -> np.ndarray:
     """Vectorised :func:`index_shuffle`: same results, element by element.
 
     Args:
@@ -324,20 +339,29 @@ def index_shuffle_array(indices: np.ndarray, max_index: int, seed: int, rounds: 
 # Per-index Philox generators (spec 1.1.6, 7.11).
 # --------------------------------------------------------------------------------------
 
-# NumPy's C ``philox_state`` on 64-bit platforms: ``uint64 *ctr; uint64 *key; int
-# buffer_pos; uint64 buffer[4]; int has_uint32; uint32 uinteger``. Writing it directly is
-# ~4x cheaper than the ``bit_generator.state`` setter (which also needs the key read back
-# first), and the reset runs once per element. The layout is private to NumPy, so it is
-# probed once against the public setter; if it ever differs we use the setter.
-_COUNTER = struct.Struct("=4Q")
-_TAIL_OFFSET = 16
-_TAIL = struct.pack("=iI4QiI", 4, 0, 0, 0, 0, 0, 0, 0)  # buffer_pos=4, buffer=0, flags=0
+# NumPy's C ``philox_state`` on 64-bit little-endian platforms, as eight uint64 words:
+# ``ctr`` pointer, ``key`` pointer, ``buffer_pos`` (int, padded), ``buffer[4]``,
+# ``has_uint32 | uinteger << 32``. Writing it directly costs ~1 us instead of ~7 us for the
+# ``bit_generator.state`` setter (which also needs the key read back first), and the reset
+# runs once per element. The layout is private to NumPy, so it is probed once against the
+# public setter; if it ever differs we use the setter.
+_PhiloxWords = ctypes.c_uint64 * 8
+_CounterWords = ctypes.c_uint64 * 4
 
 
 def _raw_reset(bit_generator: Any, index: int, op_seed: int) -> None:
-    address = bit_generator.ctypes.state_address
-    ctypes.memmove(ctypes.c_uint64.from_address(address).value, _COUNTER.pack(0, 0, op_seed, index), _COUNTER.size)
-    ctypes.memmove(address + _TAIL_OFFSET, _TAIL, len(_TAIL))
+    words = _PhiloxWords.from_address(bit_generator.ctypes.state_address)
+    counter = _CounterWords.from_address(words[0])
+    counter[0] = 0
+    counter[1] = 0
+    counter[2] = op_seed
+    counter[3] = index
+    words[2] = 4  # buffer_pos: buffer exhausted, next draw runs Philox on the counter.
+    words[3] = 0
+    words[4] = 0
+    words[5] = 0
+    words[6] = 0
+    words[7] = 0  # has_uint32 = 0, uinteger = 0
 
 
 def _setter_reset(bit_generator: Any, index: int, op_seed: int) -> None:
@@ -350,7 +374,7 @@ def _setter_reset(bit_generator: Any, index: int, op_seed: int) -> None:
 
 def _philox_layout_matches() -> bool:
     """Whether NumPy's Philox state struct has the layout ``_raw_reset`` writes."""
-    if ctypes.sizeof(ctypes.c_void_p) != 8:
+    if ctypes.sizeof(ctypes.c_void_p) != 8 or sys.byteorder != "little":
         return False
     probe = np.random.Philox(0)
     state = probe.state
@@ -358,11 +382,10 @@ def _philox_layout_matches() -> bool:
     state["buffer"] = np.array([21, 22, 23, 24], dtype=np.uint64)
     state.update(buffer_pos=3, has_uint32=1, uinteger=31)
     probe.state = state
-    address = probe.ctypes.state_address
-    if ctypes.string_at(address + _TAIL_OFFSET, len(_TAIL)) != struct.pack("=iI4QiI", 3, 0, 21, 22, 23, 24, 1, 31):
+    words = _PhiloxWords.from_address(probe.ctypes.state_address)
+    if list(words[2:8]) != [3, 21, 22, 23, 24, 1 | 31 << 32]:
         return False
-    counter_address = ctypes.c_uint64.from_address(address).value
-    if ctypes.string_at(counter_address, _COUNTER.size) != _COUNTER.pack(11, 12, 13, 14):
+    if list(_CounterWords.from_address(words[0])) != [11, 12, 13, 14]:
         return False
     _raw_reset(probe, 7, 5)
     after = probe.state
@@ -393,9 +416,13 @@ def reset_philox(rng: np.random.Generator, index: int, op_seed: int = 0) -> None
     """
     bit_generator = rng.bit_generator
     if type(bit_generator) is not np.random.Philox:
-        raise TypeError(f"reset_philox needs a Philox generator, got {type(bit_generator).__name__}.")
+        raise TypeError(
+            f"reset_philox needs a Philox generator, got {type(bit_generator).__name__}."
+        )
     if not (0 <= index < _INDEX_LIMIT and 0 <= op_seed < _INDEX_LIMIT):
-        raise ValueError(f"index and op_seed must be in [0, 2**64), got index={index}, op_seed={op_seed}.")
+        raise ValueError(
+            f"index and op_seed must be in [0, 2**64), got index={index}, op_seed={op_seed}."
+        )
     _reset_bit_generator(bit_generator, index, op_seed)
 
 
@@ -413,7 +440,7 @@ class RngPool:
           TypeError: ``seed`` is not an integer.
           ValueError: ``seed`` is negative.
         """
-        if isinstance(seed, bool) or not isinstance(seed, int | np.integer):
+        if isinstance(seed, bool) or not isinstance(seed, _INTEGER_TYPES):
             raise TypeError(f"RngPool seed must be an integer, got {seed!r}.")
         if seed < 0:
             raise ValueError(f"RngPool seed must be non-negative, got {seed}.")
