@@ -168,18 +168,20 @@ def _encrypt(x: int, half_bits: int, keys: tuple[tuple[int, int], ...]) -> int:
 
 
 def _encrypt_array(x: np.ndarray, half_bits: int, keys: tuple[tuple[int, int], ...]) -> np.ndarray:
-    """Vectorised :func:`_encrypt` of a uint64 array; halves are held as uint32 (``W <= 32``).
+    """Vectorised :func:`_encrypt` of a uint64 array.
 
-    uint32 left shifts wrap, which is harmless: every round-function result is masked.
+    Halves are held in the narrowest unsigned type that fits ``W`` (less memory traffic).
+    Left shifts past that type's width drop bits, which is harmless: every round-function
+    result is masked to ``W`` bits.
     """
-    u32 = np.uint32
-    mask = u32((1 << half_bits) - 1)
-    left = (x >> np.uint64(half_bits)).astype(np.uint32)
-    right = (x & np.uint64(mask)).astype(np.uint32)
+    half = np.uint8 if half_bits <= 8 else np.uint16 if half_bits <= 16 else np.uint32
+    mask = half((1 << half_bits) - 1)
+    left = (x >> np.uint64(half_bits)).astype(half)
+    right = (x & np.uint64(mask)).astype(half)
     mixed = np.empty_like(right)
     scratch = np.empty_like(right)
     spare = np.empty_like(right)
-    shifts = [(u32(r), u32(half_bits - r)) for r in (1, 8, 2)]
+    shifts = [(half(r), half(half_bits - r)) for r in (1, 8, 2)]
 
     def round_function(v: np.ndarray) -> np.ndarray:
         (l1, r1), (l8, r8), (l2, r2) = shifts
@@ -199,9 +201,9 @@ def _encrypt_array(x: np.ndarray, half_bits: int, keys: tuple[tuple[int, int], .
 
     for k1, k2 in keys:
         np.bitwise_xor(left, round_function(right), out=left)
-        np.bitwise_xor(left, u32(k1), out=left)
+        np.bitwise_xor(left, half(k1), out=left)
         np.bitwise_xor(right, round_function(left), out=right)
-        np.bitwise_xor(right, u32(k2), out=right)
+        np.bitwise_xor(right, half(k2), out=right)
     out = left.astype(np.uint64)
     np.left_shift(out, np.uint64(half_bits), out=out)
     np.bitwise_or(out, right, out=out)
