@@ -11,6 +11,7 @@ from typing import Any
 from grain_core.dataset.apply import apply_transformations
 from grain_core.dataset.options import DatasetOptions, ExecutionTrackingMode
 from grain_core.dataset.prefetch import ThreadPrefetchDatasetIterator, ThreadPrefetchIterDataset
+from grain_core.dataset.window_shuffle import WindowShuffleIterDataset, WindowShuffleMapDataset
 from grain_core.dataset.zip import ZipMapDataset
 from grain_core.random import RngPool, index_shuffle
 from grain_core.testing import assert_equal_output_after_checkpoint
@@ -25,6 +26,8 @@ __all__ = [
     "RngPool",
     "ThreadPrefetchDatasetIterator",
     "ThreadPrefetchIterDataset",
+    "WindowShuffleIterDataset",
+    "WindowShuffleMapDataset",
     "ZipMapDataset",
     "apply_transformations",
     "assert_equal_output_after_checkpoint",
