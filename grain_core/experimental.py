@@ -9,8 +9,10 @@ from __future__ import annotations
 from typing import Any
 
 from grain_core.dataset.apply import apply_transformations
+from grain_core.dataset.flatmap import FlatMapIterDataset, FlatMapMapDataset
 from grain_core.dataset.options import DatasetOptions, ExecutionTrackingMode
 from grain_core.dataset.prefetch import ThreadPrefetchDatasetIterator, ThreadPrefetchIterDataset
+from grain_core.dataset.rebatch import RebatchIterDataset, batch_and_pad
 from grain_core.dataset.window_shuffle import WindowShuffleIterDataset, WindowShuffleMapDataset
 from grain_core.dataset.zip import ZipMapDataset
 from grain_core.random import RngPool, index_shuffle
@@ -21,8 +23,11 @@ from grain_core.transforms import MapWithIndex as MapWithIndexTransform
 __all__ = [
     "DatasetOptions",
     "ExecutionTrackingMode",
+    "FlatMapIterDataset",
+    "FlatMapMapDataset",
     "FlatMapTransform",
     "MapWithIndexTransform",
+    "RebatchIterDataset",
     "RngPool",
     "ThreadPrefetchDatasetIterator",
     "ThreadPrefetchIterDataset",
@@ -31,6 +36,7 @@ __all__ = [
     "ZipMapDataset",
     "apply_transformations",
     "assert_equal_output_after_checkpoint",
+    "batch_and_pad",
     "index_shuffle",
 ]
 
