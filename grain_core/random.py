@@ -366,24 +366,37 @@ def _raw_reset(bit_generator: Any, index: int, op_seed: int) -> None:
     words[7] = 0  # has_uint32 = 0, uinteger = 0
 
 
+def _philox_state(
+    key: np.ndarray,
+    counter: list[int],
+    buffer: list[int],
+    buffer_pos: int,
+    has_uint32: int,
+    uinteger: int,
+) -> dict[str, Any]:
+    """A ``Philox.state`` dict for the public setter."""
+    return {
+        "bit_generator": "Philox",
+        "state": {"counter": np.array(counter, dtype=np.uint64), "key": key},
+        "buffer": np.array(buffer, dtype=np.uint64),
+        "buffer_pos": buffer_pos,
+        "has_uint32": has_uint32,
+        "uinteger": uinteger,
+    }
+
+
 def _setter_reset(bit_generator: Any, index: int, op_seed: int) -> None:
-    state = bit_generator.state
-    state["state"]["counter"] = np.array([0, 0, op_seed, index], dtype=np.uint64)
-    state["buffer"] = np.zeros(4, dtype=np.uint64)
-    state.update(buffer_pos=4, has_uint32=0, uinteger=0)
-    bit_generator.state = state
+    key = bit_generator.state["state"]["key"]
+    bit_generator.state = _philox_state(key, [0, 0, op_seed, index], [0, 0, 0, 0], 4, 0, 0)
 
 
 def _philox_layout_matches() -> bool:
     """Whether NumPy's Philox state struct has the layout ``_raw_reset`` writes."""
     if ctypes.sizeof(ctypes.c_void_p) != 8 or sys.byteorder != "little":
         return False
-    probe = np.random.Philox(0)
-    state = probe.state
-    state["state"]["counter"] = np.array([11, 12, 13, 14], dtype=np.uint64)
-    state["buffer"] = np.array([21, 22, 23, 24], dtype=np.uint64)
-    state.update(buffer_pos=3, has_uint32=1, uinteger=31)
-    probe.state = state
+    probe: Any = np.random.Philox(0)
+    key = probe.state["state"]["key"]
+    probe.state = _philox_state(key, [11, 12, 13, 14], [21, 22, 23, 24], 3, 1, 31)
     words = _PhiloxWords.from_address(probe.ctypes.state_address)
     if list(words[2:8]) != [3, 21, 22, 23, 24, 1 | 31 << 32]:
         return False
