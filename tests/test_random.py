@@ -54,6 +54,7 @@ def test_index_shuffle_large_domain_golden() -> None:
 
 def test_shuffle_golden_via_derived_seed() -> None:
     seed = derive_seed([(42, 1)])
+    assert seed is not None
     assert [index_shuffle(i, 9, seed) for i in range(10)] == [1, 7, 6, 9, 0, 8, 4, 5, 3, 2]
 
 
@@ -243,6 +244,7 @@ def test_validate_seed() -> None:
 
 def test_random_map_golden_with_pool_and_reset() -> None:
     seed = derive_seed([(41, 1)])
+    assert seed is not None
     pool = RngPool(seed)
     values = []
     for i in range(10):
