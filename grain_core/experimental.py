@@ -10,10 +10,13 @@ from typing import Any
 
 from grain_core.dataset.apply import apply_transformations
 from grain_core.dataset.flatmap import FlatMapIterDataset, FlatMapMapDataset
+from grain_core.dataset.interleave import InterleaveIterDataset
+from grain_core.dataset.next_index import get_next_index, set_next_index
 from grain_core.dataset.options import DatasetOptions, ExecutionTrackingMode
 from grain_core.dataset.prefetch import ThreadPrefetchDatasetIterator, ThreadPrefetchIterDataset
 from grain_core.dataset.rebatch import RebatchIterDataset, batch_and_pad
 from grain_core.dataset.window_shuffle import WindowShuffleIterDataset, WindowShuffleMapDataset
+from grain_core.dataset.with_options import WithOptionsIterDataset
 from grain_core.dataset.zip import ZipMapDataset
 from grain_core.random import RngPool, index_shuffle
 from grain_core.testing import assert_equal_output_after_checkpoint
@@ -26,18 +29,22 @@ __all__ = [
     "FlatMapIterDataset",
     "FlatMapMapDataset",
     "FlatMapTransform",
+    "InterleaveIterDataset",
     "MapWithIndexTransform",
     "RebatchIterDataset",
     "RngPool",
     "ThreadPrefetchDatasetIterator",
     "ThreadPrefetchIterDataset",
+    "WithOptionsIterDataset",
     "WindowShuffleIterDataset",
     "WindowShuffleMapDataset",
     "ZipMapDataset",
     "apply_transformations",
     "assert_equal_output_after_checkpoint",
     "batch_and_pad",
+    "get_next_index",
     "index_shuffle",
+    "set_next_index",
 ]
 
 
