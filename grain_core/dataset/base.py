@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any, Generic, TypeVar, overload
 import numpy as np
 
 from grain_core import random as _random
-from grain_core.dataset.options import DatasetOptions
+from grain_core.dataset.options import DatasetOptions, ExecutionTrackingMode
 
 if TYPE_CHECKING:
     from grain_core import transforms
@@ -360,6 +360,7 @@ class DatasetIterator(Iterator[T], abc.ABC):
         for p in self._parents:
             if isinstance(p, DatasetIterator):
                 p._share_ctx(ctx)
+        self._start_stage_timing_if_enabled()
 
     def _share_ctx(self, ctx: IteratorContext) -> None:
         if self._ctx is ctx:
@@ -368,6 +369,20 @@ class DatasetIterator(Iterator[T], abc.ABC):
         for p in self._parents:
             if isinstance(p, DatasetIterator):
                 p._share_ctx(ctx)
+        self._start_stage_timing_if_enabled()
+
+    def _merge_dataset_options(self, options: DatasetOptions) -> None:
+        """Merges ``options`` over the pipeline's options; explicit fields of ``options`` win."""
+        self._ctx.dataset_options = options.merge(self._ctx.dataset_options)
+        self._start_stage_timing_if_enabled()
+
+    def _start_stage_timing_if_enabled(self) -> None:
+        # Runs when an iterator joins a pipeline or its options change, never per element:
+        # timing is installed on the iterators themselves (see grain_core.dataset.stats).
+        if self._ctx.dataset_options.execution_tracking_mode is ExecutionTrackingMode.STAGE_TIMING:
+            from grain_core.dataset.stats import time_stages
+
+            time_stages(self)
 
     @property
     def _parent(self) -> Any:

@@ -1,0 +1,432 @@
+"""Per-stage execution statistics (spec 11): element counts and self time per pipeline stage.
+
+With ``DatasetOptions(execution_tracking_mode=ExecutionTrackingMode.STAGE_TIMING)`` every
+stage of a pipeline records how many elements it produced and its **self time**: wall time
+spent in the stage's own code, excluding the time its input stages spent producing the
+elements it consumed. ``get_execution_summary(iterator)`` returns an ``ExecutionSummary``;
+``print(summary)`` shows it as a table, the first thing to read when a pipeline is slow.
+
+Cost model (spec 15, rough edge 13). Nothing in any ``__next__`` or ``_getitems`` checks
+whether tracking is on. Timing is *installed* when an iterator joins a pipeline whose options
+ask for it (``DatasetIterator`` construction, ``_share_ctx``, or options merged later by
+``WithOptionsIterDataset``):
+
+* each ``DatasetIterator`` instance gets its class swapped for a cached subclass whose
+  ``__next__`` times the original one (same name, same behaviour);
+* each ``MapDataset`` graph an iterator reads from (``to_iter_dataset``) is replaced, for that
+  iterator only, by a shallow copy whose nodes time ``__getitem__``/``_getitems`` (the datasets
+  the user holds are never modified).
+
+So a pipeline without tracking runs exactly the code it would run if this module did not exist.
+
+Self time is measured per thread: a stage's children run either on the same thread (their
+time is subtracted) or on reader/prefetch threads (then the stage's self time is the time it
+waited for them). Summed self time can therefore exceed wall time when threads overlap; shares
+are of the summed self time.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import threading
+import time
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+from grain_core.dataset.base import DatasetIterator, MapDataset, transform_name
+from grain_core.dataset.options import ExecutionTrackingMode
+
+__all__ = ["ExecutionSummary", "StageSummary", "get_execution_summary", "time_stages"]
+
+_now = time.perf_counter_ns
+
+
+class _Clock(threading.local):
+    """Per-thread accumulator of the time spent in timed calls nested in the current one."""
+
+    nested_ns = 0
+    stage: Any = None
+
+
+_clock = _Clock()
+
+
+class _StageStats:
+    """Counters of one stage. Map stages may be updated from several reader threads.
+
+    ``prepared`` is False for an iterator stage until its first ``next``: timing is installed
+    from ``DatasetIterator.__init__``, before the subclass has set its attributes, so the
+    MapDataset graph it reads from is timed on first use.
+    """
+
+    __slots__ = ("name", "kind", "count", "self_ns", "total_ns", "lock", "prepared")
+
+    def __init__(self, name: str, kind: str) -> None:
+        self.name = name
+        self.kind = kind
+        self.count = 0
+        self.self_ns = 0
+        self.total_ns = 0
+        self.lock = threading.Lock()
+        self.prepared = kind == "map"
+
+
+# ------------------------------------------------------------------------- iterator stages
+_TIMED_ITERATOR_CLASSES: dict[type, type] = {}
+
+
+def _timed_iterator_class(cls: type) -> type:
+    timed = _TIMED_ITERATOR_CLASSES.get(cls)
+    if timed is not None:
+        return timed
+    untimed_next = cls.__next__
+
+    def __next__(self: Any) -> Any:
+        if not self._stage_stats.prepared:
+            _prepare(self)
+        clock = _clock
+        outer_nested = clock.nested_ns
+        clock.nested_ns = 0
+        start = _now()
+        try:
+            element = untimed_next(self)
+        finally:
+            elapsed = _now() - start
+            stats = self._stage_stats
+            stats.self_ns += elapsed - clock.nested_ns
+            stats.total_ns += elapsed
+            clock.nested_ns = outer_nested + elapsed
+        stats.count += 1
+        return element
+
+    timed = type(
+        cls.__name__,
+        (cls,),
+        {
+            "__slots__": (),
+            "__next__": __next__,
+            "__module__": cls.__module__,
+            "__qualname__": cls.__qualname__,
+            "_untimed_class": cls,
+        },
+    )
+    _TIMED_ITERATOR_CLASSES[cls] = timed
+    return timed
+
+
+def _iterator_stage_name(it: DatasetIterator[Any]) -> str:
+    name = type(it).__name__.lstrip("_")
+    for suffix in ("DatasetIterator", "Iterator"):
+        if name.endswith(suffix) and name != suffix:
+            name = name[: -len(suffix)]
+            break
+    fn = getattr(it, "_fn", None)
+    return f"{name}({transform_name(fn)})" if fn is not None else name
+
+
+# ------------------------------------------------------------------------------ map stages
+_TIMED_MAP_CLASSES: dict[type, type] = {}
+
+
+def _run_timed(stats: _StageStats, call: Any, count: int) -> Any:
+    clock = _clock
+    outer_nested = clock.nested_ns
+    outer_stage = clock.stage
+    clock.nested_ns = 0
+    clock.stage = stats
+    start = _now()
+    try:
+        return call()
+    finally:
+        elapsed = _now() - start
+        own = elapsed - clock.nested_ns
+        clock.nested_ns = outer_nested + elapsed
+        clock.stage = outer_stage
+        with stats.lock:
+            stats.self_ns += own
+            stats.total_ns += elapsed
+            # A node whose batched read loops over its own __getitem__ counts elements once.
+            if outer_stage is not stats:
+                stats.count += count
+
+
+def _timed_map_class(cls: type) -> type:
+    timed = _TIMED_MAP_CLASSES.get(cls)
+    if timed is not None:
+        return timed
+    untimed_getitem = cls.__getitem__
+    untimed_getitems = cls._getitems
+
+    def __getitem__(self: Any, index: Any) -> Any:
+        if isinstance(index, slice):
+            return untimed_getitem(self, index)
+        return _run_timed(self._stage_stats, lambda: untimed_getitem(self, index), 1)
+
+    def _getitems(self: Any, indices: Sequence[int]) -> list[Any]:
+        return _run_timed(self._stage_stats, lambda: untimed_getitems(self, indices), len(indices))
+
+    timed = type(
+        cls.__name__,
+        (cls,),
+        {
+            "__slots__": (),
+            "__getitem__": __getitem__,
+            "_getitems": _getitems,
+            "__module__": cls.__module__,
+            "__qualname__": cls.__qualname__,
+            "_untimed_class": cls,
+        },
+    )
+    _TIMED_MAP_CLASSES[cls] = timed
+    return timed
+
+
+def _timed_map_graph(node: MapDataset[Any], memo: dict[int, MapDataset[Any]]) -> MapDataset[Any]:
+    """Returns a copy of the graph under ``node`` whose nodes time their reads."""
+    done = memo.get(id(node))
+    if done is not None:
+        return done
+    if hasattr(node, "_stage_stats"):
+        return node
+    timed = copy.copy(node)
+    memo[id(node)] = timed
+    for name, value in vars(timed).items():
+        replaced = _replace_map_datasets(value, memo)
+        if replaced is not value:
+            setattr(timed, name, replaced)
+    timed.__class__ = _timed_map_class(type(node))
+    timed._stage_stats = _StageStats(repr(node), "map")  # type: ignore[attr-defined]
+    return timed
+
+
+def _replace_map_datasets(value: Any, memo: dict[int, MapDataset[Any]]) -> Any:
+    if isinstance(value, MapDataset):
+        return _timed_map_graph(value, memo)
+    if isinstance(value, (list, tuple)) and any(isinstance(v, MapDataset) for v in value):
+        items = [_timed_map_graph(v, memo) if isinstance(v, MapDataset) else v for v in value]
+        return type(value)(items) if type(value) in (list, tuple) else value
+    return value
+
+
+# ------------------------------------------------------------------------- installation
+def _child_iterators(it: DatasetIterator[Any]) -> Iterator[DatasetIterator[Any]]:
+    """Input iterators of ``it``: its parents and any it keeps elsewhere (e.g. interleave)."""
+    seen: set[int] = set()
+    candidates: list[Any] = list(it._parents)
+    for value in vars(it).values():
+        if isinstance(value, DatasetIterator):
+            candidates.append(value)
+        elif isinstance(value, (list, tuple)):
+            candidates.extend(value)
+    for child in candidates:
+        if isinstance(child, DatasetIterator) and child is not it and id(child) not in seen:
+            seen.add(id(child))
+            yield child
+
+
+def _map_graph_attributes(it: DatasetIterator[Any]) -> list[str]:
+    return [name for name, value in vars(it).items() if isinstance(value, MapDataset)]
+
+
+def time_stages(iterator: DatasetIterator[Any]) -> None:
+    """Installs stage timing on ``iterator`` and every stage upstream of it. Idempotent."""
+    stack = [iterator]
+    while stack:
+        it = stack.pop()
+        if "_stage_stats" in vars(it):
+            continue
+        it._stage_stats = _StageStats("", "iter")  # type: ignore[attr-defined]
+        it.__class__ = _timed_iterator_class(type(it))
+        stack.extend(_child_iterators(it))
+
+
+def _prepare(it: DatasetIterator[Any]) -> None:
+    """Completes timing of ``it`` once it is fully built: its MapDataset graph and inputs."""
+    stats = it._stage_stats  # type: ignore[attr-defined]
+    stats.name = _iterator_stage_name(it)
+    memo: dict[int, MapDataset[Any]] = {}
+    for name in _map_graph_attributes(it):
+        setattr(it, name, _timed_map_graph(getattr(it, name), memo))
+    for child in _child_iterators(it):
+        time_stages(child)
+    stats.prepared = True
+
+
+# ----------------------------------------------------------------------------- summaries
+@dataclasses.dataclass(frozen=True)
+class StageSummary:
+    """One row of an execution summary.
+
+    Attributes:
+      id: row number; the output stage is 0.
+      name: the stage (iterator class and transform, or the MapDataset's repr).
+      kind: ``"iter"`` for an IterDataset stage, ``"map"`` for a MapDataset stage.
+      depth: distance from the output stage.
+      inputs: ids of the stages this one reads from.
+      num_produced_elements: elements produced (for map stages: indices read, holes included).
+      self_time_ns: time in this stage's own code, excluding its inputs.
+      share: ``self_time_ns`` over the summed self time of all stages.
+      instances: how many stage objects were merged into this row (interleave inputs).
+      total_time_ns: time in this stage including its inputs (per thread).
+    """
+
+    id: int
+    name: str
+    kind: str
+    depth: int
+    inputs: tuple[int, ...]
+    num_produced_elements: int
+    self_time_ns: int
+    share: float
+    instances: int
+    total_time_ns: int
+
+    @property
+    def self_time_per_element_ns(self) -> float:
+        return self.self_time_ns / self.num_produced_elements if self.num_produced_elements else 0.0
+
+
+@dataclasses.dataclass(frozen=True)
+class ExecutionSummary:
+    """Per-stage counts and self times of one pipeline, output stage first.
+
+    ``output_wait_ns`` is the time the consumer spent inside the output stage's ``next``.
+    ``str(summary)`` is a readable table; ``to_dict()`` a JSON-serialisable form.
+    """
+
+    stages: tuple[StageSummary, ...]
+    output_wait_ns: int = 0
+
+    @property
+    def total_self_time_ns(self) -> int:
+        return sum(s.self_time_ns for s in self.stages)
+
+    def slowest(self) -> StageSummary:
+        """The stage with the largest self time."""
+        return max(self.stages, key=lambda s: s.self_time_ns)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    def __str__(self) -> str:
+        header = ("id", "stage", "elements", "self time", "per element", "share")
+        rows = []
+        for s in self.stages:
+            merged = f" x{s.instances}" if s.instances > 1 else ""
+            rows.append(
+                (
+                    str(s.id),
+                    "  " * s.depth + ("<- " if s.depth else "") + s.name + merged,
+                    f"{s.num_produced_elements:,}",
+                    _format_ns(s.self_time_ns),
+                    _format_ns(s.self_time_per_element_ns),
+                    f"{100 * s.share:.1f}%",
+                )
+            )
+        widths = [max(len(r[i]) for r in (header, *rows)) for i in range(len(header))]
+        widths[1] = min(widths[1], 100)
+
+        def line(cells: Sequence[str]) -> str:
+            name = cells[1] if len(cells[1]) <= widths[1] else cells[1][: widths[1] - 3] + "..."
+            return " | ".join(
+                [cells[0].rjust(widths[0]), name.ljust(widths[1])]
+                + [c.rjust(w) for c, w in zip(cells[2:], widths[2:], strict=True)]
+            )
+
+        rule = "-+-".join("-" * w for w in widths)
+        title = (
+            f"grain_core execution summary: the consumer waited {_format_ns(self.output_wait_ns)} "
+            "in next(). Self time excludes input stages; share is of the "
+            f"{_format_ns(self.total_self_time_ns)} summed over stages and threads."
+        )
+        body = [line(r) for r in rows]
+        return "\n".join([title, line(header), rule, *body])
+
+
+def _format_ns(ns: float) -> str:
+    for unit, scale in (("s", 1e9), ("ms", 1e6), ("us", 1e3)):
+        if ns >= scale:
+            return f"{ns / scale:.2f} {unit}"
+    return f"{ns:.0f} ns"
+
+
+def get_execution_summary(iterator: DatasetIterator[Any]) -> ExecutionSummary:
+    """Returns the per-stage statistics of the pipeline ``iterator`` is the output of.
+
+    Interleave inputs with the same structure are merged into one row per stage.
+
+    Raises:
+      ValueError: if the pipeline does not track execution statistics.
+    """
+    ctx = getattr(iterator, "_ctx", None)
+    mode = ctx.dataset_options.execution_tracking_mode if ctx is not None else None
+    if mode is not ExecutionTrackingMode.STAGE_TIMING or "_stage_stats" not in vars(iterator):
+        raise ValueError(
+            "Execution statistics are not collected for this iterator. Set "
+            "`execution_tracking_mode` to `STAGE_TIMING`, e.g. "
+            "`ds = grain_core.experimental.WithOptionsIterDataset(ds, "
+            "grain_core.experimental.DatasetOptions(execution_tracking_mode="
+            "grain_core.experimental.ExecutionTrackingMode.STAGE_TIMING))`, before iterating."
+        )
+    rows: list[dict[str, Any]] = []
+    index: dict[tuple[int, str], int] = {}  # (parent row, name) -> row, merges siblings
+    visited: set[int] = set()
+
+    def add(stats: _StageStats, parent_row: int, depth: int) -> int:
+        key = (parent_row, stats.name)
+        row_id = index.get(key)
+        if row_id is None:
+            row_id = len(rows)
+            index[key] = row_id
+            rows.append(
+                {"stats": [], "depth": depth, "inputs": [], "name": stats.name, "kind": stats.kind}
+            )
+            if parent_row >= 0:
+                rows[parent_row]["inputs"].append(row_id)
+        rows[row_id]["stats"].append(stats)
+        return row_id
+
+    def walk_map(node: MapDataset[Any], parent_row: int, depth: int) -> None:
+        stats = getattr(node, "_stage_stats", None)
+        if stats is None or id(node) in visited:
+            return
+        visited.add(id(node))
+        row = add(stats, parent_row, depth)
+        for parent in node.parents:
+            if isinstance(parent, MapDataset):
+                walk_map(parent, row, depth + 1)
+
+    def walk(it: DatasetIterator[Any], parent_row: int, depth: int) -> None:
+        stats = vars(it).get("_stage_stats")
+        if stats is None or id(it) in visited:
+            return
+        if not stats.prepared:
+            _prepare(it)
+        visited.add(id(it))
+        row = add(stats, parent_row, depth)
+        for name in _map_graph_attributes(it):
+            walk_map(getattr(it, name), row, depth + 1)
+        for child in _child_iterators(it):
+            walk(child, row, depth + 1)
+
+    walk(iterator, -1, 0)
+    total = sum(s.self_ns for r in rows for s in r["stats"]) or 1
+    stages = []
+    for i, r in enumerate(rows):
+        self_ns = sum(s.self_ns for s in r["stats"])
+        stages.append(
+            StageSummary(
+                id=i,
+                name=r["name"],
+                kind=r["kind"],
+                depth=r["depth"],
+                inputs=tuple(r["inputs"]),
+                num_produced_elements=sum(s.count for s in r["stats"]),
+                self_time_ns=self_ns,
+                share=self_ns / total,
+                instances=len(r["stats"]),
+                total_time_ns=sum(s.total_ns for s in r["stats"]),
+            )
+        )
+    return ExecutionSummary(tuple(stages), output_wait_ns=stages[0].total_time_ns)
