@@ -29,8 +29,7 @@ class WithOptionsIterDataset(IterDataset[Any]):
 
     def __iter__(self) -> DatasetIterator[Any]:
         it = iter(self._parents[0])
-        ctx = it._ctx
-        ctx.dataset_options = self.options.merge(ctx.dataset_options)
+        it._merge_dataset_options(self.options)
         return it
 
     def __repr__(self) -> str:
