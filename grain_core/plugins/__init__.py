@@ -23,6 +23,7 @@ from grain_core.plugins._errors import (
     UnknownPluginObjectError,
 )
 from grain_core.plugins._manager import (
+    BUILTIN_PLUGIN,
     DISABLE_ENV,
     ENTRY_POINT_GROUP,
     PLUGINS_ENV,
@@ -50,6 +51,7 @@ from grain_core.plugins._specs import (
 from grain_core.plugins.hookspecs import hookimpl
 
 __all__ = [
+    "BUILTIN_PLUGIN",
     "CAPABILITIES",
     "DISABLE_ENV",
     "ENTRY_POINT_GROUP",

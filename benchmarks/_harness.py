@@ -1,0 +1,126 @@
+"""Workload registry and timing for ``benchmarks/run.py``.
+
+A workload is a named *setup* function returning a zero-argument callable that does one
+full pass of the work; setup (building data, datasets) is not timed. Baselines doing the
+same work are attached to the workload and timed in the same run, so ratios compare like
+with like on the same machine at the same moment.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import statistics
+import time
+from collections.abc import Callable
+
+__all__ = [
+    "GRAIN_CORE",
+    "WORKLOADS",
+    "Measurement",
+    "Skipped",
+    "Workload",
+    "import_google_grain",
+    "measure",
+    "workload",
+]
+
+GRAIN_CORE = "grain_core"
+
+Setup = Callable[[], Callable[[], object]]
+
+
+@dataclasses.dataclass
+class Workload:
+    """One benchmark: grain_core's implementation plus baselines doing the same work.
+
+    Attributes:
+      name: Unique name, used by ``--only``.
+      elements: Elements processed by one pass (for elements/s).
+      description: One line for the table.
+      implementations: Label -> (setup, module the setup needs or None); grain_core first.
+    """
+
+    name: str
+    elements: int
+    description: str
+    implementations: dict[str, tuple[Setup, str | None]] = dataclasses.field(default_factory=dict)
+
+    def baseline(self, label: str, *, requires: str | None = None) -> Callable[[Setup], Setup]:
+        """Decorator adding a baseline; ``requires`` names a module it needs (else skipped)."""
+
+        def add(setup: Setup) -> Setup:
+            if label in self.implementations:
+                raise ValueError(f"Workload {self.name!r} already has {label!r}.")
+            self.implementations[label] = (setup, requires)
+            return setup
+
+        return add
+
+
+WORKLOADS: dict[str, Workload] = {}
+
+
+def workload(name: str, *, elements: int, description: str) -> Callable[[Setup], Workload]:
+    """Decorator registering ``setup`` as grain_core's implementation of a new workload."""
+
+    def register(setup: Setup) -> Workload:
+        if name in WORKLOADS:
+            raise ValueError(f"Workload {name!r} is registered twice.")
+        bench = Workload(name, elements, description, {GRAIN_CORE: (setup, None)})
+        WORKLOADS[name] = bench
+        return bench
+
+    return register
+
+
+@dataclasses.dataclass(frozen=True)
+class Measurement:
+    """Timings of one implementation of one workload."""
+
+    workload: str
+    implementation: str
+    elements: int
+    seconds: tuple[float, ...]
+
+    @property
+    def median_s(self) -> float:
+        return statistics.median(self.seconds)
+
+    @property
+    def elements_per_s(self) -> float:
+        return self.elements / self.median_s
+
+
+@dataclasses.dataclass(frozen=True)
+class Skipped:
+    """An implementation that could not run here, and why."""
+
+    workload: str
+    implementation: str
+    reason: str
+
+
+def measure(bench: Workload, label: str, repeats: int) -> Measurement | Skipped:
+    """Times ``repeats`` passes of one implementation after one untimed warm-up pass."""
+    setup, requires = bench.implementations[label]
+    if requires is not None and importlib.util.find_spec(requires) is None:
+        return Skipped(bench.name, label, f"{requires} is not installed")
+    run = setup()
+    run()  # Warm-up: lazy tables, thread pools, imports.
+    seconds = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        run()
+        seconds.append(time.perf_counter() - start)
+    return Measurement(bench.name, label, bench.elements, tuple(seconds))
+
+
+def import_google_grain() -> object:
+    """Imports Google's ``grain``, with absl flags marked parsed as its workers need."""
+    from absl import flags
+
+    flags.FLAGS.mark_as_parsed()
+    import grain
+
+    return grain

@@ -1,0 +1,271 @@
+"""The ``grain-core`` command line (also ``python -m grain_core``).
+
+Commands: ``plugins`` (what is installed and what failed), ``inspect PATH`` (a file through
+its format plugin), ``demo`` (the end-to-end example with its throughput), ``bench`` (the
+repository's benchmark suite). ``--version`` lists the loaded plugins too.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import time
+from collections.abc import Iterable, Iterator, Sequence
+from pathlib import Path
+from typing import Any, TypeVar
+
+import numpy as np
+
+from grain_core import plugins
+
+__all__ = ["main"]
+
+_T = TypeVar("_T")
+
+_SAMPLE_CHARS = 200
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Runs the command line; returns the process exit code."""
+    parser = _parser()
+    # Unknown arguments are the benchmark runner's own (grain-core bench --only x --json).
+    args, runner_args = parser.parse_known_args(argv)
+    if runner_args and args.command != "bench":
+        parser.error(f"unrecognized arguments: {' '.join(runner_args)}")
+    args.runner_args = runner_args
+    if args.version:
+        print(_version_text())
+        return 0
+    if args.command is None:
+        parser.print_help()
+        return 2
+    try:
+        return int(args.run(args))
+    except (plugins.PluginError, OSError, ValueError) as err:
+        print(f"grain-core {args.command}: error: {err}", file=sys.stderr)
+        return 1
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="grain-core",
+        description="Deterministic, resumable, pluggable data loading for JAX.",
+    )
+    parser.add_argument(
+        "--version", action="store_true", help="print the version and the loaded plugins"
+    )
+    commands = parser.add_subparsers(dest="command", metavar="COMMAND")
+
+    listing = commands.add_parser("plugins", help="list installed plugins and load errors")
+    listing.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    listing.add_argument(
+        "-v", "--verbose", action="store_true", help="print the traceback of each failed plugin"
+    )
+    listing.set_defaults(run=_cmd_plugins)
+
+    inspect = commands.add_parser("inspect", help="describe a data file through its format")
+    inspect.add_argument("path", help="file to inspect (sharded names like x-00000-of-00004 work)")
+    inspect.add_argument("--format", help="format name; by default chosen from the path")
+    inspect.add_argument("--sample", type=int, default=3, help="records to show (default 3)")
+    inspect.add_argument("--json", action="store_true", help="print JSON")
+    inspect.set_defaults(run=_cmd_inspect)
+
+    demo = commands.add_parser("demo", help="run the example pipeline and print its throughput")
+    demo.add_argument("--records", type=int, default=10_000, help="in-memory records (10000)")
+    demo.add_argument("--batches", type=int, default=200, help="batches of 128 to read (200)")
+    demo.set_defaults(run=_cmd_demo)
+
+    bench = commands.add_parser(
+        "bench",
+        help="run benchmarks/run.py of a source checkout (arguments go to the runner)",
+        add_help=False,
+    )
+    bench.set_defaults(run=_cmd_bench)
+    return parser
+
+
+def _version_text() -> str:
+    from grain_core import __version__
+
+    loaded = [r for r in plugins.registry().reports if r.status == "loaded"]
+    names = ", ".join(
+        f"{r.name} ({r.distribution} {r.version})" if r.name != plugins.BUILTIN_PLUGIN else r.name
+        for r in loaded
+    )
+    return f"grain-core {__version__}\nplugins: {names}"
+
+
+def _cmd_plugins(args: argparse.Namespace) -> int:
+    registry = plugins.registry()
+    if args.json:
+        print(json.dumps(_plugins_json(registry), indent=2))
+        return 0
+    rows = [("NAME", "DISTRIBUTION", "VERSION", "STATUS", "PROVIDES")]
+    for report in registry.reports:
+        detail = report.error if report.status == "failed" else _provides_text(report)
+        rows.append(
+            (
+                report.name,
+                report.distribution or "?",
+                report.version or "?",
+                report.status,
+                detail or "",
+            )
+        )
+    widths = [max(len(row[i]) for row in rows) for i in range(4)]
+    for row in rows:
+        print(
+            "  ".join(cell.ljust(width) for cell, width in zip(row, widths, strict=False))
+            + "  "
+            + row[4]
+        )
+    for problem in registry.problems:
+        print(f"problem: {problem}")
+    failed = [r for r in registry.reports if r.status == "failed"]
+    if failed and not args.verbose:
+        print("(grain-core plugins --verbose shows the tracebacks)")
+    if args.verbose:
+        for report in failed:
+            print(f"\n{report.label}:\n{report.traceback or report.error}")
+    return 0
+
+
+def _provides_text(report: plugins.PluginReport) -> str:
+    labels = {
+        "formats": "formats",
+        "shuffle_strategies": "shuffle",
+        "sharding_policies": "sharding",
+        "exports": "exports",
+    }
+    return "; ".join(
+        f"{labels[kind]}: {', '.join(names)}" for kind, names in report.provides.items()
+    )
+
+
+def _plugins_json(registry: plugins.Registry) -> dict[str, Any]:
+    from grain_core import __version__
+
+    return {
+        "grain_core": __version__,
+        "plugins": [report.to_json() for report in registry.reports],
+        "formats": [
+            {
+                "name": fmt.name,
+                "suffixes": list(fmt.suffixes),
+                "url_patterns": list(fmt.url_patterns),
+                "provides": list(fmt.provides),
+                "description": fmt.description,
+            }
+            for fmt in registry.objects("formats")
+        ],
+        "problems": registry.problems,
+    }
+
+
+def _cmd_inspect(args: argparse.Namespace) -> int:
+    if args.sample < 0:
+        raise ValueError(f"--sample must be non-negative, got {args.sample}.")
+    fmt = plugins.get_format(args.format) if args.format else plugins.format_for_path(args.path)
+    info = fmt.get("inspector")(args.path, args.sample)
+    if args.json:
+        summary = {
+            "path": args.path,
+            "format": fmt.name,
+            "num_records": info.num_records,
+            "schema": info.schema,
+            "sample": list(info.sample),
+            "details": dict(info.details),
+        }
+        print(json.dumps(summary, indent=2, default=_json_default))
+        return 0
+    print(f"path:    {args.path}")
+    print(f"format:  {fmt.name}")
+    print(f"records: {'unknown' if info.num_records is None else info.num_records}")
+    print(f"schema:  {json.dumps(info.schema, default=_json_default)}")
+    for key, value in info.details.items():
+        print(f"{key}: {value}")
+    for i, record in enumerate(info.sample):
+        text = repr(record)
+        if len(text) > _SAMPLE_CHARS:
+            text = text[: _SAMPLE_CHARS - 3] + "..."
+        print(f"sample[{i}]: {text}")
+    return 0
+
+
+def _json_default(value: Any) -> Any:
+    if isinstance(value, np.ndarray):
+        return f"{value.dtype}{list(value.shape)}"
+    if isinstance(value, np.generic):
+        return value.item()
+    if isinstance(value, bytes):
+        return value[:_SAMPLE_CHARS].decode("utf-8", errors="replace")
+    return repr(value)
+
+
+def _cmd_demo(args: argparse.Namespace) -> int:
+    import grain_core
+    from grain_core import _demo
+
+    if args.records <= 0 or args.batches <= 0:
+        raise ValueError("--records and --batches must be positive.")
+    print(
+        f"pipeline: source({args.records:,} in-memory records "
+        '{"image": uint8[28,28,1], "label": int}) -> seed(42) -> shuffle -> repeat '
+        f"-> map(normalise) -> batch({_demo.BATCH_SIZE}, drop_remainder=True)"
+    )
+    dataset = _demo.seed_pipeline(grain_core, _demo.make_records(args.records))
+    iterator = iter(dataset.to_iter_dataset())
+    start = time.perf_counter()
+    first = next(iterator)
+    for _ in progress(_take(iterator, args.batches - 1), args.batches - 1, "batches"):
+        pass
+    elapsed = time.perf_counter() - start
+    shapes = ", ".join(f"{k} {v.dtype}{list(v.shape)}" for k, v in first.items())
+    elements = args.batches * _demo.BATCH_SIZE
+    print(f"batch:    {shapes}")
+    print(
+        f"read:     {args.batches:,} batches ({elements:,} elements) in {elapsed:.2f} s: "
+        f"{elements / elapsed:,.0f} elements/s, {args.batches / elapsed:,.1f} batches/s"
+    )
+    return 0
+
+
+def _take(iterator: Iterator[_T], count: int) -> Iterator[_T]:
+    for _ in range(count):
+        yield next(iterator)
+
+
+def progress(iterable: Iterable[_T], total: int, unit: str) -> Iterable[_T]:
+    """Wraps ``iterable`` in a tqdm progress bar when stderr is a terminal and tqdm exists.
+
+    tqdm is optional (``pip install 'grain-core[progress]'``): without it, or when output is
+    redirected, the iterable is returned unchanged so logs stay clean.
+    """
+    if not sys.stderr.isatty():
+        return iterable
+    try:
+        from tqdm import tqdm
+    except ImportError:
+        return iterable
+    return tqdm(iterable, total=total, unit=unit, file=sys.stderr, leave=False)  # type: ignore[no-any-return]
+
+
+def _cmd_bench(args: argparse.Namespace) -> int:
+    runner = _find_bench_runner()
+    return subprocess.call([sys.executable, str(runner), *args.runner_args])
+
+
+def _find_bench_runner() -> Path:
+    candidates = [
+        Path.cwd() / "benchmarks" / "run.py",
+        Path(__file__).resolve().parents[1] / "benchmarks" / "run.py",
+    ]
+    for candidate in candidates:
+        if candidate.is_file():
+            return candidate
+    raise FileNotFoundError(
+        "grain-core bench runs benchmarks/run.py of a grain_core source checkout, and none "
+        f"was found in {Path.cwd()}. Run it from a checkout, or use `nox -s bench` there."
+    )
