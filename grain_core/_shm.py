@@ -1,0 +1,349 @@
+"""POSIX shared-memory blocks and the element transport between worker processes and the parent.
+
+A worker replaces every large, contiguous, numeric NumPy leaf of an element by a ``_ShmRef``
+(block name, shape, dtype): it copies the leaf into a fresh block, or, for a
+:class:`SharedMemoryArray` that a batch was stacked into, sends the block as is. The parent maps
+the block and unlinks its name at once, so the memory lives exactly as long as the returned array
+and no name is left in ``/dev/shm`` whatever happens to the array later.
+
+Every block is registered with ``multiprocessing``'s resource tracker (shared by the parent and
+its forkserver workers) when created and unregistered when unlinked, so blocks in flight when the
+parent is killed are still removed at exit. Blocks created by a worker carry the worker's name
+prefix; after a worker is stopped or dies the parent removes whatever is left under that prefix.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import dataclasses
+import itertools
+import mmap
+import os
+import secrets
+import threading
+import weakref
+from collections.abc import Iterable
+from multiprocessing import resource_tracker, shared_memory
+from typing import Any
+
+import numpy as np
+
+import _posixshmem
+
+__all__ = [
+    "SharedMemoryArray",
+    "SharedMemoryArrayMetadata",
+    "copy_to_shm",
+    "open_from_shm",
+    "unlink_shm",
+]
+
+#: Arrays smaller than this travel pickled through the pipe unless ``DatasetOptions.min_shm_size``
+#: is set explicitly: below it the system calls of a block cost more than copying the bytes.
+DEFAULT_MIN_SHM_SIZE = 64 * 1024
+
+_SHM_DIR = "/dev/shm"
+_RTYPE = "shared_memory"
+_POPULATE = getattr(mmap, "MAP_POPULATE", 0)
+_name_prefix = f"gc{os.getpid():x}{secrets.token_hex(3)}_"
+_counter = itertools.count()
+
+
+def set_name_prefix(prefix: str) -> None:
+    """Names blocks created from now on in this process ``/<prefix><n>`` (set in workers)."""
+    global _name_prefix
+    _name_prefix = prefix
+
+
+def _new_name() -> str:
+    return f"/{_name_prefix}{next(_counter):x}"
+
+
+def create_block(size: int) -> tuple[str, mmap.mmap]:
+    """Creates a block of ``size`` bytes; returns its name and a read-write mapping."""
+    while True:
+        name = _new_name()
+        try:
+            fd = _posixshmem.shm_open(name, os.O_CREAT | os.O_EXCL | os.O_RDWR, mode=0o600)
+        except FileExistsError:
+            continue
+        break
+    try:
+        os.ftruncate(fd, size)
+        mapping = mmap.mmap(fd, size, flags=mmap.MAP_SHARED | _POPULATE)
+    except BaseException:
+        os.close(fd)
+        _posixshmem.shm_unlink(name)
+        raise
+    os.close(fd)
+    resource_tracker.register(name, _RTYPE)
+    return name, mapping
+
+
+def open_block(name: str) -> mmap.mmap:
+    """Maps an existing block read-write (the name stays)."""
+    fd = _posixshmem.shm_open(name, os.O_RDWR, mode=0o600)
+    try:
+        return mmap.mmap(fd, os.fstat(fd).st_size, flags=mmap.MAP_SHARED | _POPULATE)
+    finally:
+        os.close(fd)
+
+
+def unlink_block(name: str) -> None:
+    """Removes a block's name; mappings stay valid until they are closed. Missing is fine."""
+    try:
+        _posixshmem.shm_unlink(name)
+    except FileNotFoundError:
+        return
+    resource_tracker.unregister(name, _RTYPE)
+
+
+def unlink_prefix(prefix: str) -> list[str]:
+    """Removes every block whose name starts with ``prefix``; returns the names removed."""
+    try:
+        entries = os.listdir(_SHM_DIR)
+    except OSError:
+        return []
+    removed = [f"/{e}" for e in entries if e.startswith(prefix)]
+    for name in removed:
+        unlink_block(name)
+    return removed
+
+
+# ------------------------------------------------------------------------- public array type
+@dataclasses.dataclass(frozen=True, slots=True)
+class SharedMemoryArrayMetadata:
+    """Enough to attach to a :class:`SharedMemoryArray` from another process."""
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: np.dtype[Any]
+
+    def close_and_unlink_shm(self) -> None:
+        """Frees the block (for metadata that will never be opened)."""
+        unlink_block(self.name)
+
+
+class _AsyncDeleter:
+    """Optional thread pool that unlinks blocks off the consumer thread (bounded backlog)."""
+
+    def __init__(self) -> None:
+        self.executor: concurrent.futures.ThreadPoolExecutor | None = None
+        self.limit = 0
+        self.pending = 0
+        self.lock = threading.Lock()
+
+    def unlink(self, name: str) -> None:
+        if self.executor is not None:
+            with self.lock:
+                if self.pending < self.limit:
+                    self.pending += 1
+                    self.executor.submit(self._run, name)
+                    return
+        unlink_block(name)
+
+    def _run(self, name: str) -> None:
+        try:
+            unlink_block(name)
+        finally:
+            with self.lock:
+                self.pending -= 1
+
+
+_deleter = _AsyncDeleter()
+
+
+class SharedMemoryArray(np.ndarray):  # type: ignore[type-arg]
+    """A NumPy array whose buffer is a POSIX shared-memory block.
+
+    Pickling sends the block's name, not the data. By default collecting the array only unmaps
+    the block; after :meth:`unlink_on_del` it also frees it. NumPy operations that allocate new
+    arrays return plain ``ndarray`` objects.
+
+    Args:
+      shape: Array shape.
+      dtype: Element type (not ``object``).
+
+    Raises:
+      ValueError: For an object dtype.
+    """
+
+    _shm_name: str | None
+    _shm_size: int
+
+    def __new__(cls, shape: Any, dtype: Any = float) -> SharedMemoryArray:
+        dtype = np.dtype(dtype)
+        if dtype.hasobject:
+            raise ValueError("SharedMemoryArray cannot hold Python objects (dtype=object).")
+        shape = (int(shape),) if np.ndim(shape) == 0 else tuple(int(s) for s in shape)
+        size = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+        name, mapping = create_block(max(size, 1))
+        return cls._over(mapping, name, shape, dtype)
+
+    @classmethod
+    def _over(
+        cls, mapping: Any, name: str, shape: tuple[int, ...], dtype: np.dtype[Any]
+    ) -> SharedMemoryArray:
+        arr = np.ndarray.__new__(cls, shape, dtype=dtype, buffer=mapping)
+        arr._shm_name = name
+        arr._shm_size = arr.nbytes
+        return arr
+
+    def __array_finalize__(self, obj: Any) -> None:
+        # Views share the block; their data pointer tells whether they cover all of it.
+        self._shm_name = getattr(obj, "_shm_name", None)
+        self._shm_size = getattr(obj, "_shm_size", 0)
+
+    def __array_wrap__(self, arr: Any, context: Any = None, return_scalar: bool = False) -> Any:
+        out = arr.view(np.ndarray)
+        if return_scalar and out.ndim == 0:
+            return out[()]
+        return out
+
+    def _is_whole_block(self) -> bool:
+        base = self
+        while isinstance(base.base, np.ndarray):
+            base = base.base
+        return (
+            self._shm_name is not None
+            and self.flags.c_contiguous
+            and self.nbytes == self._shm_size
+            and self.__array_interface__["data"][0] == base.__array_interface__["data"][0]
+        )
+
+    @property
+    def metadata(self) -> SharedMemoryArrayMetadata:
+        """Name, shape and dtype of this array's block.
+
+        Raises:
+          ValueError: If this array is a partial view or a copy, which has no block of its own.
+        """
+        if not self._is_whole_block():
+            raise ValueError("Only an array covering a whole shared-memory block has metadata.")
+        assert self._shm_name is not None
+        return SharedMemoryArrayMetadata(self._shm_name, tuple(self.shape), self.dtype)
+
+    @classmethod
+    def from_metadata(cls, metadata: SharedMemoryArrayMetadata) -> SharedMemoryArray:
+        """Attaches to an existing block without copying."""
+        return cls._over(open_block(metadata.name), metadata.name, metadata.shape, metadata.dtype)
+
+    @classmethod
+    def from_shared_memory(
+        cls, shm: shared_memory.SharedMemory, shape: Any, dtype: Any
+    ) -> SharedMemoryArray:
+        """Views a ``multiprocessing.shared_memory.SharedMemory`` block as an array."""
+        name = shm._name  # type: ignore[attr-defined]
+        return cls._over(shm.buf, name, tuple(shape), np.dtype(dtype))
+
+    def unlink_on_del(self) -> None:
+        """Frees the block when this array is garbage-collected."""
+        name = self._shm_name
+        if name is not None:
+            weakref.finalize(self, _deleter.unlink, name)
+
+    @classmethod
+    def enable_async_del(cls, num_threads: int = 1, max_outstanding_requests: int = 50) -> None:
+        """Frees blocks on ``num_threads`` background threads (synchronously past the backlog)."""
+        if _deleter.executor is None:
+            _deleter.executor = concurrent.futures.ThreadPoolExecutor(
+                num_threads, thread_name_prefix="grain_core-shm-del"
+            )
+            _deleter.limit = max_outstanding_requests
+
+    def __reduce__(self) -> Any:
+        if self._is_whole_block():
+            return (SharedMemoryArray.from_metadata, (self.metadata,))
+        return np.asarray(self).view(np.ndarray).__reduce__()
+
+
+# ----------------------------------------------------------------------------- transport
+class _ShmRef:
+    """An array leaf in transit: it lives in block ``name``."""
+
+    __slots__ = ("name", "shape", "dtype")
+
+    def __init__(self, name: str, shape: tuple[int, ...], dtype: np.dtype[Any]) -> None:
+        self.name = name
+        self.shape = shape
+        self.dtype = dtype
+
+    def __reduce__(self) -> Any:
+        return (_ShmRef, (self.name, self.shape, self.dtype))
+
+
+def _qualifies(x: np.ndarray, min_size: int) -> bool:
+    return (
+        x.nbytes >= min_size
+        and x.nbytes > 0
+        and not x.dtype.hasobject
+        and x.flags.c_contiguous
+    )
+
+
+def copy_to_shm(tree: Any, min_size: int = 0) -> tuple[Any, list[str]]:
+    """Replaces qualifying array leaves by references to shared-memory blocks.
+
+    Whole-block :class:`SharedMemoryArray` leaves are referenced without copying; other
+    C-contiguous, non-empty, non-object arrays of at least ``min_size`` bytes are copied into a
+    new block. Containers (dict, list, tuple, namedtuple) are rebuilt only where a leaf changed,
+    keeping their key order.
+
+    Returns:
+      The new tree and the names of the blocks it references.
+    """
+    names: list[str] = []
+    return _encode(tree, min_size, names), names
+
+
+def _encode(x: Any, min_size: int, names: list[str]) -> Any:
+    if isinstance(x, np.ndarray):
+        if isinstance(x, SharedMemoryArray) and x._is_whole_block():
+            assert x._shm_name is not None
+            names.append(x._shm_name)
+            return _ShmRef(x._shm_name, tuple(x.shape), x.dtype)
+        if not _qualifies(x, min_size):
+            return x
+        name, mapping = create_block(x.nbytes)
+        try:
+            np.ndarray(x.shape, x.dtype, buffer=mapping)[...] = x
+        finally:
+            mapping.close()
+        names.append(name)
+        return _ShmRef(name, tuple(x.shape), x.dtype)
+    kind = type(x)
+    if kind is dict:
+        return {k: _encode(v, min_size, names) for k, v in x.items()}
+    if kind is list:
+        return [_encode(v, min_size, names) for v in x]
+    if isinstance(x, tuple):
+        items = [_encode(v, min_size, names) for v in x]
+        if hasattr(kind, "_fields"):
+            return kind(*items)
+        return kind(items)
+    return x
+
+
+def open_from_shm(tree: Any) -> Any:
+    """Turns references back into arrays: maps each block and unlinks its name at once."""
+    if isinstance(tree, _ShmRef):
+        mapping = open_block(tree.name)
+        unlink_block(tree.name)
+        return np.ndarray(tree.shape, tree.dtype, buffer=mapping)
+    kind = type(tree)
+    if kind is dict:
+        return {k: open_from_shm(v) for k, v in tree.items()}
+    if kind is list:
+        return [open_from_shm(v) for v in tree]
+    if isinstance(tree, tuple):
+        items = [open_from_shm(v) for v in tree]
+        if hasattr(kind, "_fields"):
+            return kind(*items)
+        return kind(items)
+    return tree
+
+
+def unlink_shm(names: Iterable[str]) -> None:
+    """Frees blocks of an element that will never be opened."""
+    for name in names:
+        unlink_block(name)

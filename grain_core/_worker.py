@@ -1,0 +1,408 @@
+"""Worker processes of ``mp_prefetch``: how they start, what they run, how they stop.
+
+Processes start from a dedicated forkserver that has already imported ``grain_core`` (NumPy and
+cloudpickle included), so a worker costs a ``fork`` instead of a fresh interpreter. Unlike
+``multiprocessing``'s own start methods, the worker does not re-run the parent's ``__main__``
+module: the pipeline arrives through cloudpickle, which carries ``__main__`` functions by value,
+so a training script that imports JAX at the top does not import it again in every worker.
+
+Protocol, one pair of pipes per worker (no polling anywhere):
+
+* control (parent → worker): ``("credit", k)`` allows ``k`` more elements; ``("set_state",
+  generation, state, credits)`` restores the worker pipeline without restarting the process;
+  ``("stop",)``.
+* output (worker → parent): ``(generation, kind, element, state, shm_names)`` where ``kind`` is
+  ``ELEMENT``, ``END`` or ``ERROR``; ``state`` is the worker pipeline's state right after producing
+  the element, so the parent never has to ask for it. Messages of an older generation (produced
+  before a ``set_state``) are discarded by the parent, their shared memory freed.
+
+The parent waits on the output pipe together with the process sentinel, so a worker that dies is
+noticed at once. The worker waits on its control pipe and watches the parent's sentinel in a
+thread, so it exits as soon as the parent dies.
+"""
+
+from __future__ import annotations
+
+import io
+import multiprocessing
+import multiprocessing.connection
+import os
+import pickle
+import secrets
+import signal
+import threading
+import time
+import traceback
+from collections.abc import Sequence
+from multiprocessing import context as mp_context
+from multiprocessing import forkserver, popen_forkserver, reduction, spawn, util
+from typing import Any
+
+from grain_core import _shm
+
+__all__ = ["ELEMENT", "END", "ERROR", "WorkerPool", "WorkerSpec"]
+
+ELEMENT, END, ERROR = 0, 1, 2
+
+#: Environment variable a worker gets for ``JAX_PLATFORMS`` unless the parent sets
+#: ``GRAIN_CORE_WORKER_JAX_PLATFORMS``: workers never claim an accelerator by default.
+_WORKER_JAX_PLATFORMS_ENV = "GRAIN_CORE_WORKER_JAX_PLATFORMS"
+
+# ---------------------------------------------------------------------------------- starting
+_FORKSERVER = forkserver.ForkServer()
+_FORKSERVER.set_forkserver_preload(["grain_core._worker", "cloudpickle"])
+
+
+class _Popen(popen_forkserver.Popen):
+    """Starts a process from our forkserver without re-importing the parent's ``__main__``."""
+
+    def _launch(self, process_obj: Any) -> None:
+        prep_data = spawn.get_preparation_data(process_obj._name)
+        prep_data.pop("init_main_from_path", None)
+        prep_data.pop("init_main_from_name", None)
+        buf = io.BytesIO()
+        mp_context.set_spawning_popen(self)
+        try:
+            reduction.dump(prep_data, buf)
+            reduction.dump(process_obj, buf)
+        finally:
+            mp_context.set_spawning_popen(None)
+        self.sentinel, w = _FORKSERVER.connect_to_new_process(self._fds)
+        # The child watches this pipe to learn that the parent died.
+        parent_w = os.dup(w)
+        self.finalizer = util.Finalize(self, util.close_fds, (parent_w, self.sentinel))
+        with open(w, "wb", closefd=True) as f:
+            f.write(buf.getbuffer())
+        self.pid = forkserver.read_signed(self.sentinel)
+
+
+class _WorkerProcess(mp_context.ForkServerProcess):
+    @staticmethod
+    def _Popen(process_obj: Any) -> Any:
+        return _Popen(process_obj)
+
+
+def _process_class() -> type[multiprocessing.process.BaseProcess]:
+    if "forkserver" in multiprocessing.get_all_start_methods():
+        return _WorkerProcess
+    return multiprocessing.get_context("spawn").Process  # type: ignore[no-any-return]
+
+
+# ------------------------------------------------------------------------------ worker side
+class WorkerSpec:
+    """What one worker needs: its index, the pickled pipeline and how to build its iterator.
+
+    Attributes:
+      index / count: This worker's index and the number of workers.
+      init_fn: cloudpickled ``worker_init_fn`` (or None), run before the pipeline is unpickled.
+      dataset: cloudpickled pipeline (the same bytes for every worker).
+      sequential_slice: Contiguous instead of strided slices.
+      state: Worker pipeline state to start from (None: the beginning).
+      plugins: Plugin names loaded in the parent (None: the parent had not loaded plugins).
+      options: ``DatasetOptions`` of the parent's iterator, merged into the worker's.
+    """
+
+    def __init__(
+        self,
+        *,
+        index: int,
+        count: int,
+        init_fn: bytes | None,
+        dataset: bytes,
+        sequential_slice: bool,
+        state: Any,
+        plugins: list[str] | None,
+        options: Any,
+        shm_prefix: str,
+    ) -> None:
+        self.index = index
+        self.count = count
+        self.init_fn = init_fn
+        self.dataset = dataset
+        self.sequential_slice = sequential_slice
+        self.state = state
+        self.plugins = plugins
+        self.options = options
+        self.shm_prefix = shm_prefix
+        self.jax_platforms = os.environ.get(_WORKER_JAX_PLATFORMS_ENV, "cpu")
+
+
+def _error_message(error: BaseException) -> tuple[bytes | None, str, str, str]:
+    import cloudpickle
+
+    tb = "".join(traceback.format_exception(error))
+    try:
+        payload: bytes | None = cloudpickle.dumps(error)
+        pickle.loads(payload)
+    except Exception:  # noqa: BLE001 - unpicklable exceptions travel as text
+        payload = None
+    return payload, f"{type(error).__module__}.{type(error).__qualname__}", str(error), tb
+
+
+def _watch_parent() -> None:
+    parent = multiprocessing.parent_process()
+    if parent is None or parent.sentinel is None:
+        return
+    sentinel = parent.sentinel
+
+    def wait_and_exit() -> None:
+        multiprocessing.connection.wait([sentinel])
+        # The parent is gone: nobody will read our output. Blocks still in flight are removed
+        # by the resource tracker.
+        os._exit(0)
+
+    threading.Thread(target=wait_and_exit, name="grain_core-parent-watch", daemon=True).start()
+
+
+def worker_main(spec: WorkerSpec, control: Any, output: Any) -> None:
+    """Entry point of a worker process."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's to handle.
+    os.environ["JAX_PLATFORMS"] = spec.jax_platforms
+    if spec.plugins is not None:
+        from grain_core import plugins
+
+        os.environ[plugins.PLUGINS_ENV] = ",".join(spec.plugins)
+        plugins.reset()
+    _shm.set_name_prefix(spec.shm_prefix)
+    _watch_parent()
+    _WorkerLoop(spec, control, output).run()
+
+
+class _WorkerLoop:
+    def __init__(self, spec: WorkerSpec, control: Any, output: Any) -> None:
+        self._spec = spec
+        self._control = control
+        self._output = output
+        self._generation = 0
+        self._credits = 0
+        self._finished = False
+        self._it: Any = None
+        self._build_error: BaseException | None = None
+        self._min_shm_size = _shm.DEFAULT_MIN_SHM_SIZE
+
+    def run(self) -> None:
+        try:
+            self._build()
+            while True:
+                if self._credits == 0 or self._finished:
+                    if not self._handle(self._control.recv()):
+                        return
+                    continue
+                while self._control.poll():
+                    if not self._handle(self._control.recv()):
+                        return
+                if self._credits > 0 and not self._finished:
+                    self._produce()
+        except (EOFError, BrokenPipeError, ConnectionResetError):
+            return  # The parent closed our pipes: it is gone or shutting down.
+        finally:
+            if self._it is not None:
+                self._it.close()
+
+    def _build(self) -> None:
+        import cloudpickle  # noqa: F401 - needed to unpickle by-value functions
+
+        from grain_core.dataset.mp_prefetch import build_worker_iterator
+
+        spec = self._spec
+        try:
+            if spec.init_fn is not None:
+                pickle.loads(spec.init_fn)(spec.index, spec.count)
+            ds = pickle.loads(spec.dataset)
+            self._it = build_worker_iterator(
+                ds, spec.index, spec.count, spec.sequential_slice, spec.options
+            )
+            if spec.state is not None:
+                self._it.set_state(spec.state)
+            self._min_shm_size = _min_shm_size(self._it)
+        except Exception as e:  # noqa: BLE001 - reported to the parent on its next request
+            self._build_error = e
+
+    def _handle(self, message: tuple[Any, ...]) -> bool:
+        kind = message[0]
+        if kind == "credit":
+            self._credits += message[1]
+        elif kind == "set_state":
+            _, self._generation, state, self._credits = message
+            self._finished = False
+            if self._it is not None:
+                try:
+                    self._it.set_state(state)
+                except Exception as e:  # noqa: BLE001 - reported on the next request
+                    self._send_error(e)
+        elif kind == "stop":
+            return False
+        return True
+
+    def _send(self, message: tuple[Any, ...]) -> None:
+        self._output.send_bytes(pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL))
+
+    def _send_error(self, error: BaseException) -> None:
+        self._send((self._generation, ERROR, _error_message(error), None, ()))
+        self._finished = True
+        self._credits = max(self._credits - 1, 0)
+
+    def _produce(self) -> None:
+        if self._build_error is not None:
+            self._send_error(self._build_error)
+            return
+        it = self._it
+        try:
+            element = next(it)
+        except StopIteration:
+            self._send((self._generation, END, None, it.get_state(), ()))
+            self._finished = True
+            self._credits -= 1
+            return
+        except Exception as e:  # noqa: BLE001 - re-raised in the parent
+            self._send_error(e)
+            return
+        state = it.get_state()
+        tree, names = _shm.copy_to_shm(element, self._min_shm_size)
+        try:
+            data = _dumps_element((self._generation, ELEMENT, tree, state, names))
+        except Exception as e:  # noqa: BLE001 - an element that cannot travel is an error
+            _shm.unlink_shm(names)
+            error = TypeError(
+                f"Worker {self._spec.index} produced an element that cannot be pickled and "
+                f"therefore cannot be sent to the main process: {type(e).__name__}: {e}. "
+                "Convert it to NumPy arrays / plain Python values in the pipeline."
+            )
+            error.__cause__ = e
+            self._send_error(error)
+            return
+        self._output.send_bytes(data)
+        self._credits -= 1
+
+
+def _dumps_element(message: tuple[Any, ...]) -> bytes:
+    try:
+        return pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
+    except Exception:  # noqa: BLE001 - lambdas and local classes need cloudpickle
+        import cloudpickle
+
+        return cloudpickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)  # type: ignore[no-any-return]
+
+
+def _min_shm_size(it: Any) -> int:
+    options = it._ctx.dataset_options
+    if "min_shm_size" in getattr(options, "_explicit", ()):
+        return int(options.min_shm_size)
+    return _shm.DEFAULT_MIN_SHM_SIZE
+
+
+# ------------------------------------------------------------------------------ parent side
+class WorkerDiedError(RuntimeError):
+    """A worker process ended without being asked to."""
+
+
+class WorkerPool:
+    """The parent's handles on a set of worker processes. Holds no reference to the iterator
+    that uses it, so it can be finalised when that iterator is garbage-collected."""
+
+    def __init__(self, specs: Sequence[WorkerSpec]) -> None:
+        self.count = len(specs)
+        self._closed = False
+        self._procs: list[Any] = []
+        self._controls: list[Any] = []
+        self._outputs: list[Any] = []
+        self._prefixes = [spec.shm_prefix for spec in specs]
+        process_cls = _process_class()
+        try:
+            for spec in specs:
+                control_r, control_w = multiprocessing.Pipe(duplex=False)
+                output_r, output_w = multiprocessing.Pipe(duplex=False)
+                proc = process_cls(
+                    target=worker_main,
+                    args=(spec, control_r, output_w),
+                    name=f"grain_core-worker-{spec.index}",
+                    daemon=True,
+                )
+                proc.start()
+                control_r.close()
+                output_w.close()
+                self._procs.append(proc)
+                self._controls.append(control_w)
+                self._outputs.append(output_r)
+        except BaseException:
+            self.shutdown()
+            raise
+
+    @staticmethod
+    def new_prefix(index: int) -> str:
+        """A shared-memory name prefix unique to one worker of one pool."""
+        return f"gc{os.getpid():x}{secrets.token_hex(4)}w{index}_"
+
+    def send(self, index: int, message: tuple[Any, ...]) -> None:
+        """Sends a control message (a dead worker is reported by the next ``recv``)."""
+        try:
+            self._controls[index].send(message)
+        except (BrokenPipeError, ConnectionResetError, OSError):
+            pass
+
+    def recv(self, index: int) -> tuple[Any, ...]:
+        """Returns the next message of worker ``index``, waiting for it.
+
+        Raises:
+          WorkerDiedError: If the worker process ended.
+        """
+        conn = self._outputs[index]
+        if not conn.poll():
+            multiprocessing.connection.wait([conn, self._procs[index].sentinel])
+        try:
+            data = conn.recv_bytes()
+        except (EOFError, OSError):
+            raise self._died(index) from None
+        return pickle.loads(data)  # type: ignore[no-any-return]
+
+    def _died(self, index: int) -> WorkerDiedError:
+        proc = self._procs[index]
+        proc.join(timeout=5)
+        code = proc.exitcode
+        _shm.unlink_prefix(self._prefixes[index])
+        how = f"exit code {code}"
+        if code is not None and code < 0:
+            try:
+                how += f" ({signal.Signals(-code).name})"
+            except ValueError:
+                pass
+        return WorkerDiedError(
+            f"Worker process {index} of {self.count} (pid {proc.pid}) was terminated "
+            f"unexpectedly with {how}. A SIGKILL usually means the machine ran out of memory: "
+            "reduce per_worker_buffer_size, the number of workers or the element size."
+        )
+
+    def shutdown(self) -> None:
+        """Stops every worker, frees shared memory left in flight. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        for index in range(len(self._controls)):
+            self.send(index, ("stop",))
+        for index, proc in enumerate(self._procs):
+            self._drain_until_exit(index, proc, timeout=5.0)
+            if proc.exitcode is None:
+                proc.kill()
+                proc.join(timeout=5)
+            _shm.unlink_prefix(self._prefixes[index])
+        for conn in (*self._controls, *self._outputs):
+            conn.close()
+        for proc in self._procs:
+            if proc.exitcode is not None:
+                proc.close()
+
+    def _drain_until_exit(self, index: int, proc: Any, timeout: float) -> None:
+        # A worker blocked writing a large message exits only once that message is read.
+        deadline = time.monotonic() + timeout
+        conn = self._outputs[index]
+        while proc.exitcode is None:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                return
+            ready = multiprocessing.connection.wait([conn, proc.sentinel], timeout=remaining)
+            if conn in ready:
+                try:
+                    conn.recv_bytes()
+                except (EOFError, OSError):
+                    proc.join(timeout=max(deadline - time.monotonic(), 0))
+                    return

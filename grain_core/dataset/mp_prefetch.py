@@ -1,0 +1,416 @@
+"""``IterDataset.mp_prefetch``: the pipeline runs in worker processes, merged in strict rotation.
+
+Worker ``w`` of ``N`` runs a copy of the pipeline in which, on every path from the output to the
+sources, the first sliceable node reads only its share: normally the MapDataset→IterDataset
+boundary (``to_iter_dataset``), re-pointed at ``map_parent[w::N]``. The graph is rebuilt for the
+worker; nothing the user holds is mutated. The parent takes one element from each worker in turn
+(``0, 1, …, N-1, 0, …``), blocking on a slow worker rather than skipping it, and skips workers
+that are exhausted, so the output never depends on timing; with only 1:1 transformations after
+the slice point it equals the single-process output.
+
+The merge is an ``InterleaveIterDataset`` with one slot per worker, so the state is the interleave
+state of spec 1.3.1 with one worker pipeline state per slot. Every element arrives together with
+its worker's state right after producing it, so ``get_state`` never talks to the workers, and
+``set_state`` restores the workers in place, without restarting them.
+"""
+
+from __future__ import annotations
+
+import copy
+import io
+import pickle
+import weakref
+from collections.abc import Callable
+from typing import Any
+
+from grain_core import _shm
+from grain_core._worker import ELEMENT, END, WorkerDiedError, WorkerPool, WorkerSpec
+from grain_core.dataset.base import (
+    DatasetIterator,
+    IterDataset,
+    MapDataset,
+    MultiprocessingContext,
+    _WithSeedMapDataset,
+)
+from grain_core.dataset.interleave import InterleaveIterDataset
+from grain_core.dataset.map import (
+    FilterMapDataset,
+    MapMapDataset,
+    MapWithIndexMapDataset,
+    RandomMapMapDataset,
+)
+from grain_core.dataset.options import DatasetOptions
+from grain_core.dataset.prefetch import PrefetchIterDataset
+from grain_core.dataset.source import RangeMapDataset, SourceMapDataset
+from grain_core.options import MultiprocessingOptions
+from grain_core.sharding import ShardOptions, even_split
+
+__all__ = ["MultiprocessPrefetchIterDataset", "build_worker_iterator", "mp_prefetch", "slice_for_worker"]
+
+# MapDataset nodes that keep every index in place, so a contiguous block of their source is the
+# same block of their output (what ``sequential_slice`` needs).
+_POSITION_PRESERVING = (
+    MapMapDataset,
+    MapWithIndexMapDataset,
+    RandomMapMapDataset,
+    FilterMapDataset,
+    _WithSeedMapDataset,
+)
+
+
+def mp_prefetch(
+    ds: IterDataset[Any],
+    options: MultiprocessingOptions | None = None,
+    worker_init_fn: Callable[[int, int], None] | None = None,
+    sequential_slice: bool = False,
+) -> IterDataset[Any]:
+    """Runs ``ds`` in ``options.num_workers`` processes (``ds`` itself when that is 0).
+
+    Args:
+      ds: The pipeline to run in workers.
+      options: Worker count and per-worker buffer; default 10 workers.
+      worker_init_fn: Called as ``fn(worker_index, worker_count)`` in each worker before the
+        pipeline is unpickled.
+      sequential_slice: Give each worker a contiguous block of the source instead of a strided
+        share (only for element-wise MapDataset pipelines above the source).
+    """
+    if options is None:
+        options = MultiprocessingOptions(num_workers=10)
+    if options.num_workers == 0:
+        return ds
+    return MultiprocessPrefetchIterDataset(
+        ds, options, worker_init_fn=worker_init_fn, sequential_slice=sequential_slice
+    )
+
+
+class MultiprocessPrefetchIterDataset(IterDataset[Any]):
+    """The pipeline ``parent`` run by worker processes (see module docstring)."""
+
+    def __init__(
+        self,
+        parent: IterDataset[Any],
+        options: MultiprocessingOptions,
+        *,
+        worker_init_fn: Callable[[int, int], None] | None = None,
+        sequential_slice: bool = False,
+    ) -> None:
+        super().__init__(parent)
+        self.options = options
+        self.worker_init_fn = worker_init_fn
+        self.sequential_slice = sequential_slice
+        self._payload: tuple[bytes, bytes | None] | None = None
+
+    @property
+    def num_workers(self) -> int:
+        return self.options.num_workers
+
+    def payload(self) -> tuple[bytes, bytes | None]:
+        """The cloudpickled pipeline and ``worker_init_fn``, computed once.
+
+        Raises:
+          Exception: The pickling error, with a note naming the first node that cannot be
+            pickled.
+        """
+        if self._payload is None:
+            import cloudpickle
+
+            dataset = _pickle_pipeline(self._parents[0])
+            init = None if self.worker_init_fn is None else cloudpickle.dumps(self.worker_init_fn)
+            self._payload = (dataset, init)
+        return self._payload
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {**self.__dict__, "_payload": None}
+
+    def __iter__(self) -> DatasetIterator[Any]:
+        workers = [_WorkerIterDataset(self, w) for w in range(self.num_workers)]
+        # Strict rotation that skips exhausted workers is an interleave with one slot per
+        # worker; the worker processes are the read-ahead, so no input threads.
+        return iter(InterleaveIterDataset(workers, cycle_length=len(workers), iter_buffer_size=0))
+
+    def __repr__(self) -> str:
+        return (
+            f"MultiprocessPrefetchIterDataset(num_workers={self.num_workers}, "
+            f"per_worker_buffer_size={self.options.per_worker_buffer_size}, "
+            f"sequential_slice={self.sequential_slice})"
+        )
+
+
+# --------------------------------------------------------------------------- worker graph
+def slice_for_worker(
+    ds: IterDataset[Any], index: int, count: int, sequential: bool = False
+) -> IterDataset[Any]:
+    """Returns worker ``index`` of ``count``'s copy of ``ds``, re-sliced at its first sliceable
+    node on every path. The nodes of ``ds`` are left untouched.
+
+    Raises:
+      ValueError: If a path reaches an IterDataset source that cannot be sliced, or
+        ``sequential`` is asked for a pipeline it cannot honour.
+    """
+    if count == 1:
+        return ds
+    return _rebuild(ds, index, count, sequential)
+
+
+def _rebuild(node: Any, index: int, count: int, sequential: bool) -> Any:
+    if isinstance(node, PrefetchIterDataset):
+        parent = node.map_parent
+        if sequential:
+            start, end = _sequential_block(parent, index, count)
+            return node.with_parent(parent.slice(slice(start, end)))
+        return node.with_parent(parent.slice(slice(index, None, count)))
+    sl = slice(index, None, count)
+    with_slice = getattr(node, "with_slice", None)
+    if with_slice is not None:
+        return with_slice(sl)
+    if hasattr(node, "set_slice"):
+        # Datasets over lists of inputs (interleave, multi-file readers) slice that list.
+        clone = copy.copy(node)
+        clone.set_slice(sl)
+        return clone
+    parents = node._parents
+    if not parents or not all(isinstance(p, IterDataset) for p in parents):
+        raise ValueError(
+            f"Cannot slice `IterDataset` source {node!r} for {count} workers: it has no "
+            "`set_slice`. Build the pipeline from a MapDataset with `to_iter_dataset()` (or a "
+            "sliceable dataset), or use a single worker."
+        )
+    clone = copy.copy(node)
+    clone._parents = tuple(_rebuild(p, index, count, sequential) for p in parents)
+    return clone
+
+
+def _sequential_block(ds: MapDataset[Any], index: int, count: int) -> tuple[int, int]:
+    node = ds
+    while isinstance(node, _POSITION_PRESERVING):
+        node = node._parents[0]
+    if not isinstance(node, (SourceMapDataset, RangeMapDataset)):
+        raise ValueError(
+            "sequential_slice needs the MapDataset part of the pipeline to keep positions "
+            "(source, map, random_map, map_with_index, filter); "
+            f"{type(node).__name__} changes them. Use the default strided slicing."
+        )
+    return even_split(len(ds), ShardOptions(index, count))
+
+
+def build_worker_iterator(
+    ds: IterDataset[Any],
+    index: int,
+    count: int,
+    sequential: bool,
+    options: DatasetOptions | None,
+) -> DatasetIterator[Any]:
+    """Builds worker ``index``'s iterator with its multiprocessing context and options."""
+    it = iter(slice_for_worker(ds, index, count, sequential))
+    ctx = it._ctx
+    ctx.mp_context = MultiprocessingContext(index, count)
+    if options is not None:
+        ctx.dataset_options = ctx.dataset_options.merge(options)
+    return it
+
+
+# ----------------------------------------------------------------------------- pickling
+def _pickle_pipeline(ds: IterDataset[Any]) -> bytes:
+    import cloudpickle
+
+    try:
+        return cloudpickle.dumps(ds)  # type: ignore[no-any-return]
+    except Exception as e:
+        node = _first_unpicklable_node(ds)
+        if node is not None:
+            e.add_note(
+                f"Dataset: {node!r} cannot be pickled! Everything in an mp_prefetch pipeline "
+                "is sent to worker processes: make its transformations picklable (module-level "
+                "functions or classes, no open files, locks or generators)."
+            )
+        raise
+
+
+def _first_unpicklable_node(root: Any) -> Any:
+    """The most upstream node that fails to pickle on its own (other nodes stubbed out)."""
+    import cloudpickle
+
+    order: list[Any] = []
+    seen: set[int] = set()
+
+    def visit(node: Any) -> None:
+        if id(node) in seen:
+            return
+        seen.add(id(node))
+        for parent in getattr(node, "_parents", ()):
+            visit(parent)
+        order.append(node)
+
+    visit(root)
+
+    class _OneNodePickler(cloudpickle.Pickler):  # type: ignore[misc]
+        def __init__(self, target: Any) -> None:
+            super().__init__(io.BytesIO())
+            self._target = target
+
+        def persistent_id(self, obj: Any) -> Any:
+            if obj is not self._target and isinstance(obj, (MapDataset, IterDataset)):
+                return id(obj)
+            return None
+
+    for node in order:
+        try:
+            _OneNodePickler(node).dump(node)
+        except Exception:  # noqa: BLE001 - this is the search for the failure
+            return node
+    return None
+
+
+def _loaded_plugin_names() -> list[str] | None:
+    from grain_core.plugins import _manager
+
+    reg = _manager._registry
+    if reg is None:
+        return None
+    return [r.name for r in reg.reports if r.status == "loaded" and r.name != _manager.BUILTIN_PLUGIN]
+
+
+# ----------------------------------------------------------------------------- iterator
+class _WorkerIterDataset(IterDataset[Any]):
+    """Worker ``index`` of an mp_prefetch: one input of the parent-side interleave."""
+
+    def __init__(self, mp_ds: MultiprocessPrefetchIterDataset, index: int) -> None:
+        super().__init__()
+        self.mp_ds = mp_ds
+        self.index = index
+
+    def __iter__(self) -> DatasetIterator[Any]:
+        return _ProcessPrefetchIterator(self.mp_ds, self.index)
+
+    def __repr__(self) -> str:
+        return f"_WorkerIterDataset(worker={self.index} of {self.mp_ds.num_workers})"
+
+
+class _ProcessPrefetchIterator(DatasetIterator[Any]):
+    """Reads one worker's output; its state is the worker pipeline's state after the last
+    element handed out. The process starts on the first ``next``/``start_prefetch``."""
+
+    def __init__(self, mp_ds: MultiprocessPrefetchIterDataset, index: int) -> None:
+        super().__init__()
+        self._mp_ds = mp_ds
+        self._index = index
+        self._count = mp_ds.num_workers
+        self._buffer = mp_ds.options.per_worker_buffer_size
+        self._pool: WorkerPool | None = None
+        self._finalizer: weakref.finalize | None = None
+        self._state: Any = None
+        self._exhausted = False
+        self._generation = 0
+        self._outstanding = 0
+        self._error: BaseException | None = None
+
+    def _start(self) -> None:
+        mp_ds = self._mp_ds
+        dataset, init_fn = mp_ds.payload()
+        spec = WorkerSpec(
+            index=self._index,
+            count=self._count,
+            init_fn=init_fn,
+            dataset=dataset,
+            sequential_slice=mp_ds.sequential_slice,
+            state=self._state,
+            plugins=_loaded_plugin_names(),
+            options=self._ctx.dataset_options,
+            shm_prefix=WorkerPool.new_prefix(self._index),
+        )
+        self._pool = pool = WorkerPool([spec])
+        self._finalizer = weakref.finalize(self, pool.shutdown)
+        if not self._exhausted:
+            self._grant(self._buffer)
+
+    def _grant(self, credits: int) -> None:
+        if credits > 0:
+            assert self._pool is not None
+            self._pool.send(0, ("credit", credits))
+            self._outstanding += credits
+
+    def start_prefetch(self) -> None:
+        if self._pool is None and not self._closed:
+            self._start()
+
+    def __next__(self) -> Any:
+        self._check_open()
+        if self._error is not None:
+            raise self._error
+        if self._exhausted:
+            raise StopIteration
+        if self._pool is None:
+            self._start()
+        if self._outstanding == 0:
+            self._grant(1)
+        pool = self._pool
+        assert pool is not None
+        while True:
+            try:
+                generation, kind, element, state, names = pool.recv(0)
+            except WorkerDiedError as e:
+                self._error = e
+                raise
+            if generation == self._generation:
+                break
+            _shm.unlink_shm(names)  # produced before the last set_state
+        self._outstanding -= 1
+        if kind == ELEMENT:
+            self._state = state
+            if self._buffer > 0:
+                self._grant(1)
+            return _shm.open_from_shm(element) if names else element
+        if kind == END:
+            self._state = state
+            self._exhausted = True
+            raise StopIteration
+        self._error = self._remote_error(element)
+        raise self._error
+
+    def _remote_error(self, payload: tuple[Any, ...]) -> BaseException:
+        exc_bytes, type_name, message, tb = payload
+        error: BaseException | None = None
+        if exc_bytes is not None:
+            try:
+                error = pickle.loads(exc_bytes)
+            except Exception:  # noqa: BLE001 - fall back to a text description
+                error = None
+        if error is None:
+            error = RuntimeError(f"{type_name}: {message}")
+        error.add_note(
+            f"Raised in mp_prefetch worker process {self._index} of {self._count}. "
+            f"Worker traceback:\n{tb}"
+        )
+        return error
+
+    def get_state(self) -> dict[str, Any]:
+        if self._state is None:
+            # Before the first element: build this worker's pipeline here only to read its
+            # initial state; no process starts.
+            mp_ds = self._mp_ds
+            worker_ds = slice_for_worker(
+                mp_ds._parents[0], self._index, self._count, mp_ds.sequential_slice
+            )
+            it = iter(worker_ds)
+            self._state = it.get_state()
+            it.close()
+        return copy.deepcopy(self._state)
+
+    def set_state(self, state: dict[str, Any]) -> None:
+        if isinstance(self._error, WorkerDiedError):
+            raise self._error
+        self._state = copy.deepcopy(state)
+        self._exhausted = False
+        self._error = None
+        if self._pool is None:
+            return
+        self._generation += 1
+        self._pool.send(0, ("set_state", self._generation, self._state, self._buffer))
+        self._outstanding = self._buffer
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        if self._finalizer is not None:
+            self._finalizer()
+        super().close()
