@@ -1,0 +1,287 @@
+"""``ArrayRecordDataSource``: random access to the records of ArrayRecord files.
+
+How reads are planned (measured with array_record 0.8.6, 1 KiB records, group_size 1):
+
+* A block of indices is split by file with one numpy sort; each file's share is read with
+  ONE ``ArrayRecordReader.read(positions)`` call, which decompresses the records in parallel
+  in C++ with the GIL released, and the records are put back in request order.
+* That indexed read costs about 12 ns per record *of the file* on every call (array_record
+  sets up per-chunk bookkeeping for the whole file: 0.6 ms per call on a 50,000-record file),
+  whereas a one-record range read ``read(p, p + 1)`` costs about 10 µs whatever the file
+  size. So a share smaller than ``records_in_file / 1024`` is read record by record with range
+  reads (this is also the single-record ``__getitem__`` path), and a share of consecutive
+  positions is read with one range read.
+* Readers are shared by all threads without a lock: both reads are const in C++ and release
+  the GIL. Measured on 2 cores, 8 threads reading batches of 256: shared readers 30,200
+  records/s, one reader per thread 23,900 (the per-thread readers only add file handles and
+  index copies), so readers are shared.
+"""
+
+from __future__ import annotations
+
+import bisect
+import concurrent.futures
+import hashlib
+import json
+import operator
+import os
+import re
+import threading
+import warnings
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any, SupportsIndex
+
+import numpy as np
+from array_record.python import array_record_module
+
+from grain_arrayrecord._paths import PathsArg, ReadInstruction, parse_paths
+
+__all__ = ["ArrayRecordDataSource"]
+
+# A file's share of a block is read with one indexed read only when it holds at least
+# records_in_file / _INDEXED_READ_MIN_FRACTION positions (see the module docstring).
+_INDEXED_READ_MIN_FRACTION = 1024
+# Random access reads one chunk at a time: no readahead, and a buffer near the chunk size
+# instead of riegeli's 1 MiB default.
+_READER_DEFAULTS = {"readahead_buffer_size": "0"}
+_FILE_BUFFER_BYTES = 32 * 1024
+_GROUP_SIZE_RE = re.compile(r"(?:^|,)group_size:(\d+)(?:,|$)")
+
+
+class ArrayRecordDataSource:
+    """Random access to the records (``bytes``) of one or more ArrayRecord files.
+
+    Records are numbered across the read instructions in order. ``__getitems__`` reads a block
+    of records with one parallel C++ read per file. The source pickles without open files:
+    worker processes reopen the files on their first read.
+
+    Args:
+      paths: A path, a glob, ``"file[start:end]"`` (records ``start`` to ``end - 1`` of
+        ``file``), a FileInstruction-like object (``filename``, ``skip``, ``take``,
+        ``examples_in_shard``), or a sequence of those. Plain paths and globs are opened
+        right away to count their records (in parallel); ranges are opened on first read.
+      reader_options: ArrayRecord reader options, e.g. ``{"index_storage_option":
+        "offloaded"}``; ``readahead_buffer_size`` defaults to ``"0"`` (random access).
+
+    Raises:
+      ValueError: On empty ``paths``, a wrong element type, a bad range, bad
+        ``reader_options``, or a file that is not a readable ArrayRecord file.
+      FileNotFoundError: If a file does not exist or a glob matches nothing.
+    """
+
+    def __init__(
+        self, paths: PathsArg, reader_options: Mapping[str, str] | None = None
+    ) -> None:
+        self._instructions = parse_paths(paths)
+        self._reader_options = _options_string(reader_options)
+        self._lock = threading.Lock()  # guards opening readers, never reading
+        self._readers: dict[str, Any] = {}
+        plain = sorted({i.path for i in self._instructions if i.end is None})
+        if plain:
+            with concurrent.futures.ThreadPoolExecutor(min(16, len(plain))) as pool:
+                counts = dict(zip(plain, pool.map(lambda p: self._reader(p).num_records(), plain)))
+        counts_per_instruction = [
+            (i.end if i.end is not None else counts[i.path]) - i.start for i in self._instructions
+        ]
+        self._paths = [i.path for i in self._instructions]
+        self._starts = np.array([i.start for i in self._instructions], dtype=np.int64)
+        offsets = np.concatenate(([0], np.cumsum(counts_per_instruction, dtype=np.int64)))
+        self._offsets = offsets
+        self._offsets_list = offsets.tolist()
+        self._len = int(offsets[-1])
+        sizes = {path: os.path.getsize(path) for path in set(self._paths)}
+        self._fingerprint = _fingerprint(
+            (i.path, sizes[i.path], i.start, n)
+            for i, n in zip(self._instructions, counts_per_instruction, strict=True)
+        )
+
+    @property
+    def paths(self) -> list[str]:
+        """The file of each read instruction, in record order."""
+        return list(self._paths)
+
+    def __len__(self) -> int:
+        return self._len
+
+    def __getitem__(self, record_key: SupportsIndex) -> bytes:
+        """Returns record ``record_key`` (0 <= record_key < len).
+
+        Raises:
+          IndexError: If the key is out of range.
+          ValueError: If the file cannot be read there (corrupt data).
+        """
+        key = operator.index(record_key)
+        if not 0 <= key < self._len:
+            raise IndexError(self._out_of_range_message(key))
+        instruction = bisect.bisect_right(self._offsets_list, key) - 1
+        position = key - self._offsets_list[instruction] + int(self._starts[instruction])
+        return self._read(instruction, np.array([position], dtype=np.int64))[0]
+
+    def __getitems__(self, record_keys: Sequence[SupportsIndex]) -> list[bytes]:
+        """Returns the records ``record_keys`` in the requested order, duplicates included.
+
+        Raises:
+          IndexError: If a key is out of range.
+          ValueError: If a file cannot be read (corrupt data).
+        """
+        keys = np.asarray(record_keys, dtype=np.int64).reshape(-1)
+        if keys.size == 0:
+            return []
+        bad = np.flatnonzero((keys < 0) | (keys >= self._len))
+        if bad.size:
+            raise IndexError(self._out_of_range_message(int(keys[bad[0]])))
+        instructions = np.searchsorted(self._offsets, keys, side="right") - 1
+        positions = keys - self._offsets[instructions] + self._starts[instructions]
+        first = instructions[0]
+        if (instructions == first).all():
+            return self._read(int(first), positions)
+        order = np.argsort(instructions, kind="stable")
+        groups = np.split(order, np.flatnonzero(np.diff(instructions[order])) + 1)
+        out: list[Any] = [None] * keys.size
+        for group in groups:
+            records = self._read(int(instructions[group[0]]), positions[group])
+            for slot, record in zip(group.tolist(), records, strict=True):
+                out[slot] = record
+        return out
+
+    def _read(self, instruction: int, positions: np.ndarray) -> list[bytes]:
+        """Reads ``positions`` (record numbers within the file) of one instruction's file."""
+        path = self._paths[instruction]
+        reader = self._reader(path)
+        count = positions.size
+        first = int(positions[0])
+        try:
+            if count == 1 or (
+                int(positions[-1]) - first == count - 1 and (np.diff(positions) == 1).all()
+            ):
+                return reader.read(first, first + count)  # type: ignore[no-any-return]
+            if count * _INDEXED_READ_MIN_FRACTION < reader.num_records():
+                return [reader.read(p, p + 1)[0] for p in positions.tolist()]
+            return reader.read(positions.tolist())  # type: ignore[no-any-return]
+        except (RuntimeError, IndexError) as err:
+            shown = ", ".join(map(str, positions[:8].tolist())) + (", ..." if count > 8 else "")
+            raise ValueError(
+                f"Reading records [{shown}] of ArrayRecord file {path!r} failed: {err}. The "
+                "file is damaged; re-create it or leave it out."
+            ) from None
+
+    def _reader(self, path: str) -> Any:
+        reader = self._readers.get(path)
+        if reader is None:
+            with self._lock:
+                reader = self._readers.get(path)
+                if reader is None:
+                    reader = self._readers[path] = self._open(path)
+        return reader
+
+    def _open(self, path: str) -> Any:
+        try:
+            reader = array_record_module.ArrayRecordReader(
+                path, self._reader_options, file_reader_buffer_size=_FILE_BUFFER_BYTES
+            )
+        except ValueError as err:
+            raise ValueError(
+                f"Invalid ArrayRecord reader_options {self._reader_options!r} for {path!r}: {err}"
+            ) from None
+        except RuntimeError as err:
+            reason = str(err)
+        else:
+            reason = _open_failure(reader)
+        if reason is not None:
+            if not os.path.exists(path):
+                raise FileNotFoundError(f"ArrayRecord file {path!r} does not exist ({reason}).")
+            raise ValueError(
+                f"{path!r} is not a readable ArrayRecord file ({os.path.getsize(path)} bytes): "
+                f"{reason}. It may be truncated (an interrupted write or copy) or in another "
+                "format; re-create it with grain_arrayrecord.ArrayRecordWriter."
+            )
+        num_records = reader.num_records()
+        for instruction in self._instructions:
+            if instruction.path == path and (instruction.end or 0) > num_records:
+                raise ValueError(
+                    f"Read instruction {instruction.text!r} asks for records up to "
+                    f"{instruction.end}, but {path!r} has only {num_records} records."
+                )
+        group_size = writer_group_size(reader)
+        if group_size is not None and group_size != 1:
+            warnings.warn(
+                f"{path!r} was written with group_size={group_size}: every random read "
+                f"decompresses a whole group of {group_size} records. Re-write it with "
+                "group_size=1 for fast random access.",
+                stacklevel=4,
+            )
+        return reader
+
+    def _out_of_range_message(self, key: int) -> str:
+        files = sorted(set(self._paths))
+        named = repr(files[0]) + (f" and {len(files) - 1} more files" if len(files) > 1 else "")
+        return (
+            f"Record index {key} is out of range: the ArrayRecordDataSource over {named} has "
+            f"{self._len} records (valid indices 0 to {self._len - 1})."
+        )
+
+    def close(self) -> None:
+        """Closes the open files; a later read reopens them."""
+        with self._lock:
+            readers, self._readers = self._readers, {}
+        for reader in readers.values():
+            reader.close()
+
+    def __enter__(self) -> ArrayRecordDataSource:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = self.__dict__.copy()
+        del state["_lock"], state["_readers"]
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._lock = threading.Lock()
+        self._readers = {}
+
+    def __repr__(self) -> str:
+        # Identifies the data for DataLoader checkpoint validation: paths, file sizes, ranges
+        # and record counts, never record contents.
+        return (
+            f"ArrayRecordDataSource(num_records={self._len}, "
+            f"num_files={len(set(self._paths))}, fingerprint={self._fingerprint!r})"
+        )
+
+
+def writer_group_size(reader: Any) -> int | None:
+    """Returns the ``group_size`` the file was written with, or None if it is not recorded."""
+    options = reader.writer_options_string()
+    match = _GROUP_SIZE_RE.search(options or "")
+    return int(match[1]) if match else None
+
+
+def _open_failure(reader: Any) -> str | None:
+    """Returns why ``reader`` failed to open, or None if it is fine."""
+    if reader.ok():
+        return None
+    try:
+        reader.read([])  # a failed reader reports its status on any read
+    except (RuntimeError, IndexError) as err:
+        return str(err)
+    return "the reader is not ok"
+
+
+def _options_string(reader_options: Mapping[str, str] | None) -> str:
+    options = dict(_READER_DEFAULTS)
+    if reader_options is not None:
+        if not isinstance(reader_options, Mapping):
+            raise ValueError(
+                "reader_options must be a dict of str to str, e.g. "
+                f"{{'index_storage_option': 'offloaded'}}; got {reader_options!r}."
+            )
+        options.update({str(k): str(v) for k, v in reader_options.items()})
+    return ",".join(f"{key}:{value}" for key, value in options.items())
+
+
+def _fingerprint(entries: Iterable[tuple[str, int, int, int]]) -> str:
+    text = json.dumps([list(e) for e in entries], separators=(",", ":"))
+    return hashlib.sha1(text.encode("utf-8")).hexdigest()
