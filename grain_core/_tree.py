@@ -17,6 +17,8 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from typing import Any
 
+import numpy as np
+
 __all__ = ["flatten", "map_structure", "spec_str", "unflatten"]
 
 
@@ -77,31 +79,40 @@ def map_structure(fn: Callable[..., Any], *trees: Any) -> Any:
       ValueError: if the trees differ in structure; the message shows both structures.
     """
     first = trees[0]
+    kind = type(first)
+    # Exact-type checks first: this runs once per node per batch, and ABC isinstance checks
+    # would dominate batching small elements.
+    if kind is dict or (kind not in _LEAF_TYPES and isinstance(first, Mapping)):
+        keys = first.keys()
+        for t in trees[1:]:
+            if t is None or t.__class__ not in _MAPPING_TYPES and not isinstance(t, Mapping):
+                raise _mismatch(trees)
+            if t.keys() != keys:
+                raise _mismatch(trees)
+        return {k: map_structure(fn, *[t[k] for t in trees]) for k in _sorted_keys(first)}
+    if kind is list or kind is tuple or (kind not in _LEAF_TYPES and isinstance(first, tuple)):
+        n = len(first)
+        for t in trees[1:]:
+            if type(t) is not kind or len(t) != n:
+                raise _mismatch(trees)
+        children = [map_structure(fn, *[t[i] for t in trees]) for i in range(n)]
+        if _is_namedtuple(first):
+            return kind(*children)
+        return kind(children)
     if first is None:
         for t in trees[1:]:
             if t is not None:
                 raise _mismatch(trees)
         return None
-    if isinstance(first, Mapping):
-        keys = _sorted_keys(first)
-        for t in trees[1:]:
-            if not isinstance(t, Mapping) or len(t) != len(keys) or any(k not in t for k in keys):
-                raise _mismatch(trees)
-        return {k: map_structure(fn, *(t[k] for t in trees)) for k in keys}
-    if isinstance(first, (list, tuple)):
-        n = len(first)
-        kind = type(first)
-        for t in trees[1:]:
-            if type(t) is not kind or len(t) != n:
-                raise _mismatch(trees)
-        children = [map_structure(fn, *(t[i] for t in trees)) for i in range(n)]
-        if _is_namedtuple(first):
-            return kind(*children)
-        return kind(children)
     for t in trees[1:]:
-        if t is None or isinstance(t, (Mapping, list, tuple)):
+        if t is None or (t.__class__ not in _LEAF_TYPES and isinstance(t, _CONTAINERS)):
             raise _mismatch(trees)
     return fn(*trees)
+
+
+_LEAF_TYPES = frozenset({np.ndarray, int, float, bool, str, bytes, complex})
+_MAPPING_TYPES = frozenset({dict})
+_CONTAINERS = (Mapping, list, tuple)
 
 
 def spec_str(tree: Any) -> str:

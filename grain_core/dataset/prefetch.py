@@ -7,6 +7,7 @@ import concurrent.futures
 import copy
 import queue
 import threading
+import time
 
 from typing import Any
 
@@ -21,9 +22,14 @@ __all__ = [
     "ThreadPrefetchIterDataset",
 ]
 
-# Largest block of indices read with one ``_getitems`` call. Blocks start at one element and
-# double, so the first element arrives quickly and steady state amortises per-call overhead.
-_MAX_CHUNK = 64
+# Blocks of indices read with one ``_getitems`` call adapt to the cost of an element: they start
+# at one element (the first element arrives quickly) and double while a block takes less than
+# _FAST_BLOCK_S, so cheap elements amortise per-call overhead; they halve above _SLOW_BLOCK_S so
+# that heavy elements (whole batches) are not materialised thousands at a time, which would
+# thrash memory. Block sizes never change which elements are produced or their order.
+_MAX_CHUNK = 1024
+_FAST_BLOCK_S = 0.001
+_SLOW_BLOCK_S = 0.004
 
 
 class PrefetchIterDataset(IterDataset[Any]):
@@ -88,15 +94,21 @@ class PrefetchDatasetIterator(DatasetIterator[Any]):
         )
         self._in_flight = 0
 
-    def _next_chunk_range(self) -> tuple[int, int]:
+    def _next_chunk_range(self, limit: int) -> tuple[int, int]:
         start = self._read_index
-        count = min(self._chunk_size, self._len - start)
-        self._chunk_size = min(self._chunk_size * 2, self._chunk_cap)
+        count = min(self._chunk_size, self._len - start, limit)
         self._read_index += count
         return start, count
 
     def _read(self, start: int, count: int) -> list[Any]:
-        return self._map_ds._getitems(range(start, start + count))
+        began = time.perf_counter()
+        values = self._map_ds._getitems(range(start, start + count))
+        elapsed = time.perf_counter() - began
+        if elapsed < _FAST_BLOCK_S:
+            self._chunk_size = min(self._chunk_size * 2, self._chunk_cap)
+        elif elapsed > _SLOW_BLOCK_S:
+            self._chunk_size = max(self._chunk_size // 2, 1)
+        return values
 
     def _fill(self) -> None:
         if self._executor is None:
@@ -104,7 +116,7 @@ class PrefetchDatasetIterator(DatasetIterator[Any]):
                 self._num_threads, thread_name_prefix="grain_core-read"
             )
         while self._read_index < self._len and self._in_flight < self._buffer_size:
-            start, count = self._next_chunk_range()
+            start, count = self._next_chunk_range(self._buffer_size - self._in_flight)
             self._pending.append((start, count, self._executor.submit(self._read, start, count)))
             self._in_flight += count
 
@@ -119,7 +131,7 @@ class PrefetchDatasetIterator(DatasetIterator[Any]):
                 chunk = self._read_one_by_one(start, count)
             self._fill()
         else:
-            start, count = self._next_chunk_range()
+            start, count = self._next_chunk_range(self._chunk_cap)
             try:
                 chunk = self._read(start, count)
             except Exception:

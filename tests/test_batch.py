@@ -1,0 +1,105 @@
+from __future__ import annotations
+
+import collections
+
+import numpy as np
+import pytest
+
+import grain_core as grain
+from grain_core.dataset.batch import make_batch
+from grain_core.testing import check_iterator_conformance
+
+MD = grain.MapDataset
+Pair = collections.namedtuple("Pair", ["a", "b"])
+
+
+def test_make_batch_stacks_leaves():
+    out = make_batch([{"x": np.zeros(2), "y": 1}, {"x": np.ones(2), "y": 2}])
+    assert out["x"].shape == (2, 2) and out["y"].tolist() == [1, 2]
+    assert make_batch([1, 2, 3]).tolist() == [1, 2, 3]
+    single = make_batch([Pair(np.zeros(3), 5)])
+    assert isinstance(single, Pair) and single.a.shape == (1, 3) and single.b.shape == (1,)
+
+
+def test_make_batch_keeps_strings_untruncated():
+    out = make_batch([np.array("a"), np.array("abcdef")])
+    assert out.tolist() == ["a", "abcdef"]
+    assert make_batch([b"x", b"yyy"]).tolist() == [b"x", b"yyy"]
+
+
+@pytest.mark.parametrize(
+    "values, match",
+    [
+        ([], "0 values"),
+        ([np.zeros(2), np.zeros(3)], "element 1 is ndarray\\[float64\\[3\\]\\]"),
+        ([{"a": 1}, {"b": 1}], "element 1 is \\{'b': int\\}"),
+        ([1, "x"], "different types"),
+        ([(1, 2), (1, 2, 3)], "same structure"),
+    ],
+)
+def test_make_batch_errors_name_the_offending_element(values, match):
+    with pytest.raises(ValueError, match=match):
+        make_batch(values)
+
+
+def test_map_batch_lengths_and_contents():
+    ds = MD.range(10).batch(3)
+    assert len(ds) == 4
+    assert [b.tolist() for b in ds] == [[0, 1, 2], [3, 4, 5], [6, 7, 8], [9]]
+    assert len(MD.range(10).batch(3, drop_remainder=True)) == 3
+    assert ds[4].tolist() == [0, 1, 2]  # next epoch
+    assert [b.tolist() for b in ds._getitems([3, 0])] == [[9], [0, 1, 2]]
+
+
+def test_batch_epoch_boundaries_with_repeat_before_and_after():
+    before = MD.range(5).repeat(2).batch(3)
+    assert [b.tolist() for b in before] == [[0, 1, 2], [3, 4, 0], [1, 2, 3], [4]]
+    after = MD.range(5).batch(3).repeat(2)
+    assert [b.tolist() for b in after] == [[0, 1, 2], [3, 4], [0, 1, 2], [3, 4]]
+
+
+def test_custom_batch_fn_and_error_note():
+    ds = MD.range(6).batch(2, batch_fn=lambda xs: sum(xs))
+    assert list(ds) == [1, 5, 9]
+
+    def bad(xs):
+        raise ValueError("nope")
+
+    with pytest.raises(ValueError, match="nope") as info:
+        MD.range(4).batch(2, batch_fn=bad)[0]
+    assert any("to_iter_dataset" in n for n in info.value.__notes__)
+
+
+@pytest.mark.parametrize("size", [0, -3])
+def test_invalid_batch_size(size):
+    with pytest.raises(ValueError, match="batch_size"):
+        MD.range(3).batch(size)
+    with pytest.raises(ValueError, match="batch_size"):
+        MD.range(3).to_iter_dataset().batch(size)
+
+
+def test_map_batch_after_filter_is_refused():
+    with pytest.raises(ValueError, match="to_iter_dataset"):
+        MD.range(10).filter(lambda x: x % 2).map(lambda x: x).batch(2)
+
+
+def test_iter_batch_and_checkpoints():
+    ds = MD.range(11).to_iter_dataset().filter(lambda x: x != 4).batch(3)
+    out = check_iterator_conformance(ds)
+    assert [b.tolist() for b in out] == [[0, 1, 2], [3, 5, 6], [7, 8, 9], [10]]
+    dropped = MD.range(11).to_iter_dataset().batch(3, drop_remainder=True)
+    assert len(list(dropped)) == 3
+
+
+def test_iter_batch_next_index():
+    it = iter(MD.range(10).to_iter_dataset().batch(4))
+    next(it)
+    assert it._get_next_index() == 1
+    it._set_next_index(2)
+    assert next(it).tolist() == [8, 9]
+
+
+def test_infinite_batch_length():
+    import sys
+
+    assert len(MD.range(4).repeat().batch(3)) == sys.maxsize // 3

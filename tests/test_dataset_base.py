@@ -1,0 +1,153 @@
+from __future__ import annotations
+
+import asyncio
+import gc
+import json
+import pickle
+
+import numpy as np
+import pytest
+
+import grain_core as grain
+from grain_core.dataset.base import DatasetIterator, IteratorContext, MultiprocessingContext
+
+MD = grain.MapDataset
+
+
+def test_default_seed_after_seed_is_seed_sequence_of_seed_and_depth():
+    assert MD.range(10).seed(42).shuffle()._seed == 3329053876
+    assert MD.range(10).seed(41).random_map(lambda x, r: x)._seed == 1669946257
+    assert MD.range(10).seed(7).map(lambda x: x).shuffle()._seed == 1009178997
+
+
+def test_later_seed_shadows_earlier_and_chained_ops_differ():
+    base = MD.range(10).seed(1).seed(7)
+    assert base.shuffle()._seed == 369571992
+    first = base.shuffle()
+    assert first.shuffle()._seed != first._seed
+
+
+def test_default_seed_combines_seeded_branches():
+    a = MD.range(4).seed(1)
+    b = MD.range(4).seed(2)
+    mixed = MD.mix([a, b]).shuffle()
+    both = MD.mix([MD.range(4).seed(1), MD.range(4).seed(2)]).shuffle()
+    only_one = MD.mix([MD.range(4).seed(1), MD.range(4)]).shuffle()
+    assert mixed._seed == both._seed != only_one._seed
+
+
+def test_default_seed_crosses_map_iter_boundary():
+    from grain_core.random import derive_seed
+
+    ds = MD.range(5).seed(3).to_iter_dataset().random_map(lambda x, r: x)
+    assert ds._seed == derive_seed([(3, 2)])
+
+
+@pytest.mark.parametrize("bad", [-1, 2**32, 1.5])
+def test_seed_validation(bad):
+    with pytest.raises((ValueError, TypeError)):
+        MD.range(3).seed(bad)
+
+
+def test_missing_seed_errors_name_the_operation():
+    with pytest.raises(ValueError, match="`shuffle` requires a seed"):
+        MD.range(3).shuffle()
+    with pytest.raises(ValueError, match="`random_map` requires a seed"):
+        MD.range(3).random_map(lambda x, r: x)
+    with pytest.raises(ValueError, match="`random_map` requires a seed"):
+        MD.range(3).to_iter_dataset().random_map(lambda x, r: x)
+
+
+def test_pipe_and_repr_and_pickle():
+    ds = MD.range(10).pipe(lambda d, k: d.map(lambda x: x + k), 5)
+    assert list(ds) == list(range(5, 15))
+    assert "MapMapDataset" in repr(ds)
+    restored = pickle.loads(pickle.dumps(MD.range(10).seed(3).shuffle()))
+    assert list(restored) == list(MD.range(10).seed(3).shuffle())
+
+
+def test_iterators_are_context_managers_and_refuse_after_close():
+    ds = MD.source(list(range(10))).to_iter_dataset()
+    with iter(ds) as it:
+        assert next(it) == 0
+    with pytest.raises(ValueError, match="closed iterator"):
+        next(it)
+    it.close()  # idempotent
+
+
+def test_closing_downstream_closes_the_reader():
+    it = iter(MD.range(10).to_iter_dataset().map(lambda x: x))
+    next(it)
+    it.close()
+    with pytest.raises(ValueError, match="closed iterator"):
+        next(it)
+
+
+def test_context_is_shared_by_the_whole_iterator_chain():
+    it = iter(MD.range(3).to_iter_dataset().map(lambda x: x).batch(2))
+    chain = [it]
+    while chain[-1]._parents:
+        chain.append(chain[-1]._parents[0])
+    assert len({id(i._ctx) for i in chain}) == 1
+
+
+def test_context_merge_rejects_different_workers():
+    a = IteratorContext(mp_context=MultiprocessingContext(0, 2))
+    b = IteratorContext(mp_context=MultiprocessingContext(1, 2))
+    with pytest.raises(ValueError, match="different worker processes"):
+        a.merge(b)
+
+
+def test_next_index_defaults_raise():
+    class Plain(DatasetIterator[int]):
+        def __next__(self):
+            return 1
+
+        def get_state(self):
+            return {}
+
+        def set_state(self, state):
+            pass
+
+    with pytest.raises(NotImplementedError):
+        Plain()._get_next_index()
+    with pytest.raises(NotImplementedError):
+        Plain()._set_next_index(3)
+
+
+def test_orbax_v1_save_and_load(tmp_path):
+    ds = MD.range(10).seed(1).shuffle().to_iter_dataset()
+    it = iter(ds)
+    for _ in range(4):
+        next(it)
+    asyncio.run(_await(it.save(tmp_path)))
+    saved = json.loads((tmp_path / "process_0-of-1.json").read_text())
+    assert saved == {"next_index": 4}
+    fresh = iter(ds)
+    asyncio.run(_await(fresh.load(tmp_path)))
+    assert list(fresh) == list(it)
+
+
+async def _await(coro):
+    inner = await coro
+    await inner
+
+
+def test_unclosed_iterators_are_collected():
+    it = iter(MD.range(100).to_iter_dataset(grain.ReadOptions(num_threads=2)))
+    next(it)
+    executor = it._executor
+    del it
+    gc.collect()
+    assert executor is None or executor._shutdown
+
+
+def test_numpy_elements_round_trip_state():
+    ds = MD.source([np.full(3, i) for i in range(5)]).to_iter_dataset()
+    it = iter(ds)
+    next(it)
+    state = it.get_state()
+    rest = [x.tolist() for x in it]
+    it2 = iter(ds)
+    it2.set_state(state)
+    assert [x.tolist() for x in it2] == rest

@@ -1,0 +1,127 @@
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import grain_core as grain
+from grain_core import transforms
+from grain_core.testing import assert_equal_output_after_checkpoint, check_iterator_conformance
+
+MD = grain.MapDataset
+
+
+class AddOne(transforms.Map):
+    def map(self, x):
+        return x + 1
+
+
+class AddIndex(transforms.MapWithIndex):
+    def map_with_index(self, i, x):
+        return (i, x)
+
+
+class AddNoise(transforms.RandomMap):
+    def random_map(self, x, rng):
+        return x + int(rng.integers(0, 100))
+
+
+class Even(transforms.Filter):
+    def filter(self, x):
+        return x % 2 == 0
+
+
+def test_random_map_golden_cross_version():
+    ds = MD.range(10).seed(41).random_map(lambda x, r: x + r.integers(0, 10))
+    assert [int(v) for v in ds] == [0, 6, 9, 5, 10, 14, 14, 13, 15, 13]
+    assert [int(v) for v in ds._getitems(range(10))] == [0, 6, 9, 5, 10, 14, 14, 13, 15, 13]
+
+
+def test_random_map_differs_per_epoch_and_seed():
+    ds = MD.range(20).seed(1).random_map(AddNoise()).repeat(2)
+    values = [ds[i] - (i % 20) for i in range(40)]
+    assert values[:20] != values[20:]
+    other = MD.range(20).seed(2).random_map(AddNoise())
+    assert [other[i] for i in range(20)] != [ds[i] for i in range(20)]
+    explicit = MD.range(20).random_map(AddNoise(), seed=5)
+    assert list(explicit) == list(MD.range(20).random_map(AddNoise(), seed=5))
+
+
+def test_random_map_without_reseeding_repeats_exactly():
+    ds = MD.range(10).seed(1).random_map(AddNoise()).repeat(3, reseed_each_epoch=False)
+    values = list(ds)
+    assert values[:10] == values[10:20] == values[20:]
+
+
+def test_map_and_class_transforms():
+    assert list(MD.range(3).map(AddOne())) == [1, 2, 3]
+    assert list(MD.range(3).map(lambda x: x * 3)) == [0, 3, 6]
+    ds = MD.range(3).map_with_index(AddIndex())
+    assert [ds[i] for i in range(5)] == [(0, 0), (1, 1), (2, 2), (3, 0), (4, 1)]
+    assert ds._getitems([4, 0]) == [(4, 1), (0, 0)]
+
+
+def test_filter_makes_holes_and_iteration_skips_them():
+    ds = MD.range(10).filter(Even())
+    assert len(ds) == 10
+    assert ds[1] is None and ds[2] == 2
+    assert list(ds) == [0, 2, 4, 6, 8]
+    assert list(ds.map(lambda x: x + 1)) == [1, 3, 5, 7, 9]
+    assert list(ds.to_iter_dataset(allow_nones=True))[:3] == [0, None, 2]
+
+
+def test_holes_pass_through_map_without_calling_the_function():
+    calls = []
+    ds = MD.range(4).filter(lambda x: x > 1).map(lambda x: calls.append(x) or x)
+    assert ds._getitems(range(4)) == [None, None, 2, 3]
+    assert calls == [2, 3]
+
+
+def test_iter_map_filter_random_map_and_states():
+    ds = (
+        MD.range(30)
+        .seed(4)
+        .to_iter_dataset()
+        .map(AddOne())
+        .filter(lambda x: x % 3 != 0)
+        .random_map(AddNoise())
+        .map_with_index(lambda i, x: (i, x))
+    )
+    out = check_iterator_conformance(ds)
+    assert [i for i, _ in out] == list(range(len(out)))
+    it = iter(ds)
+    next(it)
+    state = it.get_state()
+    assert state == {"parent": {"parent": {"next_index": 1}, "index_for_rng": 1}, "counter": 1}
+    assert_equal_output_after_checkpoint(ds)
+
+
+def test_iter_random_map_index_is_global_under_worker_context():
+    ds = MD.range(4).to_iter_dataset().random_map(lambda x, r: int(r.integers(0, 1 << 30)), seed=9)
+    single = list(ds)
+    it = iter(ds)
+    it._ctx.mp_context.process_index, it._ctx.mp_context.process_count = 1, 2
+    # Worker 1 of 2 numbers its elements 1, 3, 5, ...: its first element uses rng index 1.
+    assert next(it) == single[1]
+
+
+def test_map_errors_propagate_with_original_type():
+    def boom(x):
+        if x == 3:
+            raise KeyError("bad element")
+        return x
+
+    it = iter(MD.range(6).map(boom).to_iter_dataset(grain.ReadOptions(num_threads=2)))
+    assert [next(it) for _ in range(3)] == [0, 1, 2]
+    with pytest.raises(KeyError, match="bad element"):
+        next(it)
+
+
+def test_non_callable_transform_is_a_type_error():
+    with pytest.raises(TypeError, match="callable"):
+        MD.range(3).map(42)
+
+
+def test_batched_reads_match_single_reads():
+    ds = MD.range(50).seed(3).shuffle().random_map(AddNoise()).map_with_index(lambda i, x: i * x)
+    idx = np.array([49, 0, 7, 7, 120])
+    assert ds._getitems(idx) == [ds[int(i)] for i in idx]

@@ -1,0 +1,204 @@
+from __future__ import annotations
+
+import threading
+import time
+
+import numpy as np
+import pytest
+
+import grain_core as grain
+from grain_core.dataset.options import DatasetOptions
+from grain_core.dataset.prefetch import ThreadPrefetchDatasetIterator, ThreadPrefetchIterDataset
+from grain_core.testing import check_iterator_conformance
+
+MD = grain.MapDataset
+
+READ_OPTIONS = [
+    grain.ReadOptions(num_threads=0, prefetch_buffer_size=0),
+    grain.ReadOptions(num_threads=0),
+    grain.ReadOptions(num_threads=4, prefetch_buffer_size=16),
+    grain.ReadOptions(),
+]
+
+
+@pytest.mark.parametrize("options", READ_OPTIONS)
+def test_order_and_state_never_depend_on_threads(options):
+    def slow_for_some(x):
+        if x % 7 == 0:
+            time.sleep(0.001)
+        return x
+
+    ds = MD.range(200).seed(3).shuffle().map(slow_for_some).filter(lambda x: x % 5)
+    expected = [x for x in MD.range(200).seed(3).shuffle() if x % 5]
+    out = check_iterator_conformance(ds.to_iter_dataset(options), positions=[0, 77, 159, 160])
+    assert out == expected
+
+
+def test_one_epoch_of_a_finite_and_endless_reading_of_infinite():
+    assert len(list(MD.range(5).to_iter_dataset())) == 5
+    it = iter(MD.range(5).repeat().to_iter_dataset())
+    assert [next(it) for _ in range(12)][-2:] == [0, 1]
+
+
+def test_state_counts_holes():
+    it = iter(MD.range(10).filter(lambda x: x >= 5).to_iter_dataset())
+    assert next(it) == 5
+    assert it.get_state() == {"next_index": 6}
+
+
+def test_invalid_checkpoint_is_an_index_error():
+    it = iter(MD.range(10).to_iter_dataset())
+    with pytest.raises(IndexError, match="out of range"):
+        it.set_state({"next_index": 11})
+    with pytest.raises(IndexError):
+        it.set_state({"next_index": -1})
+
+
+def test_no_over_buffering_beyond_prefetch_buffer():
+    read = []
+    lock = threading.Lock()
+
+    def record(x):
+        with lock:
+            read.append(x)
+        return x
+
+    it = iter(MD.range(10_000).map(record).to_iter_dataset(grain.ReadOptions(2, 50)))
+    next(it)
+    time.sleep(0.05)
+    with lock:
+        assert len(read) <= 50 + 1
+
+
+def test_first_element_arrives_before_a_large_block_is_read():
+    calls = []
+    it = iter(MD.range(1000).map(lambda x: calls.append(x) or x).to_iter_dataset(
+        grain.ReadOptions(num_threads=0, prefetch_buffer_size=500)))
+    assert next(it) == 0
+    assert len(calls) == 1
+
+
+def test_filter_raise_threshold_applies_to_holes():
+    ds = MD.range(3000).filter(lambda x: x % 100 == 0).to_iter_dataset()
+    from grain_core.dataset.base import DatasetIterator
+
+    it = iter(ds)
+    assert isinstance(it, DatasetIterator)
+    it._ctx.dataset_options = DatasetOptions(filter_raise_threshold_ratio=0.5)
+    with pytest.raises(ValueError, match="skipped"):
+        list(it)
+    allowed = iter(MD.range(3000).filter(lambda x: False).to_iter_dataset(allow_nones=True))
+    allowed._ctx.dataset_options = DatasetOptions(filter_raise_threshold_ratio=0.5)
+    assert len(list(allowed)) == 3000
+
+
+def test_error_in_a_block_delivers_earlier_elements_first():
+    def fail_at_37(x):
+        if x == 37:
+            raise ZeroDivisionError("element 37")
+        return x
+
+    for options in READ_OPTIONS:
+        it = iter(MD.range(100).map(fail_at_37).to_iter_dataset(options))
+        assert [next(it) for _ in range(37)] == list(range(37))
+        with pytest.raises(ZeroDivisionError) as info:
+            next(it)
+        assert any("index 37" in note for note in info.value.__notes__)
+
+
+def test_next_index_jumps_without_reading():
+    it = iter(MD.range(100).to_iter_dataset())
+    it._set_next_index(42)
+    assert it._get_next_index() == 42 and next(it) == 42
+
+
+def test_start_prefetch_fills_without_consuming():
+    it = iter(MD.range(100).map(lambda x: x).to_iter_dataset(grain.ReadOptions(2, 10)))
+    it.start_prefetch()
+    assert it.get_state() == {"next_index": 0}
+    assert next(it) == 0
+
+
+def test_thread_prefetch_keeps_state_exact():
+    base = MD.range(50).to_iter_dataset().map(lambda x: x * 2)
+    ds = ThreadPrefetchIterDataset(base, prefetch_buffer_size=4)
+    out = check_iterator_conformance(ds, positions=[0, 10, 49, 50])
+    assert out == [x * 2 for x in range(50)]
+    it = iter(ds)
+    next(it)
+    time.sleep(0.02)  # let the producer run ahead
+    assert it.get_state() == {"next_index": 1}
+    assert it._get_next_index() == 1
+    assert next(it) == 2
+
+
+def test_thread_prefetch_zero_buffer_is_synchronous_and_negative_is_error():
+    base = MD.range(3).to_iter_dataset()
+    assert not isinstance(iter(ThreadPrefetchIterDataset(base, prefetch_buffer_size=0)),
+                          ThreadPrefetchDatasetIterator)
+    with pytest.raises(ValueError, match="prefetch_buffer_size"):
+        ThreadPrefetchIterDataset(base, prefetch_buffer_size=-1)
+
+
+def test_thread_prefetch_reraises_and_stops_cleanly():
+    def boom(x):
+        if x == 2:
+            raise OSError("disk gone")
+        return x
+
+    it = iter(ThreadPrefetchIterDataset(MD.range(5).to_iter_dataset().map(boom),
+                                        prefetch_buffer_size=2))
+    assert [next(it), next(it)] == [0, 1]
+    with pytest.raises(OSError, match="disk gone"):
+        next(it)
+    it.close()
+    with pytest.raises(ValueError, match="closed"):
+        next(it)
+
+
+def test_thread_prefetch_over_foreign_iterators():
+    class Counter:
+        def __init__(self):
+            self.i = 0
+
+        def __next__(self):
+            if self.i >= 5:
+                raise StopIteration
+            self.i += 1
+            return self.i
+
+        def get_state(self):
+            return {"i": self.i}
+
+        def set_state(self, state):
+            self.i = state["i"]
+
+    it = ThreadPrefetchDatasetIterator(Counter(), 2)
+    assert [next(it), next(it)] == [1, 2]
+    state = it.get_state()
+    assert state == {"i": 2}
+    assert list(it) == [3, 4, 5]
+    it.set_state(state)
+    assert list(it) == [3, 4, 5]
+    with pytest.raises(StopIteration):
+        next(it)
+
+
+def test_reads_are_batched_through_getitems():
+    class Source:
+        def __init__(self):
+            self.calls = 0
+
+        def __len__(self):
+            return 4096
+
+        def __getitem__(self, i):
+            raise AssertionError("single reads are not expected")
+
+        def __getitems__(self, keys):
+            self.calls += 1
+            return [np.int64(k) for k in keys]
+
+    src = Source()
+    assert sum(MD.source(src).to_iter_dataset(grain.ReadOptions(num_threads=0))) == sum(range(4096))
+    assert src.calls < 4096 // 16
