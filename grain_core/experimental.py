@@ -9,6 +9,7 @@ from __future__ import annotations
 from typing import Any
 
 from grain_core.dataset.apply import apply_transformations
+from grain_core.dataset.autotune import PerformanceConfig, pick_performance_config
 from grain_core.dataset.flatmap import FlatMapIterDataset, FlatMapMapDataset
 from grain_core.dataset.interleave import InterleaveIterDataset
 from grain_core.dataset.next_index import get_next_index, set_next_index
@@ -31,19 +32,21 @@ __all__ = [
     "FlatMapTransform",
     "InterleaveIterDataset",
     "MapWithIndexTransform",
+    "PerformanceConfig",
     "RebatchIterDataset",
     "RngPool",
     "ThreadPrefetchDatasetIterator",
     "ThreadPrefetchIterDataset",
-    "WithOptionsIterDataset",
     "WindowShuffleIterDataset",
     "WindowShuffleMapDataset",
+    "WithOptionsIterDataset",
     "ZipMapDataset",
     "apply_transformations",
     "assert_equal_output_after_checkpoint",
     "batch_and_pad",
     "get_next_index",
     "index_shuffle",
+    "pick_performance_config",
     "set_next_index",
 ]
 

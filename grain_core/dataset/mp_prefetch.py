@@ -20,10 +20,12 @@ import copy
 import io
 import pickle
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
-from grain_core import _shm
+import numpy as np
+
+from grain_core import _shm, _tree
 from grain_core._worker import ELEMENT, END, WorkerDiedError, WorkerPool, WorkerSpec
 from grain_core.dataset.base import (
     DatasetIterator,
@@ -32,6 +34,7 @@ from grain_core.dataset.base import (
     MultiprocessingContext,
     _WithSeedMapDataset,
 )
+from grain_core.dataset.batch import BatchIterDataset, make_batch
 from grain_core.dataset.interleave import InterleaveIterDataset
 from grain_core.dataset.map import (
     FilterMapDataset,
@@ -45,7 +48,13 @@ from grain_core.dataset.source import RangeMapDataset, SourceMapDataset
 from grain_core.options import MultiprocessingOptions
 from grain_core.sharding import ShardOptions, even_split
 
-__all__ = ["MultiprocessPrefetchIterDataset", "build_worker_iterator", "mp_prefetch", "slice_for_worker"]
+__all__ = [
+    "MultiprocessPrefetchIterDataset",
+    "build_worker_iterator",
+    "make_batch_in_shared_memory",
+    "mp_prefetch",
+    "slice_for_worker",
+]
 
 # MapDataset nodes that keep every index in place, so a contiguous block of their source is the
 # same block of their output (what ``sequential_slice`` needs).
@@ -193,6 +202,59 @@ def _sequential_block(ds: MapDataset[Any], index: int, count: int) -> tuple[int,
     return even_split(len(ds), ShardOptions(index, count))
 
 
+def make_batch_in_shared_memory(values: Sequence[Any]) -> Any:
+    """``make_batch`` that stacks large numeric array leaves straight into shared memory.
+
+    Used as the batch function of a batch that is the last step inside a worker: the batch is
+    written once, into a block the parent maps without copying. Small, string and object
+    leaves are batched as usual (strings are not truncated, objects stay Python objects).
+
+    Raises:
+      ValueError: As ``make_batch``.
+    """
+    if len(values) < 2 or not isinstance(values[0], (dict, list, tuple, np.ndarray)):
+        return make_batch(values)
+    try:
+        return _tree.map_structure(_stack_into_shared_memory, *values)
+    except ValueError:
+        return make_batch(values)  # raises the same error, described for the user
+
+
+def _stack_into_shared_memory(*leaves: Any) -> Any:
+    first = leaves[0]
+    if (
+        isinstance(first, np.ndarray)
+        and first.dtype.kind not in "OUSV"
+        and first.nbytes * len(leaves) >= _shm.DEFAULT_MIN_SHM_SIZE
+        and all(
+            isinstance(x, np.ndarray) and x.shape == first.shape and x.dtype == first.dtype
+            for x in leaves
+        )
+    ):
+        out = _shm.SharedMemoryArray((len(leaves), *first.shape), first.dtype)
+        np.stack(leaves, out=out)
+        return out
+    return make_batch(list(leaves))
+
+
+def _with_shared_memory_output(ds: IterDataset[Any]) -> IterDataset[Any]:
+    """``ds`` with its final batch writing into shared memory, when it ends with a batch whose
+    function allows it (the default one, or one with ``enable_shared_memory_output()``)."""
+    if not isinstance(ds, BatchIterDataset):
+        return ds
+    fn = ds.batch_fn
+    if fn is make_batch:
+        fn = make_batch_in_shared_memory
+    elif hasattr(fn, "enable_shared_memory_output"):
+        fn = copy.copy(fn)
+        fn.enable_shared_memory_output()
+    else:
+        return ds
+    return BatchIterDataset(
+        ds._parents[0], ds.batch_size, drop_remainder=ds.drop_remainder, batch_fn=fn
+    )
+
+
 def build_worker_iterator(
     ds: IterDataset[Any],
     index: int,
@@ -201,7 +263,7 @@ def build_worker_iterator(
     options: DatasetOptions | None,
 ) -> DatasetIterator[Any]:
     """Builds worker ``index``'s iterator with its multiprocessing context and options."""
-    it = iter(slice_for_worker(ds, index, count, sequential))
+    it = iter(_with_shared_memory_output(slice_for_worker(ds, index, count, sequential)))
     ctx = it._ctx
     ctx.mp_context = MultiprocessingContext(index, count)
     if options is not None:

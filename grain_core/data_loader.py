@@ -1,0 +1,584 @@
+"""``DataLoader``: a random-access source, a sampler and a list of transformations.
+
+Built entirely on the Dataset API. Two layouts, chosen from the operations:
+
+* **Index layout** (every operation is ``Map``, ``RandomMap``, ``TfRandomMap``, ``MapWithIndex``
+  or ``Batch``): the whole pipeline is a ``MapDataset`` and workers take strided shares of its
+  *output* elements (batches), so the output is the same for any ``worker_count`` and a
+  checkpoint taken with ``N`` workers restores with ``M`` (Grain cannot, rough edge 6).
+* **Stream layout** (a ``Filter`` or ``FlatMap`` is present): records are strided across workers
+  and the operations run as ``IterDataset`` steps inside each worker, as in Grain; the order and
+  the checkpoint depend on ``worker_count``.
+
+``DataLoaderIterator.get_state()`` returns Grain's version-2 JSON. Sources and samplers are
+identified by a stable fingerprint (type, length and ``repr`` when the ``repr`` is stable and
+short), never by a ``repr`` that embeds data or memory addresses.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import hashlib
+import json
+import os
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from grain_core import transforms
+from grain_core.dataset.base import DatasetIterator, IterDataset, MapDataset
+from grain_core.dataset.source import batched_read
+from grain_core.options import MultiprocessingOptions, ReadOptions
+from grain_core.record import Record, RecordMetadata
+from grain_core.samplers import IndexSampler
+from grain_core.sharding import NoSharding, ShardOptions
+
+__all__ = ["DataLoader", "DataLoaderIterator", "load"]
+
+_STATE_VERSION = 2
+_ONE_TO_ONE = (transforms.Map, transforms.RandomMap, transforms.TfRandomMap, transforms.MapWithIndex)
+_LONG_REPR = 256
+
+
+def fingerprint(obj: Any) -> str:
+    """A stable, short description of a source or sampler for checkpoint validation.
+
+    Lists, tuples and arrays are described by type and length; objects whose ``repr`` is
+    Python's default (it contains a memory address) by qualified type name and length; a long
+    ``repr`` (which likely embeds data) by type, length and a SHA-1 of the ``repr``.
+    """
+    cls = type(obj)
+    name = f"{cls.__module__}.{cls.__qualname__}"
+    try:
+        length: Any = len(obj)
+    except TypeError:
+        length = "?"
+    if isinstance(obj, (list, tuple, np.ndarray)):
+        return f"{cls.__qualname__}(len={length})"
+    text = repr(obj)
+    if cls.__repr__ is object.__repr__ or " at 0x" in text:
+        return f"{name}(len={length})"
+    if len(text) > _LONG_REPR:
+        digest = hashlib.sha1(text.encode()).hexdigest()[:16]
+        return f"{name}(len={length}, repr_sha1={digest})"
+    return text
+
+
+def _sampler_length(sampler: Any) -> int:
+    try:
+        return len(sampler)
+    except TypeError:
+        pass
+    # First index where the sampler raises IndexError: exponential then binary search.
+    hi = 1
+    while _has_index(sampler, hi - 1):
+        hi *= 2
+    lo = hi // 2
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if _has_index(sampler, mid):
+            lo = mid + 1
+        else:
+            hi = mid
+    return lo
+
+
+def _has_index(sampler: Any, index: int) -> bool:
+    try:
+        sampler[index]
+    except IndexError:
+        return False
+    return True
+
+
+class _SamplerMapDataset(MapDataset[Record[Any]]):
+    """Local index ``i`` of shard ``s`` of ``S`` is ``Record(m, source[m.record_key])`` with
+    ``m = sampler[i * S + s]``."""
+
+    def __init__(self, source: Any, sampler: Any, shard_options: ShardOptions) -> None:
+        super().__init__()
+        self._source = source
+        self._sampler = sampler
+        self._shard_index = shard_options.shard_index
+        self._shard_count = shard_options.shard_count
+        total = _sampler_length(sampler)
+        count, index = self._shard_count, self._shard_index
+        if shard_options.drop_remainder:
+            self._len = total // count
+        else:
+            self._len = total // count + (1 if index < total % count else 0)
+
+    def __len__(self) -> int:
+        return self._len
+
+    def __getitem__(self, index: Any) -> Any:
+        if isinstance(index, slice):
+            return self.slice(index)
+        return self._getitems([index])[0]
+
+    def _getitems(self, indices: Sequence[int]) -> list[Record[Any]]:
+        if self._len == 0:
+            raise IndexError("The sampler yields no records for this shard.")
+        local = np.asarray(indices, dtype=np.int64) % self._len
+        global_indices = local * self._shard_count + self._shard_index
+        block = getattr(self._sampler, "metadata_block", None)
+        if block is not None:
+            metas = block(global_indices)
+        else:
+            metas = [self._sampler[i] for i in global_indices.tolist()]
+        values = batched_read(self._source, [m.record_key for m in metas])
+        return [Record(m, v) for m, v in zip(metas, values, strict=True)]
+
+    def __repr__(self) -> str:
+        return f"_SamplerMapDataset(sampler={fingerprint(self._sampler)})"
+
+
+# ------------------------------------------------------------------- record operations
+class _RecordMap:
+    """A 1:1 operation applied to ``Record.data``, keeping the metadata."""
+
+    def __init__(self, op: Any) -> None:
+        self._op = op
+
+    def __call__(self, record: Record[Any]) -> Record[Any]:
+        op, meta = self._op, record.metadata
+        if isinstance(op, transforms.Map):
+            return Record(meta, op.map(record.data))
+        if isinstance(op, transforms.MapWithIndex):
+            return Record(meta, op.map_with_index(meta.index, record.data))
+        rng = meta.rng
+        if rng is None:
+            raise ValueError(
+                f"{type(op).__name__} needs a random generator, but record {meta.index} has "
+                "none: give the sampler a seed (e.g. IndexSampler(..., seed=42))."
+            )
+        if isinstance(op, transforms.RandomMap):
+            return Record(meta, op.random_map(record.data, rng))
+        return Record(meta, op.np_random_map(record.data, rng))
+
+
+class _RecordFilter:
+    def __init__(self, op: transforms.Filter) -> None:
+        self._op = op
+
+    def __call__(self, record: Record[Any]) -> bool:
+        return bool(self._op.filter(record.data))
+
+
+class _RecordFlatMap:
+    """Splits get fresh metadata ``index = parent_index * max_fan_out + k`` (no key, no rng)."""
+
+    def __init__(self, op: transforms.FlatMap) -> None:
+        self._op = op
+        self.max_fan_out = op.max_fan_out
+
+    def flat_map(self, record: Record[Any]) -> list[Record[Any]]:
+        base = record.metadata.index * self.max_fan_out
+        return [
+            Record(RecordMetadata(index=base + k), split)
+            for k, split in enumerate(self._op.flat_map(record.data))
+        ]
+
+
+class _RecordBatch:
+    """Batches ``data`` fields; keeps the last record's metadata without its key."""
+
+    def __init__(self, batch_fn: Any, shared_memory: bool) -> None:
+        from grain_core.dataset.batch import make_batch
+        from grain_core.dataset.mp_prefetch import make_batch_in_shared_memory
+
+        if batch_fn is None:
+            batch_fn = make_batch_in_shared_memory if shared_memory else make_batch
+        elif shared_memory and hasattr(batch_fn, "enable_shared_memory_output"):
+            batch_fn = copy.copy(batch_fn)
+            batch_fn.enable_shared_memory_output()
+        self._batch_fn = batch_fn
+
+    def __call__(self, records: Sequence[Record[Any]]) -> Record[Any]:
+        data = self._batch_fn([r.data for r in records])
+        return Record(records[-1].metadata.remove_record_key(), data)
+
+
+def _record_data(record: Record[Any]) -> Any:
+    return record.data
+
+
+def _records_per_element(operations: Sequence[Any]) -> int:
+    n = 1
+    for op in operations:
+        if isinstance(op, transforms.Batch):
+            n *= op.batch_size
+    return n
+
+
+def _check_operation(op: Any) -> None:
+    if not isinstance(
+        op, (*_ONE_TO_ONE, transforms.Batch, transforms.Filter, transforms.FlatMap)
+    ):
+        raise TypeError(
+            f"Unsupported DataLoader operation {op!r} ({type(op).__name__}). Use "
+            "grain_core.transforms Map, RandomMap, MapWithIndex, Filter, FlatMap or Batch."
+        )
+
+
+# -------------------------------------------------------------------------- DataLoader
+class DataLoader:
+    """Reads ``data_source`` in the order given by ``sampler`` through ``operations``.
+
+    Args:
+      data_source: Random-access source (``len`` and ``__getitem__``).
+      sampler: Maps global indices to ``RecordMetadata``.
+      operations: Transformations applied in order.
+      worker_count: Worker processes (0: in this process; None: ``os.cpu_count()``).
+      worker_buffer_size: Output elements each worker may produce ahead.
+      shard_options: This process's shard; default: the sampler's.
+      read_options: Threads and read-ahead for reading records.
+      enable_profiling: Accepted for compatibility (no effect).
+
+    Raises:
+      ValueError: For negative counts, missing shard options, or a random operation with a
+        sampler that has no seed.
+      TypeError: For an unsupported operation.
+    """
+
+    def __init__(
+        self,
+        *,
+        data_source: Any,
+        sampler: Any,
+        operations: Sequence[Any] = (),
+        worker_count: int | None = 0,
+        worker_buffer_size: int = 1,
+        shard_options: ShardOptions | None = None,
+        read_options: ReadOptions | None = None,
+        enable_profiling: bool = False,
+    ) -> None:
+        if worker_count is None:
+            worker_count = os.cpu_count()
+            if worker_count is None:
+                raise ValueError("os.cpu_count() is unknown: pass worker_count explicitly.")
+        if worker_count < 0:
+            raise ValueError(f"worker_count must be >= 0, got {worker_count}.")
+        if worker_buffer_size < 0:
+            raise ValueError(f"worker_buffer_size must be >= 0, got {worker_buffer_size}.")
+        if shard_options is None:
+            shard_options = getattr(sampler, "_shard_options", None)
+            if shard_options is None:
+                raise ValueError(
+                    "No shard options were provided to the DataLoader and the sampler has "
+                    "none: pass shard_options=grain_core.sharding.NoSharding() (or a shard)."
+                )
+        operations = list(operations)
+        for op in operations:
+            _check_operation(op)
+        _check_random_ops_have_rng(operations, sampler)
+        self._data_source = data_source
+        self._sampler = sampler
+        self._operations = operations
+        self._worker_count = int(worker_count)
+        self._worker_buffer_size = worker_buffer_size
+        self._shard_options = shard_options
+        self._read_options = read_options or ReadOptions()
+        self._enable_profiling = enable_profiling
+        self._index_layout = all(isinstance(op, (*_ONE_TO_ONE, transforms.Batch)) for op in operations)
+        self._records_per_element = _records_per_element(operations) if self._index_layout else 1
+        self._has_flat_map = any(isinstance(op, transforms.FlatMap) for op in operations)
+        self._dataset = self._build()
+
+    @property
+    def multiprocessing_options(self) -> MultiprocessingOptions:
+        return MultiprocessingOptions(
+            num_workers=self._worker_count,
+            per_worker_buffer_size=self._worker_buffer_size,
+            enable_profiling=self._enable_profiling,
+        )
+
+    def _build(self) -> IterDataset[Any]:
+        records = _SamplerMapDataset(self._data_source, self._sampler, self._shard_options)
+        shm_batch_at = _last_batch_position(self._operations) if self._worker_count else -1
+        if self._index_layout:
+            ds: Any = records
+            for position, op in enumerate(self._operations):
+                if isinstance(op, transforms.Batch):
+                    ds = ds.batch(
+                        op.batch_size,
+                        drop_remainder=op.drop_remainder,
+                        batch_fn=_RecordBatch(op.batch_fn, position == shm_batch_at),
+                    )
+                else:
+                    ds = ds.map(_RecordMap(op))
+            out = ds.map(_record_data).to_iter_dataset(self._element_read_options())
+        else:
+            it_ds: Any = records.to_iter_dataset(self._read_options)
+            for position, op in enumerate(self._operations):
+                if isinstance(op, transforms.Batch):
+                    it_ds = it_ds.batch(
+                        op.batch_size,
+                        drop_remainder=op.drop_remainder,
+                        batch_fn=_RecordBatch(op.batch_fn, position == shm_batch_at),
+                    )
+                elif isinstance(op, transforms.Filter):
+                    it_ds = it_ds.filter(_RecordFilter(op))
+                elif isinstance(op, transforms.FlatMap):
+                    from grain_core.dataset.flatmap import FlatMapIterDataset
+
+                    it_ds = FlatMapIterDataset(it_ds, _RecordFlatMap(op))
+                else:
+                    it_ds = it_ds.map(_RecordMap(op))
+            out = it_ds.map(_record_data)
+        if self._worker_count:
+            out = out.mp_prefetch(self.multiprocessing_options)
+        return out  # type: ignore[no-any-return]
+
+    def _element_read_options(self) -> ReadOptions:
+        # In the index layout an element read at the boundary is a whole batch: keep the
+        # read-ahead in records as configured, not in batches.
+        opts = self._read_options
+        per = self._records_per_element
+        if per == 1 or opts.prefetch_buffer_size == 0:
+            return opts
+        buffer = max(1, -(-opts.prefetch_buffer_size // per))
+        return ReadOptions(num_threads=min(opts.num_threads, buffer), prefetch_buffer_size=buffer)
+
+    def __iter__(self) -> DataLoaderIterator:
+        return DataLoaderIterator(self)
+
+    def __repr__(self) -> str:
+        return (
+            f"DataLoader(data_source={fingerprint(self._data_source)}, "
+            f"sampler={fingerprint(self._sampler)}, worker_count={self._worker_count})"
+        )
+
+
+def _last_batch_position(operations: Sequence[Any]) -> int:
+    """Position of a ``Batch`` that is the last operation, else -1."""
+    if operations and isinstance(operations[-1], transforms.Batch):
+        return len(operations) - 1
+    return -1
+
+
+def _check_random_ops_have_rng(operations: Sequence[Any], sampler: Any) -> None:
+    after_flat_map = False
+    for op in operations:
+        if isinstance(op, transforms.FlatMap):
+            after_flat_map = True
+        if not isinstance(op, (transforms.RandomMap, transforms.TfRandomMap)):
+            continue
+        if after_flat_map:
+            raise ValueError(
+                f"{type(op).__name__} after a FlatMap has no per-record random generator (the "
+                "splits have no sampler index). Move it before the FlatMap."
+            )
+        if hasattr(sampler, "_seed") and sampler._seed is None:
+            raise ValueError(
+                f"{type(op).__name__} needs a per-record random generator, but {sampler!r} "
+                "has no seed. Pass seed=... to the sampler."
+            )
+
+
+# ---------------------------------------------------------------------- the iterator
+class DataLoaderIterator:
+    """Iterator over a :class:`DataLoader`; its state is Grain's version-2 JSON (bytes).
+
+    A context manager: leaving the ``with`` block stops the workers.
+    """
+
+    def __init__(self, loader: DataLoader) -> None:
+        self._loader = loader
+        self._it: DatasetIterator[Any] = iter(loader._dataset)
+
+    def __iter__(self) -> DataLoaderIterator:
+        return self
+
+    def __next__(self) -> Any:
+        return next(self._it)
+
+    def start_prefetch(self) -> None:
+        """Starts workers and read-ahead without consuming elements."""
+        self._it.start_prefetch()
+
+    def close(self) -> None:
+        """Stops workers and threads. Idempotent."""
+        self._it.close()
+
+    def __enter__(self) -> DataLoaderIterator:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # ----------------------------------------------------------------------- state
+    def _shard(self) -> tuple[int, int]:
+        opts = self._loader._shard_options
+        return opts.shard_index, opts.shard_count
+
+    def _state_dict(self) -> dict[str, Any]:
+        loader = self._loader
+        inner = self._it.get_state()
+        state: dict[str, Any] = {"version": _STATE_VERSION}
+        if loader._has_flat_map:
+            state["dataset_state"] = inner
+        else:
+            workers = loader._worker_count
+            if workers == 0:
+                consumed = [inner["next_index"]]
+                last_worker = -1
+            else:
+                consumed = [s["next_index"] for s in inner["iterators_in_use_states"]]
+                last_worker = inner["next_index_in_cycle"] - 1
+            s, count = self._shard()
+            slots = max(workers, 1)
+            per = loader._records_per_element
+            state["last_seen_indices"] = {
+                str(w): s + count * ((w + (n - 1) * slots + 1) * per - 1)
+                for w, n in enumerate(consumed)
+            }
+            state["last_worker_index"] = last_worker
+        state["worker_count"] = loader._worker_count
+        state["sampler"] = fingerprint(loader._sampler)
+        state["data_source"] = fingerprint(loader._data_source)
+        return state
+
+    def get_state(self) -> bytes:
+        """The position as UTF-8 JSON (version 2: last sampler index seen by each worker)."""
+        return json.dumps(self._state_dict(), indent=4).encode()
+
+    def set_state(self, state: bytes) -> None:
+        """Restores a position from :meth:`get_state` of an equally defined DataLoader.
+
+        Raises:
+          ValueError: If the state is not valid JSON of version 2, belongs to another sampler
+            or source, or (for pipelines with Filter/FlatMap) to another worker count.
+        """
+        try:
+            data = json.loads(state)
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise ValueError(f"DataLoader state is not valid JSON ({e}); it is corrupt.") from e
+        if not isinstance(data, dict) or data.get("version") != _STATE_VERSION:
+            raise ValueError(
+                f"Unsupported DataLoader state (version {data.get('version') if isinstance(data, dict) else None}); "
+                f"expected version {_STATE_VERSION}."
+            )
+        loader = self._loader
+        for key, expected in (
+            ("sampler", fingerprint(loader._sampler)),
+            ("data_source", fingerprint(loader._data_source)),
+        ):
+            if data.get(key) != expected:
+                raise ValueError(
+                    f"The checkpoint was taken with {key} {data.get(key)!r} but this DataLoader "
+                    f"has {expected!r}. Restore with the same {key}; a custom one needs a stable "
+                    "__repr__ that does not embed data."
+                )
+        if not loader._index_layout and data.get("worker_count") != loader._worker_count:
+            raise ValueError(
+                f"The checkpoint was taken with worker_count={data.get('worker_count')} but this "
+                f"DataLoader has worker_count={loader._worker_count}. With Filter or FlatMap "
+                "operations the order depends on the worker count: restore with the same one."
+            )
+        if loader._has_flat_map:
+            self._it.set_state(data["dataset_state"])
+        elif loader._index_layout:
+            self._it.set_state(self._index_layout_state(data))
+        else:
+            self._it.set_state(self._stream_layout_state(data))
+
+    def _index_layout_state(self, data: dict[str, Any]) -> dict[str, Any]:
+        s, count = self._shard()
+        per = self._loader._records_per_element
+        last_elements = [
+            ((int(v) - s) // count + 1) // per - 1 for v in data["last_seen_indices"].values()
+        ]
+        consumed = max(last_elements, default=-1) + 1
+        workers = self._loader._worker_count
+        if workers == 0:
+            return {"next_index": consumed}
+        return _interleave_state(
+            [max(0, -(-(consumed - w) // workers)) for w in range(workers)], consumed % workers
+        )
+
+    def _stream_layout_state(self, data: dict[str, Any]) -> dict[str, Any]:
+        s, count = self._shard()
+        workers = self._loader._worker_count
+        seen = data["last_seen_indices"]
+        if workers == 0:
+            return {"next_index": (int(seen["0"]) + count - s) // count}
+        group = workers * count
+        consumed = [(int(seen[str(w)]) + group - s - w * count) // group for w in range(workers)]
+        return _interleave_state(consumed, (int(data["last_worker_index"]) + 1) % workers)
+
+    # ------------------------------------------------------------- Orbax v1 protocol
+    async def save(self, directory: Any) -> Any:
+        text = self.get_state().decode()
+
+        async def _write() -> None:
+            await_creation = getattr(directory, "await_creation", None)
+            if await_creation is not None:
+                await await_creation()
+            from grain_core.checkpoint import write_process_file
+
+            await asyncio.to_thread(write_process_file, directory, text)
+
+        return _write()
+
+    async def load(self, directory: Any) -> Any:
+        async def _read() -> None:
+            from grain_core.checkpoint import read_process_file
+
+            text = await asyncio.to_thread(read_process_file, directory)
+            self.set_state(text.encode())
+
+        return _read()
+
+    def __str__(self) -> str:
+        return f"PyGrainDatasetIterator(state={self.get_state().decode()})"
+
+
+def _interleave_state(consumed: list[int], next_worker: int) -> dict[str, Any]:
+    return {
+        "next_index_in_cycle": next_worker,
+        "next_index_in_datasets": len(consumed),
+        "iterators_in_use_indices": list(range(len(consumed))),
+        "iterators_in_use_states": [{"next_index": n} for n in consumed],
+        "exhausted": [0] * len(consumed),
+        "future_states": {},
+    }
+
+
+def load(
+    source: Any,
+    *,
+    num_epochs: int | None = None,
+    shuffle: bool = False,
+    seed: int | None = None,
+    shard_options: ShardOptions | None = None,
+    transformations: Sequence[Any] = (),
+    batch_size: int | None = None,
+    drop_remainder: bool = False,
+    worker_count: int | None = 0,
+    read_options: ReadOptions | None = None,
+) -> DataLoader:
+    """A DataLoader over ``source`` with an ``IndexSampler`` (``num_epochs=None``: forever).
+
+    Raises:
+      ValueError / TypeError: As ``IndexSampler`` and ``DataLoader``.
+    """
+    sampler = IndexSampler(
+        num_records=len(source),
+        shard_options=shard_options if shard_options is not None else NoSharding(),
+        shuffle=shuffle,
+        num_epochs=num_epochs,
+        seed=seed,
+    )
+    operations = list(transformations)
+    if batch_size is not None:
+        operations.append(transforms.Batch(batch_size, drop_remainder=drop_remainder))
+    return DataLoader(
+        data_source=source,
+        sampler=sampler,
+        operations=operations,
+        worker_count=worker_count,
+        read_options=read_options,
+    )

@@ -1,0 +1,8 @@
+"""Shared-memory arrays and multiprocessing options (``grain.multiprocessing``)."""
+
+from __future__ import annotations
+
+from grain_core._shm import SharedMemoryArray, SharedMemoryArrayMetadata
+from grain_core.options import MultiprocessingOptions
+
+__all__ = ["MultiprocessingOptions", "SharedMemoryArray", "SharedMemoryArrayMetadata"]
