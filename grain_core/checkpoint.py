@@ -7,6 +7,8 @@ directory, so a crash during a save never leaves a truncated checkpoint.
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import json
 import os
 import sys
@@ -129,3 +131,38 @@ def _takes_bytes(item: Any) -> bool:
     from grain_core.dataset.base import DatasetIterator
 
     return not isinstance(item, DatasetIterator)
+
+
+@functools.cache
+def _orbax_args() -> dict[str, type]:
+    """Defines ``CheckpointSave``/``CheckpointRestore`` as Orbax ``CheckpointArgs`` (on first use,
+    so that importing grain_core never imports Orbax and JAX)."""
+    import orbax.checkpoint as ocp
+
+    @ocp.args.register_with_handler(CheckpointHandler, for_save=True)
+    @dataclasses.dataclass
+    class CheckpointSave(ocp.args.CheckpointArgs):  # type: ignore[misc, name-defined]
+        """Orbax argument: save ``item`` (a dataset or DataLoader iterator)."""
+
+        item: Any
+
+    @ocp.args.register_with_handler(CheckpointHandler, for_restore=True)
+    @dataclasses.dataclass
+    class CheckpointRestore(ocp.args.CheckpointArgs):  # type: ignore[misc, name-defined]
+        """Orbax argument: restore ``item`` in place."""
+
+        item: Any
+
+    for cls in (CheckpointSave, CheckpointRestore):
+        cls.__module__ = __name__
+        cls.__qualname__ = cls.__name__
+    return {"CheckpointSave": CheckpointSave, "CheckpointRestore": CheckpointRestore}
+
+
+def __getattr__(name: str) -> Any:
+    if name in ("CheckpointSave", "CheckpointRestore"):
+        try:
+            return _orbax_args()[name]
+        except ImportError:
+            pass
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}", name=name)
