@@ -14,6 +14,12 @@ from grain_core.dataset.flatmap import FlatMapIterDataset, FlatMapMapDataset
 from grain_core.dataset.interleave import InterleaveIterDataset
 from grain_core.dataset.next_index import get_next_index, set_next_index
 from grain_core.dataset.options import DatasetOptions, ExecutionTrackingMode
+from grain_core.dataset.packing import (
+    BestFitPackIterDataset,
+    FirstFitPackIterDataset,
+    PackAndBatchOperation,
+)
+from grain_core.dataset.packing_concat_split import BOSHandling, ConcatThenSplitIterDataset
 from grain_core.dataset.prefetch import ThreadPrefetchDatasetIterator, ThreadPrefetchIterDataset
 from grain_core.dataset.rebatch import RebatchIterDataset, batch_and_pad
 from grain_core.dataset.window_shuffle import WindowShuffleIterDataset, WindowShuffleMapDataset
@@ -25,13 +31,18 @@ from grain_core.transforms import FlatMap as FlatMapTransform
 from grain_core.transforms import MapWithIndex as MapWithIndexTransform
 
 __all__ = [
+    "BOSHandling",
+    "BestFitPackIterDataset",
+    "ConcatThenSplitIterDataset",
     "DatasetOptions",
     "ExecutionTrackingMode",
+    "FirstFitPackIterDataset",
     "FlatMapIterDataset",
     "FlatMapMapDataset",
     "FlatMapTransform",
     "InterleaveIterDataset",
     "MapWithIndexTransform",
+    "PackAndBatchOperation",
     "PerformanceConfig",
     "RebatchIterDataset",
     "RngPool",
