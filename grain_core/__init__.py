@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from grain_core import (
     checkpoint,
+    constants,
     experimental,
     multiprocessing,
     samplers,
@@ -14,6 +15,7 @@ from grain_core import (
     sources,
     transforms,
 )
+from grain_core.config import config
 from grain_core.data_loader import DataLoader, DataLoaderIterator, load
 from grain_core.dataset.base import DatasetIterator, IterDataset, MapDataset
 from grain_core.options import MultiprocessingOptions, ReadOptions
@@ -34,6 +36,8 @@ __all__ = [
     "Record",
     "RecordMetadata",
     "checkpoint",
+    "config",
+    "constants",
     "experimental",
     "hookimpl",
     "load",

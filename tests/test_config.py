@@ -1,0 +1,27 @@
+from __future__ import annotations
+
+import pytest
+
+from grain_core.config import Config
+
+
+def test_config_reads_updates_and_rejects_assignment(monkeypatch):
+    monkeypatch.setenv("GRAIN_PY_DEBUG_MODE", "true")
+    cfg = Config()
+    assert cfg.py_debug_mode is True
+    assert cfg.get_or_default("py_traceback_filtering") == "auto"
+    cfg.update("py_traceback_filtering", "off")
+    assert cfg.py_traceback_filtering == "off"
+    with pytest.raises(ValueError, match="update"):
+        cfg.py_debug_mode = False
+    with pytest.raises(ValueError, match="Unrecognized config option"):
+        cfg.no_such_option
+    with pytest.raises(ValueError, match="py_traceback_filtering"):
+        cfg.update("py_traceback_filtering", "sometimes")
+
+
+def test_constants():
+    from grain_core import constants
+
+    assert constants.EPOCH == "_epoch"
+    assert constants.INDEX in constants.META_FEATURES and len(constants.META_FEATURES) == 6
