@@ -1,0 +1,109 @@
+"""The multi-package test matrix.
+
+``nox`` runs every default session: ``tests-core`` (grain-core alone, zero plugins),
+``tests-<plugin>`` for each ``plugins/<dir>/pyproject.toml`` in this checkout (core + that
+plugin), ``tests-all`` (every package, JAX, Orbax and the test plugin), ``lint`` and
+``typecheck``. ``nox -s bench`` runs the benchmarks beside Google Grain.
+
+Test selection is by installed packages, not by markers: tests of plugin ``x`` live in
+``tests/test_<x>*.py`` and start with ``pytest.importorskip("grain_<x>")``, so
+``tests-core`` runs the whole suite and they skip there. Extra arguments go to pytest:
+``nox -s tests-core -- -k sharding``.
+"""
+
+from __future__ import annotations
+
+import tomllib
+from pathlib import Path
+
+import nox
+
+nox.options.default_venv_backend = "uv|virtualenv"
+
+ROOT = Path(__file__).resolve().parent
+TEST_PLUGIN = ROOT / "tests" / "plugin_jsonl"
+# Plugin distributions in this checkout, by short name: plugins/grain_parquet -> "parquet".
+PLUGINS = {
+    path.parent.name.removeprefix("grain_"): path.parent
+    for path in sorted(ROOT.glob("plugins/*/pyproject.toml"))
+}
+# Tools whose output must not change under us; the versions of the dev environment.
+RUFF = "ruff==0.17.6"
+MYPY = "mypy==2.4.1"
+
+
+def _distribution_name(directory: Path) -> str:
+    with (directory / "pyproject.toml").open("rb") as file:
+        return str(tomllib.load(file)["project"]["name"])
+
+
+LOCAL_DISTRIBUTIONS = [_distribution_name(d) for d in (ROOT, TEST_PLUGIN, *PLUGINS.values())]
+
+
+def _install(session: nox.Session, *requirements: str) -> None:
+    """Installs requirements; local packages are always rebuilt from the working tree."""
+    if session.venv_backend == "uv":
+        # uv reuses wheels it built from a local directory until pyproject.toml changes,
+        # which would test stale sources; pip always rebuilds them.
+        refresh = [f"--reinstall-package={name}" for name in LOCAL_DISTRIBUTIONS]
+        session.install(*refresh, *requirements)
+    else:
+        session.install(*requirements)
+
+
+def _pytest(session: nox.Session, *paths: str) -> None:
+    # Exit status 5 (nothing collected) fails the session: every session selects at least
+    # tests/test_plugins.py, so an empty run means the selection is broken.
+    session.run("pytest", *(session.posargs or paths))
+
+
+@nox.session(name="tests-core")
+def tests_core(session: nox.Session) -> None:
+    """grain-core alone: imports and works with zero plugins; plugin names give install hints."""
+    _install(session, ".[test]")
+    _pytest(session, "tests")
+
+
+def _plugin_session(name: str, directory: Path) -> None:
+    @nox.session(name=f"tests-{name}")
+    def tests_plugin(session: nox.Session) -> None:
+        _install(session, ".[test]", str(directory))
+        own_tests = sorted(str(p.relative_to(ROOT)) for p in ROOT.glob(f"tests/test_{name}*.py"))
+        _pytest(session, "tests/test_plugins.py", *own_tests)
+
+    tests_plugin.__doc__ = f"grain-core + {directory.name}: its tests and the registry's."
+
+
+for _name, _directory in PLUGINS.items():
+    _plugin_session(_name, _directory)
+
+
+@nox.session(name="tests-all")
+def tests_all(session: nox.Session) -> None:
+    """Every package, JAX (CPU), Orbax and the third-party test plugin: the whole suite."""
+    plugins = [str(d) for d in PLUGINS.values()]
+    _install(session, ".[test,jax,progress]", *plugins, str(TEST_PLUGIN), "orbax-checkpoint")
+    _pytest(session, "tests")
+
+
+@nox.session
+def lint(session: nox.Session) -> None:
+    """ruff check and ruff format --check over the repository."""
+    session.install(RUFF)
+    session.run("ruff", "check", ".")
+    session.run("ruff", "format", "--check", ".")
+
+
+@nox.session
+def typecheck(session: nox.Session) -> None:
+    """mypy over grain_core, with only the core's own dependencies installed."""
+    _install(session, ".", MYPY)
+    session.run("mypy")
+
+
+@nox.session(default=False)
+def bench(session: nox.Session) -> None:
+    """Benchmarks with every package and Google's grain installed side by side."""
+    plugins = [str(d) for d in PLUGINS.values()]
+    _install(session, ".[jax,progress]", *plugins, str(TEST_PLUGIN), "grain")
+    session.run("python", "benchmarks/run.py", *session.posargs)
