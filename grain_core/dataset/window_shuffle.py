@@ -14,6 +14,7 @@ from __future__ import annotations
 import copy
 import itertools
 import operator
+import threading
 from collections.abc import Sequence
 from typing import Any
 
@@ -25,6 +26,11 @@ from grain_core.dataset.base import DatasetIterator, IterDataset, MapDataset
 __all__ = ["WindowShuffleIterDataset", "WindowShuffleMapDataset"]
 
 _SEED_MODULUS = 2**32
+# index_shuffle_array answers windows up to this size from a cached whole-window table. Reader
+# threads start on a new window together; the lock makes one of them build its table while the
+# others wait for the cached result, instead of all building the same table at once.
+_TABLE_WINDOW_LIMIT = 2**16
+_table_lock = threading.Lock()
 
 
 def _check_window_size(window_size: Any) -> int:
@@ -39,6 +45,13 @@ def _check_window_size(window_size: Any) -> int:
 
 def _window_seed(seed: int, window: int) -> int:
     return (seed + window) % _SEED_MODULUS
+
+
+def _shuffle_offsets(offsets: np.ndarray, window_len: int, seed: int) -> np.ndarray:
+    if window_len <= _TABLE_WINDOW_LIMIT:
+        with _table_lock:
+            return _random.index_shuffle_array(offsets, window_len - 1, seed)
+    return _random.index_shuffle_array(offsets, window_len - 1, seed)
 
 
 class WindowShuffleMapDataset(MapDataset[Any]):
@@ -88,9 +101,7 @@ class WindowShuffleMapDataset(MapDataset[Any]):
         ):
             in_window = min(size, n - int(windows[lo]) * size)
             seed = _window_seed(self._seed, int(window_ids[lo]))
-            out[lo:hi] = window_starts[lo] + _random.index_shuffle_array(
-                offsets[lo:hi], in_window - 1, seed
-            )
+            out[lo:hi] = window_starts[lo] + _shuffle_offsets(offsets[lo:hi], in_window, seed)
         return out
 
     def __getitem__(self, index: Any) -> Any:
