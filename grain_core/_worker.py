@@ -307,6 +307,7 @@ class WorkerPool:
         self._controls: list[Any] = []
         self._outputs: list[Any] = []
         self._prefixes = [spec.shm_prefix for spec in specs]
+        self._labels = [f"{spec.index} of {spec.count}" for spec in specs]
         process_cls = _process_class()
         try:
             for spec in specs:
@@ -367,7 +368,7 @@ class WorkerPool:
             except ValueError:
                 pass
         return WorkerDiedError(
-            f"Worker process {index} of {self.count} (pid {proc.pid}) was terminated "
+            f"Worker process {self._labels[index]} (pid {proc.pid}) was terminated "
             f"unexpectedly with {how}. A SIGKILL usually means the machine ran out of memory: "
             "reduce per_worker_buffer_size, the number of workers or the element size."
         )

@@ -1,0 +1,362 @@
+"""mp_prefetch with real worker processes: order, checkpoints, failures, shared memory."""
+
+from __future__ import annotations
+
+import gc
+import multiprocessing
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+from typing import Any
+
+import cloudpickle
+import numpy as np
+import pytest
+
+import grain_core as grain
+from grain_core import _shm
+from grain_core.dataset.mp_prefetch import slice_for_worker
+from grain_core.options import MultiprocessingOptions
+from grain_core.testing import assert_trees_equal, check_iterator_conformance
+
+pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="POSIX shm + /dev/shm")
+
+# Workers receive this module's functions by value, so they never import pytest.
+cloudpickle.register_pickle_by_value(sys.modules[__name__])
+
+
+def _opts(n: int, buffer: int = 1) -> MultiprocessingOptions:
+    return MultiprocessingOptions(num_workers=n, per_worker_buffer_size=buffer)
+
+
+def _shm_names() -> set[str]:
+    """Blocks created by this process or its workers (all names carry our pid)."""
+    prefix = f"gc{os.getpid():x}"
+    return {e for e in os.listdir("/dev/shm") if e.startswith(prefix)}
+
+
+@pytest.fixture
+def no_shm_leak():
+    before = _shm_names()
+    yield
+    gc.collect()
+    deadline = time.monotonic() + 5
+    while _shm_names() - before and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert _shm_names() - before == set()
+
+
+def _times_ten(x: int) -> int:
+    return x * 10
+
+
+def _big(x: int) -> dict[str, Any]:
+    return {"z": np.full((128, 256), x, np.float32), "a": x, "s": np.array(["x" * (x + 1)])}
+
+
+def _pid(_: Any) -> int:
+    return os.getpid()
+
+
+# ------------------------------------------------------------------------------- order
+@pytest.mark.parametrize("workers", [1, 2, 3])
+def test_output_equals_single_process(workers: int, no_shm_leak: None) -> None:
+    ds = grain.MapDataset.range(23).map(_times_ten).to_iter_dataset()
+    with iter(ds.mp_prefetch(_opts(workers))) as it:
+        assert list(it) == list(ds)
+
+
+def test_batched_random_pipeline_same_for_any_worker_count(no_shm_leak: None) -> None:
+    def rand(x: int, rng: np.random.Generator) -> float:
+        return x + rng.random()
+
+    base = grain.MapDataset.range(40).seed(7).shuffle().random_map(rand).batch(4)
+    ds = base.to_iter_dataset()
+    expected = list(ds)
+    for workers in (1, 2, 3):
+        out = list(ds.mp_prefetch(_opts(workers, buffer=2)))
+        assert len(out) == len(expected)
+        for a, e in zip(out, expected, strict=True):
+            assert_trees_equal(a, e)
+
+
+def test_large_arrays_travel_through_shared_memory(no_shm_leak: None) -> None:
+    ds = grain.MapDataset.range(9).map(_big).to_iter_dataset()
+    out = list(ds.mp_prefetch(_opts(2)))
+    for a, e in zip(out, list(ds), strict=True):
+        assert_trees_equal(a, e)
+        assert list(a) == ["z", "a", "s"]  # dict order survives the transport
+
+
+def test_final_batch_is_stacked_into_shared_memory(no_shm_leak: None) -> None:
+    ds = grain.MapDataset.range(10).map(_big).to_iter_dataset().batch(3)
+    out = list(ds.mp_prefetch(_opts(2)))
+    # Batches form inside each worker: worker w batches elements w, w + 2, ...
+    per_worker = [list(slice_for_worker(ds, w, 2)) for w in range(2)]
+    expected = [b for pair in zip(*per_worker, strict=True) for b in pair]
+    for a, e in zip(out, expected, strict=True):
+        assert_trees_equal(a, e)
+    assert out[0]["s"].dtype == np.dtype("<U5")  # strings are not truncated
+
+
+def test_sequential_slice_goldens() -> None:
+    ds = grain.MapDataset.source(list(range(15))).to_iter_dataset()
+    assert list(ds.mp_prefetch(_opts(4), sequential_slice=True)) == [
+        0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11
+    ]
+    ds = grain.MapDataset.range(10).to_iter_dataset()
+    assert list(ds.mp_prefetch(_opts(3), sequential_slice=True)) == [0, 4, 7, 1, 5, 8, 2, 6, 9, 3]
+
+
+def test_sequential_slice_rejects_reordering_pipelines() -> None:
+    ds = grain.MapDataset.range(10).shuffle(seed=1).to_iter_dataset()
+    with pytest.raises(ValueError, match="sequential_slice"):
+        slice_for_worker(ds, 0, 2, sequential=True)
+
+
+def test_worker_slices_are_rebuilt_not_mutated() -> None:
+    source = grain.MapDataset.range(12)
+    ds = source.map(_times_ten).to_iter_dataset().map(_times_ten)
+    sliced = slice_for_worker(ds, 1, 3)
+    assert list(sliced) == [100, 400, 700, 1000]
+    assert len(source) == 12
+    assert list(ds) == [x * 100 for x in range(12)]
+
+
+def test_zero_workers_returns_the_dataset() -> None:
+    ds = grain.MapDataset.range(3).to_iter_dataset()
+    assert ds.mp_prefetch(_opts(0)) is ds
+
+
+# -------------------------------------------------------------------------- checkpoints
+def test_checkpoint_conformance_with_workers(no_shm_leak: None) -> None:
+    ds = grain.MapDataset.range(11).map(_times_ten).to_iter_dataset().batch(2)
+    check_iterator_conformance(lambda: ds.mp_prefetch(_opts(2)), positions=[0, 3, 6])
+
+
+def test_set_state_restores_workers_in_place() -> None:
+    ds = grain.MapDataset.range(12).map(_pid).to_iter_dataset()
+    with iter(ds.mp_prefetch(_opts(2))) as it:
+        start = it.get_state()
+        first = [next(it) for _ in range(5)]
+        it.set_state(start)
+        again = list(it)
+        assert again[:5] == first
+        assert set(again) == set(first)  # the same two processes
+        assert len(multiprocessing.active_children()) >= 2
+
+
+def test_get_state_before_iteration_starts_no_process() -> None:
+    before = {p.pid for p in multiprocessing.active_children()}
+    ds = grain.MapDataset.range(6).to_iter_dataset().mp_prefetch(_opts(2))
+    it = iter(ds)
+    state = it.get_state()
+    assert state["iterators_in_use_states"] == [{"next_index": 0}, {"next_index": 0}]
+    assert {p.pid for p in multiprocessing.active_children()} == before
+    it.close()
+
+
+def test_restore_on_a_fresh_iterator_before_start() -> None:
+    ds = grain.MapDataset.range(10).to_iter_dataset().mp_prefetch(_opts(2))
+    it = iter(ds)
+    for _ in range(3):
+        next(it)
+    state = it.get_state()
+    it.close()
+    with iter(ds) as fresh:
+        fresh.set_state(state)
+        assert list(fresh) == list(range(3, 10))
+
+
+def test_state_with_other_worker_count_is_rejected() -> None:
+    state = iter(grain.MapDataset.range(4).to_iter_dataset().mp_prefetch(_opts(2))).get_state()
+    with iter(grain.MapDataset.range(4).to_iter_dataset().mp_prefetch(_opts(3))) as it:
+        with pytest.raises(ValueError, match="slots"):
+            it.set_state(state)
+
+
+def test_rewinding_after_exhaustion_keeps_workers() -> None:
+    ds = grain.MapDataset.range(4).map(_pid).to_iter_dataset().mp_prefetch(_opts(2))
+    with iter(ds) as it:
+        start = it.get_state()
+        out = []
+        for _ in range(3):  # what an epoch-repeating consumer does
+            out += list(it)
+            it.set_state(start)
+    assert len(out) == 12 and len(set(out)) == 2
+
+
+# ------------------------------------------------------------------------------ failures
+class CustomError(Exception):
+    pass
+
+
+def _fail_on_five(x: int) -> int:
+    if x == 5:
+        raise CustomError(f"bad element {x}")
+    return x
+
+
+def test_worker_exception_keeps_type_and_traceback(no_shm_leak: None) -> None:
+    ds = grain.MapDataset.range(10).map(_fail_on_five).to_iter_dataset().mp_prefetch(_opts(2))
+    it = iter(ds)
+    got = []
+    with pytest.raises(CustomError, match="bad element 5") as info:
+        for x in it:
+            got.append(x)
+    assert got == [0, 1, 2, 3, 4]
+    notes = "\n".join(info.value.__notes__)
+    assert "worker process 1 of 2" in notes and "_fail_on_five" in notes
+    with pytest.raises(CustomError):  # asking again never hangs
+        next(it)
+    it.close()
+
+
+def _kill_self_on_three(x: int) -> int:
+    if x == 3:
+        os.kill(os.getpid(), signal.SIGKILL)
+    return x
+
+
+def test_killed_worker_is_reported_quickly(no_shm_leak: None) -> None:
+    ds = grain.MapDataset.range(8).map(_kill_self_on_three).to_iter_dataset()
+    it = iter(ds.mp_prefetch(_opts(2)))
+    start = time.monotonic()
+    with pytest.raises(RuntimeError, match=r"Worker process 1 of 2 .* exit code -9 \(SIGKILL\)"):
+        list(it)
+    assert time.monotonic() - start < 5
+    with pytest.raises(RuntimeError, match="terminated unexpectedly"):
+        next(it)
+    it.close()
+
+
+def _unpicklable_element(x: int) -> Any:
+    return threading.Lock()
+
+
+def test_unpicklable_element_is_an_error(no_shm_leak: None) -> None:
+    ds = grain.MapDataset.range(4).map(_unpicklable_element).to_iter_dataset()
+    with iter(ds.mp_prefetch(_opts(2))) as it:
+        with pytest.raises(TypeError, match="cannot be pickled"):
+            next(it)
+
+
+def test_unpicklable_pipeline_names_the_node() -> None:
+    lock = threading.Lock()
+    ds = grain.MapDataset.range(4).map(lambda x: (x, lock)).to_iter_dataset().map(_times_ten)
+    with pytest.raises(TypeError) as info:
+        next(iter(ds.mp_prefetch(_opts(2))))
+    assert "MapMapDataset" in "\n".join(info.value.__notes__)
+
+
+class _ListIterDataset(grain.IterDataset):
+    def __init__(self, values: list[int]) -> None:
+        super().__init__()
+        self._values = values
+
+    def __iter__(self) -> Any:
+        from grain_core.experimental import ThreadPrefetchDatasetIterator
+
+        return iter(grain.MapDataset.source(self._values).to_iter_dataset())
+
+    def __repr__(self) -> str:
+        return "_ListIterDataset()"
+
+
+def test_unsliceable_source_fails_with_several_workers_only() -> None:
+    ds = _ListIterDataset([1, 2, 3])
+    assert list(ds.mp_prefetch(_opts(1))) == [1, 2, 3]
+    with pytest.raises(ValueError, match="Cannot slice `IterDataset` source"):
+        list(ds.mp_prefetch(_opts(2)))
+
+
+def _init_env(index: int, count: int) -> None:
+    os.environ["TEST_WORKER_ID"] = f"{index}/{count}"
+
+
+def _read_env(_: Any) -> tuple[str | None, str | None]:
+    return os.environ.get("TEST_WORKER_ID"), os.environ.get("JAX_PLATFORMS")
+
+
+def test_worker_init_fn_and_cpu_only_jax() -> None:
+    ds = grain.MapDataset.range(4).map(_read_env).to_iter_dataset()
+    out = list(ds.mp_prefetch(_opts(2), worker_init_fn=_init_env))
+    assert out == [("0/2", "cpu"), ("1/2", "cpu")] * 2
+
+
+def test_closed_iterator_and_gc_release_everything(no_shm_leak: None) -> None:
+    ds = grain.MapDataset.range(50).map(_big).to_iter_dataset().mp_prefetch(_opts(2, buffer=3))
+    it = iter(ds)
+    next(it)
+    pids = [p.pid for p in multiprocessing.active_children()]
+    it.close()
+    it.close()
+    with pytest.raises(ValueError, match="closed iterator"):
+        next(it)
+    unclosed = iter(ds)
+    next(unclosed)
+    del unclosed
+    gc.collect()
+    alive = {p.pid for p in multiprocessing.active_children()}
+    assert not alive & set(pids)
+
+
+def test_workers_exit_when_the_parent_dies(tmp_path: Any) -> None:
+    script = tmp_path / "parent.py"
+    script.write_text(
+        textwrap.dedent(
+            """
+            import multiprocessing, sys, time
+            import grain_core as grain
+            from grain_core.options import MultiprocessingOptions
+
+            def slow(x):
+                time.sleep(0.01)
+                return x
+
+            if __name__ == "__main__":
+                ds = grain.MapDataset.range(10**6).map(slow).to_iter_dataset()
+                it = iter(ds.mp_prefetch(MultiprocessingOptions(num_workers=2)))
+                next(it)
+                print(" ".join(str(p.pid) for p in multiprocessing.active_children()
+                               if p.name.startswith("grain_core-worker")), flush=True)
+                time.sleep(60)
+            """
+        )
+    )
+    parent = subprocess.Popen(
+        [sys.executable, str(script)], stdout=subprocess.PIPE, text=True, env=os.environ.copy()
+    )
+    try:
+        assert parent.stdout is not None
+        pids = [int(p) for p in parent.stdout.readline().split()]
+        assert len(pids) == 2
+        parent.kill()
+        parent.wait(timeout=10)
+        deadline = time.monotonic() + 10
+        while any(_alive(p) for p in pids) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not any(_alive(p) for p in pids)
+    finally:
+        parent.kill()
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split()[2] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def test_dataset_is_picklable_and_shm_module_leaves_nothing() -> None:
+    import pickle
+
+    ds = grain.MapDataset.range(3).to_iter_dataset().mp_prefetch(_opts(2))
+    ds.payload()
+    assert list(pickle.loads(pickle.dumps(ds))) == [0, 1, 2]
+    assert _shm.unlink_prefix(f"gc{os.getpid():x}") == []
