@@ -4,9 +4,8 @@ from __future__ import annotations
 
 import os
 
-from grain_core.plugins import FormatInfo
-
 from grain_arrayrecord._source import ArrayRecordDataSource, writer_group_size
+from grain_core.plugins import FormatInfo
 
 __all__ = ["inspect_array_record"]
 

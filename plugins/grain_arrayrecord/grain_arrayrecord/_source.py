@@ -34,7 +34,7 @@ from typing import Any, SupportsIndex
 import numpy as np
 from array_record.python import array_record_module
 
-from grain_arrayrecord._paths import PathsArg, ReadInstruction, parse_paths
+from grain_arrayrecord._paths import PathsArg, parse_paths
 
 __all__ = ["ArrayRecordDataSource"]
 
@@ -69,9 +69,7 @@ class ArrayRecordDataSource:
       FileNotFoundError: If a file does not exist or a glob matches nothing.
     """
 
-    def __init__(
-        self, paths: PathsArg, reader_options: Mapping[str, str] | None = None
-    ) -> None:
+    def __init__(self, paths: PathsArg, reader_options: Mapping[str, str] | None = None) -> None:
         self._instructions = parse_paths(paths)
         self._reader_options = _options_string(reader_options)
         self._lock = threading.Lock()  # guards opening readers, never reading
@@ -79,7 +77,11 @@ class ArrayRecordDataSource:
         plain = sorted({i.path for i in self._instructions if i.end is None})
         if plain:
             with concurrent.futures.ThreadPoolExecutor(min(16, len(plain))) as pool:
-                counts = dict(zip(plain, pool.map(lambda p: self._reader(p).num_records(), plain)))
+                counts = dict(
+                    zip(
+                        plain, pool.map(lambda p: self._reader(p).num_records(), plain), strict=True
+                    )
+                )
         counts_per_instruction = [
             (i.end if i.end is not None else counts[i.path]) - i.start for i in self._instructions
         ]
@@ -279,6 +281,9 @@ def _options_string(reader_options: Mapping[str, str] | None) -> str:
                 f"{{'index_storage_option': 'offloaded'}}; got {reader_options!r}."
             )
         options.update({str(k): str(v) for k, v in reader_options.items()})
+        # array_record rejects its own default footer prefetch with an offloaded index.
+        if options.get("index_storage_option") == "offloaded":
+            options.setdefault("footer_prefetch_bytes", "0")
     return ",".join(f"{key}:{value}" for key, value in options.items())
 
 

@@ -30,16 +30,22 @@ class ArrayRecordWriter:
       OSError: If the file cannot be created.
     """
 
-    def __init__(self, path: str | os.PathLike[str], *, group_size: int = 1, options: str = "") -> None:
+    def __init__(
+        self, path: str | os.PathLike[str], *, group_size: int = 1, options: str = ""
+    ) -> None:
         if isinstance(group_size, bool) or not isinstance(group_size, int) or group_size < 1:
             raise ValueError(f"group_size must be a positive int, got {group_size!r}.")
         self._path = os.fspath(path)
         self._tmp_path = f"{self._path}.tmp-{os.getpid()}"
         writer_options = ",".join(o for o in (f"group_size:{group_size}", options) if o)
         try:
-            self._writer: Any = array_record_module.ArrayRecordWriter(self._tmp_path, writer_options)
+            self._writer: Any = array_record_module.ArrayRecordWriter(
+                self._tmp_path, writer_options
+            )
         except ValueError as err:
-            raise ValueError(f"Invalid ArrayRecord writer options {writer_options!r}: {err}") from None
+            raise ValueError(
+                f"Invalid ArrayRecord writer options {writer_options!r}: {err}"
+            ) from None
         except RuntimeError as err:
             raise OSError(f"Cannot create ArrayRecord file {self._path!r}: {err}") from None
         if not self._writer.ok():

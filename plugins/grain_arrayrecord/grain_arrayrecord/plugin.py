@@ -4,12 +4,11 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from grain_core import hookimpl
-from grain_core.plugins import FormatSpec
-
 from grain_arrayrecord._inspect import inspect_array_record
 from grain_arrayrecord._source import ArrayRecordDataSource
 from grain_arrayrecord._writer import ArrayRecordWriter
+from grain_core import hookimpl
+from grain_core.plugins import FormatSpec
 
 __all__ = ["register_formats"]
 

@@ -1,0 +1,417 @@
+"""The grain-arrayrecord plugin: source, writer, inspector, registration, pipelines, bad input.
+
+Files are written by the real array_record library in temporary directories. Runs where nox
+installed ``plugins/grain_arrayrecord`` (tests-arrayrecord, tests-all); skipped elsewhere.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import dataclasses
+import json
+import os
+import pickle
+from collections.abc import Sequence
+from pathlib import Path
+
+import numpy as np
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+grain_arrayrecord = pytest.importorskip("grain_arrayrecord")
+
+import grain_core  # noqa: E402
+from grain_core import plugins  # noqa: E402
+from grain_core.options import ReadOptions  # noqa: E402
+from grain_core.testing import (  # noqa: E402
+    check_iterator_conformance,
+    check_random_access_source,
+)
+
+ArrayRecordDataSource = grain_arrayrecord.ArrayRecordDataSource
+ArrayRecordWriter = grain_arrayrecord.ArrayRecordWriter
+
+# Three files of uneven size: 1500 records is enough for the per-record read path (a small
+# share of a big file), the others exercise cross-file blocks.
+FILE_SIZES = (1500, 7, 300)
+
+
+def _record(i: int) -> bytes:
+    return f"record-{i:06d}|".encode() + bytes([i % 251]) * (i % 37)
+
+
+def _write(path: Path, records: Sequence[bytes], **options: object) -> Path:
+    with ArrayRecordWriter(path, **options) as writer:
+        for record in records:
+            writer.write(record)
+    return path
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory: pytest.TempPathFactory) -> tuple[list[Path], list[bytes]]:
+    directory = tmp_path_factory.mktemp("arrayrecord")
+    records = [_record(i) for i in range(sum(FILE_SIZES))]
+    paths, start = [], 0
+    for k, size in enumerate(FILE_SIZES):
+        name = f"data.array_record-{k:05d}-of-{len(FILE_SIZES):05d}"
+        paths.append(_write(directory / name, records[start : start + size]))
+        start += size
+    return paths, records
+
+
+@pytest.fixture(autouse=True)
+def _fresh_global_registry(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("GRAIN_CORE_PLUGINS", raising=False)
+    monkeypatch.delenv("GRAIN_CORE_DISABLE_PLUGINS", raising=False)
+    plugins.reset()
+
+
+def _decode(record: bytes) -> dict[str, object]:
+    head, payload = record.split(b"|", 1)
+    return {"index": int(head[len(b"record-") :]), "payload_len": len(payload)}
+
+
+@dataclasses.dataclass
+class _FileInstruction:
+    filename: str
+    skip: int
+    take: int
+    examples_in_shard: int
+
+
+# Registration.
+
+
+def test_plugin_is_registered_through_its_entry_point(
+    files: tuple[list[Path], list[bytes]],
+) -> None:
+    report = next(r for r in plugins.registry().reports if r.name == "arrayrecord")
+    assert (report.status, report.distribution, report.version) == (
+        "loaded",
+        "grain-arrayrecord",
+        grain_arrayrecord.__version__,
+    )
+    assert report.provides == {
+        "formats": ["arrayrecord"],
+        "exports": ["grain_core.sources.ArrayRecordDataSource"],
+    }
+    fmt = plugins.get_format("arrayrecord")
+    assert fmt.provides == ("source", "writer", "inspector")
+    for path in ("/d/x.array_record", "x.ArrayRecord", "/d/train.array_record-00003-of-00016"):
+        assert plugins.format_for_path(path) is fmt
+    assert grain_core.sources.ArrayRecordDataSource is ArrayRecordDataSource  # type: ignore[attr-defined]
+    paths, records = files
+    source = fmt.get("source")(paths)
+    assert len(source) == len(records)
+
+
+# Reading.
+
+
+def test_source_reads_every_record_in_order(files: tuple[list[Path], list[bytes]]) -> None:
+    paths, records = files
+    source = ArrayRecordDataSource([str(p) for p in paths])
+    assert len(source) == len(records)
+    assert source.paths == [str(p) for p in paths]
+    assert [source[i] for i in range(len(source))] == records
+    assert source.__getitems__(range(len(source))) == records
+    assert source[np.int64(1501)] == records[1501]
+
+
+def test_source_conforms_to_the_random_access_contract(
+    files: tuple[list[Path], list[bytes]],
+) -> None:
+    check_random_access_source(ArrayRecordDataSource(files[0]), sample=200)
+
+
+@given(keys=st.lists(st.integers(0, sum(FILE_SIZES) - 1), max_size=300))
+def test_getitems_returns_records_in_request_order(
+    files: tuple[list[Path], list[bytes]], keys: list[int]
+) -> None:
+    paths, records = files
+    source = ArrayRecordDataSource(paths)
+    assert source.__getitems__(keys) == [records[k] for k in keys]
+    assert source.__getitems__(np.asarray(keys, dtype=np.int32)) == [records[k] for k in keys]
+
+
+@pytest.mark.parametrize(
+    "keys",
+    [
+        [3],  # one record: a range read
+        [900, 12, 1499, 12],  # a small share of a big file: one range read per record
+        list(range(200, 260)),  # consecutive: one range read
+        [5, 1400, 700, 2, 2, 1000] * 10,  # a large share: one indexed read
+    ],
+    ids=["single", "per-record", "consecutive", "indexed"],
+)
+def test_each_read_plan_returns_the_same_records(
+    files: tuple[list[Path], list[bytes]], keys: list[int]
+) -> None:
+    paths, records = files
+    source = ArrayRecordDataSource(paths[0])
+    assert source.__getitems__(keys) == [records[k] for k in keys]
+
+
+def test_read_instructions_globs_and_file_instructions(
+    files: tuple[list[Path], list[bytes]],
+) -> None:
+    paths, records = files
+    first, _, third = (str(p) for p in paths)
+    source = ArrayRecordDataSource(
+        [f"{first}[10:20]", _FileInstruction(third, 5, 3, 300), Path(first), f"{first}[0:0]"]
+    )
+    expected = records[10:20] + records[1507 + 5 : 1507 + 8] + records[:1500]
+    assert len(source) == len(expected)
+    assert source.__getitems__(range(len(source))) == expected
+    assert source[12] == records[1507 + 7]
+    tfds_style = ArrayRecordDataSource(_FileInstruction(third, 290, -1, 300))
+    assert [tfds_style[i] for i in range(len(tfds_style))] == records[-10:]
+    globbed = ArrayRecordDataSource(str(paths[0].parent / "data.array_record-*"))
+    assert globbed.paths == sorted(str(p) for p in paths)
+    assert len(globbed) == len(records)
+
+
+def test_shared_readers_are_safe_from_many_threads(files: tuple[list[Path], list[bytes]]) -> None:
+    paths, records = files
+    source = ArrayRecordDataSource(paths)
+    rng = np.random.default_rng(0)
+    blocks = [rng.integers(0, len(records), size=rng.integers(1, 400)) for _ in range(200)]
+
+    def read(block: np.ndarray) -> bool:
+        return source.__getitems__(block) == [records[k] for k in block]
+
+    with concurrent.futures.ThreadPoolExecutor(8) as pool:
+        assert all(pool.map(read, blocks))
+
+
+def test_pickle_reopens_lazily_and_keeps_the_fingerprint(
+    files: tuple[list[Path], list[bytes]], tmp_path: Path
+) -> None:
+    paths, records = files
+    source = ArrayRecordDataSource(paths)
+    source[0]
+    copy = pickle.loads(pickle.dumps(source))
+    assert copy._readers == {}
+    assert repr(copy) == repr(source) == repr(ArrayRecordDataSource(paths))
+    assert copy[1600] == records[1600]
+    assert "record-" not in repr(source) and str(paths[0]) not in repr(source)
+    # The fingerprint changes with the data's identity: other files, other ranges.
+    assert repr(ArrayRecordDataSource(paths[:2])) != repr(source)
+    assert repr(ArrayRecordDataSource(f"{paths[0]}[0:1499]")) != repr(
+        ArrayRecordDataSource(f"{paths[0]}[1:1500]")
+    )
+    with ArrayRecordDataSource(paths) as closing:
+        closing[3]
+    assert closing._readers == {}
+    assert closing[3] == records[3]  # reopened on demand
+
+
+def test_reader_options_are_forwarded(files: tuple[list[Path], list[bytes]]) -> None:
+    paths, records = files
+    source = ArrayRecordDataSource(paths, reader_options={"index_storage_option": "offloaded"})
+    assert source.__getitems__([1600, 0, 1499]) == [records[1600], records[0], records[1499]]
+    with pytest.raises(ValueError, match="reader_options"):
+        ArrayRecordDataSource(paths, reader_options={"no_such_option": "1"})
+
+
+# Pipelines.
+
+
+def test_shuffled_pipeline_conforms_and_is_deterministic(
+    files: tuple[list[Path], list[bytes]],
+) -> None:
+    paths, records = files
+
+    def make() -> grain_core.IterDataset:
+        source = ArrayRecordDataSource(paths[1:])
+        return (
+            grain_core.MapDataset.source(source)
+            .shuffle(seed=7)
+            .map(_decode)
+            .to_iter_dataset(ReadOptions(num_threads=4, prefetch_buffer_size=64))
+        )
+
+    out = check_iterator_conformance(make, positions=[0, 1, 150, 306, 307])
+    assert sorted(e["index"] for e in out) == list(range(1500, len(records)))
+    assert [e["index"] for e in out] != list(range(1500, len(records)))
+
+
+@pytest.mark.parametrize("worker_count", [0, 2])
+def test_data_loader_checkpoint_and_resume(
+    files: tuple[list[Path], list[bytes]], worker_count: int
+) -> None:
+    data_loader = pytest.importorskip(
+        "grain_core.data_loader", reason="grain_core.data_loader (DataLoader) is not available yet"
+    )
+    from grain_core import samplers, transforms
+
+    paths, records = files
+
+    class Decode(transforms.Map):
+        def map(self, element: bytes) -> dict[str, object]:
+            return _decode(element)
+
+    def make() -> object:
+        source = grain_core.sources.ArrayRecordDataSource(paths[1:])  # type: ignore[attr-defined]
+        return data_loader.DataLoader(
+            data_source=source,
+            sampler=samplers.IndexSampler(len(source), shuffle=True, num_epochs=1, seed=5),
+            operations=[Decode(), transforms.Batch(32)],
+            worker_count=worker_count,
+        )
+
+    first = iter(make())  # type: ignore[call-overload]
+    head = [next(first) for _ in range(4)]
+    state = first.get_state()
+    assert json.loads(state)  # small JSON bytes, not data
+    tail = list(first)
+    resumed = iter(make())  # type: ignore[call-overload]
+    resumed.set_state(state)
+    resumed_tail = list(resumed)
+    assert len(resumed_tail) == len(tail)
+    for a, b in zip(resumed_tail, tail, strict=True):
+        np.testing.assert_array_equal(a["index"], b["index"])
+    indices = np.concatenate([b["index"] for b in head + tail])
+    assert sorted(indices.tolist()) == list(range(1500, len(records)))
+
+
+# Writer and inspector.
+
+
+def test_writer_is_atomic_and_checks_records(tmp_path: Path) -> None:
+    path = tmp_path / "out.array_record"
+    with ArrayRecordWriter(path) as writer:
+        writer.write(b"a")
+        writer.write(bytearray(b"bc"))
+        writer.write(memoryview(b"def"))
+        assert not path.exists()
+        with pytest.raises(TypeError, match=r"record 3 must be bytes.*encode"):
+            writer.write("text")
+    assert ArrayRecordDataSource(path).__getitems__([0, 1, 2]) == [b"a", b"bc", b"def"]
+    with pytest.raises(ValueError, match="closed"):
+        writer.write(b"late")
+
+    failed = tmp_path / "failed.array_record"
+    with pytest.raises(RuntimeError, match="boom"), ArrayRecordWriter(failed) as writer:
+        writer.write(b"x")
+        raise RuntimeError("boom")
+    assert os.listdir(tmp_path) == ["out.array_record"]
+    with pytest.raises(ValueError, match="group_size"):
+        ArrayRecordWriter(failed, group_size=0)
+    with pytest.raises(ValueError, match="writer options"):
+        ArrayRecordWriter(failed, options="no_such_option:1")
+
+
+def test_large_groups_warn_that_random_access_is_slow(tmp_path: Path) -> None:
+    path = _write(
+        tmp_path / "grouped.array_record", [_record(i) for i in range(100)], group_size=32
+    )
+    with pytest.warns(UserWarning, match=r"group_size=32.*group_size=1"):
+        source = ArrayRecordDataSource(path)
+    assert source.__getitems__([99, 0, 50]) == [_record(99), _record(0), _record(50)]
+
+
+def test_inspector_reports_records_files_size_and_group_size(
+    files: tuple[list[Path], list[bytes]],
+) -> None:
+    paths, records = files
+    inspect = plugins.get_format("arrayrecord").get("inspector")
+    info = inspect(str(paths[0].parent / "data.array_record-*"), 3)
+    assert info.num_records == len(records)
+    assert info.sample == tuple(records[:3])
+    assert info.details["files"] == [str(p) for p in paths]
+    assert info.details["bytes"] == sum(p.stat().st_size for p in paths)
+    assert info.details["group_size"] == 1
+    assert info.details["first_record_preview"] == repr(records[0])
+    assert inspect(str(paths[1]), 0).sample == ()
+
+
+# Bad input: every message names the file.
+
+
+def test_missing_files_and_empty_globs(tmp_path: Path) -> None:
+    missing = tmp_path / "nope.array_record"
+    with pytest.raises(FileNotFoundError, match="nope.array_record"):
+        ArrayRecordDataSource(missing)
+    with pytest.raises(FileNotFoundError, match=r"No ArrayRecord files match .*\*\.array_record"):
+        ArrayRecordDataSource(str(tmp_path / "*.array_record"))
+    with pytest.raises(FileNotFoundError, match="nope.array_record"):
+        ArrayRecordDataSource(f"{missing}[0:3]")
+    with pytest.raises(ValueError, match="at least one path"):
+        ArrayRecordDataSource([])
+    with pytest.raises(ValueError, match="got int"):
+        ArrayRecordDataSource([3])  # type: ignore[list-item]
+
+
+def test_random_bytes_and_truncated_files(
+    files: tuple[list[Path], list[bytes]], tmp_path: Path
+) -> None:
+    rng = np.random.default_rng(0)
+    small = tmp_path / "noise.array_record"
+    small.write_bytes(rng.bytes(5000))
+    big = tmp_path / "bignoise.array_record"
+    big.write_bytes(rng.bytes(300_000))
+    data = files[0][0].read_bytes()
+    truncated = tmp_path / "truncated.array_record"
+    truncated.write_bytes(data[: len(data) // 2])
+    for path in (small, big, truncated):
+        with pytest.raises(ValueError, match=rf"{path.name}.*not a readable ArrayRecord file"):
+            ArrayRecordDataSource(path)
+    # A range does not open the file at construction; the first read reports it.
+    lazy = ArrayRecordDataSource(f"{truncated}[0:5]")
+    with pytest.raises(ValueError, match=r"truncated.array_record.*truncated"):
+        lazy[0]
+
+
+def test_corrupt_record_names_the_file_and_records(tmp_path: Path) -> None:
+    rng = np.random.default_rng(0)  # incompressible records: the data chunks fill the file
+    path = _write(tmp_path / "c.array_record", [rng.bytes(2000) for _ in range(64)])
+    data = bytearray(path.read_bytes())
+    data[40_000:40_050] = bytes(50)  # inside a data chunk, far from the footer and index
+    path.write_bytes(bytes(data))
+    source = ArrayRecordDataSource(path)
+    with pytest.raises(
+        ValueError, match=r"Reading records \[.*\] of ArrayRecord file .*c.array_record"
+    ):
+        source.__getitems__(range(64))
+
+
+def test_index_past_the_end_names_the_files(files: tuple[list[Path], list[bytes]]) -> None:
+    paths, records = files
+    source = ArrayRecordDataSource(paths)
+    n = len(records)
+    for bad in (n, n + 10, -1):
+        with pytest.raises(IndexError, match=rf"Record index {bad} .*{paths[0].name}.* and 2 more"):
+            source[bad]
+    with pytest.raises(IndexError, match=rf"Record index {n} is out of range"):
+        source.__getitems__([0, n, 1])
+    assert source.__getitems__([]) == []
+
+
+@pytest.mark.parametrize(
+    ("suffix", "message"),
+    [
+        ("[5:2]", r"invalid range \[5:2\]"),
+        ("[-1:2]", r"invalid range \[-1:2\]"),
+        ("[a:b]", r"invalid range: write 'file\[start:end\]'"),
+        ("[3:]", r"invalid range: write 'file\[start:end\]'"),
+    ],
+)
+def test_bad_read_instruction_ranges(
+    files: tuple[list[Path], list[bytes]], suffix: str, message: str
+) -> None:
+    path = files[0][1]
+    with pytest.raises(ValueError, match=message) as raised:
+        ArrayRecordDataSource(f"{path}{suffix}")
+    assert path.name in str(raised.value)
+
+
+def test_read_instruction_past_the_end_of_its_file(files: tuple[list[Path], list[bytes]]) -> None:
+    path = files[0][1]  # 7 records
+    source = ArrayRecordDataSource(f"{path}[2:9]")
+    assert len(source) == 7
+    with pytest.raises(ValueError, match=rf"{path.name}\[2:9\].*up to 9.*only 7 records"):
+        source[0]
+    with pytest.raises(ValueError, match=r"skip \+ take <= examples_in_shard"):
+        ArrayRecordDataSource(_FileInstruction(str(path), 5, 5, 7))
