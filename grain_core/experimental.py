@@ -22,6 +22,7 @@ from grain_core.dataset.packing import (
 from grain_core.dataset.packing_concat_split import BOSHandling, ConcatThenSplitIterDataset
 from grain_core.dataset.prefetch import ThreadPrefetchDatasetIterator, ThreadPrefetchIterDataset
 from grain_core.dataset.rebatch import RebatchIterDataset, batch_and_pad
+from grain_core.dataset.stats import get_execution_summary
 from grain_core.dataset.window_shuffle import WindowShuffleIterDataset, WindowShuffleMapDataset
 from grain_core.dataset.with_options import WithOptionsIterDataset
 from grain_core.dataset.zip import ZipMapDataset
@@ -55,6 +56,7 @@ __all__ = [
     "apply_transformations",
     "assert_equal_output_after_checkpoint",
     "batch_and_pad",
+    "get_execution_summary",
     "get_next_index",
     "index_shuffle",
     "pick_performance_config",
