@@ -206,6 +206,7 @@ class SharedMemoryArray(np.ndarray):  # type: ignore[type-arg]
             base = base.base
         return (
             self._shm_name is not None
+            and base.base is not None  # a copy owns fresh memory, not the block
             and self.flags.c_contiguous
             and self.nbytes == self._shm_size
             and self.__array_interface__["data"][0] == base.__array_interface__["data"][0]

@@ -1,0 +1,136 @@
+"""grain_core.multiprocessing: SharedMemoryArray and the element transport helpers."""
+
+from __future__ import annotations
+
+import collections
+import gc
+import os
+import pickle
+import sys
+
+import numpy as np
+import pytest
+
+from grain_core import _shm
+from grain_core.multiprocessing import (
+    MultiprocessingOptions,
+    SharedMemoryArray,
+    SharedMemoryArrayMetadata,
+)
+
+pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="/dev/shm listing")
+
+
+def _exists(name: str) -> bool:
+    return os.path.exists("/dev/shm/" + name.lstrip("/"))
+
+
+def test_array_lives_in_a_named_block_and_pickles_by_name() -> None:
+    arr = SharedMemoryArray((3, 4), np.float32)
+    arr[...] = np.arange(12, dtype=np.float32).reshape(3, 4)
+    meta = arr.metadata
+    assert isinstance(meta, SharedMemoryArrayMetadata)
+    assert meta.shape == (3, 4) and meta.dtype == np.float32 and _exists(meta.name)
+    attached = SharedMemoryArray.from_metadata(meta)
+    attached[0, 0] = 42  # same memory, no copy
+    assert arr[0, 0] == 42
+    data = pickle.dumps(arr)
+    assert len(data) < 400  # the name travels, not the 48 bytes... nor 48 MB
+    again = pickle.loads(data)
+    assert np.array_equal(again, arr)
+    meta.close_and_unlink_shm()
+    assert not _exists(meta.name)
+
+
+def test_unlink_on_del_frees_the_block() -> None:
+    arr = SharedMemoryArray(16, np.int64)
+    name = arr.metadata.name
+    arr.unlink_on_del()
+    view = arr[2:5]
+    del arr
+    gc.collect()
+    assert _exists(name)  # a view keeps the array alive
+    del view
+    gc.collect()
+    assert not _exists(name)
+
+
+def test_without_unlink_on_del_only_the_mapping_goes() -> None:
+    arr = SharedMemoryArray(8, np.uint8)
+    meta = arr.metadata
+    del arr
+    gc.collect()
+    assert _exists(meta.name)
+    meta.close_and_unlink_shm()
+
+
+def test_async_deletion() -> None:
+    SharedMemoryArray.enable_async_del(num_threads=1, max_outstanding_requests=2)
+    names = []
+    for _ in range(5):
+        arr = SharedMemoryArray(4)
+        names.append(arr.metadata.name)
+        arr.unlink_on_del()
+        del arr
+    gc.collect()
+    assert _shm._deleter.executor is not None
+    _shm._deleter.executor.submit(lambda: None).result()  # the queue is processed in order
+    assert not any(_exists(n) for n in names)
+
+
+def test_new_arrays_from_numpy_ops_are_plain() -> None:
+    arr = SharedMemoryArray((4,), np.float64)
+    arr[...] = 1.0
+    assert type(arr + 1) is np.ndarray
+    assert type(arr.sum()) is np.float64
+    copy = arr.copy()
+    with pytest.raises(ValueError, match="whole shared-memory block"):
+        copy.metadata
+    assert type(pickle.loads(pickle.dumps(copy))) is np.ndarray
+    with pytest.raises(ValueError, match="object"):
+        SharedMemoryArray((2,), object)
+    arr.metadata.close_and_unlink_shm()
+
+
+Point = collections.namedtuple("Point", "x y")
+
+
+def test_copy_to_shm_round_trip_and_rules() -> None:
+    big = np.arange(1000, dtype=np.float64)
+    tree = {
+        "b": [big, Point(big * 2, "label")],
+        "a": np.arange(10),
+        "strided": big[::2],
+        "objects": np.array([{"k": 1}] * 200, dtype=object),
+        "empty": np.zeros((0, 3)),
+    }
+    encoded, names = _shm.copy_to_shm(tree, min_size=1024)
+    assert len(names) == 2  # big and big * 2; small, strided, object, empty stay inline
+    assert all(_exists(n) for n in names)
+    decoded = _shm.open_from_shm(pickle.loads(pickle.dumps(encoded)))
+    assert not any(_exists(n) for n in names)  # unlinked as soon as mapped
+    assert list(decoded) == ["b", "a", "strided", "objects", "empty"]
+    assert isinstance(decoded["b"][1], Point)
+    np.testing.assert_array_equal(decoded["b"][0], big)
+    np.testing.assert_array_equal(decoded["b"][1].x, big * 2)
+    np.testing.assert_array_equal(decoded["strided"], big[::2])
+
+
+def test_unlink_shm_frees_unopened_elements() -> None:
+    _, names = _shm.copy_to_shm([np.ones(100)], min_size=0)
+    _shm.unlink_shm(names)
+    assert not any(_exists(n) for n in names)
+
+
+def test_whole_block_arrays_are_sent_without_copy() -> None:
+    arr = SharedMemoryArray((2, 2), np.int32)
+    encoded, names = _shm.copy_to_shm({"x": arr}, min_size=10**9)
+    assert names == [arr.metadata.name]
+    _shm.unlink_shm(names)
+
+
+def test_options_validation() -> None:
+    with pytest.raises(ValueError, match="num_workers"):
+        MultiprocessingOptions(num_workers=-1)
+    with pytest.raises(ValueError, match="per_worker_buffer_size"):
+        MultiprocessingOptions(per_worker_buffer_size=-1)
