@@ -19,7 +19,7 @@ from typing import Any
 from _harness import import_google_grain, workload
 
 NUM_INPUTS = 16
-PER_INPUT = 2_000
+PER_INPUT = 1_000
 CYCLE = 4
 ELEMENTS = NUM_INPUTS * PER_INPUT
 
