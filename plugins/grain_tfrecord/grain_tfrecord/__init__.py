@@ -1,0 +1,34 @@
+"""grain-tfrecord: TFRecord files and ``tf.train.Example`` for grain_core, without TensorFlow.
+
+* :class:`TFRecordIterDataset` streams records, verifying both CRCs of every frame.
+* :class:`TFRecordDataSource` reads any record by index through a cached offset index.
+* :class:`TFRecordWriter` writes files TensorFlow reads (optionally GZIP/ZLIB).
+* :func:`decode_example` / :func:`encode_example` (and the SequenceExample pair) convert
+  ``tf.train.Example`` records to and from dicts of NumPy arrays.
+"""
+
+from __future__ import annotations
+
+from grain_tfrecord._dataset import TFRecordIterDataset
+from grain_tfrecord._example import (
+    ExampleDecodeError,
+    FeatureSpec,
+    decode_example,
+    decode_sequence_example,
+    encode_example,
+    encode_sequence_example,
+)
+from grain_tfrecord._framing import CorruptRecordError
+from grain_tfrecord._writer import TFRecordWriter
+
+__all__ = [
+    "CorruptRecordError",
+    "ExampleDecodeError",
+    "FeatureSpec",
+    "TFRecordIterDataset",
+    "TFRecordWriter",
+    "decode_example",
+    "decode_sequence_example",
+    "encode_example",
+    "encode_sequence_example",
+]

@@ -1,0 +1,188 @@
+"""``TFRecordIterDataset``: streams the records of TFRecord files, verifying both checksums."""
+
+from __future__ import annotations
+
+import bisect
+import operator
+from collections.abc import Sequence
+from typing import Any
+
+from grain_core.dataset.base import DatasetIterator, IterDataset
+from grain_tfrecord._framing import PathLike, compression_for, expand_paths
+from grain_tfrecord._stream import Block, FrameReader
+
+__all__ = ["TFRecordIterDataset"]
+
+
+class TFRecordIterDataset(IterDataset[bytes]):
+    """Yields the records (``bytes``) of one or more TFRecord files, in order.
+
+    Every record's length CRC and data CRC are checked before it is returned. One file has
+    the state ``{"reader_offset": byte offset of the next record}`` (for compressed files, an
+    offset in the decompressed stream; restoring it re-reads the file up to there). Several
+    files are read through an ``InterleaveIterDataset`` of one dataset per file (state: the
+    interleave state), which ``mp_prefetch`` slices by file.
+
+    Args:
+      paths: A path, a sequence of paths, or a pattern (``train.tfrecord-*-of-00016``,
+        ``train.tfrecord@16``).
+      verify_crc: Check both CRCs of every record. ``False`` is unsafe: a corrupt payload is
+        returned as is, and a corrupt length reads as a truncated file.
+      compression: ``"GZIP"``, ``"ZLIB"`` or None to decide per file from its suffix
+        (``.gz``: GZIP, ``.zlib``/``.zz``: ZLIB, otherwise uncompressed).
+      cycle_length: Files read at the same time, taking records round-robin; the default
+        1 reads the files one after the other.
+
+    Raises:
+      ValueError: If no file is given or ``compression`` is unknown.
+      FileNotFoundError: When an iterator opens a file that does not exist.
+      CorruptRecordError: While iterating, for a damaged or truncated file.
+    """
+
+    def __init__(
+        self,
+        paths: PathLike | Sequence[PathLike],
+        *,
+        verify_crc: bool = True,
+        compression: str | None = None,
+        cycle_length: int = 1,
+    ) -> None:
+        files = expand_paths(paths, "TFRecordIterDataset")
+        self._init(files, verify_crc, compression, cycle_length, per_file=len(files) > 1)
+
+    def _init(
+        self,
+        files: Sequence[str],
+        verify_crc: bool,
+        compression: str | None,
+        cycle_length: int,
+        per_file: bool,
+    ) -> None:
+        self._paths = tuple(files)
+        self._verify_crc = bool(verify_crc)
+        self._compression = compression
+        self._cycle_length = cycle_length
+        if not per_file:
+            self._file_compression = compression_for(files[0], compression)
+            super().__init__()
+            return
+        from grain_core.experimental import InterleaveIterDataset
+
+        one_per_file = [
+            TFRecordIterDataset(p, verify_crc=verify_crc, compression=compression) for p in files
+        ]
+        # iter_buffer_size=0: a reader thread per file would only add a hand-off per record;
+        # the reader already amortises I/O over megabyte reads.
+        interleave = InterleaveIterDataset(
+            one_per_file, cycle_length=cycle_length, iter_buffer_size=0
+        )
+        super().__init__(interleave)
+
+    @property
+    def paths(self) -> tuple[str, ...]:
+        """The files, in reading order."""
+        return self._paths
+
+    def with_slice(self, sl: slice) -> TFRecordIterDataset:
+        """Returns the dataset over ``paths[sl]`` (how ``mp_prefetch`` gives workers files).
+
+        Raises:
+          ValueError: If this dataset reads a single file, which cannot be split by file.
+        """
+        if not self._parents:
+            raise ValueError(
+                f"Cannot slice TFRecordIterDataset of the single file {self._paths[0]} by file "
+                "for several workers; pass several files (shards), or use one worker."
+            )
+        sliced = TFRecordIterDataset.__new__(TFRecordIterDataset)
+        sliced._init(
+            self._paths[sl], self._verify_crc, self._compression, self._cycle_length, True
+        )
+        return sliced
+
+    def __iter__(self) -> DatasetIterator[bytes]:
+        if self._parents:
+            return iter(self._parents[0])
+        return TFRecordFileIterator(self._paths[0], self._file_compression, self._verify_crc)
+
+    def __repr__(self) -> str:
+        return f"TFRecordIterDataset(paths={list(self._paths)!r}, verify_crc={self._verify_crc})"
+
+
+class TFRecordFileIterator(DatasetIterator[bytes]):
+    """Hands out the records of one file from blocks parsed by a :class:`FrameReader`.
+
+    Args:
+      path: The file.
+      compression: ``"GZIP"``, ``"ZLIB"`` or None.
+      verify_crc: Check both CRCs of every record.
+
+    Raises:
+      FileNotFoundError: If the file does not exist.
+    """
+
+    def __init__(self, path: str, compression: str | None, verify_crc: bool) -> None:
+        super().__init__()
+        self._path = path
+        self._compression = compression
+        self._verify = verify_crc
+        self._reader: FrameReader | None = None
+        self._open_at(0)
+
+    def _open_at(self, offset: int) -> None:
+        if self._reader is not None:
+            self._reader.close()
+        self._reader = FrameReader(self._path, self._compression, self._verify, offset)
+        self._block = Block([], offset, [], None)
+        # An iterator over the block's records: its length hint tells how many are left.
+        self._records = iter(self._block.records)
+
+    def __next__(self) -> bytes:
+        record = next(self._records, None)
+        if record is None:
+            return self._next_block()
+        return record
+
+    def _next_block(self) -> bytes:
+        self._check_open()
+        if self._block.error is not None:
+            raise self._block.error
+        assert self._reader is not None
+        self._block = self._reader.read_block()
+        self._records = iter(self._block.records)
+        if not self._block.records:
+            if self._block.error is not None:
+                raise self._block.error
+            raise StopIteration
+        return next(self._records)
+
+    def get_state(self) -> dict[str, Any]:
+        return {"reader_offset": self._offset()}
+
+    def _offset(self) -> int:
+        block = self._block
+        taken = len(block.records) - operator.length_hint(self._records)
+        return block.start + (block.ends[taken - 1] if taken else 0)
+
+    def set_state(self, state: dict[str, Any]) -> None:
+        offset = int(state["reader_offset"])
+        self._check_open()
+        block = self._block
+        relative = offset - block.start
+        taken = bisect.bisect_left(block.ends, relative) + 1 if relative else 0
+        if taken == 0 or taken <= len(block.ends) and block.ends[taken - 1] == relative:
+            self._records = iter(block.records)
+            self._records.__setstate__(taken)  # type: ignore[attr-defined]
+        else:
+            self._open_at(offset)
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        if self._reader is not None:
+            self._reader.close()
+        self._records = iter(())
+        super().close()
+
+    def __repr__(self) -> str:
+        return f"TFRecordFileIterator({self._path!r})"

@@ -1,0 +1,305 @@
+"""Sequential reading of TFRecord frames: large reads, a block of frames parsed per read.
+
+``FrameReader`` reads a megabyte at a time and ``read_block`` slices up to 64 KiB of complete
+frames out of the buffer in one tight loop, checking each data CRC inline and looking each
+length CRC up in a small cache (most files repeat few lengths). The iterator hands out the
+records of a block with a list index, so its ``__next__`` does almost nothing.
+"""
+
+from __future__ import annotations
+
+import os
+import struct
+import zlib
+from typing import Final, Protocol
+
+import crc32c
+
+from grain_tfrecord._framing import (
+    FOOTER_SIZE,
+    FRAME_OVERHEAD,
+    HEADER,
+    HEADER_SIZE,
+    MASK_DELTA,
+    U32,
+    U64,
+    WBITS,
+    CorruptRecordError,
+    crc_error,
+    masked_crc,
+    truncated_error,
+)
+
+__all__ = ["CHUNK_SIZE", "Block", "ByteStream", "FrameReader", "InflatingReader", "open_stream"]
+
+# Large reads amortise the cost of a system call and of the decompressor's setup.
+CHUNK_SIZE: Final = 1 << 20
+# Largest single read when a (possibly garbage) length asks for more: memory then grows only
+# as far as the file really goes.
+_MAX_READ: Final = 1 << 26
+# Payload bytes per block: the records of a block are alive together, and keeping that
+# below the allocator's trim threshold lets their memory be reused instead of faulted in anew.
+_BLOCK_BYTES: Final = 1 << 16
+FOOTER_AND_HEADER: Final = struct.Struct("<IQI")
+# Header CRCs cached per length; cleared when full (files with very many distinct lengths).
+_HEADER_CACHE_SIZE: Final = 1 << 16
+
+
+class ByteStream(Protocol):
+    """What the reader needs of a file: ``read(n)`` (fewer bytes only at the end) and close."""
+
+    def read(self, size: int, /) -> bytes | None: ...
+
+    def close(self) -> None: ...
+
+
+class InflatingReader:
+    """``read(n)`` over the decompressed bytes of a GZIP or ZLIB file (several members allowed).
+
+    Args:
+      path: The compressed file.
+      compression: ``"GZIP"`` or ``"ZLIB"``.
+
+    Raises:
+      CorruptRecordError: From ``read``, if the compressed stream is damaged.
+    """
+
+    def __init__(self, path: str, compression: str) -> None:
+        self._path = path
+        self._compression = compression
+        self._wbits = WBITS[compression]
+        self._raw = open(path, "rb", buffering=0)  # noqa: SIM115 - closed by close()
+        self._inflater = zlib.decompressobj(self._wbits)
+        self._position = 0
+
+    def read(self, size: int) -> bytes:
+        """Returns up to ``size`` decompressed bytes; fewer only at the end of the stream."""
+        parts = []
+        have = 0
+        while have < size:
+            piece = self._inflate(size - have)
+            if not piece:
+                break
+            parts.append(piece)
+            have += len(piece)
+        self._position += have
+        return b"".join(parts)
+
+    def _inflate(self, limit: int) -> bytes:
+        inflater = self._inflater
+        while True:
+            if inflater.unconsumed_tail:
+                compressed = inflater.unconsumed_tail
+            elif inflater.eof and inflater.unused_data:
+                # Concatenated members (``cat a.gz b.gz``) form one stream.
+                compressed = inflater.unused_data
+                inflater = self._inflater = zlib.decompressobj(self._wbits)
+            else:
+                compressed = self._raw.read(CHUNK_SIZE)
+                if not compressed:
+                    if not inflater.eof and (self._position or inflater.unconsumed_tail):
+                        raise self._damaged("the compressed stream ends early")
+                    return b""
+            try:
+                piece = inflater.decompress(compressed, limit)
+            except zlib.error as err:
+                raise self._damaged(str(err)) from None
+            if piece:
+                return piece
+
+    def _damaged(self, why: str) -> CorruptRecordError:
+        return CorruptRecordError(
+            f"{self._path}: the {self._compression} data is damaged after {self._position} "
+            f"decompressed bytes ({why}). Re-create or re-download the file.",
+            path=self._path,
+            offset=self._position,
+            reason="compressed stream",
+        )
+
+    def close(self) -> None:
+        self._raw.close()
+
+
+def open_stream(path: str, compression: str | None, offset: int) -> ByteStream:
+    """Opens ``path`` positioned at (decompressed) byte ``offset``.
+
+    Raises:
+      FileNotFoundError: If the file does not exist.
+    """
+    if compression is None:
+        raw = open(path, "rb", buffering=0)  # noqa: SIM115 - the caller closes it
+        raw.seek(offset)
+        return raw
+    reader = InflatingReader(path, compression)
+    while offset > 0:  # a compressed stream can only be skipped by inflating it
+        skipped = len(reader.read(min(offset, _MAX_READ)))
+        if not skipped:
+            break
+        offset -= skipped
+    return reader
+
+
+class Block:
+    """Records parsed from one read, and what to raise after the last of them.
+
+    Attributes:
+      records: Payloads, in file order.
+      start: Stream offset of the first record's frame.
+      ends: ``ends[k]``: stream offset just after record ``k``'s frame, relative to ``start``.
+      error: Raised when the consumer passes the last record (a damaged or truncated frame
+        follows it); None when the file simply continues or ends.
+    """
+
+    __slots__ = ("records", "start", "ends", "error")
+
+    def __init__(
+        self, records: list[bytes], start: int, ends: list[int], error: CorruptRecordError | None
+    ) -> None:
+        self.records = records
+        self.start = start
+        self.ends = ends
+        self.error = error
+
+
+class FrameReader:
+    """Reads TFRecord frames from ``offset`` on, a block of complete frames at a time.
+
+    Args:
+      path: The file.
+      compression: ``"GZIP"``, ``"ZLIB"`` or None.
+      verify_crc: Check both CRCs of every frame.
+      offset: Stream offset of a frame to start at.
+
+    Raises:
+      FileNotFoundError: If the file does not exist.
+    """
+
+    def __init__(self, path: str, compression: str | None, verify_crc: bool, offset: int) -> None:
+        self._path = path
+        self._verify = verify_crc
+        self._stream = open_stream(path, compression, offset)
+        # Bounds what a garbage length may make us read (unknown for compressed files).
+        self._unread = None if compression else max(os.path.getsize(path) - offset, 0)
+        self._at_end = False
+        self._buf = b""  # the bytes read and not yet parsed start at self._buf[self._pos]
+        self._pos = 0
+        self._offset = offset  # stream offset of self._buf[self._pos]
+        self._header_crcs: dict[int, int] = {}
+
+    def read_block(self) -> Block:
+        """Returns the next block; its ``records`` are empty only at the end or on an error.
+
+        Raises:
+          CorruptRecordError: If a compressed stream is damaged.
+        """
+        while True:
+            block = self._parse()
+            if block.records or block.error:
+                return block
+            left = len(self._buf) - self._pos
+            if self._at_end:
+                if left:
+                    block.error = self._truncated()
+                return block
+            frame = HEADER_SIZE
+            if left >= HEADER_SIZE:
+                frame = HEADER.unpack_from(self._buf, self._pos)[0] + FRAME_OVERHEAD
+                if self._unread is not None and frame - left > self._unread:
+                    block.error = self._truncated()
+                    return block
+            self._fill(max(frame, CHUNK_SIZE))
+
+    def _fill(self, need: int) -> None:
+        """Reads until ``need`` unparsed bytes are buffered or the stream ends."""
+        parts = [self._buf[self._pos :]]
+        want = need - len(parts[0])
+        if self._unread is not None:
+            want = min(want, self._unread)
+        read = self._stream.read
+        while want > 0:
+            chunk = read(min(want, _MAX_READ))
+            if not chunk:
+                self._at_end = True
+                break
+            parts.append(chunk)
+            want -= len(chunk)
+            if self._unread is not None:
+                self._unread -= len(chunk)
+        if self._unread == 0:
+            self._at_end = True
+        self._buf = b"".join(parts)
+        self._pos = 0
+
+    def _truncated(self) -> CorruptRecordError:
+        left = len(self._buf) - self._pos
+        available = left + (self._unread or 0)
+        if left < HEADER_SIZE:
+            return truncated_error(self._path, self._offset, HEADER_SIZE, available, "header")
+        length = HEADER.unpack_from(self._buf, self._pos)[0]
+        return truncated_error(
+            self._path, self._offset, length + FRAME_OVERHEAD, available, "payload"
+        )
+
+    def _parse(self) -> Block:
+        """Slices up to _BLOCK_BYTES of complete frames out of the buffer."""
+        buf = self._buf
+        pos = first = self._pos
+        size = len(buf)
+        records: list[bytes] = []
+        ends: list[int] = []
+        error = None
+        if pos + HEADER_SIZE <= size:
+            append_record = records.append
+            append_end = ends.append
+            verify = self._verify
+            header_crcs = self._header_crcs
+            unpack_footer_and_header = FOOTER_AND_HEADER.unpack_from
+            crc = crc32c.crc32c
+            mask_delta = MASK_DELTA
+            block_end = pos + _BLOCK_BYTES
+            length, length_crc = HEADER.unpack_from(buf, pos)
+            while True:
+                if verify and header_crcs.get(length) != length_crc:
+                    error = self._check_header(buf, pos, length, length_crc)
+                    if error:
+                        break
+                stop = pos + HEADER_SIZE + length
+                # One unpack reads this frame's data CRC and the next frame's header.
+                if stop + FOOTER_SIZE + HEADER_SIZE <= size:
+                    data_crc, next_length, next_length_crc = unpack_footer_and_header(buf, stop)
+                elif stop + FOOTER_SIZE <= size:
+                    data_crc, next_length = U32.unpack_from(buf, stop)[0], -1
+                else:
+                    break
+                data = buf[pos + HEADER_SIZE : stop]
+                if verify:
+                    value = crc(data)
+                    if (((value >> 15) | (value << 17)) + mask_delta) & 0xFFFFFFFF != data_crc:
+                        error = crc_error(self._path, self._offset + pos - first, "data CRC", b"")
+                        break
+                append_record(data)
+                pos = stop + FOOTER_SIZE
+                append_end(pos - first)
+                if next_length < 0 or pos >= block_end:
+                    break
+                length, length_crc = next_length, next_length_crc
+        block = Block(records, self._offset, ends, error)
+        self._offset += pos - first
+        self._pos = pos
+        return block
+
+    def _check_header(
+        self, buf: bytes, pos: int, length: int, length_crc: int
+    ) -> CorruptRecordError | None:
+        """Checks a length CRC not yet in the cache; returns the error if it is wrong."""
+        expected = masked_crc(U64.pack(length))
+        if expected != length_crc:
+            offset = self._offset + pos - self._pos
+            return crc_error(self._path, offset, "length CRC", buf[pos : pos + 2])
+        if len(self._header_crcs) >= _HEADER_CACHE_SIZE:
+            self._header_crcs.clear()
+        self._header_crcs[length] = length_crc
+        return None
+
+    def close(self) -> None:
+        self._stream.close()
