@@ -1,0 +1,307 @@
+"""Finding and opening Parquet files, and turning Arrow columns into NumPy.
+
+Paths may be local paths, ``file://`` URIs, any URI pyarrow's filesystem layer understands
+(``s3://``, ``gs://``, ``hdfs://``) or, with ``fsspec`` installed, any fsspec URL
+(``memory://``). A ``filesystem`` argument (a ``pyarrow.fs.FileSystem`` or an fsspec
+filesystem) overrides URI resolution. Every error raised here names the file.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.fs as pafs
+import pyarrow.parquet as pq
+
+__all__ = [
+    "ParquetPath",
+    "PathLike",
+    "check_columns",
+    "check_same_schema",
+    "column_to_numpy",
+    "open_parquet",
+    "project_schema",
+    "read_error",
+    "resolve_paths",
+    "rows_from_columns",
+]
+
+PathLike = str | os.PathLike[str]
+
+_MAGIC = b"PAR1"
+
+
+@dataclasses.dataclass(frozen=True)
+class ParquetPath:
+    """One Parquet file.
+
+    Attributes:
+      display: The path as the user gave it (used in messages and ``repr``).
+      filesystem: The pyarrow filesystem holding it; None for a local file, which pyarrow
+        opens itself (so ``memory_map=True`` works).
+      path: The path on ``filesystem`` (absolute, for local files).
+    """
+
+    display: str
+    filesystem: pafs.FileSystem | None
+    path: str
+
+    def open_input(self) -> Any:
+        """Opens the file for reading raw bytes."""
+        if self.filesystem is None:
+            return open(self.path, "rb")
+        return self.filesystem.open_input_file(self.path)
+
+    def size(self) -> int:
+        """The file size in bytes."""
+        if self.filesystem is None:
+            return os.path.getsize(self.path)
+        return int(self.filesystem.get_file_info(self.path).size)
+
+
+def resolve_paths(
+    paths: PathLike | Sequence[PathLike], filesystem: Any = None, *, what: str = "Parquet"
+) -> tuple[ParquetPath, ...]:
+    """Resolves one path or a sequence of paths to :class:`ParquetPath`.
+
+    Args:
+      paths: Local paths or URIs.
+      filesystem: Optional ``pyarrow.fs.FileSystem`` or fsspec ``AbstractFileSystem``; the
+        paths are then paths on it.
+      what: The reader's name, for messages.
+
+    Raises:
+      ValueError: If no path is given, or a URI scheme cannot be opened.
+      TypeError: If ``paths`` or ``filesystem`` has the wrong type.
+    """
+    if isinstance(paths, str | os.PathLike):
+        items = [paths]
+    elif isinstance(paths, Sequence):
+        items = list(paths)
+    else:
+        raise TypeError(f"{what} paths must be a path or a sequence of paths, got {paths!r}.")
+    if not items:
+        raise ValueError(f"{what} needs at least one path.")
+    for item in items:
+        if not isinstance(item, str | os.PathLike):
+            raise TypeError(f"{what} paths must be str or os.PathLike, got {item!r}.")
+    fs = _arrow_filesystem(filesystem)
+    return tuple(_resolve(os.fspath(item), fs) for item in items)
+
+
+def _arrow_filesystem(filesystem: Any) -> pafs.FileSystem | None:
+    if filesystem is None or isinstance(filesystem, pafs.FileSystem):
+        return filesystem
+    try:
+        import fsspec
+    except ImportError:
+        fsspec = None
+    if fsspec is not None and isinstance(filesystem, fsspec.AbstractFileSystem):
+        return pafs.PyFileSystem(pafs.FSSpecHandler(filesystem))
+    raise TypeError(
+        "filesystem must be a pyarrow.fs.FileSystem or an fsspec filesystem, got "
+        f"{type(filesystem).__name__}."
+    )
+
+
+def _resolve(path: str, filesystem: pafs.FileSystem | None) -> ParquetPath:
+    if filesystem is not None:
+        if isinstance(filesystem, pafs.LocalFileSystem):
+            return ParquetPath(path, None, os.path.abspath(path))
+        return ParquetPath(path, filesystem, path)
+    if "://" not in path:
+        return ParquetPath(path, None, os.path.abspath(path))
+    try:
+        fs, fs_path = pafs.FileSystem.from_uri(path)
+    except (pa.ArrowInvalid, pa.ArrowNotImplementedError, ValueError) as err:
+        fs, fs_path = _fsspec_filesystem(path, err)
+    if isinstance(fs, pafs.LocalFileSystem):
+        return ParquetPath(path, None, fs_path)
+    return ParquetPath(path, fs, fs_path)
+
+
+def _fsspec_filesystem(path: str, arrow_error: Exception) -> tuple[pafs.FileSystem, str]:
+    try:
+        import fsspec
+    except ImportError:
+        raise ValueError(
+            f"{path}: pyarrow cannot open this URI ({arrow_error}). For other schemes install "
+            "fsspec and its filesystem package: pip install 'grain-parquet[fsspec]'."
+        ) from None
+    try:
+        fs, fs_path = fsspec.core.url_to_fs(path)
+    except (ImportError, ValueError) as err:
+        raise ValueError(f"{path}: neither pyarrow nor fsspec can open this URI: {err}") from None
+    return pafs.PyFileSystem(pafs.FSSpecHandler(fs)), fs_path
+
+
+def _exists(file: ParquetPath) -> bool:
+    if file.filesystem is None:
+        return os.path.exists(file.path)
+    return bool(file.filesystem.get_file_info(file.path).type != pafs.FileType.NotFound)
+
+
+def _diagnose(file: ParquetPath) -> str:
+    """Why pyarrow could not read the footer: not Parquet at all, or cut short."""
+    try:
+        with file.open_input() as handle:
+            head = handle.read(len(_MAGIC))
+    except OSError as err:
+        return f"cannot be read ({err})"
+    if head == _MAGIC:
+        return (
+            "is truncated or corrupted: it starts like a Parquet file but its footer is "
+            "missing or damaged. Re-create or re-download it"
+        )
+    if not head:
+        return "is empty, not a Parquet file"
+    return "is not a Parquet file (it does not start with 'PAR1'). Check the path and format"
+
+
+def open_parquet(
+    file: ParquetPath, read_kwargs: Mapping[str, Any], metadata: pq.FileMetaData | None = None
+) -> pq.ParquetFile:
+    """Opens ``file`` with ``pyarrow.parquet.ParquetFile(**read_kwargs)``.
+
+    Args:
+      file: The file.
+      read_kwargs: Keyword arguments for ``ParquetFile`` (``memory_map``, ``pre_buffer``, ...).
+      metadata: The file's footer, when already read (saves reading it again).
+
+    Raises:
+      FileNotFoundError: If the file does not exist.
+      ValueError: If it is not a readable Parquet file; the message says why.
+      TypeError: On an unknown keyword argument.
+    """
+    kwargs = dict(read_kwargs)
+    if file.filesystem is not None:
+        kwargs["filesystem"] = file.filesystem
+    try:
+        return pq.ParquetFile(file.path, metadata=metadata, **kwargs)
+    except TypeError as err:
+        raise TypeError(f"Invalid Parquet read option for {file.display}: {err}") from None
+    except (pa.ArrowException, OSError) as err:
+        if isinstance(err, FileNotFoundError) or not _exists(file):
+            raise FileNotFoundError(f"Parquet file not found: {file.display}") from None
+        raise ValueError(f"Cannot read Parquet file {file.display}: it {_diagnose(file)}.") from err
+
+
+def read_error(file: ParquetPath, row_group: int, err: Exception) -> ValueError:
+    """The error for a row group that fails to decode."""
+    return ValueError(
+        f"Cannot read row group {row_group} of Parquet file {file.display}: {err}. The file is "
+        "probably corrupted; re-create or re-download it."
+    )
+
+
+def check_columns(columns: Sequence[str] | None) -> tuple[str, ...] | None:
+    """Validates a ``columns`` argument.
+
+    Raises:
+      TypeError / ValueError: If it is not a non-empty sequence of distinct names.
+    """
+    if columns is None:
+        return None
+    if isinstance(columns, str) or not isinstance(columns, Sequence):
+        raise TypeError(f"columns must be a sequence of column names, got {columns!r}.")
+    names = tuple(columns)
+    if not names:
+        raise ValueError("columns must name at least one column (None reads all columns).")
+    if not all(isinstance(n, str) for n in names):
+        raise TypeError(f"columns must be names (str), got {columns!r}.")
+    if len(set(names)) != len(names):
+        raise ValueError(f"columns names a column twice: {list(names)}.")
+    return names
+
+
+def project_schema(
+    schema: pa.Schema, columns: tuple[str, ...] | None, file: ParquetPath
+) -> pa.Schema:
+    """The fields of ``schema`` that will be read: all, or ``columns`` in that order.
+
+    Raises:
+      ValueError: If a column does not exist; the message lists the available ones.
+    """
+    if columns is None:
+        return schema.remove_metadata()
+    missing = [c for c in columns if c not in schema.names]
+    if missing:
+        raise ValueError(
+            f"Parquet file {file.display} has no column {', '.join(map(repr, missing))}. "
+            f"Available columns: {schema.names}."
+        )
+    return pa.schema([schema.field(c) for c in columns])
+
+
+def check_same_schema(
+    expected: pa.Schema,
+    expected_file: ParquetPath,
+    actual: pa.Schema,
+    file: ParquetPath,
+    columns: tuple[str, ...] | None,
+) -> None:
+    """Checks that ``file`` has the fields (names and types) of ``expected_file``.
+
+    Args:
+      expected: The projected schema every file must have.
+      expected_file: The file ``expected`` comes from.
+      actual: ``file``'s full schema.
+      file: The file being checked.
+      columns: The projection; without one, ``file`` may not have extra fields either.
+
+    Raises:
+      ValueError: Naming both files and the first field that differs.
+    """
+    hint = (
+        "All files of one dataset must have the same columns and types; pass columns=[...] "
+        "to read only the columns they share."
+    )
+    for field in expected:
+        index = actual.get_field_index(field.name)
+        if index < 0:
+            raise ValueError(
+                f"Parquet file {file.display} has no field {field.name!r} ({field.type}), "
+                f"which {expected_file.display} has. {hint}"
+            )
+        other = actual.field(index)
+        if not other.type.equals(field.type):
+            raise ValueError(
+                f"Parquet file {file.display}: field {field.name!r} has type {other.type}, but "
+                f"{field.type} in {expected_file.display}. {hint}"
+            )
+    if columns is None:
+        extra = [name for name in actual.names if name not in expected.names]
+        if extra:
+            raise ValueError(
+                f"Parquet file {file.display} has field {extra[0]!r}, which "
+                f"{expected_file.display} lacks. {hint}"
+            )
+
+
+def column_to_numpy(column: pa.Array | pa.ChunkedArray) -> np.ndarray:
+    """One Arrow column as a NumPy array, without copying where Arrow's layout allows.
+
+    Numbers without nulls are zero-copy (read-only) views. A fixed-size list column becomes
+    one array with a trailing dimension per list level (zero-copy for numbers), so each row is
+    an array and a batch of rows is a plain 2-D array. Strings, binaries, variable-length
+    lists, structs and columns with nulls are converted by ``to_numpy(zero_copy_only=False)``
+    (object arrays; nulls become NaN or None).
+    """
+    if isinstance(column, pa.ChunkedArray):
+        column = column.combine_chunks()
+    column_type = column.type
+    if pa.types.is_fixed_size_list(column_type) and column.null_count == 0:
+        values = column_to_numpy(column.flatten())
+        return values.reshape(len(column), column_type.list_size, *values.shape[1:])
+    return column.to_numpy(zero_copy_only=False)
+
+
+def rows_from_columns(names: Sequence[str], columns: Sequence[np.ndarray]) -> list[dict[str, Any]]:
+    """One dict per row, ``{name: value}``, from equally long columns."""
+    # The lengths are equal by construction; strict zips would only add per-row checks.
+    return [dict(zip(names, values, strict=False)) for values in zip(*columns, strict=False)]
