@@ -43,7 +43,7 @@ _now = time.perf_counter_ns
 
 
 class _Clock(threading.local):
-    """Per-thread accumulator of the time spent in timed calls nested in the current one."""
+    """Per thread: time spent in timed calls nested in the current one, and its stage."""
 
     nested_ns = 0
     stage: Any = None
@@ -58,9 +58,16 @@ class _StageStats:
     ``prepared`` is False for an iterator stage until its first ``next``: timing is installed
     from ``DatasetIterator.__init__``, before the subclass has set its attributes, so the
     MapDataset graph it reads from is timed on first use.
+
+    ``inputs`` links the stats graph the summary walks. It outlives the iterators: an input
+    that an interleave finished and dropped still counts. Links come from the iterator's
+    attributes when it is prepared and, for inputs created later, from the first ``next`` call
+    a consumer stage makes on them.
     """
 
-    __slots__ = ("name", "kind", "count", "self_ns", "total_ns", "lock", "prepared")
+    __slots__ = (
+        "name", "kind", "count", "self_ns", "total_ns", "lock", "prepared", "inputs", "has_consumer"
+    )
 
     def __init__(self, name: str, kind: str) -> None:
         self.name = name
@@ -70,6 +77,13 @@ class _StageStats:
         self.total_ns = 0
         self.lock = threading.Lock()
         self.prepared = kind == "map"
+        self.inputs: list[_StageStats] = []
+        self.has_consumer = False
+
+    def link(self, child: _StageStats) -> None:
+        child.has_consumer = True
+        if all(child is not known for known in self.inputs):
+            self.inputs.append(child)
 
 
 # ------------------------------------------------------------------------- iterator stages
@@ -83,20 +97,25 @@ def _timed_iterator_class(cls: type) -> type:
     untimed_next = cls.__next__
 
     def __next__(self: Any) -> Any:
-        if not self._stage_stats.prepared:
-            _prepare(self)
+        stats = self._stage_stats
         clock = _clock
+        consumer = clock.stage
+        if not stats.has_consumer and consumer is not None:
+            consumer.link(stats)
+        if not stats.prepared:
+            _prepare(self)
         outer_nested = clock.nested_ns
         clock.nested_ns = 0
+        clock.stage = stats
         start = _now()
         try:
             element = untimed_next(self)
         finally:
             elapsed = _now() - start
-            stats = self._stage_stats
             stats.self_ns += elapsed - clock.nested_ns
             stats.total_ns += elapsed
             clock.nested_ns = outer_nested + elapsed
+            clock.stage = consumer
         stats.count += 1
         return element
 
@@ -196,7 +215,11 @@ def _timed_map_graph(node: MapDataset[Any], memo: dict[int, MapDataset[Any]]) ->
         if replaced is not value:
             setattr(timed, name, replaced)
     timed.__class__ = _timed_map_class(type(node))
-    timed._stage_stats = _StageStats(repr(node), "map")  # type: ignore[attr-defined]
+    stats = _StageStats(repr(node), "map")
+    for parent in timed.parents:
+        if isinstance(parent, MapDataset) and hasattr(parent, "_stage_stats"):
+            stats.link(parent._stage_stats)
+    timed._stage_stats = stats  # type: ignore[attr-defined]
     return timed
 
 
@@ -247,10 +270,26 @@ def _prepare(it: DatasetIterator[Any]) -> None:
     stats.name = _iterator_stage_name(it)
     memo: dict[int, MapDataset[Any]] = {}
     for name in _map_graph_attributes(it):
-        setattr(it, name, _timed_map_graph(getattr(it, name), memo))
+        timed = _timed_map_graph(getattr(it, name), memo)
+        setattr(it, name, timed)
+        stats.link(timed._stage_stats)
     for child in _child_iterators(it):
         time_stages(child)
+        stats.link(child._stage_stats)  # type: ignore[attr-defined]
     stats.prepared = True
+
+
+def _prepare_reachable(iterator: DatasetIterator[Any]) -> None:
+    stack = [iterator]
+    seen: set[int] = set()
+    while stack:
+        it = stack.pop()
+        if id(it) in seen or "_stage_stats" not in vars(it):
+            continue
+        seen.add(id(it))
+        if not it._stage_stats.prepared:  # type: ignore[attr-defined]
+            _prepare(it)
+        stack.extend(_child_iterators(it))
 
 
 # ----------------------------------------------------------------------------- summaries
@@ -387,30 +426,16 @@ def get_execution_summary(iterator: DatasetIterator[Any]) -> ExecutionSummary:
         rows[row_id]["stats"].append(stats)
         return row_id
 
-    def walk_map(node: MapDataset[Any], parent_row: int, depth: int) -> None:
-        stats = getattr(node, "_stage_stats", None)
-        if stats is None or id(node) in visited:
+    def walk(stats: _StageStats, parent_row: int, depth: int) -> None:
+        if id(stats) in visited:
             return
-        visited.add(id(node))
+        visited.add(id(stats))
         row = add(stats, parent_row, depth)
-        for parent in node.parents:
-            if isinstance(parent, MapDataset):
-                walk_map(parent, row, depth + 1)
-
-    def walk(it: DatasetIterator[Any], parent_row: int, depth: int) -> None:
-        stats = vars(it).get("_stage_stats")
-        if stats is None or id(it) in visited:
-            return
-        if not stats.prepared:
-            _prepare(it)
-        visited.add(id(it))
-        row = add(stats, parent_row, depth)
-        for name in _map_graph_attributes(it):
-            walk_map(getattr(it, name), row, depth + 1)
-        for child in _child_iterators(it):
+        for child in stats.inputs:
             walk(child, row, depth + 1)
 
-    walk(iterator, -1, 0)
+    _prepare_reachable(iterator)
+    walk(iterator._stage_stats, -1, 0)  # type: ignore[attr-defined]
     total = sum(s.self_ns for r in rows for s in r["stats"]) or 1
     stages = []
     for i, r in enumerate(rows):
