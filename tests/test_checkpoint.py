@@ -1,0 +1,125 @@
+"""CheckpointHandler, atomic checkpoint files, Orbax v1 save/load and Orbax args."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+import grain_core as grain
+from grain_core import checkpoint
+from grain_core.samplers import IndexSampler
+
+
+def _dataset_iterator() -> Any:
+    return iter(grain.MapDataset.range(10).map(lambda x: x * 2).to_iter_dataset())
+
+
+def _loader_iterator(workers: int = 0) -> Any:
+    loader = grain.DataLoader(
+        data_source=list(range(10)), sampler=IndexSampler(10, num_epochs=1), worker_count=workers
+    )
+    return iter(loader)
+
+
+def test_dataset_iterator_round_trip(tmp_path: Path) -> None:
+    handler = checkpoint.CheckpointHandler()
+    it = _dataset_iterator()
+    for _ in range(3):
+        next(it)
+    handler.save(tmp_path, it)
+    assert json.loads((tmp_path / "process_0-of-1.json").read_text()) == {"next_index": 3}
+    fresh = _dataset_iterator()
+    assert handler.restore(tmp_path, fresh) is fresh
+    assert list(fresh) == [6, 8, 10, 12, 14, 16, 18]
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_data_loader_iterator_round_trip(tmp_path: Path, workers: int) -> None:
+    handler = checkpoint.CheckpointHandler()
+    with _loader_iterator(workers) as it:
+        for _ in range(4):
+            next(it)
+        handler.save(tmp_path, args=type("Args", (), {"item": it})())
+    assert json.loads((tmp_path / "process_0-of-1.json").read_text())["version"] == 2
+    with _loader_iterator(workers) as fresh:
+        handler.restore(tmp_path, fresh)
+        assert list(fresh) == list(range(4, 10))
+
+
+def test_save_is_atomic(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    handler = checkpoint.CheckpointHandler()
+    it = _dataset_iterator()
+    handler.save(tmp_path, it)
+    next(it)
+
+    def crash(*args: Any) -> None:
+        raise OSError("disk full")
+
+    monkeypatch.setattr(os, "replace", crash)
+    with pytest.raises(OSError, match="disk full"):
+        handler.save(tmp_path, it)
+    assert os.listdir(tmp_path) == ["process_0-of-1.json"]  # no temporary file left
+    assert json.loads((tmp_path / "process_0-of-1.json").read_text()) == {"next_index": 0}
+
+
+def test_bad_checkpoint_files(tmp_path: Path) -> None:
+    handler = checkpoint.CheckpointHandler()
+    with pytest.raises(ValueError, match="does not exist"):
+        handler.restore(tmp_path, _dataset_iterator())
+    (tmp_path / "process_0-of-1.json").write_text('{"next_ind')
+    with pytest.raises(ValueError, match="not valid JSON"):
+        handler.restore(tmp_path, _dataset_iterator())
+    with pytest.raises(ValueError, match="not valid JSON"):
+        handler.restore(tmp_path, _loader_iterator())
+
+
+def test_orbax_v1_protocol(tmp_path: Path) -> None:
+    async def save_and_load() -> list[int]:
+        it = _loader_iterator()
+        next(it)
+        await (await it.save(tmp_path))
+        fresh = _loader_iterator()
+        await (await fresh.load(tmp_path))
+        return list(fresh)
+
+    assert asyncio.run(save_and_load()) == list(range(1, 10))
+
+
+def test_orbax_args_absent_without_orbax() -> None:
+    try:
+        import orbax.checkpoint  # noqa: F401
+    except ImportError:
+        assert not hasattr(checkpoint, "CheckpointSave")
+    else:
+        assert hasattr(checkpoint, "CheckpointSave")
+
+
+def test_orbax_checkpoint_manager_with_model_params(tmp_path: Path) -> None:
+    ocp = pytest.importorskip("orbax.checkpoint")
+    np = pytest.importorskip("numpy")
+    it = _loader_iterator()
+    next(it)
+    next(it)
+    params = {"w": np.arange(6.0).reshape(2, 3)}
+    with ocp.CheckpointManager(tmp_path) as manager:
+        manager.save(
+            1,
+            args=ocp.args.Composite(
+                params=ocp.args.StandardSave(params), data=checkpoint.CheckpointSave(it)
+            ),
+        )
+        manager.wait_until_finished()
+        fresh = _loader_iterator()
+        restored = manager.restore(
+            1,
+            args=ocp.args.Composite(
+                params=ocp.args.StandardRestore(params), data=checkpoint.CheckpointRestore(fresh)
+            ),
+        )
+    np.testing.assert_array_equal(restored["params"]["w"], params["w"])
+    assert list(fresh) == list(range(2, 10))

@@ -1,0 +1,267 @@
+"""DataLoader and DataLoaderIterator with real worker processes."""
+
+from __future__ import annotations
+
+import json
+import sys
+from typing import Any
+
+import cloudpickle
+import numpy as np
+import pytest
+
+import grain_core as grain
+from grain_core import transforms
+from grain_core.samplers import IndexSampler, SequentialSampler
+from grain_core.sharding import NoSharding, ShardOptions
+from grain_core.sources import RangeDataSource, SharedMemoryDataSource
+from grain_core.testing import assert_trees_equal
+
+cloudpickle.register_pickle_by_value(sys.modules[__name__])
+
+
+class PlusOne(transforms.Map):
+    def map(self, x: Any) -> Any:
+        return {"x": np.full((4,), x, np.int64) + 1}
+
+
+class AddNoise(transforms.RandomMap):
+    def random_map(self, x: Any, rng: np.random.Generator) -> Any:
+        return {"x": x["x"], "noise": rng.integers(1000)}
+
+
+class WithIndex(transforms.MapWithIndex):
+    def map_with_index(self, index: int, x: Any) -> Any:
+        return {**x, "index": index}
+
+
+class NotThree(transforms.Filter):
+    def filter(self, x: Any) -> bool:
+        return int(x["x"][0]) % 3 != 0
+
+
+class Twice(transforms.FlatMap):
+    max_fan_out = 2
+
+    def flat_map(self, x: Any) -> list[Any]:
+        return [x, x]
+
+
+SOURCE = list(range(30))
+
+
+def _loader(workers: int, ops: list[Any], *, epochs: int = 1, **kw: Any) -> grain.DataLoader:
+    sampler = IndexSampler(len(SOURCE), num_epochs=epochs, shuffle=True, seed=4)
+    return grain.DataLoader(
+        data_source=SOURCE, sampler=sampler, operations=ops, worker_count=workers, **kw
+    )
+
+
+ONE_TO_ONE = [PlusOne(), AddNoise(), WithIndex(), transforms.Batch(4)]
+
+
+def _assert_streams_equal(a: list[Any], b: list[Any]) -> None:
+    assert len(a) == len(b)
+    for x, y in zip(a, b, strict=True):
+        assert_trees_equal(x, y)
+
+
+def test_fresh_state_golden_and_str() -> None:
+    loader = grain.DataLoader(
+        data_source=RangeDataSource(0, 8, 1), sampler=SequentialSampler(8), worker_count=3
+    )
+    it = iter(loader)
+    assert json.loads(it.get_state()) == {
+        "version": 2,
+        "last_seen_indices": {"0": -3, "1": -2, "2": -1},
+        "last_worker_index": -1,
+        "worker_count": 3,
+        "sampler": "SequentialSampler(num_records=8, shard_options=NoSharding(shard_index=0, "
+        "shard_count=1, drop_remainder=False))",
+        "data_source": "RangeDataSource(start=0, stop=8, step=1)",
+    }
+    assert str(it) == f"PyGrainDatasetIterator(state={it.get_state().decode()})"
+    assert list(it) == list(range(8))
+    it.close()
+
+
+def test_output_is_the_same_for_any_worker_count() -> None:
+    expected = list(_loader(0, ONE_TO_ONE, epochs=2))
+    assert len(expected) == 15
+    for workers in (1, 2, 3):
+        with iter(_loader(workers, ONE_TO_ONE, epochs=2)) as it:
+            _assert_streams_equal(list(it), expected)
+
+
+@pytest.mark.parametrize(("saved_with", "restored_with", "position"), [(2, 0, 5), (0, 3, 4), (3, 1, 7), (1, 2, 0), (2, 2, 8)])
+def test_checkpoint_restores_with_another_worker_count(
+    saved_with: int, restored_with: int, position: int
+) -> None:
+    expected = list(_loader(0, ONE_TO_ONE))
+    with iter(_loader(saved_with, ONE_TO_ONE)) as it:
+        for _ in range(position):
+            next(it)
+        state = it.get_state()
+    with iter(_loader(restored_with, ONE_TO_ONE)) as restored:
+        restored.set_state(state)
+        _assert_streams_equal(list(restored), expected[position:])
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_filter_pipeline_restores_with_the_same_worker_count(workers: int) -> None:
+    ops = [PlusOne(), NotThree(), transforms.Batch(3)]
+    expected = list(_loader(workers, ops))
+    assert len(expected) == 7
+    for position in (0, 3, len(expected)):
+        with iter(_loader(workers, ops)) as it:
+            for _ in range(position):
+                next(it)
+            state = it.get_state()
+            it.set_state(state)  # repeated get/set does not drift
+            assert it.get_state() == state
+        with iter(_loader(workers, ops)) as restored:
+            restored.set_state(state)
+            _assert_streams_equal(list(restored), expected[position:])
+    other = iter(_loader(workers + 1, ops))
+    with pytest.raises(ValueError, match="worker_count"):
+        other.set_state(state)
+    other.close()
+
+
+def test_flat_map_pipeline_checkpoints() -> None:
+    ops = [PlusOne(), Twice(), transforms.Batch(4)]
+    expected = list(_loader(2, ops))
+    assert sum(len(b["x"]) for b in expected) == 60
+    with iter(_loader(2, ops)) as it:
+        next(it)
+        next(it)
+        state = it.get_state()
+    with iter(_loader(2, ops)) as restored:
+        restored.set_state(state)
+        _assert_streams_equal(list(restored), expected[2:])
+
+
+def test_state_is_small_for_a_large_list_source() -> None:
+    source = list(range(10_000))
+    loader = grain.DataLoader(
+        data_source=source, sampler=SequentialSampler(len(source)), worker_count=0
+    )
+    it = iter(loader)
+    for _ in range(10_000):
+        next(it)
+    assert len(it.get_state()) < 1000
+    assert json.loads(it.get_state())["data_source"] == "list(len=10000)"
+
+
+def test_shared_memory_source_fingerprint_is_stable() -> None:
+    a = SharedMemoryDataSource(list(range(20)))
+    b = SharedMemoryDataSource(list(range(20)))
+    try:
+        make = lambda src: grain.DataLoader(  # noqa: E731
+            data_source=src, sampler=SequentialSampler(20), worker_count=0
+        )
+        it = iter(make(a))
+        next(it)
+        state = it.get_state()
+        assert b"0, 1, 2" not in state and a.shm.name.encode() not in state
+        restored = iter(make(b))
+        restored.set_state(state)
+        assert next(restored) == 1
+    finally:
+        for src in (a, b):
+            src.close()
+            src.unlink()
+
+
+def test_restore_validates_source_and_sampler() -> None:
+    it = iter(_loader(0, ONE_TO_ONE))
+    next(it)
+    state = it.get_state()
+    other_source = grain.DataLoader(
+        data_source=list(range(31)),
+        sampler=IndexSampler(30, num_epochs=1, shuffle=True, seed=4),
+        operations=ONE_TO_ONE,
+    )
+    with pytest.raises(ValueError, match="data_source"):
+        iter(other_source).set_state(state)
+    other_sampler = grain.DataLoader(
+        data_source=SOURCE, sampler=IndexSampler(30, num_epochs=1, shuffle=True, seed=5),
+        operations=ONE_TO_ONE,
+    )
+    with pytest.raises(ValueError, match="sampler"):
+        iter(other_sampler).set_state(state)
+    with pytest.raises(ValueError, match="not valid JSON"):
+        it.set_state(b'{"version": 2, "last_')
+    with pytest.raises(ValueError, match="version"):
+        it.set_state(b'{"version": 1}')
+
+
+class _UserSource:
+    def __len__(self) -> int:
+        return 5
+
+    def __getitem__(self, i: int) -> int:
+        return i
+
+
+def test_default_repr_sources_get_a_stable_fingerprint() -> None:
+    from grain_core.data_loader import fingerprint
+
+    assert fingerprint(_UserSource()) == f"{__name__}._UserSource(len=5)"
+    assert "repr_sha1" in fingerprint(_LongRepr())
+
+
+class _LongRepr:
+    def __len__(self) -> int:
+        return 1
+
+    def __repr__(self) -> str:
+        return "X" * 1000
+
+
+def test_random_map_without_seed_is_a_clear_error() -> None:
+    with pytest.raises(ValueError, match="has no seed"):
+        grain.DataLoader(
+            data_source=SOURCE, sampler=IndexSampler(30, num_epochs=1), operations=[AddNoise()]
+        )
+
+
+def test_invalid_arguments() -> None:
+    sampler = IndexSampler(30, num_epochs=1)
+    with pytest.raises(ValueError, match="worker_count"):
+        grain.DataLoader(data_source=SOURCE, sampler=sampler, worker_count=-1)
+    with pytest.raises(ValueError, match="worker_buffer_size"):
+        grain.DataLoader(data_source=SOURCE, sampler=sampler, worker_buffer_size=-1)
+
+    class NoShards:
+        def __getitem__(self, i: int) -> Any:
+            return grain.RecordMetadata(i, i)
+
+    with pytest.raises(ValueError, match="No shard options"):
+        grain.DataLoader(data_source=SOURCE, sampler=NoShards())
+    with pytest.raises(TypeError, match="Unsupported DataLoader operation"):
+        grain.DataLoader(data_source=SOURCE, sampler=sampler, operations=[lambda x: x])
+
+
+def test_sharded_loaders_and_sampler_without_len() -> None:
+    class Unsized:
+        _shard_options = NoSharding()
+
+        def __getitem__(self, i: int) -> Any:
+            if i >= 10:
+                raise IndexError(i)
+            return grain.RecordMetadata(i, 9 - i)
+
+    assert list(grain.DataLoader(data_source=SOURCE, sampler=Unsized())) == list(range(9, -1, -1))
+    sampler = SequentialSampler(10, ShardOptions(1, 3, drop_remainder=False))
+    assert list(grain.DataLoader(data_source=SOURCE, sampler=sampler)) == [1, 4, 7]
+
+
+def test_load() -> None:
+    loader = grain.load(SOURCE, num_epochs=1, shuffle=True, seed=1, batch_size=8,
+                        transformations=[PlusOne()], drop_remainder=True, worker_count=2)
+    batches = list(loader)
+    assert [b["x"].shape for b in batches] == [(8, 4)] * 3
+    with iter(loader) as it:
+        it.start_prefetch()
+        assert_trees_equal(next(it), batches[0])
