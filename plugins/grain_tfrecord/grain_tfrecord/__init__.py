@@ -19,16 +19,20 @@ from grain_tfrecord._example import (
     encode_sequence_example,
 )
 from grain_tfrecord._framing import CorruptRecordError
+from grain_tfrecord._inspect import inspect_tfrecord
+from grain_tfrecord._source import TFRecordDataSource
 from grain_tfrecord._writer import TFRecordWriter
 
 __all__ = [
     "CorruptRecordError",
     "ExampleDecodeError",
     "FeatureSpec",
+    "TFRecordDataSource",
     "TFRecordIterDataset",
     "TFRecordWriter",
     "decode_example",
     "decode_sequence_example",
     "encode_example",
     "encode_sequence_example",
+    "inspect_tfrecord",
 ]
