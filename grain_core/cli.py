@@ -79,7 +79,7 @@ def _parser() -> argparse.ArgumentParser:
 
     bench = commands.add_parser(
         "bench",
-        help="run benchmarks/run.py of a source checkout (arguments go to the runner)",
+        help="run benchmarks/run.py of the source checkout in the current directory (arguments go to the runner)",
         add_help=False,
     )
     bench.set_defaults(run=_cmd_bench)
@@ -249,7 +249,7 @@ def progress(iterable: Iterable[_T], total: int, unit: str) -> Iterable[_T]:
         from tqdm import tqdm
     except ImportError:
         return iterable
-    return tqdm(iterable, total=total, unit=unit, file=sys.stderr, leave=False)  # type: ignore[no-any-return]
+    return tqdm(iterable, total=total, unit=unit, file=sys.stderr, leave=False)
 
 
 def _cmd_bench(args: argparse.Namespace) -> int:
@@ -258,14 +258,11 @@ def _cmd_bench(args: argparse.Namespace) -> int:
 
 
 def _find_bench_runner() -> Path:
-    candidates = [
-        Path.cwd() / "benchmarks" / "run.py",
-        Path(__file__).resolve().parents[1] / "benchmarks" / "run.py",
-    ]
-    for candidate in candidates:
-        if candidate.is_file():
-            return candidate
-    raise FileNotFoundError(
-        "grain-core bench runs benchmarks/run.py of a grain_core source checkout, and none "
-        f"was found in {Path.cwd()}. Run it from a checkout, or use `nox -s bench` there."
-    )
+    runner = Path.cwd() / "benchmarks" / "run.py"
+    if not runner.is_file():
+        raise FileNotFoundError(
+            "grain-core bench runs benchmarks/run.py of a grain_core source checkout, and "
+            f"there is none in {Path.cwd()}. Run it from the checkout's root, or use "
+            "`nox -s bench` there."
+        )
+    return runner
