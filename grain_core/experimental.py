@@ -10,8 +10,10 @@ from typing import Any
 
 from grain_core.dataset.apply import apply_transformations
 from grain_core.dataset.autotune import PerformanceConfig, pick_performance_config
+from grain_core.dataset.cache import CacheIterDataset
 from grain_core.dataset.flatmap import FlatMapIterDataset, FlatMapMapDataset
 from grain_core.dataset.interleave import InterleaveIterDataset
+from grain_core.dataset.limit import LimitIterDataset
 from grain_core.dataset.next_index import get_next_index, set_next_index
 from grain_core.dataset.options import DatasetOptions, ExecutionTrackingMode
 from grain_core.dataset.packing import (
@@ -22,10 +24,11 @@ from grain_core.dataset.packing import (
 from grain_core.dataset.packing_concat_split import BOSHandling, ConcatThenSplitIterDataset
 from grain_core.dataset.prefetch import ThreadPrefetchDatasetIterator, ThreadPrefetchIterDataset
 from grain_core.dataset.rebatch import RebatchIterDataset, batch_and_pad
+from grain_core.dataset.repeat_iter import RepeatIterDataset
 from grain_core.dataset.stats import get_execution_summary
 from grain_core.dataset.window_shuffle import WindowShuffleIterDataset, WindowShuffleMapDataset
 from grain_core.dataset.with_options import WithOptionsIterDataset
-from grain_core.dataset.zip import ZipMapDataset
+from grain_core.dataset.zip import ZipIterDataset, ZipMapDataset
 from grain_core.random import RngPool, index_shuffle
 from grain_core.testing import assert_equal_output_after_checkpoint
 from grain_core.transforms import FlatMap as FlatMapTransform
@@ -34,6 +37,7 @@ from grain_core.transforms import MapWithIndex as MapWithIndexTransform
 __all__ = [
     "BOSHandling",
     "BestFitPackIterDataset",
+    "CacheIterDataset",
     "ConcatThenSplitIterDataset",
     "DatasetOptions",
     "ExecutionTrackingMode",
@@ -42,16 +46,19 @@ __all__ = [
     "FlatMapMapDataset",
     "FlatMapTransform",
     "InterleaveIterDataset",
+    "LimitIterDataset",
     "MapWithIndexTransform",
     "PackAndBatchOperation",
     "PerformanceConfig",
     "RebatchIterDataset",
+    "RepeatIterDataset",
     "RngPool",
     "ThreadPrefetchDatasetIterator",
     "ThreadPrefetchIterDataset",
     "WindowShuffleIterDataset",
     "WindowShuffleMapDataset",
     "WithOptionsIterDataset",
+    "ZipIterDataset",
     "ZipMapDataset",
     "apply_transformations",
     "assert_equal_output_after_checkpoint",

@@ -94,7 +94,7 @@ def test_lazy_map_dataset_of_datasets() -> None:
     datasets = MapDataset.source(GOLDEN_INPUTS).map(_ListIterDataset)
     ds = InterleaveIterDataset(datasets, cycle_length=2, num_make_iter_threads=2)
     assert list(ds) == GOLDEN[2]
-    assert list(ds.sliced(slice(1, None, 2))) == [2, 4, 2, 4, 4, 4]
+    assert list(ds.with_slice(slice(1, None, 2))) == [2, 4, 2, 4, 4, 4]
 
 
 @pytest.mark.parametrize("cycle_length", [1, 2, 3, 7])
@@ -196,7 +196,7 @@ def test_no_inputs() -> None:
 
 def test_slicing_does_not_mutate() -> None:
     ds = InterleaveIterDataset([_iter_ds(v) for v in GOLDEN_INPUTS], cycle_length=2)
-    worker = ds.sliced(slice(0, None, 2))
+    worker = ds.with_slice(slice(0, None, 2))
     assert list(worker) == [1, 3, 3, 5, 3, 5, 5, 5, 5]
     assert list(ds) == GOLDEN[2]
     ds.set_slice(slice(3, None))

@@ -89,13 +89,13 @@ class InterleaveIterDataset(IterDataset[Any]):
             iter_buffer_size=self.iter_buffer_size,
         )
 
-    def sliced(self, sl: slice) -> InterleaveIterDataset:
+    def with_slice(self, sl: slice) -> InterleaveIterDataset:
         """Returns the interleave over ``datasets[sl]`` (worker and shard slicing)."""
         datasets = self.datasets
         return self.with_datasets(datasets.slice(sl) if self._lazy else datasets[sl])
 
     def set_slice(self, sl: slice) -> None:
-        """Slices ``datasets`` in place (Grain compatibility; prefer :meth:`sliced`)."""
+        """Slices ``datasets`` in place (Grain compatibility; prefer :meth:`with_slice`)."""
         datasets = self.datasets
         self._parents = (datasets.slice(sl),) if self._lazy else tuple(datasets[sl])
 

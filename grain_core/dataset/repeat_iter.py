@@ -1,0 +1,73 @@
+"""``RepeatIterDataset``: replay an IterDataset for several epochs (spec 7.14)."""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+from grain_core.dataset.base import DatasetIterator, IterDataset
+
+__all__ = ["RepeatIterDataset"]
+
+
+class RepeatIterDataset(IterDataset[Any]):
+    """Repeats ``parent`` ``num_epochs`` times (``None``: forever); every epoch is identical.
+
+    At the end of an epoch the parent iterator is rewound to the state it had when it was built,
+    so its threads, worker processes and interleave inputs stay alive across epochs.
+
+    Raises:
+      ValueError: if ``num_epochs`` is not positive.
+    """
+
+    def __init__(self, parent: IterDataset[Any], num_epochs: int | None = None) -> None:
+        super().__init__(parent)
+        if num_epochs is not None and num_epochs <= 0:
+            raise ValueError(f"num_epochs must be a positive integer or None, got {num_epochs}.")
+        self.num_epochs = num_epochs
+
+    def __iter__(self) -> DatasetIterator[Any]:
+        return _RepeatIterator(iter(self._parents[0]), self.num_epochs)
+
+    def __repr__(self) -> str:
+        return f"RepeatIterDataset(num_epochs={self.num_epochs})"
+
+
+class _RepeatIterator(DatasetIterator[Any]):
+    """State ``{"parent", "epoch"}``."""
+
+    def __init__(self, parent: DatasetIterator[Any], num_epochs: int | None) -> None:
+        super().__init__(parent)
+        self._num_epochs = num_epochs
+        self._initial_state = parent.get_state()
+        self._epoch = 0
+        # True right after a rewind: an epoch that ends before its first element means the
+        # parent is empty, and repeating it forever would spin.
+        self._rewound = False
+
+    def __next__(self) -> Any:
+        parent = self._parents[0]
+        while True:
+            if self._num_epochs is not None and self._epoch >= self._num_epochs:
+                raise StopIteration
+            try:
+                x = next(parent)
+            except StopIteration:
+                if self._rewound:
+                    raise
+                self._epoch += 1
+                if self._num_epochs is not None and self._epoch >= self._num_epochs:
+                    raise
+                parent.set_state(copy.deepcopy(self._initial_state))
+                self._rewound = True
+                continue
+            self._rewound = False
+            return x
+
+    def get_state(self) -> dict[str, Any]:
+        return {"parent": self._parents[0].get_state(), "epoch": self._epoch}
+
+    def set_state(self, state: dict[str, Any]) -> None:
+        self._parents[0].set_state(state["parent"])
+        self._epoch = int(state["epoch"])
+        self._rewound = False
