@@ -1,0 +1,91 @@
+"""Tests for the benchmark harness's mechanics (registry, runner output); never timings."""
+
+from __future__ import annotations
+
+import json
+import sys
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+
+BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
+
+
+@pytest.fixture
+def harness(monkeypatch: pytest.MonkeyPatch) -> Iterator[tuple[ModuleType, ModuleType]]:
+    """Imports benchmarks/_harness.py and run.py and registers a tiny workload in them."""
+    if not (BENCHMARKS / "run.py").is_file():
+        pytest.skip("benchmarks/ is not in this checkout")
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    import _harness
+    import run
+
+    calls: list[str] = []
+
+    def counted(label: str) -> Callable[[], object]:
+        return lambda: calls.append(label)
+
+    tiny = _harness.Workload("tiny", elements=10, description="tiny")
+    tiny.implementations[_harness.GRAIN_CORE] = (lambda: counted("ours"), None)
+    tiny.baseline("python")(lambda: counted("python"))
+    tiny.baseline("absent", requires="no_such_module_for_grain_core_tests")(
+        lambda: counted("absent")
+    )
+    monkeypatch.setitem(_harness.WORKLOADS, "tiny", tiny)
+    yield _harness, run
+    assert "absent" not in calls
+    sys.modules.pop("run", None)
+
+
+def test_json_output_has_every_implementation_and_ratios(
+    harness: tuple[ModuleType, ModuleType], capsys: pytest.CaptureFixture[str]
+) -> None:
+    _, run = harness
+    assert run.main(["--only", "tiny", "--repeats", "3", "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    results = {r["implementation"]: r for r in data["results"]}
+    assert set(results) == {"grain_core", "python"}
+    assert len(results["python"]["seconds"]) == 3
+    assert results["grain_core"]["grain_core_speedup"] == 1.0
+    assert results["python"]["elements"] == 10
+    assert {
+        "workload": "tiny",
+        "implementation": "absent",
+        "reason": "no_such_module_for_grain_core_tests is not installed",
+    } in data["skipped"]
+
+
+def test_table_output_and_unknown_workloads(
+    harness: tuple[ModuleType, ModuleType], capsys: pytest.CaptureFixture[str]
+) -> None:
+    _harness, run = harness
+    assert run.main(["--only", "tiny", "--repeats", "1"]) == 0
+    out = capsys.readouterr().out
+    assert out.splitlines()[0].split() == [
+        "workload",
+        "implementation",
+        "elements/s",
+        "median",
+        "s",
+        "grain_core",
+        "speed-up",
+    ]
+    assert "skipped: no_such_module_for_grain_core_tests is not installed" in out
+    with pytest.raises(SystemExit):
+        run.main(["--only", "tiny,nope"])
+    assert "unknown workloads ['nope']" in capsys.readouterr().err
+    with pytest.raises(ValueError, match="already has 'python'"):
+        _harness.WORKLOADS["tiny"].baseline("python")(lambda: lambda: None)
+
+
+def test_initial_workloads_are_registered(
+    harness: tuple[ModuleType, ModuleType], capsys: pytest.CaptureFixture[str]
+) -> None:
+    _, run = harness
+    assert run.main(["--list"]) == 0
+    listed = capsys.readouterr().out
+    for name in ("range_shuffle_map_batch", "seed_pipeline", "index_shuffle_1m"):
+        assert f"{name}: " in listed
+    assert "[grain_core, numpy loop, grain]" in listed
