@@ -1,0 +1,61 @@
+"""Tests of grain_core.dataset.repeat_iter (spec 7.14)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from grain_core import MapDataset
+from grain_core.dataset.interleave import InterleaveIterDataset
+from grain_core.experimental import RepeatIterDataset
+from grain_core.testing import assert_equal_output_after_checkpoint, check_iterator_conformance
+
+
+def test_epochs_are_identical() -> None:
+    ds = (
+        MapDataset.range(4)
+        .to_iter_dataset()
+        .random_map(lambda x, rng: x * 100 + int(rng.integers(100)), seed=1)
+    )
+    once = list(ds)
+    assert list(RepeatIterDataset(ds, 3)) == once * 3
+
+
+def test_infinite_repeat() -> None:
+    it = iter(RepeatIterDataset(MapDataset.range(3).to_iter_dataset()))
+    assert [next(it) for _ in range(10)] == [0, 1, 2, 0, 1, 2, 0, 1, 2, 0]
+
+
+@pytest.mark.parametrize("num_epochs", [None, 1, 5])
+def test_empty_parent_yields_nothing(num_epochs: int | None) -> None:
+    assert list(RepeatIterDataset(MapDataset.range(0).to_iter_dataset(), num_epochs)) == []
+
+
+@pytest.mark.parametrize("num_epochs", [0, -2])
+def test_num_epochs_must_be_positive(num_epochs: int) -> None:
+    with pytest.raises(ValueError, match="num_epochs must be a positive integer"):
+        RepeatIterDataset(MapDataset.range(3).to_iter_dataset(), num_epochs)
+
+
+def test_state_and_conformance() -> None:
+    ds = RepeatIterDataset(MapDataset.range(3).to_iter_dataset().batch(2), 3)
+    it = iter(ds)
+    for _ in range(3):
+        next(it)
+    assert it.get_state() == {"parent": {"next_index": 2}, "epoch": 1}
+    out = check_iterator_conformance(ds, positions=range(7))
+    assert [b.tolist() for b in out] == [[0, 1], [2]] * 3
+    assert_equal_output_after_checkpoint(ds)
+
+
+def test_keeps_interleave_sub_iterators_alive_across_epochs() -> None:
+    inputs = [MapDataset.range(k, k + 3).to_iter_dataset() for k in (0, 10)]
+    ds = RepeatIterDataset(InterleaveIterDataset(inputs, cycle_length=2), 2)
+    it = iter(ds)
+    first = [next(it) for _ in range(6)]
+    interleave: Any = it._parents[0]
+    subs = list(interleave._iters)
+    assert [next(it) for _ in range(6)] == first == [0, 10, 1, 11, 2, 12]
+    assert list(interleave._iters) == subs
+    assert list(it) == []
