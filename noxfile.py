@@ -13,7 +13,6 @@ Test selection is by installed packages, not by markers: tests of plugin ``x`` l
 
 from __future__ import annotations
 
-import tomllib
 from pathlib import Path
 
 import nox
@@ -32,25 +31,6 @@ RUFF = "ruff==0.17.6"
 MYPY = "mypy==2.4.1"
 
 
-def _distribution_name(directory: Path) -> str:
-    with (directory / "pyproject.toml").open("rb") as file:
-        return str(tomllib.load(file)["project"]["name"])
-
-
-LOCAL_DISTRIBUTIONS = [_distribution_name(d) for d in (ROOT, TEST_PLUGIN, *PLUGINS.values())]
-
-
-def _install(session: nox.Session, *requirements: str) -> None:
-    """Installs requirements; local packages are always rebuilt from the working tree."""
-    if session.venv_backend == "uv":
-        # uv reuses wheels it built from a local directory until pyproject.toml changes,
-        # which would test stale sources; pip always rebuilds them.
-        refresh = [f"--reinstall-package={name}" for name in LOCAL_DISTRIBUTIONS]
-        session.install(*refresh, *requirements)
-    else:
-        session.install(*requirements)
-
-
 def _pytest(session: nox.Session, *paths: str) -> None:
     # Exit status 5 (nothing collected) fails the session: every session selects at least
     # tests/test_plugins.py, so an empty run means the selection is broken.
@@ -60,14 +40,14 @@ def _pytest(session: nox.Session, *paths: str) -> None:
 @nox.session(name="tests-core")
 def tests_core(session: nox.Session) -> None:
     """grain-core alone: imports and works with zero plugins; plugin names give install hints."""
-    _install(session, ".[test]")
+    session.install(".[test]")
     _pytest(session, "tests")
 
 
 def _plugin_session(name: str, directory: Path) -> None:
     @nox.session(name=f"tests-{name}")
     def tests_plugin(session: nox.Session) -> None:
-        _install(session, ".[test]", str(directory))
+        session.install(".[test]", str(directory))
         own_tests = sorted(str(p.relative_to(ROOT)) for p in ROOT.glob(f"tests/test_{name}*.py"))
         _pytest(session, "tests/test_plugins.py", *own_tests)
 
@@ -82,7 +62,7 @@ for _name, _directory in PLUGINS.items():
 def tests_all(session: nox.Session) -> None:
     """Every package, JAX (CPU), Orbax and the third-party test plugin: the whole suite."""
     plugins = [str(d) for d in PLUGINS.values()]
-    _install(session, ".[test,jax,progress]", *plugins, str(TEST_PLUGIN), "orbax-checkpoint")
+    session.install(".[test,jax,progress]", *plugins, str(TEST_PLUGIN), "orbax-checkpoint")
     _pytest(session, "tests")
 
 
@@ -97,7 +77,7 @@ def lint(session: nox.Session) -> None:
 @nox.session
 def typecheck(session: nox.Session) -> None:
     """mypy over grain_core, with only the core's own dependencies installed."""
-    _install(session, ".", MYPY)
+    session.install(".", MYPY)
     session.run("mypy")
 
 
@@ -105,5 +85,5 @@ def typecheck(session: nox.Session) -> None:
 def bench(session: nox.Session) -> None:
     """Benchmarks with every package and Google's grain installed side by side."""
     plugins = [str(d) for d in PLUGINS.values()]
-    _install(session, ".[jax,progress]", *plugins, str(TEST_PLUGIN), "grain")
+    session.install(".[jax,progress]", *plugins, str(TEST_PLUGIN), "grain")
     session.run("python", "benchmarks/run.py", *session.posargs)
