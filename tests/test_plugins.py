@@ -290,7 +290,12 @@ def test_global_lookups_load_entry_points_lazily_once(
 
 
 def test_importing_grain_core_loads_no_plugin(tmp_path: Path) -> None:
-    code = "import grain_core, grain_core.plugins._manager as m; assert m._registry is None"
+    code = (
+        "import grain_core, grain_core.plugins._manager as m\n"
+        "from grain_core.sources import RangeDataSource\n"
+        "assert not hasattr(grain_core.experimental, '__wrapped__')\n"
+        "assert m._registry is None\n"
+    )
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60, cwd=tmp_path)
 
 

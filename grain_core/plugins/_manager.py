@@ -325,7 +325,7 @@ class Registry:
                 f"{path!r} is claimed equally by formats {claimants}. Name the format "
                 f"explicitly, or block one plugin with {DISABLE_ENV}."
             )
-        return self.get(_FORMATS.key, names[0])  # type: ignore[no-any-return]
+        return self.get(_FORMATS.key, names[0])
 
     def _no_format_message(self, path: str) -> str:
         formats = self.objects(_FORMATS.key)
@@ -486,7 +486,7 @@ def get_format(name: str) -> FormatSpec:
     Raises:
       UnknownPluginObjectError / PluginConflictError: See :meth:`Registry.get`.
     """
-    return registry().get(_FORMATS.key, name)  # type: ignore[no-any-return]
+    return registry().get(_FORMATS.key, name)
 
 
 def get_shuffle_strategy(name: str) -> ShuffleStrategy:
@@ -495,7 +495,7 @@ def get_shuffle_strategy(name: str) -> ShuffleStrategy:
     Raises:
       UnknownPluginObjectError / PluginConflictError: See :meth:`Registry.get`.
     """
-    return registry().get(_SHUFFLES.key, name)  # type: ignore[no-any-return]
+    return registry().get(_SHUFFLES.key, name)
 
 
 def get_sharding_policy(name: str) -> ShardingPolicy:
@@ -504,7 +504,7 @@ def get_sharding_policy(name: str) -> ShardingPolicy:
     Raises:
       UnknownPluginObjectError / PluginConflictError: See :meth:`Registry.get`.
     """
-    return registry().get(_SHARDINGS.key, name)  # type: ignore[no-any-return]
+    return registry().get(_SHARDINGS.key, name)
 
 
 def format_for_path(path: str | os.PathLike[str]) -> FormatSpec:
@@ -529,4 +529,8 @@ def resolve_public_name(module: str, name: str) -> object:
       MissingPluginError / PluginConflictError / AttributeError: See
         :meth:`Registry.resolve_public_name`.
     """
+    if name.startswith("_"):
+        # Dunder probes (``__path__`` on every ``from m import x``, ``__wrapped__``) must not
+        # import every plugin; exported names are public, so nothing is lost.
+        raise AttributeError(f"module {module!r} has no attribute {name!r}", name=name)
     return registry().resolve_public_name(module, name)
