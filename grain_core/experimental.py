@@ -11,9 +11,15 @@ from typing import Any
 from grain_core.dataset.apply import apply_transformations
 from grain_core.dataset.autotune import PerformanceConfig, pick_performance_config
 from grain_core.dataset.cache import CacheIterDataset
+from grain_core.dataset.element_spec import (
+    ShapeDtypeStruct,
+    ShapeDtypeStructProtocol,
+    get_element_spec,
+)
 from grain_core.dataset.flatmap import FlatMapIterDataset, FlatMapMapDataset
 from grain_core.dataset.interleave import InterleaveIterDataset
 from grain_core.dataset.limit import LimitIterDataset
+from grain_core.dataset.multithread import multithread_prefetch
 from grain_core.dataset.next_index import get_next_index, set_next_index
 from grain_core.dataset.options import DatasetOptions, ExecutionTrackingMode
 from grain_core.dataset.packing import (
@@ -53,6 +59,8 @@ __all__ = [
     "RebatchIterDataset",
     "RepeatIterDataset",
     "RngPool",
+    "ShapeDtypeStruct",
+    "ShapeDtypeStructProtocol",
     "ThreadPrefetchDatasetIterator",
     "ThreadPrefetchIterDataset",
     "WindowShuffleIterDataset",
@@ -63,9 +71,11 @@ __all__ = [
     "apply_transformations",
     "assert_equal_output_after_checkpoint",
     "batch_and_pad",
+    "get_element_spec",
     "get_execution_summary",
     "get_next_index",
     "index_shuffle",
+    "multithread_prefetch",
     "pick_performance_config",
     "set_next_index",
 ]
