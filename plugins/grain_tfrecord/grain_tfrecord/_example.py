@@ -44,6 +44,8 @@ _UINT64 = 1 << 64
 _INT64_MAX = (1 << 63) - 1
 _LE_FLOAT32 = np.dtype("<f4")
 _SEVEN_BITS = np.arange(10, dtype=np.uint64) * np.uint64(7)
+# Packed varint lists up to this many bytes decode faster in a Python loop than with NumPy.
+_SHORT_VARINTS = 96
 
 Parsed = tuple[int, np.ndarray | None]  # (kind, values); kind 0 = a Feature with no list set
 
@@ -230,6 +232,12 @@ def _decode(data: bytes, what: str, parse: Callable[[bytes], Any]) -> Any:
         data = bytes(data)
     try:
         return parse(data)
+    except IndexError:
+        # Only the inlined length reads can run off the buffer: a message is cut off.
+        raise ExampleDecodeError(
+            f"Not a valid {what} ({len(data)} bytes): a field is cut off at the end. "
+            f"Is the record an {what}?"
+        ) from None
     except _Malformed as err:
         raise ExampleDecodeError(
             f"Not a valid {what} ({len(data)} bytes): {err}. Is the record an {what}?"
@@ -345,28 +353,42 @@ def _parse_map(
 ) -> None:
     """Parses the map entries (field 1: key 1, value 2) of a Features/FeatureLists message."""
     while pos < end:
-        tag, pos = _tag(buf, pos, end)
-        if tag != 0x0A:
+        # Known one-byte tags are compared directly; anything else takes the general path.
+        if buf[pos] != 0x0A:
+            tag, pos = _tag(buf, pos, end)
             pos = _skip(buf, pos, end, tag)
             continue
-        entry, pos = _length(buf, pos, end)
+        size = buf[pos + 1]
+        if size < 0x80 and pos + 2 + size <= end:  # one-byte length: inlined _length
+            entry, pos = pos + 2, pos + 2 + size
+        else:
+            entry, pos = _length(buf, pos + 1, end)
         name = ""
         value = None
         while entry < pos:
-            tag, entry = _tag(buf, entry, pos)
+            tag = buf[entry]
             if tag == 0x0A:
-                start, entry = _length(buf, entry, pos)
+                size = buf[entry + 1]
+                if size < 0x80 and entry + 2 + size <= pos:
+                    start, entry = entry + 2, entry + 2 + size
+                else:
+                    start, entry = _length(buf, entry + 1, pos)
                 try:
                     name = buf[start:entry].decode("utf-8")
                 except UnicodeDecodeError:
                     raise _Malformed(f"a feature name at byte {start} is not UTF-8") from None
             elif tag == 0x12:
-                start, entry = _length(buf, entry, pos)
+                size = buf[entry + 1]
+                if size < 0x80 and entry + 2 + size <= pos:
+                    start, entry = entry + 2, entry + 2 + size
+                else:
+                    start, entry = _length(buf, entry + 1, pos)
                 try:
                     value = parse_value(buf, start, entry)
                 except _Malformed as err:
                     raise _Malformed(f"feature {name!r}: {err}" if name else str(err)) from None
             else:
+                tag, entry = _tag(buf, entry, pos)
                 entry = _skip(buf, entry, pos, tag)
         out[name] = parse_value(buf, 0, 0) if value is None else value
 
@@ -374,11 +396,11 @@ def _parse_map(
 def _parse_feature_list(buf: bytes, pos: int, end: int) -> list[Parsed]:
     steps = []
     while pos < end:
-        tag, pos = _tag(buf, pos, end)
-        if tag == 0x0A:
-            start, pos = _length(buf, pos, end)
+        if buf[pos] == 0x0A:
+            start, pos = _length(buf, pos + 1, end)
             steps.append(_parse_feature(buf, start, pos))
         else:
+            tag, pos = _tag(buf, pos, end)
             pos = _skip(buf, pos, end, tag)
     return steps
 
@@ -387,16 +409,21 @@ def _parse_feature(buf: bytes, pos: int, end: int) -> Parsed:
     kind = 0
     values: np.ndarray | None = None
     while pos < end:
-        tag, pos = _tag(buf, pos, end)
-        field = tag >> 3
-        if tag & 7 == 2 and field in _LIST_PARSERS:
-            start, pos = _length(buf, pos, end)
+        tag = buf[pos]
+        if tag == 0x0A or tag == 0x12 or tag == 0x1A:
+            field = tag >> 3
+            size = buf[pos + 1]
+            if size < 0x80 and pos + 2 + size <= end:
+                start, pos = pos + 2, pos + 2 + size
+            else:
+                start, pos = _length(buf, pos + 1, end)
             parsed = _LIST_PARSERS[field](buf, start, pos)
             # oneof: a later list replaces another kind; the same kind again merges.
             if field == kind and values is not None:
                 parsed = np.concatenate([values, parsed])
             kind, values = field, parsed
         else:
+            tag, pos = _tag(buf, pos, end)
             pos = _skip(buf, pos, end, tag)
     return kind, values
 
@@ -404,11 +431,11 @@ def _parse_feature(buf: bytes, pos: int, end: int) -> Parsed:
 def _parse_bytes_list(buf: bytes, pos: int, end: int) -> np.ndarray:
     items = []
     while pos < end:
-        tag, pos = _tag(buf, pos, end)
-        if tag == 0x0A:
-            start, pos = _length(buf, pos, end)
+        if buf[pos] == 0x0A:
+            start, pos = _length(buf, pos + 1, end)
             items.append(buf[start:pos])
         else:
+            tag, pos = _tag(buf, pos, end)
             pos = _skip(buf, pos, end, tag)
     values = np.empty(len(items), dtype=object)
     values[:] = items
@@ -418,18 +445,19 @@ def _parse_bytes_list(buf: bytes, pos: int, end: int) -> np.ndarray:
 def _parse_float_list(buf: bytes, pos: int, end: int) -> np.ndarray:
     chunks = []
     while pos < end:
-        tag, pos = _tag(buf, pos, end)
+        tag = buf[pos]
         if tag == 0x0A:  # packed
-            start, pos = _length(buf, pos, end)
+            start, pos = _length(buf, pos + 1, end)
             if (pos - start) % 4:
                 raise _Malformed(f"a packed float_list of {pos - start} bytes is not whole floats")
             chunks.append(np.frombuffer(buf, _LE_FLOAT32, (pos - start) // 4, start))
         elif tag == 0x0D:  # one unpacked float
-            if pos + 4 > end:
+            if pos + 5 > end:
                 raise _Malformed(f"a float runs past the end of its list (byte {end})")
-            chunks.append(np.frombuffer(buf, _LE_FLOAT32, 1, pos))
-            pos += 4
+            chunks.append(np.frombuffer(buf, _LE_FLOAT32, 1, pos + 1))
+            pos += 5
         else:
+            tag, pos = _tag(buf, pos, end)
             pos = _skip(buf, pos, end, tag)
     if len(chunks) == 1:
         return chunks[0].astype(np.float32)
@@ -439,38 +467,50 @@ def _parse_float_list(buf: bytes, pos: int, end: int) -> np.ndarray:
 def _parse_int64_list(buf: bytes, pos: int, end: int) -> np.ndarray:
     chunks = []
     while pos < end:
-        tag, pos = _tag(buf, pos, end)
+        tag = buf[pos]
         if tag == 0x0A:  # packed
-            start, pos = _length(buf, pos, end)
-            chunks.append(_packed_varints(buf, start, pos))
+            start, pos = _length(buf, pos + 1, end)
+            chunks.append(_packed_varints(buf[start:pos]))
         elif tag == 0x08:  # one unpacked varint
-            value, pos = _varint(buf, pos, end)
-            value &= _UINT64 - 1
-            chunks.append(np.array([value - _UINT64 if value > _INT64_MAX else value], np.int64))
+            value, pos = _varint(buf, pos + 1, end)
+            chunks.append(np.array([value & (_UINT64 - 1)], np.uint64).view(np.int64))
         else:
+            tag, pos = _tag(buf, pos, end)
             pos = _skip(buf, pos, end, tag)
     if len(chunks) == 1:
         return chunks[0]
     return np.concatenate(chunks) if chunks else np.empty(0, np.int64)
 
 
-def _packed_varints(buf: bytes, start: int, stop: int) -> np.ndarray:
-    """Decodes packed int64 varints, vectorised (one NumPy pass whatever the count)."""
-    if stop - start == 1 and buf[start] < 0x80:  # the common single small label
-        return np.array([buf[start]], dtype=np.int64)
-    raw = np.frombuffer(buf, np.uint8, stop - start, start)
-    last = raw < 0x80
-    if last.all():
-        return raw.astype(np.int64)
-    if raw.size and not last[-1]:
-        raise _Malformed(f"a packed int64_list is cut off inside a varint at byte {stop}")
-    ends = np.flatnonzero(last)
+def _packed_varints(packed: bytes) -> np.ndarray:
+    """Decodes packed int64 varints (two's complement, as protobuf stores negatives)."""
+    if not packed:
+        return np.empty(0, np.int64)
+    if max(packed) < 0x80:  # every value below 128: one byte each
+        return np.frombuffer(packed, np.uint8).astype(np.int64)
+    if packed[-1] >= 0x80:
+        raise _Malformed("a packed int64_list ends inside a varint")
+    if len(packed) <= _SHORT_VARINTS:
+        values = []
+        value = shift = 0
+        for byte in packed:
+            value |= (byte & 0x7F) << shift
+            if byte < 0x80:
+                values.append(value & (_UINT64 - 1))
+                value = shift = 0
+            elif shift == 63:
+                raise _Malformed("a varint in an int64_list is longer than 10 bytes")
+            else:
+                shift += 7
+        return np.array(values, dtype=np.uint64).view(np.int64)
+    raw = np.frombuffer(packed, np.uint8)
+    ends = np.flatnonzero(raw < 0x80)
     starts = np.empty_like(ends)
     starts[0] = 0
     starts[1:] = ends[:-1] + 1
     if int((ends - starts).max()) >= 10:
-        raise _Malformed(f"a varint in the int64_list at byte {start} is longer than 10 bytes")
-    # Byte k of a varint carries bits 7k..7k+6; uint64 arithmetic wraps exactly like int64.
+        raise _Malformed("a varint in an int64_list is longer than 10 bytes")
+    # Byte k of a varint carries bits 7k..7k+6; uint64 arithmetic wraps like int64.
     position = np.arange(raw.size) - np.repeat(starts, ends - starts + 1)
     parts = (raw & 0x7F).astype(np.uint64) << _SEVEN_BITS[position]
     return np.add.reduceat(parts, starts).view(np.int64)
