@@ -84,6 +84,11 @@ class CheckpointHandler:
 
     def save(self, directory: Any, item: Any = None, args: Any = None) -> None:
         item = item if item is not None else args.item
+        if getattr(item, "checkpoints_shard_states", False):  # elastic IterDataset mode
+            from grain_core.dataset.elastic import write_shard_state_files
+
+            write_shard_state_files(directory, item)
+            return
         state = item.get_state()
         text = state.decode() if isinstance(state, bytes) else json.dumps(state, indent=4)
         write_process_file(directory, text)
@@ -95,6 +100,12 @@ class CheckpointHandler:
           ValueError: if the file is missing, truncated or not JSON.
         """
         item = item if item is not None else args.item
+        if getattr(item, "checkpoints_shard_states", False):  # elastic IterDataset mode
+            from grain_core.dataset.elastic import restore_shard_state_files
+
+            restore_shard_state_files(directory, item)
+            item.start_prefetch()
+            return item
         text = read_process_file(directory)
         try:
             state = json.loads(text)

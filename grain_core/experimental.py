@@ -11,6 +11,7 @@ from typing import Any
 from grain_core.dataset.apply import apply_transformations
 from grain_core.dataset.autotune import PerformanceConfig, pick_performance_config
 from grain_core.dataset.cache import CacheIterDataset
+from grain_core.dataset.elastic import ElasticIterator
 from grain_core.dataset.element_spec import (
     ShapeDtypeStruct,
     ShapeDtypeStructProtocol,
@@ -46,6 +47,7 @@ __all__ = [
     "CacheIterDataset",
     "ConcatThenSplitIterDataset",
     "DatasetOptions",
+    "ElasticIterator",
     "ExecutionTrackingMode",
     "FirstFitPackIterDataset",
     "FlatMapIterDataset",

@@ -1,0 +1,260 @@
+"""``ElasticIterator``: batching and sharding owned by the iterator, so a checkpoint restores
+under a different number of shards (spec 7.4).
+
+* MapDataset mode: the state is one number, the global index of the next element, identical on
+  every shard after the same number of steps. Shard ``s`` of ``S`` reads
+  ``ds[g + s :: S]`` in batches of ``global_batch_size // S``; any shard's state restores any
+  topology, and the union of what the shards read is the same for every ``S``.
+* IterDataset mode (experimental): the pipeline is sliced at its interleave (or another
+  sliceable node) so shard ``s`` reads input datasets ``s, s + S, ...``; progress is saved per
+  input dataset (``get_shard_states``) and redistributed when ``S`` changes. The order after a
+  change of ``S`` is not the order of an uninterrupted run.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+from grain_core.checkpoint import atomic_write_text
+from grain_core.dataset.base import DatasetIterator, IterDataset, MapDataset
+from grain_core.dataset.map import FilterMapDataset
+from grain_core.dataset.mix import MixedIterDataset
+from grain_core.dataset.mp_prefetch import slice_for_worker
+from grain_core.dataset.prefetch import PrefetchIterDataset
+from grain_core.dataset.zip import ZipIterDataset
+from grain_core.options import MultiprocessingOptions, ReadOptions
+from grain_core.sharding import ShardOptions
+
+__all__ = ["ElasticIterator", "restore_shard_state_files", "write_shard_state_files"]
+
+
+class ElasticIterator(DatasetIterator[Any]):
+    """Iterates global batches of ``ds`` split over ``shard_options.shard_count`` shards.
+
+    Args:
+      ds: an unbatched, unsharded ``MapDataset`` (deterministic elasticity) or ``IterDataset``
+        (experimental, see module docstring).
+      global_batch_size: elements per step over all shards; each shard yields batches of
+        ``global_batch_size // shard_count``.
+      shard_options: this process's shard.
+      read_options: for ``to_iter_dataset`` (MapDataset mode).
+      multiprocessing_options: run each shard's pipeline in worker processes (MapDataset mode).
+
+    Raises:
+      ValueError: if the graph contains ``filter`` (MapDataset), zip/mix/``to_iter_dataset`` above
+        the slice point (IterDataset mode), or ``global_batch_size`` is not a positive multiple of
+        the shard count.
+      NotImplementedError: for worker processes in IterDataset mode.
+    """
+
+    def __init__(
+        self,
+        ds: MapDataset[Any] | IterDataset[Any],
+        global_batch_size: int,
+        shard_options: ShardOptions,
+        *,
+        read_options: ReadOptions | None = None,
+        multiprocessing_options: MultiprocessingOptions | None = None,
+    ) -> None:
+        super().__init__()
+        count = shard_options.shard_count
+        if global_batch_size <= 0 or global_batch_size % count:
+            raise ValueError(
+                f"global_batch_size ({global_batch_size}) must be a positive multiple of the "
+                f"shard count ({count}) so every shard yields batches of the same size."
+            )
+        _reject_filter(ds)
+        if isinstance(ds, IterDataset):
+            if multiprocessing_options is not None and multiprocessing_options.num_workers > 0:
+                raise NotImplementedError(
+                    "ElasticIterator over an IterDataset does not support worker processes yet; "
+                    "pass a MapDataset, or multiprocessing_options=None."
+                )
+            _check_iter_graph(ds)
+        self._ds = ds
+        self._global_batch_size = global_batch_size
+        self._shard_options = shard_options
+        self._read_options = read_options or ReadOptions()
+        self._mp_options = multiprocessing_options
+        self._global_next_index = 0
+        self._iterator: DatasetIterator[Any] | None = None
+
+    @property
+    def shard_options(self) -> ShardOptions:
+        return self._shard_options
+
+    @property
+    def checkpoints_shard_states(self) -> bool:
+        """Whether ``CheckpointHandler`` saves this iterator as per-dataset shard-state files."""
+        return isinstance(self._ds, IterDataset)
+
+    @property
+    def base_iterator(self) -> DatasetIterator[Any]:
+        """This shard's pipeline iterator, built on first use."""
+        self._check_open()
+        if self._iterator is None:
+            self._iterator = iter(self._shard_dataset())
+        return self._iterator
+
+    def _shard_dataset(self) -> IterDataset[Any]:
+        index, count = self._shard_options.shard_index, self._shard_options.shard_count
+        per_shard = self._global_batch_size // count
+        if isinstance(self._ds, MapDataset):
+            start = self._global_next_index + index
+            ds = self._ds.slice(slice(start, None, count))
+            it_ds = ds.batch(per_shard, drop_remainder=True).to_iter_dataset(self._read_options)
+            if self._mp_options is not None:
+                it_ds = it_ds.mp_prefetch(self._mp_options)
+            return it_ds
+        return slice_for_worker(self._ds, index, count).batch(per_shard, drop_remainder=False)
+
+    def __next__(self) -> Any:
+        x = next(self.base_iterator)
+        self._global_next_index += self._global_batch_size
+        return x
+
+    def start_prefetch(self) -> None:
+        if not self._closed:
+            self.base_iterator.start_prefetch()
+
+    # ---------------------------------------------------------------------- state
+    def get_state(self) -> dict[str, Any]:
+        if isinstance(self._ds, MapDataset):
+            return {"global_next_index": self._global_next_index}
+        return self.base_iterator.get_state()
+
+    def set_state(self, state: dict[str, Any]) -> None:
+        if isinstance(self._ds, MapDataset):
+            self._global_next_index = int(state["global_next_index"])
+            self._drop_iterator()
+        else:
+            self.base_iterator.set_state(state)
+
+    def _drop_iterator(self) -> None:
+        if self._iterator is not None:
+            self._iterator.close()
+            self._iterator = None
+
+    def _shard_state_owner(self) -> Any:
+        if isinstance(self._ds, MapDataset):
+            raise ValueError(
+                "Shard states exist in IterDataset mode only; a MapDataset ElasticIterator's "
+                "get_state() already restores under any shard count."
+            )
+        stack: list[Any] = [self.base_iterator]
+        while stack:
+            it = stack.pop(0)
+            if hasattr(it, "get_shard_states"):
+                return it
+            stack.extend(getattr(it, "_parents", ()))
+        raise ValueError(
+            "This ElasticIterator's pipeline has no interleave (or other iterator with shard "
+            "states) to redistribute; use get_state()/set_state()."
+        )
+
+    def get_shard_states(self) -> dict[int, dict[str, Any]]:
+        """Progress per input dataset, keyed by its index in the unsharded dataset list.
+
+        Raises:
+          ValueError: in MapDataset mode, or without an interleave in the pipeline.
+        """
+        index, count = self._shard_options.shard_index, self._shard_options.shard_count
+        local = self._shard_state_owner().get_shard_states()
+        return {j * count + index: s for j, s in enumerate(local)}
+
+    def set_shard_states(self, shard_states: dict[int | str, dict[str, Any]]) -> None:
+        """Restores progress saved by any shard topology (string keys accepted, as from JSON).
+
+        Input datasets without an entry start from their beginning.
+        """
+        owner = self._shard_state_owner()
+        index, count = self._shard_options.shard_index, self._shard_options.shard_count
+        states = {int(k): v for k, v in shard_states.items()}
+        fresh = {"exhausted": 0, "state": None}
+        num_local = len(owner.get_shard_states())
+        owner.set_shard_states([states.get(j * count + index, fresh) for j in range(num_local)])
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._drop_iterator()
+        super().close()
+
+    def __repr__(self) -> str:
+        return (
+            f"ElasticIterator(global_batch_size={self._global_batch_size}, "
+            f"shard_options={self._shard_options})"
+        )
+
+
+def _walk(ds: Any) -> Any:
+    stack, seen = [ds], set()
+    while stack:
+        node = stack.pop()
+        if id(node) in seen:
+            continue
+        seen.add(id(node))
+        yield node
+        stack.extend(getattr(node, "_parents", ()))
+
+
+def _reject_filter(ds: Any) -> None:
+    for node in _walk(ds):
+        if isinstance(node, FilterMapDataset):
+            raise ValueError(
+                "ElasticIterator does not support `filter` transformation: a filtered MapDataset "
+                "has holes, so global indices no longer map to elements. Filter after the "
+                "ElasticIterator, or filter the source offline."
+            )
+
+
+def _check_iter_graph(ds: IterDataset[Any]) -> None:
+    """Rejects zip, mix and ``to_iter_dataset`` between the output and the slice point."""
+    stack: list[Any] = [ds]
+    while stack:
+        node = stack.pop()
+        if isinstance(node, (ZipIterDataset, MixedIterDataset, PrefetchIterDataset)):
+            raise ValueError(
+                "ElasticIterator does not support zip, mix or prefetch transformation yet "
+                f"(found {node!r} above the interleave). Build the IterDataset from an "
+                "InterleaveIterDataset over per-file datasets, or pass a MapDataset."
+            )
+        if hasattr(node, "with_slice") or hasattr(node, "set_slice"):
+            continue
+        stack.extend(p for p in node._parents if isinstance(p, IterDataset))
+
+
+# -------------------------------------------------------------------- checkpoint files
+def _shard_file(directory: Any, key: int) -> Path:
+    return Path(os.fspath(directory)) / f"shard_state_{key}.json"
+
+
+def write_shard_state_files(directory: Any, iterator: ElasticIterator) -> None:
+    """Writes ``shard_state_{k}.json`` for every input dataset ``k`` of this shard, atomically."""
+    for key, state in iterator.get_shard_states().items():
+        atomic_write_text(_shard_file(directory, key), json.dumps(state, indent=4))
+
+
+def restore_shard_state_files(directory: Any, iterator: ElasticIterator) -> None:
+    """Reads this shard's files ``k = shard_index, shard_index + shard_count, ...`` (until one is
+    missing) and restores them.
+
+    Raises:
+      ValueError: if a file is not valid JSON, naming it.
+    """
+    options = iterator.shard_options
+    states: dict[int, dict[str, Any]] = {}
+    key = options.shard_index
+    while (path := _shard_file(directory, key)).exists():
+        try:
+            states[key] = json.loads(path.read_text(encoding="utf-8"))
+        except json.JSONDecodeError as e:
+            raise ValueError(
+                f"Shard state file {path} is not valid JSON ({e}); it is truncated or corrupt. "
+                "Restore an earlier checkpoint."
+            ) from e
+        key += options.shard_count
+    iterator.set_shard_states(states)
