@@ -1,0 +1,260 @@
+"""Worker processes and the DataLoader (issue 4), each against Google Grain in the same run.
+
+* ``mp_cpu_heavy``: ~1 ms of GIL-bound NumPy work per element, 20,000 elements, batch 64, with
+  2 workers; baselines: grain_core with 0 and 1 workers, Grain with 0 and 2 workers.
+* ``mp_shm_transport``: 4 MiB float32 batches from 2 workers to the parent; baseline: a plain
+  NumPy copy of the same bytes in the parent (the physical limit) and Grain with 2 workers.
+  batches/s × 4 MiB = GB/s.
+* ``first_batch_mp_prefetch`` / ``first_batch_dataloader``: seconds from ``iter()`` to the first
+  batch with 2 workers, cold (grain_core's forkserver is stopped after every pass, so each pass
+  pays for starting it). elements/s = 1 / seconds.
+* ``dataloader_restore``: restoring a DataLoader iterator at 20 positions over 10,000 records and
+  reading the first element; the state size is printed in the description.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+from _harness import import_google_grain, workload
+
+HEAVY_ELEMENTS = 20_000
+HEAVY_BATCH = 64
+TRANSPORT_BATCHES = 100
+TRANSPORT_ROW = 16_384  # float32 values per record: 64 records of 64 KiB = 4 MiB per batch
+RESTORE_RECORDS = 10_000
+RESTORE_POSITIONS = list(range(0, RESTORE_RECORDS, RESTORE_RECORDS // 20))
+
+
+def heavy(x: int) -> np.ndarray:
+    """About 1 ms of NumPy work on small arrays (the GIL is held throughout)."""
+    a = np.full(64, float(x))
+    for _ in range(150):
+        a = np.sin(a) * 0.5 + 1.0
+    return a
+
+
+def record(i: int) -> np.ndarray:
+    return np.full(TRANSPORT_ROW, i, np.float32)
+
+
+def _drain(ds: Any, expected: int) -> Callable[[], None]:
+    def run() -> None:
+        it = iter(ds)
+        count = sum(1 for _ in it)
+        close = getattr(it, "close", None)
+        if close is not None:
+            close()
+        if count != expected:
+            raise AssertionError(f"{count} elements, expected {expected}")
+
+    return run
+
+
+def _heavy_ds(grain: Any, workers: int) -> Any:
+    ds = grain.MapDataset.range(HEAVY_ELEMENTS).map(heavy).batch(HEAVY_BATCH).to_iter_dataset()
+    if workers:
+        ds = ds.mp_prefetch(grain.MultiprocessingOptions(num_workers=workers))
+    return ds
+
+
+HEAVY_OUT = -(-HEAVY_ELEMENTS // HEAVY_BATCH)
+
+
+@workload(
+    "mp_cpu_heavy",
+    elements=HEAVY_ELEMENTS,
+    description="1 ms NumPy map, 20k elements, batch 64, mp_prefetch 2 workers",
+)
+def mp_cpu_heavy() -> Callable[[], None]:
+    import grain_core as grain
+
+    return _drain(_heavy_ds(grain, 2), HEAVY_OUT)
+
+
+@mp_cpu_heavy.baseline("grain_core 0 workers")
+def _() -> Callable[[], None]:
+    import grain_core as grain
+
+    return _drain(_heavy_ds(grain, 0), HEAVY_OUT)
+
+
+@mp_cpu_heavy.baseline("grain_core 1 worker")
+def _() -> Callable[[], None]:
+    import grain_core as grain
+
+    return _drain(_heavy_ds(grain, 1), HEAVY_OUT)
+
+
+@mp_cpu_heavy.baseline("grain 2 workers", requires="grain")
+def _() -> Callable[[], None]:
+    return _drain(_heavy_ds(import_google_grain(), 2), HEAVY_OUT)
+
+
+@mp_cpu_heavy.baseline("grain 0 workers", requires="grain")
+def _() -> Callable[[], None]:
+    return _drain(_heavy_ds(import_google_grain(), 0), HEAVY_OUT)
+
+
+def _transport_ds(grain: Any) -> Any:
+    ds = grain.MapDataset.range(TRANSPORT_BATCHES * 64).map(record).to_iter_dataset().batch(64)
+    return ds.mp_prefetch(grain.MultiprocessingOptions(num_workers=2, per_worker_buffer_size=2))
+
+
+@workload(
+    "mp_shm_transport",
+    elements=TRANSPORT_BATCHES,
+    description="4 MiB float32 batches from 2 workers (x 4 MiB = GB/s)",
+)
+def mp_shm_transport() -> Callable[[], None]:
+    import grain_core as grain
+
+    return _drain(_transport_ds(grain), TRANSPORT_BATCHES)
+
+
+@mp_shm_transport.baseline("numpy copy in parent")
+def _() -> Callable[[], None]:
+    batches = [np.full((64, TRANSPORT_ROW), i, np.float32) for i in range(4)]
+
+    def run() -> None:
+        for i in range(TRANSPORT_BATCHES):
+            batches[i % 4].copy()
+
+    return run
+
+
+@mp_shm_transport.baseline("grain 2 workers", requires="grain")
+def _() -> Callable[[], None]:
+    return _drain(_transport_ds(import_google_grain()), TRANSPORT_BATCHES)
+
+
+def _first_batch(make_iterator: Callable[[], Any], cold: Callable[[], None]) -> Callable[[], None]:
+    def run() -> None:
+        it = make_iterator()
+        batch = next(it)
+        it.close()
+        cold()
+        if batch is None:
+            raise AssertionError("no batch")
+
+    return run
+
+
+def _stop_grain_core_forkserver() -> None:
+    from grain_core import _worker
+
+    _worker._FORKSERVER._stop()
+
+
+def _small_ds(grain: Any) -> Any:
+    ds = grain.MapDataset.range(1000).map(heavy).to_iter_dataset().batch(32)
+    return ds.mp_prefetch(grain.MultiprocessingOptions(num_workers=2))
+
+
+@workload(
+    "first_batch_mp_prefetch",
+    elements=1,
+    description="iter() to first batch, mp_prefetch 2 workers, cold (1/s = seconds)",
+)
+def first_batch_mp_prefetch() -> Callable[[], None]:
+    import grain_core as grain
+
+    ds = _small_ds(grain)
+    return _first_batch(lambda: iter(ds), _stop_grain_core_forkserver)
+
+
+@first_batch_mp_prefetch.baseline("grain", requires="grain")
+def _() -> Callable[[], None]:
+    ds = _small_ds(import_google_grain())
+    return _first_batch(lambda: iter(ds), lambda: None)
+
+
+def _loader(grain: Any, workers: int, records: int = 1000) -> Any:
+    return grain.DataLoader(
+        data_source=grain.sources.RangeDataSource(0, records, 1),
+        sampler=grain.samplers.IndexSampler(records, num_epochs=1, shuffle=True, seed=1),
+        operations=[grain.transforms.Batch(32)],
+        worker_count=workers,
+    )
+
+
+@workload(
+    "first_batch_dataloader",
+    elements=1,
+    description="iter() to first batch, DataLoader 2 workers, cold (1/s = seconds)",
+)
+def first_batch_dataloader() -> Callable[[], None]:
+    import grain_core as grain
+
+    loader = _loader(grain, 2)
+    return _first_batch(lambda: iter(loader), _stop_grain_core_forkserver)
+
+
+@first_batch_dataloader.baseline("grain", requires="grain")
+def _() -> Callable[[], None]:
+    loader = _loader(import_google_grain(), 2)
+
+    def make() -> Any:
+        it = iter(loader)
+        it.close = lambda: None  # Grain's DataLoader iterator has no close
+        return it
+
+    return _first_batch(make, lambda: None)
+
+
+def _restore_run(grain: Any) -> Callable[[], None]:
+    loader = grain.DataLoader(
+        data_source=list(range(RESTORE_RECORDS)),
+        sampler=grain.samplers.IndexSampler(RESTORE_RECORDS, num_epochs=1, shuffle=True, seed=1),
+        worker_count=0,
+    )
+    states = []
+    it = iter(loader)
+    for pos in range(RESTORE_RECORDS):
+        if pos in RESTORE_POSITIONS:
+            states.append(it.get_state())
+        next(it)
+
+    def run() -> None:
+        for state in states:
+            fresh = iter(loader)
+            fresh.set_state(state)
+            next(fresh)
+
+    return run
+
+
+def _state_size() -> int:
+    import grain_core as grain
+
+    loader = grain.DataLoader(
+        data_source=list(range(RESTORE_RECORDS)),
+        sampler=grain.samplers.IndexSampler(RESTORE_RECORDS, num_epochs=1),
+        worker_count=0,
+    )
+    it = iter(loader)
+    for _ in range(RESTORE_RECORDS):
+        next(it)
+    state = it.get_state()
+    json.loads(state)
+    return len(state)
+
+
+@workload(
+    "dataloader_restore",
+    elements=len(RESTORE_POSITIONS),
+    description=f"restore + first element at 20 positions; state after 10k records: "
+    f"{_state_size()} bytes",
+)
+def dataloader_restore() -> Callable[[], None]:
+    import grain_core as grain
+
+    return _restore_run(grain)
+
+
+@dataloader_restore.baseline("grain", requires="grain")
+def _() -> Callable[[], None]:
+    return _restore_run(import_google_grain())
