@@ -117,6 +117,7 @@ class _Layout:
         self.segmented = [segmented(p) for p in self.paths]
         self.positions = np.arange(max(self.capacities), dtype=np.int32)
         self.positions.flags.writeable = False
+        self._lookups = list(zip(self.paths, self.names, self.capacities, strict=True))
 
     @staticmethod
     def _setting(struct: Any, path: Path, what: str) -> Any:
@@ -136,7 +137,7 @@ class _Layout:
         """
         leaves: list[np.ndarray] = []
         lengths: list[int] = []
-        for path, name, capacity in zip(self.paths, self.names, self.capacities, strict=True):
+        for path, name, capacity in self._lookups:
             value = element
             try:
                 for key in path:
@@ -146,7 +147,7 @@ class _Layout:
                     f"Element has no feature {name!r} required by `length_struct`; element "
                     f"structure: {_tree.spec_str(element)}."
                 ) from e
-            if not isinstance(value, np.ndarray):
+            if type(value) is not np.ndarray:
                 value = np.asarray(value)
             length = value.shape[0] if value.ndim else 1
             if length > capacity:
@@ -161,7 +162,11 @@ class _Layout:
 
 
 class _BinGroup:
-    """Preallocated buffers for one group of bins, and the fill state of every bin."""
+    """Preallocated buffers for one group of bins, and the fill state of every bin.
+
+    Per-bin counters live in Python lists (cheap scalar access while placing); the free room
+    per (feature, bin) is mirrored in one NumPy array so the bin search is vectorised.
+    """
 
     def __init__(
         self,
@@ -170,6 +175,7 @@ class _BinGroup:
         shapes_from: list[np.ndarray],
         *,
         max_sequences_per_bin: int | None,
+        best_fit: bool = False,
         extra_meta: Sequence[str] = (),
     ) -> None:
         self._layout = layout
@@ -196,29 +202,46 @@ class _BinGroup:
                 self.segment_ids.append(None)
                 self.positions.append(None)
         # Free cells left per (feature, bin); may go negative when alignment overshoots.
-        self.room = np.repeat(
+        self._room = np.repeat(
             np.asarray(layout.capacities, dtype=np.int64)[:, None], num_bins, axis=1
         )
-        nbytes += self.room.nbytes
-        self.used = np.zeros(num_bins, dtype=np.int64)
-        self.counts = np.zeros(num_bins, dtype=np.int64)
+        nbytes += self._room.nbytes
         self.nbytes = nbytes
+        self._first_room = self._room[0]
+        self._free_cells = [[0] * num_bins for _ in layout.capacities]
+        self.counts = [0] * num_bins
+        # Cells used per bin (best-fit's score) and bins below the sequence cap, when needed.
+        self._used = np.zeros(num_bins, dtype=np.int64) if best_fit else None
+        self._open = None if max_sequences_per_bin is None else np.ones(num_bins, dtype=bool)
+        self._features = list(
+            zip(
+                self.values,
+                self.segment_ids,
+                self.positions,
+                self._free_cells,
+                self._room,
+                layout.capacities,
+                layout.alignments,
+                layout.names,
+                strict=True,
+            )
+        )
         self.extra_meta: dict[str, list[list[Any]]] = {
             k: [[] for _ in range(num_bins)] for k in extra_meta
         }
 
-    def find_bin(self, lengths: list[int], best_fit: bool) -> int:
+    def find_bin(self, lengths: list[int]) -> int:
         """Returns the bin to place a sequence of ``lengths`` into, or -1 if none has room."""
         if len(lengths) == 1:
-            feasible = self.room[0] >= lengths[0]
+            feasible = self._first_room >= lengths[0]
         else:
-            feasible = (self.room >= np.asarray(lengths, dtype=np.int64)[:, None]).all(axis=0)
-        if self._max_sequences is not None:
-            feasible &= self.counts < self._max_sequences
-        if best_fit:
-            row = int(np.where(feasible, self.used, -1).argmax())
-        else:
+            feasible = (self._room >= np.asarray(lengths, dtype=np.int64)[:, None]).all(axis=0)
+        if self._open is not None:
+            feasible &= self._open
+        if self._used is None:
             row = int(feasible.argmax())
+        else:
+            row = int(np.where(feasible, self._used, -1).argmax())
         return row if feasible[row] else -1
 
     def place(self, row: int, leaves: list[np.ndarray], lengths: list[int], element: Any) -> None:
@@ -227,32 +250,43 @@ class _BinGroup:
         Raises:
           ValueError: a feature's trailing shape differs from the group's buffers.
         """
-        layout = self._layout
-        segment_id = int(self.counts[row]) + 1
+        counts = self.counts
+        counts[row] += 1
+        segment_id = counts[row]
+        arange = self._layout.positions
         used = 0
-        for i, (leaf, length) in enumerate(zip(leaves, lengths, strict=True)):
-            capacity = layout.capacities[i]
-            start = capacity - int(self.room[i, row])
+        for (
+            values,
+            segment_ids,
+            positions,
+            free,
+            room,
+            capacity,
+            alignment,
+            name,
+        ), leaf, length in zip(self._features, leaves, lengths, strict=True):
+            start = free[row]
             end = start + length
             try:
-                self.values[i][row, start:end] = leaf
+                values[row, start:end] = leaf
             except ValueError as e:
                 raise ValueError(
-                    f"Feature {layout.names[i]!r} of shape {leaf.shape} cannot be packed into "
-                    f"bins of shape {self.values[i].shape[1:]}: all elements packed together "
-                    "must agree on the dimensions after the sequence axis."
+                    f"Feature {name!r} of shape {leaf.shape} cannot be packed into bins of "
+                    f"shape {values.shape[1:]}: all elements packed together must agree on the "
+                    "dimensions after the sequence axis."
                 ) from e
-            segment_ids = self.segment_ids[i]
             if segment_ids is not None:
                 segment_ids[row, start:end] = segment_id
-                self.positions[i][row, start:end] = layout.positions[:length]  # type: ignore[index]
-            alignment = layout.alignments[i]
+                positions[row, start:end] = arange[:length]
             if alignment != 1:
                 end = -(-end // alignment) * alignment
-            self.room[i, row] = capacity - end
+            free[row] = end
+            room[row] = capacity - end
             used += end - start
-        self.used[row] += used
-        self.counts[row] += 1
+        if self._used is not None:
+            self._used[row] += used
+        if self._open is not None and segment_id >= self._max_sequences:  # type: ignore[operator]
+            self._open[row] = False
         for key, per_bin in self.extra_meta.items():
             if key in element:
                 per_bin[row].append(element[key])
@@ -422,7 +456,6 @@ class _PackDatasetIterator(DatasetIterator[dict[str, Any]]):
         self._ds = ds
         self._layout = ds._layout
         self._plan = ds._plan
-        self._best_fit = ds._best_fit
         self._size_bytes: int | None = None
         self._start(parent.get_state(), next_row=0, counter=0)
 
@@ -456,6 +489,7 @@ class _PackDatasetIterator(DatasetIterator[dict[str, Any]]):
             ds._num_bins,
             shapes_from,
             max_sequences_per_bin=ds._max_sequences,
+            best_fit=ds._best_fit,
             extra_meta=ds._extra_meta,
         )
         self._size_bytes = group.nbytes
@@ -484,7 +518,6 @@ class _PackDatasetIterator(DatasetIterator[dict[str, Any]]):
         """
         parent = self._parents[0]
         layout = self._layout
-        best_fit = self._best_fit
         while True:
             state = parent.get_state()
             try:
@@ -498,7 +531,7 @@ class _PackDatasetIterator(DatasetIterator[dict[str, Any]]):
             group = self._building
             if group is None:
                 group = self._building = self._new_group(leaves)
-            row = group.find_bin(lengths, best_fit)
+            row = group.find_bin(lengths)
             if row >= 0:
                 group.place(row, leaves, lengths, element)
                 continue
@@ -589,7 +622,7 @@ class PackAndBatchOperation(Generic[T]):
             leaves, lengths = layout.extract(record.data)
             if group is None:
                 group = self._new_group(leaves)
-            row = group.find_bin(lengths, False)
+            row = group.find_bin(lengths)
             if row < 0:
                 yield Record(metadata=metadata, data=self._batch(group))
                 group = self._new_group(leaves)
