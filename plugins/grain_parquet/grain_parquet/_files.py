@@ -9,8 +9,9 @@ filesystem) overrides URI resolution. Every error raised here names the file.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -24,6 +25,7 @@ __all__ = [
     "check_columns",
     "check_same_schema",
     "column_to_numpy",
+    "iter_rows",
     "open_parquet",
     "project_schema",
     "read_error",
@@ -305,3 +307,18 @@ def rows_from_columns(names: Sequence[str], columns: Sequence[np.ndarray]) -> li
     """One dict per row, ``{name: value}``, from equally long columns."""
     # The lengths are equal by construction; strict zips would only add per-row checks.
     return [dict(zip(names, values, strict=False)) for values in zip(*columns, strict=False)]
+
+
+def iter_rows(
+    names: Sequence[str], columns: Sequence[np.ndarray]
+) -> tuple[Iterator[dict[str, Any]], Iterator[Any]]:
+    """Row dicts built lazily, one per ``next``, and a progress marker.
+
+    The rows come from C-level ``map``/``zip`` (no Python frame per row) and are built only
+    when asked for, so consumed rows are freed at once instead of piling up for the garbage
+    collector. The second iterator is the first column's, which the rows advance:
+    ``operator.length_hint`` of it is the number of rows not yet built.
+    """
+    first = iter(columns[0])
+    rows = map(dict, map(zip, itertools.repeat(names), zip(first, *columns[1:], strict=False)))
+    return rows, first

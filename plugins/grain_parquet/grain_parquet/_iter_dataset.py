@@ -1,9 +1,9 @@
 """``ParquetIterDataset``: streams the rows (or column batches) of Parquet files.
 
 Row groups are decoded in Arrow record batches (``ParquetFile.iter_batches``) and every column
-of a record batch is converted to NumPy once; rows are then cut from those arrays in chunks of
-``_ROW_CHUNK`` dicts, so the per-row cost is one ``dict`` and nothing touches Arrow per row.
-The column-batch mode skips the dicts altogether and hands out array slices.
+of a record batch is converted to NumPy once; row dicts are then built lazily from those arrays
+by C-level ``map``/``zip``, so the per-row cost is one ``dict`` and nothing touches Arrow per
+row. The column-batch mode skips the dicts altogether and hands out array slices.
 
 The position is ``(row_group, index_within_row_group)`` of the next row to produce; restoring
 it re-reads that row group from the record batch that holds the row.
@@ -30,18 +30,14 @@ from grain_parquet._files import (
     check_columns,
     check_same_schema,
     column_to_numpy,
+    iter_rows,
     open_parquet,
     project_schema,
     read_error,
     resolve_paths,
-    rows_from_columns,
 )
 
 __all__ = ["ParquetIterDataset"]
-
-# Rows turned into dicts at a time: large enough to amortise the slicing, small enough that
-# the dicts waiting to be consumed stay a few hundred kilobytes.
-_ROW_CHUNK = 1024
 
 
 def _positive(name: str, value: Any) -> int:
@@ -56,7 +52,8 @@ class ParquetIterDataset(IterDataset[dict[str, Any]]):
     Values are NumPy scalars (numbers), Python objects (strings, bytes, structs) or arrays
     (fixed-size lists, as read-only rows of a 2-D array; variable-length lists). With
     ``column_batch_size`` the elements are instead dicts of NumPy arrays holding that many
-    consecutive rows (the last batch may be shorter), zero-copy where Arrow allows.
+    consecutive rows (the last batch may be shorter), zero-copy where Arrow allows; with
+    several files each batch holds rows of one file.
 
     One file is read row group by row group; its state is
     ``{"row_group", "index_within_row_group"}``. Several files are read by an
@@ -173,8 +170,9 @@ class _ParquetFileIterator(DatasetIterator[dict[str, Any]]):
     """Reads one file; state ``{"row_group", "index_within_row_group"}`` of the next row.
 
     ``_pos`` indexes the row groups read, ``_batch_start`` is the row (within its row group)
-    where the current record batch starts, ``_offset`` the rows of that batch already cut
-    into dicts or batches, and ``_rows`` the dicts cut but not yet handed out.
+    where the current record batch starts and ``_offset`` the rows of that batch handed to
+    ``_rows`` (row mode, lazily built: ``length_hint(_unbuilt)`` of them are still to come)
+    or already returned in column batches.
     """
 
     def __init__(self, ds: ParquetIterDataset) -> None:
@@ -212,6 +210,7 @@ class _ParquetFileIterator(DatasetIterator[dict[str, Any]]):
         self._batch_len = 0
         self._cols: list[np.ndarray] = []
         self._rows: Iterator[dict[str, Any]] = iter(())
+        self._unbuilt: Iterator[Any] = iter(())
 
     def _record_batches(self, pos: int, skip: int) -> Iterator[tuple[int, int, list[np.ndarray]]]:
         """Yields ``(pos, first row, columns)`` per record batch from row ``skip`` of ``pos``."""
@@ -262,10 +261,8 @@ class _ParquetFileIterator(DatasetIterator[dict[str, Any]]):
         while self._offset >= self._batch_len:
             if not self._advance():
                 raise StopIteration
-        start = self._offset
-        stop = min(start + _ROW_CHUNK, self._batch_len)
-        self._rows = iter(rows_from_columns(self._names, [c[start:stop] for c in self._cols]))
-        self._offset = stop
+        self._rows, self._unbuilt = iter_rows(self._names, self._cols)
+        self._offset = self._batch_len
         return next(self._rows)
 
     def _next_column_batch(self, size: int) -> dict[str, Any]:
@@ -291,7 +288,7 @@ class _ParquetFileIterator(DatasetIterator[dict[str, Any]]):
     def _position(self) -> tuple[int, int]:
         """``(pos, row)`` of the next row to produce, moved past finished row groups."""
         pos = self._pos
-        index = self._batch_start + self._offset - operator.length_hint(self._rows)
+        index = self._batch_start + self._offset - operator.length_hint(self._unbuilt)
         while pos < len(self._sizes) and index >= self._sizes[pos]:
             pos += 1
             index = 0

@@ -144,6 +144,11 @@ class ParquetDataSource:
         return self._cache_bytes
 
     @property
+    def cached_bytes(self) -> int:
+        """Bytes of decoded row groups the cache holds now."""
+        return self._cached_bytes
+
+    @property
     def row_group_starts(self) -> np.ndarray:
         """The first global row of every row group of every file, then ``len(self)``.
 
@@ -186,7 +191,7 @@ class ParquetDataSource:
         files = self.paths
         where = files[0] if len(files) == 1 else f"{len(files)} files ({files[0]}, ...)"
         return (
-            f"Row index {index} is out of range: {where} hold {self._len} rows, valid indices "
+            f"Row index {index} is out of range for {where}: {self._len} rows, valid indices "
             f"are 0 to {self._len - 1}."
         )
 

@@ -1,0 +1,628 @@
+"""The grain-parquet plugin: streaming, random access, writer, inspector and bad input.
+
+Files are written by pyarrow (or the plugin's writer) in temporary directories.
+"""
+
+from __future__ import annotations
+
+import pickle
+import threading
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+grain_parquet = pytest.importorskip("grain_parquet")
+
+import pyarrow as pa  # noqa: E402
+import pyarrow.parquet as pq  # noqa: E402
+
+import grain_core as grain  # noqa: E402
+from grain_core import plugins  # noqa: E402
+from grain_core.experimental import (  # noqa: E402
+    WindowShuffleMapDataset,
+    get_next_index,
+    set_next_index,
+)
+from grain_core.testing import (  # noqa: E402
+    assert_equal_output_after_checkpoint,
+    assert_trees_equal,
+    check_iterator_conformance,
+    check_random_access_source,
+)
+
+ParquetDataSource = grain_parquet.ParquetDataSource
+ParquetIterDataset = grain_parquet.ParquetIterDataset
+ParquetWriter = grain_parquet.ParquetWriter
+
+
+@pytest.fixture(autouse=True)
+def _fresh_global_registry(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("GRAIN_CORE_PLUGINS", raising=False)
+    monkeypatch.delenv("GRAIN_CORE_DISABLE_PLUGINS", raising=False)
+    plugins.reset()
+
+
+def _table(start: int, stop: int) -> pa.Table:
+    ids = np.arange(start, stop, dtype=np.int64)
+    return pa.table(
+        {
+            "id": ids,
+            "score": (ids / 4).astype(np.float32),
+            "text": [f"row {i}" for i in ids],
+            "vec": pa.FixedSizeListArray.from_arrays(
+                pa.array(np.repeat(ids, 3).astype(np.float32)), 3
+            ),
+        }
+    )
+
+
+def _write(path: Path, start: int, stop: int, row_group_size: int) -> str:
+    pq.write_table(_table(start, stop), path, row_group_size=row_group_size)
+    return str(path)
+
+
+@pytest.fixture
+def one_file(tmp_path: Path) -> str:
+    """23 rows in row groups of 5 (the last holds 3)."""
+    return _write(tmp_path / "one.parquet", 0, 23, 5)
+
+
+@pytest.fixture
+def three_files(tmp_path: Path) -> list[str]:
+    """Rows 0-9, 10-16, 17-29 in files with row groups of 4, 3 and 5."""
+    return [
+        _write(tmp_path / "a.parquet", 0, 10, 4),
+        _write(tmp_path / "b.parquet", 10, 17, 3),
+        _write(tmp_path / "c.parquet", 17, 30, 5),
+    ]
+
+
+def _row(i: int) -> dict[str, Any]:
+    return {
+        "id": np.int64(i),
+        "score": np.float32(i / 4),
+        "text": f"row {i}",
+        "vec": np.full(3, i, dtype=np.float32),
+    }
+
+
+def _ids(elements: Sequence[dict[str, Any]]) -> list[int]:
+    return [int(e["id"]) for e in elements]
+
+
+# ------------------------------------------------------------------------ plugin
+def test_registered_as_the_parquet_format() -> None:
+    fmt = plugins.format_for_path("/data/train.parquet-00001-of-00004")
+    assert fmt.name == "parquet"
+    assert plugins.format_for_path("x.PQ") is fmt
+    assert fmt.provides == ("source", "iter_dataset", "writer", "inspector")
+    assert grain.experimental.ParquetIterDataset is ParquetIterDataset  # type: ignore[attr-defined]
+    assert grain.experimental.ParquetDataSource is ParquetDataSource  # type: ignore[attr-defined]
+    assert grain.sources.ParquetDataSource is ParquetDataSource  # type: ignore[attr-defined]
+
+
+def test_write_then_read_through_the_lookup_api(tmp_path: Path) -> None:
+    path = tmp_path / "rows.pq"
+    fmt = plugins.format_for_path(path)
+    with fmt.get("writer")(path, row_group_size=4) as writer:
+        for i in range(10):
+            writer.write({"id": i, "vec": np.full(2, i, dtype=np.int32)})
+    assert _ids(list(fmt.get("iter_dataset")(str(path)))) == list(range(10))
+    assert int(fmt.get("source")(str(path))[7]["id"]) == 7
+    info = fmt.get("inspector")(str(path), 2)
+    assert info.num_records == 10
+
+
+# -------------------------------------------------------------------- streaming
+def test_rows_are_dicts_of_numpy_values(one_file: str) -> None:
+    rows = list(ParquetIterDataset(one_file))
+    assert len(rows) == 23
+    for i, row in enumerate(rows):
+        assert_trees_equal(row, _row(i))
+    assert type(rows[0]["id"]) is np.int64 and type(rows[0]["score"]) is np.float32
+
+
+def test_single_file_state_is_row_group_and_index(one_file: str) -> None:
+    it = iter(ParquetIterDataset(one_file))
+    assert it.get_state() == {"row_group": 0, "index_within_row_group": 0}
+    for _ in range(7):
+        next(it)
+    assert it.get_state() == {"row_group": 1, "index_within_row_group": 2}
+    for _ in range(16):
+        next(it)
+    assert it.get_state() == {"row_group": 5, "index_within_row_group": 0}
+    with pytest.raises(StopIteration):
+        next(it)
+
+
+def test_single_file_conformance_at_every_position(one_file: str) -> None:
+    out = check_iterator_conformance(lambda: ParquetIterDataset(one_file), positions=range(24))
+    assert _ids(out) == list(range(23))
+
+
+def test_restoring_inside_small_record_batches(one_file: str) -> None:
+    # Two rows per record batch: restores land in the middle of a row group's batches.
+    out = check_iterator_conformance(
+        lambda: ParquetIterDataset(one_file, read_batch_size=2), positions=range(24)
+    )
+    assert _ids(out) == list(range(23))
+    assert_equal_output_after_checkpoint(ParquetIterDataset(one_file, read_batch_size=2))
+
+
+def test_multiple_files_interleave_with_interleave_state(three_files: list[str]) -> None:
+    ds = ParquetIterDataset(three_files)
+    out = check_iterator_conformance(ds, positions=[0, 1, 5, 17, 29, 30])
+    # cycle_length 16 >= 3 files: one row from each file in turn, exhausted files drop out.
+    assert _ids(out)[:9] == [0, 10, 17, 1, 11, 18, 2, 12, 19]
+    assert sorted(_ids(out)) == list(range(30))
+    state = iter(ds).get_state()
+    assert set(state) == {
+        "next_index_in_cycle",
+        "next_index_in_datasets",
+        "iterators_in_use_indices",
+        "iterators_in_use_states",
+        "exhausted",
+        "future_states",
+    }
+    assert state["iterators_in_use_states"][0] == {"row_group": 0, "index_within_row_group": 0}
+
+
+def test_cycle_length_one_chains_files(three_files: list[str]) -> None:
+    ds = ParquetIterDataset(three_files, cycle_length=1)
+    assert _ids(check_iterator_conformance(ds, positions=[0, 9, 10, 11, 30])) == list(range(30))
+
+
+def test_columns_projection_and_order(three_files: list[str]) -> None:
+    ds = ParquetIterDataset(three_files, columns=["vec", "id"], cycle_length=1)
+    assert ds.columns == ("vec", "id")
+    rows = list(ds)
+    assert list(rows[4]) == ["vec", "id"]
+    assert_trees_equal(rows[4], {"vec": np.full(3, 4, dtype=np.float32), "id": np.int64(4)})
+
+
+def _corrupt_column(path: str, column: str) -> None:
+    """Overwrites the data of ``column`` in every row group with garbage."""
+    metadata = pq.ParquetFile(path).metadata
+    index = metadata.schema.to_arrow_schema().get_field_index(column)
+    data = bytearray(Path(path).read_bytes())
+    for g in range(metadata.num_row_groups):
+        chunk = metadata.row_group(g).column(index)
+        start = chunk.dictionary_page_offset or chunk.data_page_offset
+        data[start : start + chunk.total_compressed_size] = b"\xff" * chunk.total_compressed_size
+    Path(path).write_bytes(bytes(data))
+
+
+def test_projection_does_not_read_other_columns(one_file: str) -> None:
+    _corrupt_column(one_file, "text")
+    assert _ids(ParquetIterDataset(one_file, columns=["id", "vec"])) == list(range(23))
+    source = ParquetDataSource(one_file, columns=["id"])
+    assert int(source[22]["id"]) == 22
+    with pytest.raises(ValueError, match=r"row group 0 of Parquet file .*one\.parquet"):
+        list(ParquetIterDataset(one_file))
+    with pytest.raises(ValueError, match=r"row group 4 of Parquet file .*one\.parquet"):
+        ParquetDataSource(one_file)[21]
+
+
+def test_column_batches_equal_batched_rows(one_file: str) -> None:
+    rows = grain.experimental.ParquetIterDataset(one_file).batch(4)  # type: ignore[attr-defined]
+    columns = ParquetIterDataset(one_file, column_batch_size=4)
+    for expected, batch in zip(rows, columns, strict=True):
+        assert list(batch) == ["id", "score", "text", "vec"]
+        for name in ("id", "score", "vec"):
+            assert_trees_equal(batch[name], expected[name])
+        assert batch["text"].tolist() == expected["text"].tolist()
+
+
+def test_column_batches_of_several_files_come_from_one_file_each(three_files: list[str]) -> None:
+    out = check_iterator_conformance(
+        lambda: ParquetIterDataset(three_files, column_batch_size=4), positions=[0, 3, 8]
+    )
+    assert [b["id"].tolist() for b in out[:4]] == [
+        [0, 1, 2, 3],
+        [10, 11, 12, 13],
+        [17, 18, 19, 20],
+        [4, 5, 6, 7],
+    ]
+
+
+def test_column_batches_span_row_groups_and_restore(one_file: str) -> None:
+    def make() -> ParquetIterDataset:
+        return ParquetIterDataset(one_file, column_batch_size=7, read_batch_size=3)
+
+    out = check_iterator_conformance(make, positions=range(5))
+    assert [len(b["id"]) for b in out] == [7, 7, 7, 2]
+    assert np.concatenate([b["id"] for b in out]).tolist() == list(range(23))
+    assert out[1]["vec"].shape == (7, 3)
+
+
+def test_column_batches_are_zero_copy_for_numbers(one_file: str) -> None:
+    batch = next(iter(ParquetIterDataset(one_file, column_batch_size=5)))
+    assert not batch["id"].flags.writeable and not batch["vec"].flags.writeable
+    assert batch["text"].dtype == object
+
+
+def test_null_and_variable_length_values(tmp_path: Path) -> None:
+    path = tmp_path / "nulls.parquet"
+    table = pa.table(
+        {
+            "x": pa.array([1.5, None, 3.0]),
+            "tags": pa.array([[1, 2], [], None]),
+            "s": ["a", None, "c"],
+        }
+    )
+    pq.write_table(table, path)
+    rows = list(ParquetIterDataset(str(path)))
+    assert np.isnan(rows[1]["x"]) and rows[1]["s"] is None and rows[2]["tags"] is None
+    assert rows[0]["tags"].tolist() == [1, 2]
+    assert_trees_equal(ParquetDataSource(str(path))[0], rows[0])
+
+
+def test_empty_file_yields_nothing(tmp_path: Path) -> None:
+    path = tmp_path / "empty.parquet"
+    pq.write_table(_table(0, 0), path)
+    check_iterator_conformance(ParquetIterDataset(str(path)))
+    assert len(ParquetDataSource(str(path))) == 0
+
+
+def test_next_index(one_file: str) -> None:
+    it = iter(ParquetIterDataset(one_file))
+    set_next_index(it, 12)
+    assert int(next(it)["id"]) == 12
+    assert get_next_index(it) == 13
+    batches = iter(ParquetIterDataset(one_file, column_batch_size=10))
+    set_next_index(batches, 2)
+    assert next(batches)["id"].tolist() == [20, 21, 22]
+    assert get_next_index(batches) == 3
+
+
+def test_closed_iterator_raises(one_file: str) -> None:
+    it = iter(ParquetIterDataset(one_file))
+    next(it)
+    it.close()
+    with pytest.raises(ValueError, match="closed iterator"):
+        next(it)
+
+
+# ---------------------------------------------------------------------- slicing
+def test_with_slice_splits_files_or_row_groups_without_mutating(
+    one_file: str, three_files: list[str]
+) -> None:
+    for paths, first_shard in (
+        (one_file, [0, 1, 2, 3, 4, 10, 11, 12, 13, 14, 20, 21, 22]),
+        (three_files, [*range(10), *range(17, 30)]),
+    ):
+        ds = ParquetIterDataset(paths)
+        shards = [ds.with_slice(slice(i, None, 2)) for i in range(2)]
+        assert sorted(_ids(shards[0])) == first_shard
+        assert sorted(_ids(shards[0]) + _ids(shards[1])) == list(range(len(_ids(ds))))
+        check_iterator_conformance(shards[1], positions=[0, 3, 5])
+    one = ParquetIterDataset(one_file)
+    one.with_slice(slice(1, None, 2))
+    assert len(list(one)) == 23
+
+
+def test_checkpoint_of_another_slicing_is_rejected(one_file: str) -> None:
+    it = iter(ParquetIterDataset(one_file).with_slice(slice(0, None, 2)))
+    with pytest.raises(ValueError, match=r"one\.parquet points at row group 1, which this"):
+        it.set_state({"row_group": 1, "index_within_row_group": 0})
+    with pytest.raises(ValueError, match="row 9 of row group 0, which has 5 rows"):
+        it.set_state({"row_group": 0, "index_within_row_group": 9})
+
+
+def test_mp_prefetch_two_workers_is_deterministic_and_resumable(three_files: list[str]) -> None:
+    options = grain.MultiprocessingOptions(num_workers=2)
+
+    def make() -> Any:
+        return (
+            ParquetIterDataset(three_files, columns=["id"])
+            .map(lambda r: int(r["id"]))
+            .mp_prefetch(options)
+        )
+
+    # Worker 0 reads files a and c (interleaved), worker 1 file b; the parent alternates.
+    out = check_iterator_conformance(make, positions=[7])
+    assert sorted(out) == list(range(30))
+    assert out[:6] == [0, 10, 17, 11, 1, 12]
+
+
+def test_mp_prefetch_single_file_splits_row_groups(one_file: str) -> None:
+    ds = ParquetIterDataset(one_file, column_batch_size=5).map(lambda b: b["id"].tolist())
+    out = list(ds.mp_prefetch(grain.MultiprocessingOptions(num_workers=2)))
+    assert out == [list(range(k, min(k + 5, 23))) for k in range(0, 23, 5)]
+
+
+# ----------------------------------------------------------------- random access
+def test_source_conformance_over_files(three_files: list[str]) -> None:
+    source = ParquetDataSource(three_files)
+    assert len(source) == 30
+    check_random_access_source(source)
+    for i in (0, 9, 10, 16, 17, 29):
+        assert_trees_equal(source[i], _row(i))
+    assert _ids(source.__getitems__([29, 0, 13, 13, 4])) == [29, 0, 13, 13, 4]
+    assert source.row_group_starts.tolist() == [0, 4, 8, 10, 13, 16, 17, 22, 27, 30]
+
+
+def test_len_needs_no_data_pages(one_file: str) -> None:
+    _corrupt_column(one_file, "id")
+    assert len(ParquetDataSource(one_file)) == 23
+
+
+def test_getitems_reads_each_row_group_once(one_file: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    reads: list[int] = []
+    original = pq.ParquetFile.read_row_group
+
+    def counting(self: pq.ParquetFile, i: int, *args: Any, **kwargs: Any) -> pa.Table:
+        reads.append(i)
+        return original(self, i, *args, **kwargs)
+
+    monkeypatch.setattr(pq.ParquetFile, "read_row_group", counting)
+    source = ParquetDataSource(one_file, cache_bytes=0)
+    assert _ids(source.__getitems__([22, 0, 21, 1, 6, 2])) == [22, 0, 21, 1, 6, 2]
+    assert sorted(reads) == [0, 1, 4]
+    assert source.cached_bytes == 0
+    reads.clear()
+    cached = ParquetDataSource(one_file)
+    cached.__getitems__([0, 1])
+    cached.__getitems__([2, 3, 4, 7])
+    assert reads == [0, 1]
+
+
+def test_cache_is_bounded_and_least_recently_used_goes_first(one_file: str) -> None:
+    sizes = [pq.ParquetFile(one_file).read_row_group(g).nbytes for g in range(3)]
+    assert sizes[1] <= sizes[2]
+    source = ParquetDataSource(one_file, cache_bytes=sizes[0] + sizes[2])
+    for i in (0, 5, 0, 10):  # row groups 0, 1, 0 (now most recent), 2 evicts 1
+        source[i]
+        assert source.cached_bytes <= source.cache_bytes
+    assert list(source._cache) == [0, 2]
+    with pytest.raises(ValueError, match="cache_bytes must be a non-negative int"):
+        ParquetDataSource(one_file, cache_bytes=-1)
+
+
+def test_concurrent_reads_decode_each_row_group_once(
+    three_files: list[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    reads: list[int] = []
+    lock = threading.Lock()
+    original = pq.ParquetFile.read_row_group
+
+    def counting(self: pq.ParquetFile, i: int, *args: Any, **kwargs: Any) -> pa.Table:
+        with lock:
+            reads.append(i)
+        return original(self, i, *args, **kwargs)
+
+    monkeypatch.setattr(pq.ParquetFile, "read_row_group", counting)
+    source = ParquetDataSource(three_files)
+    results: dict[int, list[int]] = {}
+    barrier = threading.Barrier(8)
+
+    keys = {k: np.random.default_rng(k).permutation(30).tolist() for k in range(8)}
+
+    def read(k: int) -> None:
+        barrier.wait(timeout=10)
+        results[k] = _ids(source.__getitems__(keys[k]))
+
+    threads = [threading.Thread(target=read, args=(k,)) for k in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=30)
+    assert results == keys
+    assert len(reads) == 9  # 3 + 3 + 3 row groups, each decoded once
+
+
+def test_shuffled_sharded_batched_pipeline_with_checkpoints(three_files: list[str]) -> None:
+    source = ParquetDataSource(three_files)
+    policy = plugins.get_sharding_policy("even_split")
+    shards = []
+    for shard in range(2):
+        ds = grain.MapDataset.source(source).seed(5)
+        ds = policy.apply(ds, grain.sharding.ShardOptions(shard, 2)).shuffle().batch(4)
+        out = check_iterator_conformance(ds, positions=[0, 2, 4])
+        shards.append(np.concatenate([b["id"] for b in out]).tolist())
+    assert sorted(shards[0] + shards[1]) == list(range(30))
+    assert shards[0] != sorted(shards[0])
+
+
+def test_window_shuffle_over_row_groups(three_files: list[str]) -> None:
+    ds = grain.MapDataset.source(ParquetDataSource(three_files)).seed(3)
+    ds = WindowShuffleMapDataset(ds, window_size=5).map(lambda r: int(r["id"]))
+    out = check_iterator_conformance(ds, positions=[0, 4, 12])
+    assert [sorted(out[k : k + 5]) for k in range(0, 30, 5)] == [
+        list(range(k, k + 5)) for k in range(0, 30, 5)
+    ]
+
+
+def test_source_in_worker_processes(three_files: list[str]) -> None:
+    ds = grain.MapDataset.source(ParquetDataSource(three_files)).seed(1).shuffle()
+    ds = ds.map(lambda r: int(r["id"])).to_iter_dataset()
+    expected = list(ds)
+    out = check_iterator_conformance(
+        ds.mp_prefetch(grain.MultiprocessingOptions(num_workers=2)), positions=[11]
+    )
+    assert out == expected
+
+
+# ---------------------------------------------------------------- file systems
+def test_file_uris(one_file: str) -> None:
+    uri = Path(one_file).as_uri()
+    assert _ids(ParquetIterDataset(uri)) == list(range(23))
+    assert len(ParquetDataSource([uri, one_file])) == 46
+
+
+def test_fsspec_filesystem(tmp_path: Path) -> None:
+    fsspec = pytest.importorskip("fsspec")
+    fs = fsspec.filesystem("memory")
+    with ParquetWriter("/grain-parquet-test/mem.parquet", filesystem=fs, row_group_size=4) as w:
+        w.write_columns({"id": np.arange(10)})
+    ds = ParquetIterDataset("/grain-parquet-test/mem.parquet", filesystem=fs)
+    assert _ids(ds) == list(range(10))
+    source = ParquetDataSource("memory://grain-parquet-test/mem.parquet")
+    assert int(source[9]["id"]) == 9
+    fs.rm("/grain-parquet-test", recursive=True)
+
+
+# ------------------------------------------------------------------------ writer
+def test_writer_row_groups_of_chosen_size(tmp_path: Path) -> None:
+    path = tmp_path / "w.parquet"
+    with ParquetWriter(path, row_group_size=4) as writer:
+        for i in range(3):
+            writer.write(_row(i))
+        writer.write_columns(
+            {
+                "id": np.arange(3, 9),
+                "score": np.arange(3, 9, dtype=np.float32) / 4,
+                "text": [f"row {i}" for i in range(3, 9)],
+                "vec": np.repeat(np.arange(3, 9, dtype=np.float32), 3).reshape(6, 3),
+            }
+        )
+        for i in range(9, 11):
+            writer.write(_row(i))
+        assert not path.exists()
+    metadata = pq.ParquetFile(path).metadata
+    assert [metadata.row_group(g).num_rows for g in range(metadata.num_row_groups)] == [4, 4, 3]
+    assert pq.read_schema(path).field("vec").type == pa.list_(pa.float32(), 3)
+    for i, row in enumerate(ParquetIterDataset(str(path))):
+        assert_trees_equal(row, _row(i))
+
+
+def test_writer_with_schema_and_abort(tmp_path: Path) -> None:
+    schema = pa.schema([("id", pa.int32()), ("name", pa.string())])
+    path = tmp_path / "s.parquet"
+    with ParquetWriter(path, schema=schema) as writer:
+        writer.write({"name": "a", "id": 1})
+    assert pq.read_schema(path).remove_metadata() == schema
+    with pytest.raises(RuntimeError), ParquetWriter(tmp_path / "gone.parquet") as writer:
+        writer.write({"id": 1})
+        raise RuntimeError
+    assert list(tmp_path.iterdir()) == [path]
+
+
+def test_writer_rejects_bad_records(tmp_path: Path) -> None:
+    path = tmp_path / "x.parquet"
+    writer = ParquetWriter(path)
+    with pytest.raises(TypeError, match=r"x\.parquet: record 0 is list"):
+        writer.write([1, 2])  # type: ignore[arg-type]
+    writer.write({"id": 1, "v": 2})
+    writer.write({"id": 2})
+    with pytest.raises(ValueError, match=r"x\.parquet: record 1 has no column 'v'"):
+        writer.close()
+    writer.abort()
+    assert not path.exists()
+    with pytest.raises(ValueError, match="row_group_size must be a positive int"):
+        ParquetWriter(tmp_path / "y.parquet", row_group_size=0)
+
+
+def test_writer_without_rows_writes_an_empty_file(tmp_path: Path) -> None:
+    path = tmp_path / "none.parquet"
+    with ParquetWriter(path):
+        pass
+    assert list(ParquetIterDataset(str(path))) == []
+
+
+# --------------------------------------------------------------------- inspector
+def test_inspector_reports_schema_row_groups_sizes_and_sample(one_file: str) -> None:
+    info = grain_parquet.inspect_parquet(one_file, 3)
+    assert info.num_records == 23
+    assert info.schema == {
+        "id": "int64",
+        "score": "float",
+        "text": "string",
+        "vec": "fixed_size_list<element: float>[3]",
+    }
+    assert info.details["row_groups"] == 5
+    assert info.details["rows_per_row_group"] == [5, 5, 5, 5, 3]
+    assert info.details["bytes"] == Path(one_file).stat().st_size
+    assert info.details["compressed_bytes"] > 0 and info.details["uncompressed_bytes"] > 0
+    assert [int(r["id"]) for r in info.sample] == [0, 1, 2]
+
+
+# --------------------------------------------------------------------- bad input
+Opener = Callable[[Any], Any]
+OPENERS: list[Opener] = [
+    lambda p: ParquetIterDataset(p),
+    lambda p: ParquetDataSource(p),
+    lambda p: grain_parquet.inspect_parquet(p, 1),
+]
+
+
+@pytest.mark.parametrize("open_", OPENERS)
+def test_missing_file(tmp_path: Path, open_: Opener) -> None:
+    with pytest.raises(FileNotFoundError, match=r"Parquet file not found: .*nope\.parquet"):
+        open_(str(tmp_path / "nope.parquet"))
+
+
+@pytest.mark.parametrize("open_", OPENERS)
+def test_not_a_parquet_file(tmp_path: Path, open_: Opener) -> None:
+    path = tmp_path / "text.parquet"
+    path.write_text("id,name\n1,a\n")
+    with pytest.raises(ValueError, match=r"text\.parquet: it is not a Parquet file"):
+        open_(str(path))
+
+
+@pytest.mark.parametrize("open_", OPENERS)
+def test_truncated_file(one_file: str, open_: Opener) -> None:
+    data = Path(one_file).read_bytes()
+    Path(one_file).write_bytes(data[: len(data) // 2])
+    with pytest.raises(ValueError, match=r"one\.parquet: it is truncated or corrupted"):
+        open_(one_file)
+
+
+def test_unknown_column_lists_available_ones(one_file: str) -> None:
+    expected = r"one\.parquet has no column 'label'. Available columns: \['id', 'score'"
+    with pytest.raises(ValueError, match=expected):
+        ParquetIterDataset(one_file, columns=["id", "label"])
+    with pytest.raises(ValueError, match=expected):
+        ParquetDataSource(one_file, columns=["label"])
+
+
+def test_different_schemas_name_the_file_and_field(tmp_path: Path, one_file: str) -> None:
+    other = tmp_path / "other.parquet"
+    pq.write_table(_table(0, 3).set_column(1, "score", pa.array([1.0, 2.0, 3.0])), other)
+    wider = tmp_path / "wider.parquet"
+    pq.write_table(_table(0, 3).append_column("extra", pa.array([1, 2, 3])), wider)
+    type_error = r"other\.parquet: field 'score' has type double, but float in .*one\.parquet"
+    with pytest.raises(ValueError, match=type_error):
+        ParquetDataSource([one_file, str(other)])
+    with pytest.raises(ValueError, match=type_error):
+        list(ParquetIterDataset([one_file, str(other)]))
+    with pytest.raises(
+        ValueError, match=r"wider\.parquet has field 'extra', which .*one\.parquet lacks"
+    ):
+        ParquetDataSource([one_file, str(wider)])
+    with pytest.raises(ValueError, match=r"one\.parquet has no field 'extra'"):
+        list(ParquetIterDataset([str(wider), one_file]))
+    assert len(ParquetDataSource([one_file, str(wider)], columns=["id", "vec"])) == 26
+
+
+def test_index_past_the_end_names_the_file(one_file: str, three_files: list[str]) -> None:
+    with pytest.raises(
+        IndexError, match=r"Row index 23 is out of range for .*one\.parquet: 23 rows"
+    ):
+        ParquetDataSource(one_file)[23]
+    with pytest.raises(
+        IndexError, match=r"Row index -1 is out of range for 3 files \(.*a\.parquet"
+    ):
+        ParquetDataSource(three_files).__getitems__([0, -1])
+
+
+def test_bad_arguments(one_file: str) -> None:
+    with pytest.raises(ValueError, match="needs at least one path"):
+        ParquetIterDataset([])
+    with pytest.raises(ValueError, match="column_batch_size must be a positive int"):
+        ParquetIterDataset(one_file, column_batch_size=0)
+    with pytest.raises(ValueError, match="columns must name at least one column"):
+        ParquetIterDataset(one_file, columns=[])
+    with pytest.raises(TypeError, match=r"Invalid Parquet read option for .*one\.parquet"):
+        ParquetIterDataset(one_file, no_such_option=True)
+
+
+def test_source_pickles_without_open_files(three_files: list[str]) -> None:
+    source = ParquetDataSource(three_files, columns=["id"])
+    source[3]
+    copy = pickle.loads(pickle.dumps(source))
+    assert repr(copy) == repr(source) and copy.cached_bytes == 0
+    assert int(copy[25]["id"]) == 25
