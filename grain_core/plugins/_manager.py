@@ -91,6 +91,14 @@ class _FirstParty:
     suffixes: tuple[str, ...]
     public_names: tuple[str, ...]
 
+    @property
+    def install_hint(self) -> str:
+        directory = self.distribution.replace("-", "_")
+        return (
+            f"pip install {self.distribution} (from a grain_core source checkout: "
+            f"pip install ./plugins/{directory})"
+        )
+
 
 # The project's own format plugins: what to tell a user who needs one that is missing.
 _FIRST_PARTY = (
@@ -336,7 +344,7 @@ class Registry:
         file_name = path_for_matching(path)
         for first_party in _FIRST_PARTY:
             if any(file_name.endswith(s) for s in first_party.suffixes):
-                return f"{message} {first_party.suffixes[0]} files need: pip install {first_party.distribution}"
+                return f"{message} {first_party.suffixes[0]} files need: {first_party.install_hint}"
         return (
             f"{message} Install a plugin for this format (first-party: "
             + ", ".join(f"pip install {fp.distribution}" for fp in _FIRST_PARTY)
@@ -361,9 +369,8 @@ class Registry:
         report = next(
             (r for r in self.reports if _normalise(r.distribution) == owner.distribution), None
         )
-        install = f"pip install {owner.distribution}"
         if report is None:
-            reason = f"which is not installed: {install}"
+            reason = f"which is not installed: {owner.install_hint}"
         elif report.status == "failed":
             reason = (
                 f"which is installed but failed to load: {report.error} "
