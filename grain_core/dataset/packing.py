@@ -617,7 +617,7 @@ class PackAndBatchOperation(Generic[T]):
 
         layout = self._layout
         group: _BinGroup | None = None
-        metadata = None
+        metadata: Any = None  # of the last record placed: set before any batch is yielded
         for record in input_iterator:
             leaves, lengths = layout.extract(record.data)
             if group is None:
