@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -105,7 +106,9 @@ class ElasticIterator(DatasetIterator[Any]):
         if isinstance(self._ds, MapDataset):
             start = self._global_next_index + index
             ds = self._ds.slice(slice(start, None, count))
-            it_ds = ds.batch(per_shard, drop_remainder=True).to_iter_dataset(self._read_options)
+            it_ds: IterDataset[Any] = ds.batch(per_shard, drop_remainder=True).to_iter_dataset(
+                self._read_options
+            )
             if self._mp_options is not None:
                 it_ds = it_ds.mp_prefetch(self._mp_options)
             return it_ds
@@ -165,7 +168,7 @@ class ElasticIterator(DatasetIterator[Any]):
         local = self._shard_state_owner().get_shard_states()
         return {j * count + index: s for j, s in enumerate(local)}
 
-    def set_shard_states(self, shard_states: dict[int | str, dict[str, Any]]) -> None:
+    def set_shard_states(self, shard_states: Mapping[Any, dict[str, Any]]) -> None:
         """Restores progress saved by any shard topology (string keys accepted, as from JSON).
 
         Input datasets without an entry start from their beginning.

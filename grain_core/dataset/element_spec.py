@@ -58,7 +58,7 @@ class ShapeDtypeStruct:
     """Shape and dtype of one leaf; ``None`` in ``shape`` marks a dimension of unknown size."""
 
     shape: tuple[int | None, ...]
-    dtype: np.dtype[Any]
+    dtype: Any  # anything np.dtype accepts; stored as an np.dtype
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "shape", tuple(self.shape))

@@ -91,12 +91,12 @@ class InterleaveIterDataset(IterDataset[Any]):
 
     def with_slice(self, sl: slice) -> InterleaveIterDataset:
         """Returns the interleave over ``datasets[sl]`` (worker and shard slicing)."""
-        datasets = self.datasets
+        datasets: Any = self.datasets
         return self.with_datasets(datasets.slice(sl) if self._lazy else datasets[sl])
 
     def set_slice(self, sl: slice) -> None:
         """Slices ``datasets`` in place (Grain compatibility; prefer :meth:`with_slice`)."""
-        datasets = self.datasets
+        datasets: Any = self.datasets
         self._parents = (datasets.slice(sl),) if self._lazy else tuple(datasets[sl])
 
     def __iter__(self) -> InterleaveDatasetIterator:
@@ -384,7 +384,7 @@ class InterleaveDatasetIterator(DatasetIterator[Any]):
         filler = finished[: c - len(in_slots)]
         slots = in_slots + filler
         next_in_datasets = (in_slots[-1] + 1) if in_slots else self._num_datasets
-        future = {}
+        future: dict[str, Any] = {}
         for k in range(next_in_datasets, self._num_datasets):
             entry = shard_states[k]
             if entry["exhausted"]:
