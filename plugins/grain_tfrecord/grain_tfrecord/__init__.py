@@ -20,6 +20,7 @@ from grain_tfrecord._example import (
 )
 from grain_tfrecord._framing import CorruptRecordError
 from grain_tfrecord._inspect import inspect_tfrecord
+from grain_tfrecord._proto import example_message_classes
 from grain_tfrecord._source import TFRecordDataSource
 from grain_tfrecord._writer import TFRecordWriter
 
@@ -34,5 +35,6 @@ __all__ = [
     "decode_sequence_example",
     "encode_example",
     "encode_sequence_example",
+    "example_message_classes",
     "inspect_tfrecord",
 ]

@@ -16,8 +16,8 @@ Packed floats decode with one ``np.frombuffer`` and packed integers with one vec
 step, so this codec is faster than the protobuf runtime followed by the conversion of its
 repeated fields to arrays (``benchmarks/bench_tfrecord.py`` measures both). It reads packed
 and unpacked encodings, skips unknown fields and follows protobuf's merge rules (a repeated
-map key: the last one wins). The encoder writes map keys sorted, so its output equals the
-protobuf runtime's ``SerializeToString(deterministic=True)``.
+map key: the last one wins). The encoder writes map keys sorted, as protobuf's
+``SerializeToString(deterministic=True)`` does, so equal inputs give equal bytes.
 """
 
 from __future__ import annotations
