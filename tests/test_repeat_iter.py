@@ -59,3 +59,17 @@ def test_keeps_interleave_sub_iterators_alive_across_epochs() -> None:
     assert [next(it) for _ in range(6)] == first == [0, 10, 1, 11, 2, 12]
     assert list(interleave._iters) == subs
     assert list(it) == []
+
+
+def test_keeps_worker_processes_alive_across_epochs() -> None:
+    from grain_core import MultiprocessingOptions
+
+    ds = MapDataset.range(6).to_iter_dataset().mp_prefetch(MultiprocessingOptions(num_workers=2))
+    it = iter(RepeatIterDataset(ds, 3))
+    assert [next(it) for _ in range(6)] == list(range(6))
+    merge: Any = it._parents[0]
+    pools = [w._pool for w in merge._iters]
+    assert all(p is not None for p in pools)
+    assert list(it) == list(range(6)) * 2
+    assert [w._pool for w in merge._iters] == pools
+    it.close()
