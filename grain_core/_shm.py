@@ -14,6 +14,7 @@ prefix; after a worker is stopped or dies the parent removes whatever is left un
 
 from __future__ import annotations
 
+import _posixshmem  # type: ignore[import-not-found]
 import concurrent.futures
 import dataclasses
 import itertools
@@ -27,8 +28,6 @@ from multiprocessing import resource_tracker, shared_memory
 from typing import Any
 
 import numpy as np
-
-import _posixshmem
 
 __all__ = [
     "SharedMemoryArray",
@@ -184,7 +183,7 @@ class SharedMemoryArray(np.ndarray):  # type: ignore[type-arg]
     def _over(
         cls, mapping: Any, name: str, shape: tuple[int, ...], dtype: np.dtype[Any]
     ) -> SharedMemoryArray:
-        arr = np.ndarray.__new__(cls, shape, dtype=dtype, buffer=mapping)
+        arr: SharedMemoryArray = np.ndarray.__new__(cls, shape, dtype=dtype, buffer=mapping)  # type: ignore[assignment]
         arr._shm_name = name
         arr._shm_size = arr.nbytes
         return arr
@@ -201,7 +200,7 @@ class SharedMemoryArray(np.ndarray):  # type: ignore[type-arg]
         return out
 
     def _is_whole_block(self) -> bool:
-        base = self
+        base: np.ndarray = self  # type: ignore[type-arg]
         while isinstance(base.base, np.ndarray):
             base = base.base
         return (
@@ -274,12 +273,7 @@ class _ShmRef:
 
 
 def _qualifies(x: np.ndarray, min_size: int) -> bool:
-    return (
-        x.nbytes >= min_size
-        and x.nbytes > 0
-        and not x.dtype.hasobject
-        and x.flags.c_contiguous
-    )
+    return x.nbytes >= min_size and x.nbytes > 0 and not x.dtype.hasobject and x.flags.c_contiguous
 
 
 def copy_to_shm(tree: Any, min_size: int = 0) -> tuple[Any, list[str]]:

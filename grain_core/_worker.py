@@ -67,10 +67,10 @@ class _Popen(popen_forkserver.Popen):
             reduction.dump(process_obj, buf)
         finally:
             mp_context.set_spawning_popen(None)
-        self.sentinel, w = _FORKSERVER.connect_to_new_process(self._fds)
+        self.sentinel, w = _FORKSERVER.connect_to_new_process(self._fds)  # type: ignore[attr-defined]
         # The child watches this pipe to learn that the parent died.
         parent_w = os.dup(w)
-        self.finalizer = util.Finalize(self, util.close_fds, (parent_w, self.sentinel))
+        self.finalizer = util.Finalize(self, util.close_fds, (parent_w, self.sentinel))  # type: ignore[attr-defined]
         with open(w, "wb", closefd=True) as f:
             f.write(buf.getbuffer())
         self.pid = forkserver.read_signed(self.sentinel)
@@ -131,9 +131,11 @@ def _error_message(error: BaseException) -> tuple[bytes | None, str, str, str]:
     import cloudpickle
 
     tb = "".join(traceback.format_exception(error))
+    payload: bytes | None
     try:
-        payload: bytes | None = cloudpickle.dumps(error)
-        pickle.loads(payload)
+        data: bytes = cloudpickle.dumps(error)
+        pickle.loads(data)
+        payload = data
     except Exception:  # noqa: BLE001 - unpicklable exceptions travel as text
         payload = None
     return payload, f"{type(error).__module__}.{type(error).__qualname__}", str(error), tb

@@ -38,7 +38,12 @@ from grain_core.sharding import NoSharding, ShardOptions
 __all__ = ["DataLoader", "DataLoaderIterator", "load"]
 
 _STATE_VERSION = 2
-_ONE_TO_ONE = (transforms.Map, transforms.RandomMap, transforms.TfRandomMap, transforms.MapWithIndex)
+_ONE_TO_ONE = (
+    transforms.Map,
+    transforms.RandomMap,
+    transforms.TfRandomMap,
+    transforms.MapWithIndex,
+)
 _LONG_REPR = 256
 
 
@@ -118,7 +123,7 @@ class _SamplerMapDataset(MapDataset[Record[Any]]):
             return self.slice(index)
         return self._getitems([index])[0]
 
-    def _getitems(self, indices: Sequence[int]) -> list[Record[Any]]:
+    def _getitems(self, indices: Sequence[int]) -> list[Any]:
         if self._len == 0:
             raise IndexError("The sampler yields no records for this shard.")
         local = np.asarray(indices, dtype=np.int64) % self._len
@@ -214,9 +219,7 @@ def _records_per_element(operations: Sequence[Any]) -> int:
 
 
 def _check_operation(op: Any) -> None:
-    if not isinstance(
-        op, (*_ONE_TO_ONE, transforms.Batch, transforms.Filter, transforms.FlatMap)
-    ):
+    if not isinstance(op, (*_ONE_TO_ONE, transforms.Batch, transforms.Filter, transforms.FlatMap)):
         raise TypeError(
             f"Unsupported DataLoader operation {op!r} ({type(op).__name__}). Use "
             "grain_core.transforms Map, RandomMap, MapWithIndex, Filter, FlatMap or Batch."
@@ -282,7 +285,9 @@ class DataLoader:
         self._shard_options = shard_options
         self._read_options = read_options or ReadOptions()
         self._enable_profiling = enable_profiling
-        self._index_layout = all(isinstance(op, (*_ONE_TO_ONE, transforms.Batch)) for op in operations)
+        self._index_layout = all(
+            isinstance(op, (*_ONE_TO_ONE, transforms.Batch)) for op in operations
+        )
         self._records_per_element = _records_per_element(operations) if self._index_layout else 1
         self._has_flat_map = any(isinstance(op, transforms.FlatMap) for op in operations)
         self._dataset = self._build()

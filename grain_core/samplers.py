@@ -165,7 +165,8 @@ class IndexSampler:
     def __getitem__(self, index: int) -> RecordMetadata:
         if not 0 <= index < self._max_index:
             raise IndexError(f"Index {index} out of range [0, {self._max_index}) of {self!r}.")
-        key = int(self._keys[index // self._shard_options.shard_count])
+        key = self._keys[index // self._shard_options.shard_count]
+        assert key is not None
         return RecordMetadata(index=index, record_key=key, rng=_rng(self._seed, index))
 
     def metadata_block(self, indices: Sequence[int]) -> list[RecordMetadata]:
@@ -174,10 +175,10 @@ class IndexSampler:
         if idx.size and (idx.min() < 0 or idx.max() >= self._max_index):
             bad = int(idx[(idx < 0) | (idx >= self._max_index)][0])
             raise IndexError(f"Index {bad} out of range [0, {self._max_index}) of {self!r}.")
-        keys = self._keys._getitems(idx // self._shard_options.shard_count)
+        keys = self._keys._getitems(idx // self._shard_options.shard_count)  # type: ignore[arg-type]
         seed = self._seed
         return [
-            RecordMetadata(index=i, record_key=int(k), rng=_rng(seed, i))
+            RecordMetadata(index=i, record_key=int(k), rng=_rng(seed, i))  # type: ignore[arg-type]
             for i, k in zip(idx.tolist(), keys, strict=True)
         ]
 

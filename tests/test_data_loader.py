@@ -93,7 +93,10 @@ def test_output_is_the_same_for_any_worker_count() -> None:
             _assert_streams_equal(list(it), expected)
 
 
-@pytest.mark.parametrize(("saved_with", "restored_with", "position"), [(2, 0, 5), (0, 3, 4), (3, 1, 7), (1, 2, 0), (2, 2, 8)])
+@pytest.mark.parametrize(
+    ("saved_with", "restored_with", "position"),
+    [(2, 0, 5), (0, 3, 4), (3, 1, 7), (1, 2, 0), (2, 2, 8)],
+)
 def test_checkpoint_restores_with_another_worker_count(
     saved_with: int, restored_with: int, position: int
 ) -> None:
@@ -185,7 +188,8 @@ def test_restore_validates_source_and_sampler() -> None:
     with pytest.raises(ValueError, match="data_source"):
         iter(other_source).set_state(state)
     other_sampler = grain.DataLoader(
-        data_source=SOURCE, sampler=IndexSampler(30, num_epochs=1, shuffle=True, seed=5),
+        data_source=SOURCE,
+        sampler=IndexSampler(30, num_epochs=1, shuffle=True, seed=5),
         operations=ONE_TO_ONE,
     )
     with pytest.raises(ValueError, match="sampler"):
@@ -258,8 +262,16 @@ def test_sharded_loaders_and_sampler_without_len() -> None:
 
 
 def test_load() -> None:
-    loader = grain.load(SOURCE, num_epochs=1, shuffle=True, seed=1, batch_size=8,
-                        transformations=[PlusOne()], drop_remainder=True, worker_count=2)
+    loader = grain.load(
+        SOURCE,
+        num_epochs=1,
+        shuffle=True,
+        seed=1,
+        batch_size=8,
+        transformations=[PlusOne()],
+        drop_remainder=True,
+        worker_count=2,
+    )
     batches = list(loader)
     assert [b["x"].shape for b in batches] == [(8, 4)] * 3
     with iter(loader) as it:

@@ -106,7 +106,21 @@ def test_final_batch_is_stacked_into_shared_memory(no_shm_leak: None) -> None:
 def test_sequential_slice_goldens() -> None:
     ds = grain.MapDataset.source(list(range(15))).to_iter_dataset()
     assert list(ds.mp_prefetch(_opts(4), sequential_slice=True)) == [
-        0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11
+        0,
+        4,
+        8,
+        12,
+        1,
+        5,
+        9,
+        13,
+        2,
+        6,
+        10,
+        14,
+        3,
+        7,
+        11,
     ]
     ds = grain.MapDataset.range(10).to_iter_dataset()
     assert list(ds.mp_prefetch(_opts(3), sequential_slice=True)) == [0, 4, 7, 1, 5, 8, 2, 6, 9, 3]
@@ -259,8 +273,6 @@ class _ListIterDataset(grain.IterDataset):
         self._values = values
 
     def __iter__(self) -> Any:
-        from grain_core.experimental import ThreadPrefetchDatasetIterator
-
         return iter(grain.MapDataset.source(self._values).to_iter_dataset())
 
     def __repr__(self) -> str:

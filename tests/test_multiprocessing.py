@@ -85,7 +85,7 @@ def test_new_arrays_from_numpy_ops_are_plain() -> None:
     assert type(arr.sum()) is np.float64
     copy = arr.copy()
     with pytest.raises(ValueError, match="whole shared-memory block"):
-        copy.metadata
+        _ = copy.metadata
     assert type(pickle.loads(pickle.dumps(copy))) is np.ndarray
     with pytest.raises(ValueError, match="object"):
         SharedMemoryArray((2,), object)

@@ -22,4 +22,7 @@ def test_str_and_slots() -> None:
     record = Record(meta, {"x": 1})
     assert record.data == {"x": 1} and record.metadata is meta
     assert not hasattr(record, "__dict__") and not hasattr(meta, "__dict__")
-    assert str(record) == "Record(metadata=RecordMetadata(index=1, record_key=2, rng=None), data={'x': 1})"
+    assert (
+        str(record)
+        == "Record(metadata=RecordMetadata(index=1, record_key=2, rng=None), data={'x': 1})"
+    )

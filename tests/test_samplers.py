@@ -28,9 +28,13 @@ def test_every_shard_runs_the_same_number_of_epochs() -> None:
     assert _keys(shards[0], range(0, len(shards[0]), 3)) == [0, 1, 2, 0, 1, 2]
     assert _keys(shards[1], range(1, len(shards[1]), 3)) == [3, 4, 5, 3, 4, 5]
     assert _keys(shards[2], range(2, len(shards[2]), 3)) == [6, 7, 6, 7]
-    dropped = [IndexSampler(8, ShardOptions(s, 3, drop_remainder=True), num_epochs=2) for s in range(3)]
+    dropped = [
+        IndexSampler(8, ShardOptions(s, 3, drop_remainder=True), num_epochs=2) for s in range(3)
+    ]
     assert [_keys(d, range(s, len(d), 3)) for s, d in enumerate(dropped)] == [
-        [0, 1, 0, 1], [2, 3, 2, 3], [4, 5, 4, 5]
+        [0, 1, 0, 1],
+        [2, 3, 2, 3],
+        [4, 5, 4, 5],
     ]
 
 

@@ -329,7 +329,9 @@ def _loaded_plugin_names() -> list[str] | None:
     reg = _manager._registry
     if reg is None:
         return None
-    return [r.name for r in reg.reports if r.status == "loaded" and r.name != _manager.BUILTIN_PLUGIN]
+    return [
+        r.name for r in reg.reports if r.status == "loaded" and r.name != _manager.BUILTIN_PLUGIN
+    ]
 
 
 # ----------------------------------------------------------------------------- iterator
