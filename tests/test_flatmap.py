@@ -49,8 +49,20 @@ class Split(FlatMapTransform):
 def test_map_length_and_holes_match_grain() -> None:
     ds = FlatMapMapDataset(grain.MapDataset.range(6), Repeat())
     assert len(ds) == 18
+    holes = [None, None]
     assert [ds[i] for i in range(18)] == [
-        None, None, None, 1, None, None, 2, 2, None, None, None, None, 4, None, None, 5, 5, None
+        *[None] * 3,
+        1,
+        *holes,
+        2,
+        2,
+        None,
+        *[None] * 3,
+        4,
+        *holes,
+        5,
+        5,
+        None,
     ]
     assert list(ds) == [1, 2, 2, 4, 5, 5]
 
@@ -87,7 +99,7 @@ def test_map_splits_computed_once_with_reader_threads() -> None:
 def test_map_single_reads_reuse_the_last_input() -> None:
     transform = Repeat(max_fan_out=3)
     ds = FlatMapMapDataset(grain.MapDataset.range(4), transform)
-    assert [ds[i] for i in range(12)] == [None, None, None, 1, None, None, 2, 2, None, None, None, None]
+    assert [ds[i] for i in range(12)] == [*[None] * 3, 1, None, None, 2, 2, None, *[None] * 3]
     assert transform.calls == [0, 1, 2, 3]
 
 
@@ -109,7 +121,9 @@ def test_map_parent_holes_become_holes() -> None:
 def test_map_too_many_splits_raises() -> None:
     ds = FlatMapMapDataset(grain.MapDataset.range(6), Repeat(max_fan_out=1))
     assert ds[1] == 1
-    with pytest.raises(ValueError, match=r"produced 2 elements from input 2, more than its max_fan_out=1"):
+    with pytest.raises(
+        ValueError, match=r"produced 2 elements from input 2, more than its max_fan_out=1"
+    ):
         ds[2]
     with pytest.raises(ValueError, match="max_fan_out=1"):
         list(ds.to_iter_dataset(grain.ReadOptions(num_threads=0)))
@@ -136,7 +150,12 @@ def test_map_creates_holes_so_map_batch_refuses_it() -> None:
 
 def test_map_generator_results_are_listed() -> None:
     assert list(FlatMapMapDataset(grain.MapDataset.range(4), Split())) == [
-        "1-0", "2-0", "2-1", "3-0", "3-1", "3-2"
+        "1-0",
+        "2-0",
+        "2-1",
+        "3-0",
+        "3-1",
+        "3-2",
     ]
 
 

@@ -20,7 +20,11 @@ from grain_core.testing import (
 
 
 def _batched(n: int, input_batch: int, drop_remainder: bool = False) -> Any:
-    return grain.MapDataset.range(n).to_iter_dataset().batch(input_batch, drop_remainder=drop_remainder)
+    return (
+        grain.MapDataset.range(n)
+        .to_iter_dataset()
+        .batch(input_batch, drop_remainder=drop_remainder)
+    )
 
 
 def _lists(ds: Any) -> list[list[int]]:
@@ -76,7 +80,10 @@ def test_rebatch_nested_structures_and_trailing_dims() -> None:
     assert len(out) == 2
     assert_trees_equal(
         out[0],
-        {"a": np.array([0, 1, 2]), "b": (np.repeat(np.arange(3, dtype=np.float32), 2).reshape(3, 2),)},
+        {
+            "a": np.array([0, 1, 2]),
+            "b": (np.repeat(np.arange(3, dtype=np.float32), 2).reshape(3, 2),),
+        },
     )
     assert out[1]["b"][0].shape == (2, 2)
 

@@ -165,7 +165,9 @@ def test_tracking_does_not_change_output_or_checkpoints() -> None:
     plain = list(_pipeline())
     tracked = list(WithOptionsIterDataset(_pipeline(), TIMING))
     assert [b.tolist() for b in plain] == [b.tolist() for b in tracked]
-    check_iterator_conformance(lambda: WithOptionsIterDataset(_pipeline(), TIMING), positions=[0, 3, 10])
+    check_iterator_conformance(
+        lambda: WithOptionsIterDataset(_pipeline(), TIMING), positions=[0, 3, 10]
+    )
 
 
 def test_user_datasets_are_not_modified_and_stay_untimed() -> None:
@@ -197,7 +199,9 @@ def test_stop_iteration_and_errors_are_not_counted() -> None:
             raise KeyError("bad element")
         return x
 
-    it = iter(WithOptionsIterDataset(grain.MapDataset.range(5).to_iter_dataset(SYNC).map(boom), TIMING))
+    it = iter(
+        WithOptionsIterDataset(grain.MapDataset.range(5).to_iter_dataset(SYNC).map(boom), TIMING)
+    )
     assert [next(it) for _ in range(3)] == [0, 1, 2]
     with pytest.raises(KeyError, match="bad element"):
         next(it)
@@ -206,7 +210,8 @@ def test_stop_iteration_and_errors_are_not_counted() -> None:
 
 def test_thread_prefetch_stages_run_on_another_thread() -> None:
     ds = ThreadPrefetchIterDataset(
-        grain.MapDataset.range(30).to_iter_dataset(SYNC).map(lambda x: x + 1), prefetch_buffer_size=4
+        grain.MapDataset.range(30).to_iter_dataset(SYNC).map(lambda x: x + 1),
+        prefetch_buffer_size=4,
     )
     it = iter(WithOptionsIterDataset(ds, TIMING).batch(3))
     assert len(list(it)) == 10
@@ -216,18 +221,24 @@ def test_thread_prefetch_stages_run_on_another_thread() -> None:
 
 
 def test_threaded_reads_time_map_stages() -> None:
-    ds = grain.MapDataset.range(200).map(lambda x: x + 1).to_iter_dataset(
-        grain.ReadOptions(num_threads=4, prefetch_buffer_size=32)
+    ds = (
+        grain.MapDataset.range(200)
+        .map(lambda x: x + 1)
+        .to_iter_dataset(grain.ReadOptions(num_threads=4, prefetch_buffer_size=32))
     )
     it = iter(WithOptionsIterDataset(ds, TIMING))
     assert list(it) == list(range(1, 201))
-    counts = {s.name.split("(")[0]: s.num_produced_elements for s in get_execution_summary(it).stages}
+    counts = {
+        s.name.split("(")[0]: s.num_produced_elements for s in get_execution_summary(it).stages
+    }
     assert counts == {"Prefetch": 200, "MapMapDataset": 200, "RangeMapDataset": 200}
 
 
 @pytest.mark.parametrize("iter_buffer_size", [0, 2])
 def test_interleave_inputs_merge_into_one_row_per_stage(iter_buffer_size: int) -> None:
-    inputs = [grain.MapDataset.range(i * 10, i * 10 + 5).to_iter_dataset(SYNC).map(abs) for i in range(4)]
+    inputs = [
+        grain.MapDataset.range(i * 10, i * 10 + 5).to_iter_dataset(SYNC).map(abs) for i in range(4)
+    ]
     ds = InterleaveIterDataset(inputs, cycle_length=2, iter_buffer_size=iter_buffer_size)
     it = iter(WithOptionsIterDataset(ds, TIMING))
     assert len(list(it)) == 20

@@ -14,7 +14,7 @@ from grain_core.plugins import get_shuffle_strategy
 from grain_core.testing import assert_equal_output_after_checkpoint, check_iterator_conformance
 
 # Produced by Google grain 0.2.18 for the same pipelines (full windows; several epochs).
-GRAIN_MAP_RANGE12_W4_SEED3 = [2, 3, 0, 1, 5, 4, 6, 7, 9, 8, 10, 11, 2, 1, 0, 3, 6, 4, 7, 5, 9, 11, 8, 10]
+GRAIN_MAP_RANGE12_W4_SEED3 = [2, 3, 0, 1, 5, 4, 6, 7, 9, 8, 10, 11, 2, 1, 0, 3, 6, 4, 7, 5, 9, 11, 8, 10]  # fmt: skip
 GRAIN_ITER_RANGE10_W4_SEED3 = [1, 0, 3, 2, 7, 6, 4, 5, 8, 9]
 
 
@@ -47,12 +47,16 @@ def test_map_full_windows_follow_the_spec_formula() -> None:
 def test_map_partial_last_window_is_a_permutation_of_exactly_its_elements(
     n: int, window: int
 ) -> None:
-    ds = WindowShuffleMapDataset(grain.MapDataset.source(list(range(n))), window_size=window, seed=0)
+    ds = WindowShuffleMapDataset(
+        grain.MapDataset.source(list(range(n))), window_size=window, seed=0
+    )
     for epoch in range(3):
         values = [ds[epoch * n + i] for i in range(n)]
         assert sorted(values) == list(range(n))
         for start in range(0, n, window):
-            assert sorted(values[start : start + window]) == list(range(start, min(n, start + window)))
+            assert sorted(values[start : start + window]) == list(
+                range(start, min(n, start + window))
+            )
 
 
 def test_map_epochs_use_different_permutations() -> None:

@@ -32,14 +32,15 @@ __all__ = ["FlatMapIterDataset", "FlatMapMapDataset"]
 _SPLITS_CACHE_SIZE = 8
 
 
-def _max_fan_out(transform: Any, required: bool) -> int | None:
+def _max_fan_out(transform: Any) -> int | None:
+    """The transform's ``max_fan_out``, or None if it has none.
+
+    Raises:
+      TypeError: not an integer.
+      ValueError: not positive.
+    """
     value = getattr(transform, "max_fan_out", None)
     if value is None:
-        if required:
-            raise ValueError(
-                f"FlatMapMapDataset needs the transform's `max_fan_out` (the most elements one "
-                f"input can produce); {transform_name(transform)} has none."
-            )
         return None
     try:
         fan_out = operator.index(value)
@@ -89,12 +90,16 @@ class FlatMapMapDataset(MapDataset[Any]):
         super().__init__(parent)
         self._parent = parent
         self._transform = transform
-        self._fan_out = _max_fan_out(transform, required=True)
-        self._split = _Splitter(transform, self._fan_out)
+        fan_out = _max_fan_out(transform)
+        if fan_out is None:
+            raise ValueError(
+                f"FlatMapMapDataset needs the transform's `max_fan_out` (the most elements one "
+                f"input can produce); {transform_name(transform)} has none."
+            )
+        self._fan_out = fan_out
+        self._split = _Splitter(transform, fan_out)
         self._len = min(self._fan_out * len(parent), INFINITE)
-        self._cache: collections.OrderedDict[int, Sequence[Any] | None] = (
-            collections.OrderedDict()
-        )
+        self._cache: collections.OrderedDict[int, Sequence[Any] | None] = collections.OrderedDict()
         self._cache_lock = threading.Lock()
 
     def __len__(self) -> int:
@@ -184,7 +189,7 @@ class FlatMapIterDataset(IterDataset[Any]):
     def __init__(self, parent: IterDataset[Any], transform: Any) -> None:
         super().__init__(parent)
         self._transform = transform
-        self._split = _Splitter(transform, _max_fan_out(transform, required=False))
+        self._split = _Splitter(transform, _max_fan_out(transform))
 
     def __iter__(self) -> DatasetIterator[Any]:
         return _FlatMapIterator(iter(self._parents[0]), self._split)

@@ -88,9 +88,7 @@ class RebatchIterDataset(IterDataset[Any]):
 
 
 class _RebatchIterator(DatasetIterator[Any]):
-    def __init__(
-        self, parent: DatasetIterator[Any], batch_size: int, drop_remainder: bool
-    ) -> None:
+    def __init__(self, parent: DatasetIterator[Any], batch_size: int, drop_remainder: bool) -> None:
         super().__init__(parent)
         self._batch_size = batch_size
         self._drop_remainder = drop_remainder

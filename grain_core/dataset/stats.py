@@ -66,7 +66,15 @@ class _StageStats:
     """
 
     __slots__ = (
-        "name", "kind", "count", "self_ns", "total_ns", "lock", "prepared", "inputs", "has_consumer"
+        "name",
+        "kind",
+        "count",
+        "self_ns",
+        "total_ns",
+        "lock",
+        "prepared",
+        "inputs",
+        "has_consumer",
     )
 
     def __init__(self, name: str, kind: str) -> None:
@@ -87,10 +95,10 @@ class _StageStats:
 
 
 # ------------------------------------------------------------------------- iterator stages
-_TIMED_ITERATOR_CLASSES: dict[type, type] = {}
+_TIMED_ITERATOR_CLASSES: dict[type[Any], type[Any]] = {}
 
 
-def _timed_iterator_class(cls: type) -> type:
+def _timed_iterator_class(cls: type[Any]) -> type[Any]:
     timed = _TIMED_ITERATOR_CLASSES.get(cls)
     if timed is not None:
         return timed
@@ -145,7 +153,7 @@ def _iterator_stage_name(it: DatasetIterator[Any]) -> str:
 
 
 # ------------------------------------------------------------------------------ map stages
-_TIMED_MAP_CLASSES: dict[type, type] = {}
+_TIMED_MAP_CLASSES: dict[type[Any], type[Any]] = {}
 
 
 def _run_timed(stats: _StageStats, call: Any, count: int) -> Any:
@@ -170,7 +178,7 @@ def _run_timed(stats: _StageStats, call: Any, count: int) -> Any:
                 stats.count += count
 
 
-def _timed_map_class(cls: type) -> type:
+def _timed_map_class(cls: type[Any]) -> type[Any]:
     timed = _TIMED_MAP_CLASSES.get(cls)
     if timed is not None:
         return timed
@@ -272,7 +280,7 @@ def _prepare(it: DatasetIterator[Any]) -> None:
     for name in _map_graph_attributes(it):
         timed = _timed_map_graph(getattr(it, name), memo)
         setattr(it, name, timed)
-        stats.link(timed._stage_stats)
+        stats.link(timed._stage_stats)  # type: ignore[attr-defined]
     for child in _child_iterators(it):
         time_stages(child)
         stats.link(child._stage_stats)  # type: ignore[attr-defined]

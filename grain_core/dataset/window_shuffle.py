@@ -95,10 +95,9 @@ class WindowShuffleMapDataset(MapDataset[Any]):
         window_ids = epochs * self._windows_per_epoch + windows
         out = np.empty_like(indices)
         # Blocks come in index order, so equal window ids are adjacent: split at the changes.
-        cuts = np.flatnonzero(window_ids[1:] != window_ids[:-1]) + 1
-        for lo, hi in zip(
-            itertools.chain((0,), cuts.tolist()), itertools.chain(cuts.tolist(), (len(indices),))
-        ):
+        cuts = (np.flatnonzero(window_ids[1:] != window_ids[:-1]) + 1).tolist()
+        bounds = [0, *cuts, len(indices)]
+        for lo, hi in zip(bounds[:-1], bounds[1:], strict=True):
             in_window = min(size, n - int(windows[lo]) * size)
             seed = _window_seed(self._seed, int(window_ids[lo]))
             out[lo:hi] = window_starts[lo] + _shuffle_offsets(offsets[lo:hi], in_window, seed)
