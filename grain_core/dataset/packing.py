@@ -201,18 +201,20 @@ class _BinGroup:
             else:
                 self.segment_ids.append(None)
                 self.positions.append(None)
+        self._paddings = layout.paddings
         # Free cells left per (feature, bin); may go negative when alignment overshoots.
-        self._room = np.repeat(
-            np.asarray(layout.capacities, dtype=np.int64)[:, None], num_bins, axis=1
-        )
+        self._capacity_column = np.asarray(layout.capacities, dtype=np.int64)[:, None]
+        self._room = np.repeat(self._capacity_column, num_bins, axis=1)
         nbytes += self._room.nbytes
         self.nbytes = nbytes
+        self._num_bins = num_bins
         self._first_room = self._room[0]
         self._free_cells = [[0] * num_bins for _ in layout.capacities]
-        self.counts = [0] * num_bins
         # Cells used per bin (best-fit's score) and bins below the sequence cap, when needed.
         self._used = np.zeros(num_bins, dtype=np.int64) if best_fit else None
         self._open = None if max_sequences_per_bin is None else np.ones(num_bins, dtype=bool)
+        self._extra_meta_keys = tuple(extra_meta)
+        self._reset_counters()
         self._features = list(
             zip(
                 self.values,
@@ -226,9 +228,37 @@ class _BinGroup:
                 strict=True,
             )
         )
+
+    def _reset_counters(self) -> None:
+        self.counts = [0] * self._num_bins
         self.extra_meta: dict[str, list[list[Any]]] = {
-            k: [[] for _ in range(num_bins)] for k in extra_meta
+            k: [[] for _ in range(self._num_bins)] for k in self._extra_meta_keys
         }
+
+    def reuse(self, shapes_from: list[np.ndarray]) -> bool:
+        """Empties this group for reuse if its buffers fit ``shapes_from``; returns whether so.
+
+        Reusing resident buffers avoids the page faults of fresh allocations on every group.
+        """
+        for leaf, values in zip(shapes_from, self.values, strict=True):
+            if leaf.dtype != values.dtype or leaf.shape[1:] != values.shape[2:]:
+                return False
+        for values, padding, segment_ids, positions in zip(
+            self.values, self._paddings, self.segment_ids, self.positions, strict=True
+        ):
+            values[...] = 0 if padding is None else padding
+            if segment_ids is not None:
+                segment_ids.fill(0)
+                positions.fill(0)  # type: ignore[union-attr]
+        self._room[...] = self._capacity_column
+        for free in self._free_cells:
+            free[:] = [0] * self._num_bins
+        if self._used is not None:
+            self._used.fill(0)
+        if self._open is not None:
+            self._open.fill(True)
+        self._reset_counters()
+        return True
 
     def find_bin(self, lengths: list[int]) -> int:
         """Returns the bin to place a sequence of ``lengths`` into, or -1 if none has room."""
@@ -431,13 +461,14 @@ class _RowPlan:
         self.extra_meta = tuple(extra_meta)
 
     def row(self, group: _BinGroup, b: int) -> dict[str, Any]:
+        # Copies: the group's buffers are reused for a later group.
         values = group.values
-        out: dict[str, Any] = {k: values[i][b] for k, i in self.leaf_of_key.items()}
+        out: dict[str, Any] = {k: values[i][b].copy() for k, i in self.leaf_of_key.items()}
         for key, struct, leaves in self.subtrees:
-            out[key] = _tree.unflatten(struct, [values[i][b] for i in leaves])
+            out[key] = _tree.unflatten(struct, [values[i][b].copy() for i in leaves])
         for i, seg_key, pos_key in self.segmented:
-            out[seg_key] = group.segment_ids[i][b]  # type: ignore[index]
-            out[pos_key] = group.positions[i][b]  # type: ignore[index]
+            out[seg_key] = group.segment_ids[i][b].copy()  # type: ignore[index]
+            out[pos_key] = group.positions[i][b].copy()  # type: ignore[index]
         for key in self.extra_meta:
             out[key] = group.extra_meta[key][b]
         return out
@@ -457,6 +488,8 @@ class _PackDatasetIterator(DatasetIterator[dict[str, Any]]):
         self._layout = ds._layout
         self._plan = ds._plan
         self._size_bytes: int | None = None
+        # A fully emitted group whose buffers the next group can reuse.
+        self._spare: _BinGroup | None = None
         self._start(parent.get_state(), next_row=0, counter=0)
 
     def _start(self, group_start_state: Any, *, next_row: int, counter: int) -> None:
@@ -483,6 +516,11 @@ class _PackDatasetIterator(DatasetIterator[dict[str, Any]]):
         return self._size_bytes
 
     def _new_group(self, shapes_from: list[np.ndarray]) -> _BinGroup:
+        spare = self._spare
+        if spare is not None:
+            self._spare = None
+            if spare.reuse(shapes_from):
+                return spare
         ds = self._ds
         group = _BinGroup(
             self._layout,
@@ -505,6 +543,7 @@ class _PackDatasetIterator(DatasetIterator[dict[str, Any]]):
         self._next_row += 1
         self._counter += 1
         if self._next_row == len(self._emit_bins):
+            self._spare = self._emitting
             self._emitting = None
             self._group_start_state = self._building_start_state
             self._next_row = 0
