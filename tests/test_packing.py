@@ -432,6 +432,28 @@ def test_mismatched_trailing_shape_is_reported(packer):
         list(ds)
 
 
+@pytest.mark.parametrize("packer", PACKERS)
+def test_rows_stay_valid_while_later_groups_are_packed(packer):
+    elements = [{"x": np.full(3, i, np.int32)} for i in range(1, 9)]
+    it = iter(packer(_source(elements), length_struct={"x": 4}, num_packing_bins=2))
+    first = next(it)
+    snapshot = {k: v.copy() for k, v in first.items()}
+    rest = list(it)
+    assert len(rest) == 7
+    assert_trees_equal(first, snapshot)
+    assert [int(r["x"][0]) for r in [first, *rest]] == list(range(1, 9))
+
+
+@pytest.mark.parametrize("packer", PACKERS)
+def test_each_group_takes_shapes_from_its_first_element(packer):
+    elements = [{"v": np.ones((3, 2), np.float32)}, {"v": np.ones((3, 3), np.int64)}]
+    rows = _pack(packer, elements, length_struct={"v": 4}, num_packing_bins=1)
+    assert [(r["v"].shape, r["v"].dtype) for r in rows] == [
+        ((4, 2), np.dtype(np.float32)),
+        ((4, 3), np.dtype(np.int64)),
+    ]
+
+
 # ------------------------------------------------------------------ packed buffer bytes
 @pytest.mark.parametrize("packer", PACKERS)
 def test_packed_batch_size_bytes(packer):
