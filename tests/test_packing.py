@@ -636,3 +636,25 @@ def test_exported_from_experimental():
     assert experimental.FirstFitPackIterDataset is FirstFitPackIterDataset
     assert experimental.BestFitPackIterDataset is BestFitPackIterDataset
     assert experimental.PackAndBatchOperation is PackAndBatchOperation
+
+
+def test_packing_in_worker_processes_restores_exactly():
+    elements = [{"x": np.full(i % 7 + 1, i, np.int32)} for i in range(120)]
+    ds = FirstFitPackIterDataset(
+        grain.MapDataset.source(elements).to_iter_dataset(),
+        length_struct={"x": 16},
+        num_packing_bins=4,
+    ).mp_prefetch(grain.MultiprocessingOptions(num_workers=2))
+    with iter(ds) as it:
+        rows = list(it)
+    tokens = np.sort(np.concatenate([r["x"][r["x_segment_ids"] > 0] for r in rows]))
+    np.testing.assert_array_equal(tokens, np.sort(np.concatenate([e["x"] for e in elements])))
+    with iter(ds) as it:
+        for _ in range(5):
+            next(it)
+        state = it.get_state()
+        expected = [next(it) for _ in range(3)]
+    with iter(ds) as restored:
+        restored.set_state(state)
+        for e in expected:
+            assert_trees_equal(next(restored), e)
