@@ -382,7 +382,6 @@ class _PackIterDataset(IterDataset[dict[str, Any]]):
         self._shuffle_bins = bool(shuffle_bins)
         self._max_sequences = _check_max_sequences(max_sequences_per_bin)
         meta = set(meta_features)
-        self._meta_features = tuple(meta_features)
         for key in length_struct:
             subtree = length_struct[key]
             if key not in meta and isinstance(subtree, (Mapping, list, tuple)):
