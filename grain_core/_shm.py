@@ -1,10 +1,15 @@
 """POSIX shared-memory blocks and the element transport between worker processes and the parent.
 
 A worker replaces every large, contiguous, numeric NumPy leaf of an element by a ``_ShmRef``
-(block name, shape, dtype): it copies the leaf into a fresh block, or, for a
-:class:`SharedMemoryArray` that a batch was stacked into, sends the block as is. The parent maps
-the block and unlinks its name at once, so the memory lives exactly as long as the returned array
-and no name is left in ``/dev/shm`` whatever happens to the array later.
+(block name, shape, dtype): it copies the leaf into a block, or, for a :class:`SharedMemoryArray`
+that a batch was stacked into, sends the block as is.
+
+Workers recycle blocks: allocating and zeroing the pages of a fresh 4 MiB block costs ten times
+more than writing 4 MiB, so a worker keeps a pool of blocks (``enable_block_pool``). The parent
+maps a block lazily (no page is touched unless the consumer reads it) and, when the returned array
+is garbage-collected, tells the worker that the block is free again. Without a pool (outside
+workers) the parent unlinks a block's name as soon as it has mapped it, so the memory lives exactly
+as long as the returned array.
 
 Every block is registered with ``multiprocessing``'s resource tracker (shared by the parent and
 its forkserver workers) when created and unregistered when unlinked, so blocks in flight when the
@@ -23,7 +28,7 @@ import os
 import secrets
 import threading
 import weakref
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from multiprocessing import resource_tracker, shared_memory
 from typing import Any
 
@@ -59,7 +64,14 @@ def _new_name() -> str:
 
 
 def create_block(size: int) -> tuple[str, mmap.mmap]:
-    """Creates a block of ``size`` bytes; returns its name and a read-write mapping."""
+    """Returns the name and a read-write mapping of a block of ``size`` bytes: a free block of
+    the worker's pool when there is one, else a new block (pages populated at once)."""
+    if _pool is not None:
+        return _pool.take(size)
+    return _create_block(size)
+
+
+def _create_block(size: int) -> tuple[str, mmap.mmap]:
     while True:
         name = _new_name()
         try:
@@ -80,12 +92,73 @@ def create_block(size: int) -> tuple[str, mmap.mmap]:
 
 
 def open_block(name: str) -> mmap.mmap:
-    """Maps an existing block read-write (the name stays)."""
+    """Maps an existing block read-write (the name stays). Pages are mapped on first access."""
     fd = _posixshmem.shm_open(name, os.O_RDWR, mode=0o600)
     try:
-        return mmap.mmap(fd, os.fstat(fd).st_size, flags=mmap.MAP_SHARED | _POPULATE)
+        return mmap.mmap(fd, os.fstat(fd).st_size, flags=mmap.MAP_SHARED)
     finally:
         os.close(fd)
+
+
+class _BlockPool:
+    """A worker's blocks: in use (sent to the parent) or free for reuse, by size."""
+
+    def __init__(self, max_free_per_size: int) -> None:
+        self._max_free = max_free_per_size
+        self._free: dict[int, list[tuple[str, mmap.mmap]]] = {}
+        self._used: dict[str, mmap.mmap] = {}
+
+    def take(self, size: int) -> tuple[str, mmap.mmap]:
+        free = self._free.get(size)
+        if free:
+            name, mapping = free.pop()
+        else:
+            name, mapping = _create_block(size)
+        self._used[name] = mapping
+        return name, mapping
+
+    def give_back(self, names: Iterable[str]) -> None:
+        for name in names:
+            mapping = self._used.pop(name, None)
+            if mapping is None:
+                continue
+            free = self._free.setdefault(len(mapping), [])
+            if len(free) < self._max_free:
+                free.append((name, mapping))
+            else:
+                unlink_block(name)
+
+    def unlink_all(self) -> None:
+        for name in self._used:
+            unlink_block(name)
+        for free in self._free.values():
+            for name, _ in free:
+                unlink_block(name)
+        self._used.clear()
+        self._free.clear()
+
+
+_pool: _BlockPool | None = None
+
+
+def enable_block_pool(max_free_per_size: int) -> None:
+    """Makes this process (a worker) recycle blocks released by the parent."""
+    global _pool
+    _pool = _BlockPool(max_free_per_size)
+
+
+def release_blocks(names: Iterable[str]) -> None:
+    """Returns blocks to this process's pool (or unlinks them when there is no pool)."""
+    if _pool is not None:
+        _pool.give_back(names)
+    else:
+        unlink_shm(names)
+
+
+def unlink_pool() -> None:
+    """Unlinks every block of this process's pool (at worker exit)."""
+    if _pool is not None:
+        _pool.unlink_all()
 
 
 def unlink_block(name: str) -> None:
@@ -300,10 +373,7 @@ def _encode(x: Any, min_size: int, names: list[str]) -> Any:
         if not _qualifies(x, min_size):
             return x
         name, mapping = create_block(x.nbytes)
-        try:
-            np.ndarray(x.shape, x.dtype, buffer=mapping)[...] = x
-        finally:
-            mapping.close()
+        np.ndarray(x.shape, x.dtype, buffer=mapping)[...] = x
         names.append(name)
         return _ShmRef(name, tuple(x.shape), x.dtype)
     kind = type(x)
@@ -319,19 +389,29 @@ def _encode(x: Any, min_size: int, names: list[str]) -> Any:
     return x
 
 
-def open_from_shm(tree: Any) -> Any:
-    """Turns references back into arrays: maps each block and unlinks its name at once."""
+def open_from_shm(tree: Any, on_release: Callable[[str], None] | None = None) -> Any:
+    """Turns references back into arrays.
+
+    Args:
+      tree: An element with ``_ShmRef`` leaves.
+      on_release: Called with a block's name once the array over it is garbage-collected (the
+        sender recycles the block). Without it the name is unlinked as soon as it is mapped.
+    """
     if isinstance(tree, _ShmRef):
         mapping = open_block(tree.name)
-        unlink_block(tree.name)
-        return np.ndarray(tree.shape, tree.dtype, buffer=mapping)
+        arr = np.ndarray(tree.shape, tree.dtype, buffer=mapping)
+        if on_release is None:
+            unlink_block(tree.name)
+        else:
+            weakref.finalize(arr, on_release, tree.name)
+        return arr
     kind = type(tree)
     if kind is dict:
-        return {k: open_from_shm(v) for k, v in tree.items()}
+        return {k: open_from_shm(v, on_release) for k, v in tree.items()}
     if kind is list:
-        return [open_from_shm(v) for v in tree]
+        return [open_from_shm(v, on_release) for v in tree]
     if isinstance(tree, tuple):
-        items = [open_from_shm(v) for v in tree]
+        items = [open_from_shm(v, on_release) for v in tree]
         if hasattr(kind, "_fields"):
             return kind(*items)
         return kind(items)

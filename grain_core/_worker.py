@@ -8,7 +8,8 @@ so a training script that imports JAX at the top does not import it again in eve
 
 Protocol, one pair of pipes per worker (no polling anywhere):
 
-* control (parent → worker): ``("credit", k)`` allows ``k`` more elements; ``("set_state",
+* control (parent → worker): ``("credit", k, names)`` allows ``k`` more elements and hands back
+  shared-memory blocks the parent no longer uses (the worker reuses them); ``("set_state",
   generation, state, credits)`` restores the worker pipeline without restarting the process;
   ``("stop",)``.
 * output (worker → parent): ``(generation, kind, element, state, shm_names)`` where ``kind`` is
@@ -100,6 +101,8 @@ class WorkerSpec:
       state: Worker pipeline state to start from (None: the beginning).
       plugins: Plugin names loaded in the parent (None: the parent had not loaded plugins).
       options: ``DatasetOptions`` of the parent's iterator, merged into the worker's.
+      shm_prefix: Name prefix of this worker's shared-memory blocks.
+      pool_size: Free blocks of one size the worker keeps for reuse.
     """
 
     def __init__(
@@ -114,6 +117,7 @@ class WorkerSpec:
         plugins: list[str] | None,
         options: Any,
         shm_prefix: str,
+        pool_size: int,
     ) -> None:
         self.index = index
         self.count = count
@@ -124,6 +128,7 @@ class WorkerSpec:
         self.plugins = plugins
         self.options = options
         self.shm_prefix = shm_prefix
+        self.pool_size = pool_size
         self.jax_platforms = os.environ.get(_WORKER_JAX_PLATFORMS_ENV, "cpu")
 
 
@@ -166,6 +171,7 @@ def worker_main(spec: WorkerSpec, control: Any, output: Any) -> None:
         os.environ[plugins.PLUGINS_ENV] = ",".join(spec.plugins)
         plugins.reset()
     _shm.set_name_prefix(spec.shm_prefix)
+    _shm.enable_block_pool(spec.pool_size)
     _watch_parent()
     _WorkerLoop(spec, control, output).run()
 
@@ -200,6 +206,7 @@ class _WorkerLoop:
         finally:
             if self._it is not None:
                 self._it.close()
+            _shm.unlink_pool()
 
     def _build(self) -> None:
         import cloudpickle  # noqa: F401 - needed to unpickle by-value functions
@@ -224,6 +231,7 @@ class _WorkerLoop:
         kind = message[0]
         if kind == "credit":
             self._credits += message[1]
+            _shm.release_blocks(message[2])
         elif kind == "set_state":
             _, self._generation, state, self._credits = message
             self._finished = False
@@ -264,7 +272,7 @@ class _WorkerLoop:
         try:
             data = _dumps_element((self._generation, ELEMENT, tree, state, names))
         except Exception as e:  # noqa: BLE001 - an element that cannot travel is an error
-            _shm.unlink_shm(names)
+            _shm.release_blocks(names)
             error = TypeError(
                 f"Worker {self._spec.index} produced an element that cannot be pickled and "
                 f"therefore cannot be sent to the main process: {type(e).__name__}: {e}. "

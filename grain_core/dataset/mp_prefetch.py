@@ -16,6 +16,7 @@ its worker's state right after producing it, so ``get_state`` never talks to the
 
 from __future__ import annotations
 
+import collections
 import copy
 import io
 import pickle
@@ -367,6 +368,8 @@ class _ProcessPrefetchIterator(DatasetIterator[Any]):
         self._generation = 0
         self._outstanding = 0
         self._error: BaseException | None = None
+        # Blocks of elements the consumer has dropped, handed back with the next credit.
+        self._released: collections.deque[str] = collections.deque()
 
     def _start(self) -> None:
         mp_ds = self._mp_ds
@@ -381,6 +384,7 @@ class _ProcessPrefetchIterator(DatasetIterator[Any]):
             plugins=_loaded_plugin_names(),
             options=self._ctx.dataset_options,
             shm_prefix=WorkerPool.new_prefix(self._index),
+            pool_size=2 * self._buffer + 2,
         )
         self._pool = pool = WorkerPool([spec])
         self._finalizer = weakref.finalize(self, pool.shutdown)
@@ -390,7 +394,9 @@ class _ProcessPrefetchIterator(DatasetIterator[Any]):
     def _grant(self, credits: int) -> None:
         if credits > 0:
             assert self._pool is not None
-            self._pool.send(0, ("credit", credits))
+            released = self._released
+            names = [released.popleft() for _ in range(len(released))]
+            self._pool.send(0, ("credit", credits, names))
             self._outstanding += credits
 
     def start_prefetch(self) -> None:
@@ -417,13 +423,13 @@ class _ProcessPrefetchIterator(DatasetIterator[Any]):
                 raise
             if generation == self._generation:
                 break
-            _shm.unlink_shm(names)  # produced before the last set_state
+            self._released.extend(names)  # produced before the last set_state
         self._outstanding -= 1
         if kind == ELEMENT:
             self._state = state
             if self._buffer > 0:
                 self._grant(1)
-            return _shm.open_from_shm(element) if names else element
+            return _shm.open_from_shm(element, self._released.append) if names else element
         if kind == END:
             self._state = state
             self._exhausted = True
