@@ -18,14 +18,6 @@ import pytest
 
 grain_tfrecord = pytest.importorskip("grain_tfrecord")
 
-import grain_core  # noqa: E402
-from grain_core import plugins  # noqa: E402
-from grain_core.options import MultiprocessingOptions  # noqa: E402
-from grain_core.testing import (  # noqa: E402
-    assert_equal_output_after_checkpoint,
-    check_iterator_conformance,
-    check_random_access_source,
-)
 from grain_tfrecord import (  # noqa: E402
     CorruptRecordError,
     FeatureSpec,
@@ -36,6 +28,15 @@ from grain_tfrecord import (  # noqa: E402
     encode_example,
 )
 from grain_tfrecord._source import index_path_for  # noqa: E402
+
+import grain_core  # noqa: E402
+from grain_core import plugins  # noqa: E402
+from grain_core.options import MultiprocessingOptions  # noqa: E402
+from grain_core.testing import (  # noqa: E402
+    assert_equal_output_after_checkpoint,
+    check_iterator_conformance,
+    check_random_access_source,
+)
 
 
 @pytest.fixture(autouse=True)
@@ -98,7 +99,10 @@ def test_writer_exact_bytes_of_a_small_known_file(tmp_path: Path) -> None:
     assert data == expected
     assert len(data) == 3 * 16 + 64
     # Pinned bytes of the 32-zero-byte frame: length 32, then both masked CRCs.
-    assert data[:12].hex() == "2000000000000000" + struct.pack("<I", _masked(crc32c.crc32c(length_32))).hex()
+    assert (
+        data[:12].hex()
+        == "2000000000000000" + struct.pack("<I", _masked(crc32c.crc32c(length_32))).hex()
+    )
     assert data[44:48] == struct.pack("<I", _masked(0x8A9136AA))
 
 
@@ -512,5 +516,9 @@ def test_inspector_reports_count_sizes_and_the_first_example(tmp_path: Path) -> 
     assert info.details["record_bytes"]["min"] < info.details["record_bytes"]["max"]
     raw = _write(tmp_path / "raw.tfrecord.gz", [b"\x01\x02", b"\x03"])
     raw_info = plugins.get_format("tfrecord").get("inspector")(str(raw), 5)
-    assert (raw_info.num_records, raw_info.schema, raw_info.sample) == (2, "bytes", (b"\x01\x02", b"\x03"))
+    assert (raw_info.num_records, raw_info.schema, raw_info.sample) == (
+        2,
+        "bytes",
+        (b"\x01\x02", b"\x03"),
+    )
     assert raw_info.details["compression"] == "GZIP"

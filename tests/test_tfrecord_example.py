@@ -56,7 +56,9 @@ def test_round_trip_of_every_kind() -> None:
     assert decoded["bytes"].dtype == object
     assert decoded["bytes"].tolist() == [b"", b"\x00tail\x00", "text \u00e9".encode()]
     assert decoded["one_bytes"].tolist() == [b"raw"]
-    np.testing.assert_array_equal(decoded["floats"], np.array([1.5, -0.0, np.inf, 3e38], np.float32))
+    np.testing.assert_array_equal(
+        decoded["floats"], np.array([1.5, -0.0, np.inf, 3e38], np.float32)
+    )
     assert decoded["floats"].dtype == np.float32
     assert decoded["ints"].tolist() == features["ints"] and decoded["ints"].dtype == np.int64
     assert decoded["uint8"].tolist() == [0, 1, 2, 3, 4]
@@ -129,11 +131,18 @@ def test_feature_spec_checks_dtype_shape_and_defaults() -> None:
 
 def test_feature_spec_errors_name_the_feature() -> None:
     data = encode_example({"label": [1, 2, 3], "score": 0.5, "blob": b"\xff\xfe"})
-    with pytest.raises(ExampleDecodeError, match="feature 'missing' is missing and its FeatureSpec has no default"):
+    with pytest.raises(
+        ExampleDecodeError, match="feature 'missing' is missing and its FeatureSpec has no default"
+    ):
         decode_example(data, {"missing": FeatureSpec(np.int64)})
-    with pytest.raises(ExampleDecodeError, match="feature 'label' holds a int64_list, but its FeatureSpec asks for"):
+    with pytest.raises(
+        ExampleDecodeError, match="feature 'label' holds a int64_list, but its FeatureSpec asks for"
+    ):
         decode_example(data, {"label": FeatureSpec(np.float32)})
-    with pytest.raises(ExampleDecodeError, match="feature 'label' has 3 values, which do not fit the FeatureSpec shape \\(2,\\)"):
+    with pytest.raises(
+        ExampleDecodeError,
+        match="feature 'label' has 3 values, which do not fit the FeatureSpec shape \\(2,\\)",
+    ):
         decode_example(data, {"label": FeatureSpec(np.int64, (2,))})
     with pytest.raises(ExampleDecodeError, match="feature 'blob' is not UTF-8 text"):
         decode_example(data, {"blob": FeatureSpec(str)})
@@ -183,14 +192,19 @@ def test_unknown_fields_unpacked_lists_and_merge_rules() -> None:
     float_unpacked = b"\x0d" + np.float32(1.5).tobytes() + b"\x0d" + np.float32(-2).tobytes()
     ints_unpacked = b"\x08\x05\x08\xff\xff\xff\xff\xff\xff\xff\xff\xff\x01"
     unknown = b"\x28\x07" + b"\x31" + bytes(8) + b"\x3d" + bytes(4)  # varint, fixed64, fixed32
-    data = _example(
-        _entry(b"f", b"\x12" + bytes([len(float_unpacked)]) + float_unpacked + unknown),
-        _entry(b"i", b"\x1a" + bytes([len(ints_unpacked)]) + ints_unpacked),
-        _entry(b"dup", b"\x1a\x03\x0a\x01\x01"),
-        _entry(b"dup", b"\x1a\x03\x0a\x01\x02"),  # the last value of a map key wins
-        _entry(b"none", b""),  # a Feature with no list
-        _entry(b"merged", b"\x1a\x03\x0a\x01\x01\x1a\x03\x0a\x01\x02"),  # same list twice: merged
-    ) + unknown
+    data = (
+        _example(
+            _entry(b"f", b"\x12" + bytes([len(float_unpacked)]) + float_unpacked + unknown),
+            _entry(b"i", b"\x1a" + bytes([len(ints_unpacked)]) + ints_unpacked),
+            _entry(b"dup", b"\x1a\x03\x0a\x01\x01"),
+            _entry(b"dup", b"\x1a\x03\x0a\x01\x02"),  # the last value of a map key wins
+            _entry(b"none", b""),  # a Feature with no list
+            _entry(
+                b"merged", b"\x1a\x03\x0a\x01\x01\x1a\x03\x0a\x01\x02"
+            ),  # same list twice: merged
+        )
+        + unknown
+    )
     decoded = decode_example(data)
     assert decoded["f"].tolist() == [1.5, -2.0]
     assert decoded["i"].tolist() == [5, -1]
@@ -230,7 +244,9 @@ def test_sequence_example_matches_the_protobuf_runtime() -> None:
     assert context["id"].tolist() == [b"x"]
     assert sequences["tokens"].tolist() == [[1, 2], [3, 4]]
     assert encode_sequence_example(context, sequences) == serialized
-    parsed = pb.SequenceExample.FromString(encode_sequence_example({"a": 1.0}, {"s": [[b"p"], [b"q"]]}))
+    parsed = pb.SequenceExample.FromString(
+        encode_sequence_example({"a": 1.0}, {"s": [[b"p"], [b"q"]]})
+    )
     assert [list(f.bytes_list.value) for f in parsed.feature_lists.feature_list["s"].feature] == [
         [b"p"],
         [b"q"],

@@ -95,9 +95,7 @@ class TFRecordIterDataset(IterDataset[bytes]):
                 "for several workers; pass several files (shards), or use one worker."
             )
         sliced = TFRecordIterDataset.__new__(TFRecordIterDataset)
-        sliced._init(
-            self._paths[sl], self._verify_crc, self._compression, self._cycle_length, True
-        )
+        sliced._init(self._paths[sl], self._verify_crc, self._compression, self._cycle_length, True)
         return sliced
 
     def __iter__(self) -> DatasetIterator[bytes]:

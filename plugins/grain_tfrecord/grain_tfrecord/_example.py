@@ -290,8 +290,7 @@ def _length(buf: bytes, pos: int, end: int) -> tuple[int, int]:
     stop = pos + length
     if stop > end:
         raise _Malformed(
-            f"a field of {length} bytes at byte {pos} runs past the end of its message "
-            f"(byte {end})"
+            f"a field of {length} bytes at byte {pos} runs past the end of its message (byte {end})"
         )
     return pos, stop
 
@@ -349,7 +348,11 @@ def _parse_sequence_example(buf: bytes) -> tuple[dict[str, Parsed], dict[str, li
 
 
 def _parse_map(
-    buf: bytes, pos: int, end: int, parse_value: Callable[[bytes, int, int], Any], out: dict[str, Any]
+    buf: bytes,
+    pos: int,
+    end: int,
+    parse_value: Callable[[bytes, int, int], Any],
+    out: dict[str, Any],
 ) -> None:
     """Parses the map entries (field 1: key 1, value 2) of a Features/FeatureLists message."""
     while pos < end:
@@ -552,9 +555,14 @@ def encode_sequence_example(
       TypeError / ValueError: As :func:`encode_example`.
     """
     lists = b"".join(
-        _field(0x0A, _field(0x0A, name.encode()) + _field(0x12, b"".join(
-            _field(0x0A, _encode_feature(name, step)) for step in feature_lists[name]
-        )))
+        _field(
+            0x0A,
+            _field(0x0A, name.encode())
+            + _field(
+                0x12,
+                b"".join(_field(0x0A, _encode_feature(name, step)) for step in feature_lists[name]),
+            ),
+        )
         for name in sorted(feature_lists)
     )
     return _field(0x0A, _encode_features(context)) + _field(0x12, lists)
@@ -577,7 +585,9 @@ def _field(tag: int, payload: bytes) -> bytes:
 
 def _encode_features(features: Mapping[str, Any]) -> bytes:
     return b"".join(
-        _field(0x0A, _field(0x0A, name.encode()) + _field(0x12, _encode_feature(name, features[name])))
+        _field(
+            0x0A, _field(0x0A, name.encode()) + _field(0x12, _encode_feature(name, features[name]))
+        )
         for name in sorted(features)
     )
 

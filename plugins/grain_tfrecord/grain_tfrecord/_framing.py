@@ -93,9 +93,7 @@ def _rebuild_error(message: str, path: str, offset: int, reason: str) -> Corrupt
 
 def crc_error(path: str, offset: int, which: str, head: bytes) -> CorruptRecordError:
     """Builds the error for a frame at ``offset`` whose ``which`` checksum does not match."""
-    message = (
-        f"{path}: {which} mismatch in the record at byte offset {offset}: the file is corrupt"
-    )
+    message = f"{path}: {which} mismatch in the record at byte offset {offset}: the file is corrupt"
     if offset == 0 and which == "length CRC":
         message += f"{compression_hint(head)} or is not a TFRecord file"
     message += (
@@ -105,7 +103,9 @@ def crc_error(path: str, offset: int, which: str, head: bytes) -> CorruptRecordE
     return CorruptRecordError(message, path=path, offset=offset, reason=which)
 
 
-def truncated_error(path: str, offset: int, needed: int, available: int, what: str) -> CorruptRecordError:
+def truncated_error(
+    path: str, offset: int, needed: int, available: int, what: str
+) -> CorruptRecordError:
     """Builds the error for a frame at ``offset`` that the end of the file cuts short."""
     return CorruptRecordError(
         f"Not a valid TFRecord. Fewer than {needed} bytes: {path} ends {available} bytes after "
@@ -160,7 +160,7 @@ def expand_paths(paths: PathLike | Sequence[PathLike], what: str) -> list[str]:
     if isinstance(paths, str | os.PathLike):
         paths = [paths]
     files: list[str] = []
-    for path in map(os.fspath, paths):
+    for path in [os.fspath(p) for p in paths]:
         shard_spec = _SHARD_SPEC.match(path)
         if shard_spec and not os.path.exists(path):
             count = int(shard_spec["count"])

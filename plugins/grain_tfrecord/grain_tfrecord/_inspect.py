@@ -61,7 +61,9 @@ def inspect_tfrecord(path: str, sample_size: int) -> FormatInfo:
         schema: Any = "bytes" if len(sizes) else None
         shown: tuple[Any, ...] = tuple(sample[:sample_size])
     else:
-        schema = {name: {"dtype": _dtype_name(v), "shape": list(v.shape)} for name, v in first.items()}
+        schema = {
+            name: {"dtype": _dtype_name(v), "shape": list(v.shape)} for name, v in first.items()
+        }
         details["records"] = "tf.train.Example"
         shown = tuple(_as_example(r) or r for r in sample[:sample_size])
     return FormatInfo(num_records=len(sizes), schema=schema, sample=shown, details=details)

@@ -23,7 +23,11 @@ def example_message_classes() -> SimpleNamespace:
       ModuleNotFoundError: If ``protobuf`` is not installed (``pip install grain-tfrecord[protobuf]``).
     """
     try:
-        from google.protobuf import descriptor_pb2, descriptor_pool, message_factory
+        from google.protobuf import (  # type: ignore[import-untyped]
+            descriptor_pb2,
+            descriptor_pool,
+            message_factory,
+        )
     except ModuleNotFoundError as err:
         raise ModuleNotFoundError(
             "example_message_classes() needs protobuf: pip install 'grain-tfrecord[protobuf]'",
@@ -35,7 +39,9 @@ def example_message_classes() -> SimpleNamespace:
         name="grain_tfrecord/example.proto", package=_PACKAGE, syntax="proto3"
     )
 
-    def message(name: str, *fields: tuple[str, int, int, int, str | None]) -> descriptor_pb2.DescriptorProto:
+    def message(
+        name: str, *fields: tuple[str, int, int, int, str | None]
+    ) -> descriptor_pb2.DescriptorProto:
         proto = file.message_type.add(name=name)
         for field_name, number, label, kind, type_name in fields:
             entry = proto.field.add(name=field_name, number=number, label=label, type=kind)
@@ -48,7 +54,10 @@ def example_message_classes() -> SimpleNamespace:
         nested.options.map_entry = True
         nested.field.add(name="key", number=1, label=optional, type=field.TYPE_STRING)
         nested.field.add(
-            name="value", number=2, label=optional, type=field.TYPE_MESSAGE,
+            name="value",
+            number=2,
+            label=optional,
+            type=field.TYPE_MESSAGE,
             type_name=f".{_PACKAGE}.{value}",
         )
 
@@ -64,7 +73,9 @@ def example_message_classes() -> SimpleNamespace:
     feature.oneof_decl.add(name="kind")
     for entry in feature.field:
         entry.oneof_index = 0
-    features = message("Features", ("feature", 1, repeated, field.TYPE_MESSAGE, "Features.FeatureEntry"))
+    features = message(
+        "Features", ("feature", 1, repeated, field.TYPE_MESSAGE, "Features.FeatureEntry")
+    )
     map_entry(features, "FeatureEntry", "Feature")
     message("FeatureList", ("feature", 1, repeated, field.TYPE_MESSAGE, "Feature"))
     feature_lists = message(

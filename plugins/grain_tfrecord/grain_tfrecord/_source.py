@@ -95,7 +95,8 @@ class TFRecordDataSource:
         self._first = np.cumsum([0] + [len(o) for o in self._offsets])
         # Frame end of every record of every file (the next frame's start, or the file size).
         self._ends = [
-            np.append(o[1:], np.int64(size)) for o, size in zip(self._offsets, self._sizes, strict=True)
+            np.append(o[1:], np.int64(size))
+            for o, size in zip(self._offsets, self._sizes, strict=True)
         ]
         self._all_offsets = np.concatenate([*self._offsets, np.zeros(0, np.int64)])
         self._all_ends = np.concatenate([*self._ends, np.zeros(0, np.int64)])
@@ -145,7 +146,11 @@ class TFRecordDataSource:
         for k, (run, rel, size) in enumerate(zip(run_ids.tolist(), relative, sizes, strict=True)):
             position = int(order[k])
             out[position] = self._payload(
-                buffers[run], rel, rel + size, int(files[run_heads[run]]), int(wanted[k]),
+                buffers[run],
+                rel,
+                rel + size,
+                int(files[run_heads[run]]),
+                int(wanted[k]),
                 int(starts[k]),
             )
         return out

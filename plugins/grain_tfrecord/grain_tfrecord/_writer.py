@@ -20,6 +20,7 @@ from grain_tfrecord._stream import CHUNK_SIZE
 
 __all__ = ["TFRecordWriter"]
 
+
 class TFRecordWriter:
     """Writes records as TFRecord frames; the file appears complete on ``close`` or not at all.
 
@@ -91,8 +92,8 @@ class TFRecordWriter:
     def __enter__(self) -> TFRecordWriter:
         return self
 
-    def __exit__(self, exc_type: object, *exc_info: object) -> None:
-        if exc_type is None:
+    def __exit__(self, *exc_info: object) -> None:
+        if not exc_info or exc_info[0] is None:
             self.close()
         else:
             self._file.close()
