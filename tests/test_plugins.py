@@ -543,3 +543,16 @@ def test_url_pattern_beats_suffix_and_longest_suffix_wins() -> None:
     assert hub.match_strength("hub://x.tfrecord.gz") > tfgz.match_strength("hub://x.tfrecord.gz")
     assert gz.match_strength("a.gzip") == 0
     assert gz.match_strength("https://h/a.gz?token=1") > 0
+
+
+def test_entry_point_name_declared_by_two_distributions(make_plugin: MakePlugin) -> None:
+    make_plugin("fake-one", {"same": "fake_one_plugin"}, {"fake_one_plugin": _fmt("first", ".one")})
+    make_plugin(
+        "fake-two", {"same": "fake_two_plugin"}, {"fake_two_plugin": _fmt("second", ".two")}
+    )
+    with pytest.warns(PluginWarning, match=r"plugin name 'same' is also declared by plugin 'same'"):
+        registry = Registry({"GRAIN_CORE_PLUGINS": "same"})
+    first, second = [r for r in registry.reports if r.name == "same"]
+    assert (first.distribution, first.status) == ("fake-one", "loaded")
+    assert (second.distribution, second.status) == ("fake-two", "failed")
+    assert registry.format_for_path("x.one").name == "first"
