@@ -32,7 +32,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, SupportsIndex
 
 import numpy as np
-from array_record.python import array_record_module
+from array_record.python import array_record_module  # type: ignore[import-untyped]
 
 from grain_arrayrecord._paths import PathsArg, parse_paths
 
@@ -177,6 +177,7 @@ class ArrayRecordDataSource:
         return reader
 
     def _open(self, path: str) -> Any:
+        reason: str | None
         try:
             reader = array_record_module.ArrayRecordReader(
                 path, self._reader_options, file_reader_buffer_size=_FILE_BUFFER_BYTES

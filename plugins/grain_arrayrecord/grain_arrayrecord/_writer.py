@@ -11,7 +11,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from array_record.python import array_record_module
+from array_record.python import array_record_module  # type: ignore[import-untyped]
 
 __all__ = ["ArrayRecordWriter"]
 
@@ -94,8 +94,8 @@ class ArrayRecordWriter:
     def __enter__(self) -> ArrayRecordWriter:
         return self
 
-    def __exit__(self, exc_type: object, *exc_info: object) -> None:
-        if exc_type is None:
+    def __exit__(self, *exc_info: object) -> None:
+        if exc_info[0] is None:
             self.close()
             return
         self._closed = True
