@@ -5,6 +5,8 @@ Two input kinds, each against Google Grain doing the same work in the same run:
 * ``interleave_16x4``: inputs are ``MapDataset.source(list).to_iter_dataset()`` readers. They
   read ahead on their own, so grain_core reads them on the consumer thread; Grain adds a
   thread and a queue per input.
+* ``interleave_16x4_sync_inputs``: the same with ``ReadOptions(num_threads=0)`` readers, so
+  the figure is the interleave's own cost (no read thread pools on either side).
 * ``interleave_16x4_mapped``: inputs are ``to_iter_dataset().map(f)`` pipelines, which
   grain_core reads ahead on one thread per input (``iter_buffer_size=1``), like Grain.
 
@@ -19,7 +21,7 @@ from typing import Any
 from _harness import import_google_grain, workload
 
 NUM_INPUTS = 16
-PER_INPUT = 1_000
+PER_INPUT = 500
 CYCLE = 4
 ELEMENTS = NUM_INPUTS * PER_INPUT
 
@@ -35,6 +37,10 @@ def _add_one(x: int) -> int:
 def _check(out: list[Any]) -> None:
     if len(out) != ELEMENTS:
         raise AssertionError(f"interleave produced {len(out)} elements, expected {ELEMENTS}")
+
+
+def _readers(grain: Any, read_options: Any = None) -> list[Any]:
+    return [grain.MapDataset.source(v).to_iter_dataset(read_options) for v in _inputs()]
 
 
 def _pass(ds: Any) -> Callable[[], None]:
@@ -53,11 +59,7 @@ def interleave_16x4() -> Callable[[], None]:
     import grain_core as grain
     from grain_core.experimental import InterleaveIterDataset
 
-    return _pass(
-        InterleaveIterDataset(
-            [grain.MapDataset.source(v).to_iter_dataset() for v in _inputs()], cycle_length=CYCLE
-        )
-    )
+    return _pass(InterleaveIterDataset(_readers(grain), cycle_length=CYCLE))
 
 
 @interleave_16x4.baseline("plain Python round-robin")
@@ -86,10 +88,28 @@ def _() -> Callable[[], None]:
 @interleave_16x4.baseline("grain", requires="grain")
 def _() -> Callable[[], None]:
     grain: Any = import_google_grain()
+    return _pass(grain.experimental.InterleaveIterDataset(_readers(grain), cycle_length=CYCLE))
+
+
+@workload(
+    "interleave_16x4_sync_inputs",
+    elements=ELEMENTS,
+    description="interleave 16 in-memory to_iter_dataset(num_threads=0) inputs, cycle_length 4",
+)
+def interleave_16x4_sync_inputs() -> Callable[[], None]:
+    import grain_core as grain
+    from grain_core.experimental import InterleaveIterDataset
+
+    sync = grain.ReadOptions(num_threads=0)
+    return _pass(InterleaveIterDataset(_readers(grain, sync), cycle_length=CYCLE))
+
+
+@interleave_16x4_sync_inputs.baseline("grain", requires="grain")
+def _() -> Callable[[], None]:
+    grain: Any = import_google_grain()
+    sync = grain.ReadOptions(num_threads=0)
     return _pass(
-        grain.experimental.InterleaveIterDataset(
-            [grain.MapDataset.source(v).to_iter_dataset() for v in _inputs()], cycle_length=CYCLE
-        )
+        grain.experimental.InterleaveIterDataset(_readers(grain, sync), cycle_length=CYCLE)
     )
 
 
