@@ -131,7 +131,7 @@ class TFRecordFileIterator(DatasetIterator[bytes]):
         if self._reader is not None:
             self._reader.close()
         self._reader = FrameReader(self._path, self._compression, self._verify, offset)
-        self._block = Block([], offset, [], None)
+        self._block = Block([], offset, None)
         # An iterator over the block's records: its length hint tells how many are left.
         self._records = iter(self._block.records)
 
@@ -160,15 +160,14 @@ class TFRecordFileIterator(DatasetIterator[bytes]):
     def _offset(self) -> int:
         block = self._block
         taken = len(block.records) - operator.length_hint(self._records)
-        return block.start + (block.ends[taken - 1] if taken else 0)
+        return block.ends[taken - 1] if taken else block.start
 
     def set_state(self, state: dict[str, Any]) -> None:
         offset = int(state["reader_offset"])
         self._check_open()
         block = self._block
-        relative = offset - block.start
-        taken = bisect.bisect_left(block.ends, relative) + 1 if relative else 0
-        if taken == 0 or taken <= len(block.ends) and block.ends[taken - 1] == relative:
+        taken = bisect.bisect_left(block.ends, offset) + 1 if offset != block.start else 0
+        if taken == 0 or taken <= len(block.ends) and block.ends[taken - 1] == offset:
             self._records = iter(block.records)
             self._records.__setstate__(taken)  # type: ignore[attr-defined]
         else:

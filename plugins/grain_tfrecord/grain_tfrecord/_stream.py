@@ -8,6 +8,7 @@ records of a block with a list index, so its ``__next__`` does almost nothing.
 
 from __future__ import annotations
 
+import itertools
 import os
 import struct
 import zlib
@@ -16,7 +17,6 @@ from typing import Final, Protocol
 import crc32c
 
 from grain_tfrecord._framing import (
-    FOOTER_SIZE,
     FRAME_OVERHEAD,
     HEADER,
     HEADER_SIZE,
@@ -145,20 +145,27 @@ class Block:
     Attributes:
       records: Payloads, in file order.
       start: Stream offset of the first record's frame.
-      ends: ``ends[k]``: stream offset just after record ``k``'s frame, relative to ``start``.
       error: Raised when the consumer passes the last record (a damaged or truncated frame
         follows it); None when the file simply continues or ends.
     """
 
-    __slots__ = ("records", "start", "ends", "error")
+    __slots__ = ("records", "start", "error", "_ends")
 
-    def __init__(
-        self, records: list[bytes], start: int, ends: list[int], error: CorruptRecordError | None
-    ) -> None:
+    def __init__(self, records: list[bytes], start: int, error: CorruptRecordError | None) -> None:
         self.records = records
         self.start = start
-        self.ends = ends
         self.error = error
+        self._ends: list[int] | None = None
+
+    @property
+    def ends(self) -> list[int]:
+        """``ends[k]``: stream offset just after record ``k``'s frame (computed on first use)."""
+        if self._ends is None:
+            self._ends = [
+                self.start + total + FRAME_OVERHEAD * (k + 1)
+                for k, total in enumerate(itertools.accumulate(map(len, self.records)))
+            ]
+        return self._ends
 
 
 class FrameReader:
@@ -246,44 +253,43 @@ class FrameReader:
         pos = first = self._pos
         size = len(buf)
         records: list[bytes] = []
-        ends: list[int] = []
         error = None
         if pos + HEADER_SIZE <= size:
-            append_record = records.append
-            append_end = ends.append
+            append = records.append
             verify = self._verify
-            header_crcs = self._header_crcs
             unpack_footer_and_header = FOOTER_AND_HEADER.unpack_from
             crc = crc32c.crc32c
             mask_delta = MASK_DELTA
             block_end = pos + _BLOCK_BYTES
             length, length_crc = HEADER.unpack_from(buf, pos)
+            checked_length = checked_crc = -1  # the last header that passed its check
+            # Literal sizes in this loop: 12-byte header, payload, 4-byte footer.
             while True:
-                if verify and header_crcs.get(length) != length_crc:
+                if verify and (length != checked_length or length_crc != checked_crc):
                     error = self._check_header(buf, pos, length, length_crc)
                     if error:
                         break
-                stop = pos + HEADER_SIZE + length
+                    checked_length, checked_crc = length, length_crc
+                stop = pos + 12 + length
                 # One unpack reads this frame's data CRC and the next frame's header.
-                if stop + FOOTER_SIZE + HEADER_SIZE <= size:
+                if stop + 16 <= size:
                     data_crc, next_length, next_length_crc = unpack_footer_and_header(buf, stop)
-                elif stop + FOOTER_SIZE <= size:
+                elif stop + 4 <= size:
                     data_crc, next_length = U32.unpack_from(buf, stop)[0], -1
                 else:
                     break
-                data = buf[pos + HEADER_SIZE : stop]
+                data = buf[pos + 12 : stop]
                 if verify:
                     value = crc(data)
                     if (((value >> 15) | (value << 17)) + mask_delta) & 0xFFFFFFFF != data_crc:
                         error = crc_error(self._path, self._offset + pos - first, "data CRC", b"")
                         break
-                append_record(data)
-                pos = stop + FOOTER_SIZE
-                append_end(pos - first)
+                append(data)
+                pos = stop + 4
                 if next_length < 0 or pos >= block_end:
                     break
                 length, length_crc = next_length, next_length_crc
-        block = Block(records, self._offset, ends, error)
+        block = Block(records, self._offset, error)
         self._offset += pos - first
         self._pos = pos
         return block
