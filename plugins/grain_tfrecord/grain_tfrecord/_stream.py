@@ -1,9 +1,9 @@
 """Sequential reading of TFRecord frames: large reads, a block of frames parsed per read.
 
 ``FrameReader`` reads a megabyte at a time and ``read_block`` slices up to 64 KiB of complete
-frames out of the buffer in one tight loop, checking each data CRC inline and looking each
-length CRC up in a small cache (most files repeat few lengths). The iterator hands out the
-records of a block with a list index, so its ``__next__`` does almost nothing.
+frames out of the buffer in one tight loop, checking each data CRC inline (a length CRC is
+computed once per distinct length: most files repeat few lengths). The iterator hands out
+the records of a block through a list iterator, so its ``__next__`` does almost nothing.
 """
 
 from __future__ import annotations
@@ -40,7 +40,8 @@ _MAX_READ: Final = 1 << 26
 # Payload bytes per block: the records of a block are alive together, and keeping that
 # below the allocator's trim threshold lets their memory be reused instead of faulted in anew.
 _BLOCK_BYTES: Final = 1 << 16
-FOOTER_AND_HEADER: Final = struct.Struct("<IQI")
+# A frame's data CRC followed by the next frame's header.
+_FOOTER_AND_HEADER: Final = struct.Struct("<IQI")
 # Header CRCs cached per length; cleared when full (files with very many distinct lengths).
 _HEADER_CACHE_SIZE: Final = 1 << 16
 
@@ -257,7 +258,7 @@ class FrameReader:
         if pos + HEADER_SIZE <= size:
             append = records.append
             verify = self._verify
-            unpack_footer_and_header = FOOTER_AND_HEADER.unpack_from
+            unpack_footer_and_header = _FOOTER_AND_HEADER.unpack_from
             crc = crc32c.crc32c
             mask_delta = MASK_DELTA
             block_end = pos + _BLOCK_BYTES
@@ -297,7 +298,9 @@ class FrameReader:
     def _check_header(
         self, buf: bytes, pos: int, length: int, length_crc: int
     ) -> CorruptRecordError | None:
-        """Checks a length CRC not yet in the cache; returns the error if it is wrong."""
+        """Checks a length CRC (cached per length); returns the error if it is wrong."""
+        if self._header_crcs.get(length) == length_crc:
+            return None
         expected = masked_crc(U64.pack(length))
         if expected != length_crc:
             offset = self._offset + pos - self._pos
