@@ -36,6 +36,7 @@ from grain_core.dataset.stats import get_execution_summary
 from grain_core.dataset.window_shuffle import WindowShuffleIterDataset, WindowShuffleMapDataset
 from grain_core.dataset.with_options import WithOptionsIterDataset
 from grain_core.dataset.zip import ZipIterDataset, ZipMapDataset
+from grain_core.jax_utils import device_put, make_global_batch
 from grain_core.random import RngPool, index_shuffle
 from grain_core.testing import assert_equal_output_after_checkpoint
 from grain_core.transforms import FlatMap as FlatMapTransform
@@ -73,10 +74,12 @@ __all__ = [
     "apply_transformations",
     "assert_equal_output_after_checkpoint",
     "batch_and_pad",
+    "device_put",
     "get_element_spec",
     "get_execution_summary",
     "get_next_index",
     "index_shuffle",
+    "make_global_batch",
     "multithread_prefetch",
     "pick_performance_config",
     "set_next_index",
