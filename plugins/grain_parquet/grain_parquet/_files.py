@@ -305,8 +305,7 @@ def column_to_numpy(column: pa.Array | pa.ChunkedArray) -> np.ndarray:
 
 def rows_from_columns(names: Sequence[str], columns: Sequence[np.ndarray]) -> list[dict[str, Any]]:
     """One dict per row, ``{name: value}``, from equally long columns."""
-    # The lengths are equal by construction; strict zips would only add per-row checks.
-    return [dict(zip(names, values, strict=False)) for values in zip(*columns, strict=False)]
+    return list(iter_rows(names, columns)[0])
 
 
 def iter_rows(

@@ -3,9 +3,9 @@
 Parquet's unit of reading is a row group (compressed column chunks), so a read of row ``i``
 decodes its whole row group. The source maps global row indices to (file, row group, offset)
 with a binary search over prefix sums of the row-group sizes in the footers, reads each needed
-row group once per batched read, and keeps recently decoded row groups (as Arrow tables) in a
-least-recently-used cache bounded in bytes. Rows are then cut from the cached tables with
-Arrow's ``take``, so only the requested rows are converted to NumPy.
+row group once per batched read, converts its columns to NumPy once and keeps recently decoded
+row groups in a least-recently-used cache bounded in bytes. A batched read is then NumPy fancy
+indexing per column and row group plus one dict per row.
 """
 
 from __future__ import annotations
@@ -40,6 +40,24 @@ __all__ = ["DEFAULT_CACHE_BYTES", "ParquetDataSource"]
 #: Default bound of the decoded row-group cache of one source in one process.
 DEFAULT_CACHE_BYTES = 256 * 1024 * 1024
 
+# Estimated size of one Python object (a str, bytes or array view) in an object column,
+# beyond its data, which the Arrow buffers measure.
+_PYTHON_OBJECT_BYTES = 64
+
+# What a pickled source keeps: its definition and the row index, no files, locks or cache.
+_PICKLED = (
+    "_files",
+    "_columns",
+    "_cache_bytes",
+    "_read_kwargs",
+    "_schema",
+    "_unit_file",
+    "_unit_row_group",
+    "_starts",
+    "_len",
+    "_names",
+)
+
 # Footers are read on this many threads when a source is created over many files.
 _FOOTER_THREADS = 16
 
@@ -51,9 +69,10 @@ class ParquetDataSource:
     ``source.__getitems__(indices)`` return dicts ``{column: value}`` like
     :class:`ParquetIterDataset`'s rows; a batched read decodes each row group it needs once.
 
-    Memory: decoded row groups are cached per source and process (each worker process of a
-    pipeline has its own cache) up to ``cache_bytes`` of Arrow data, evicting the least
-    recently used. A row group larger than ``cache_bytes`` is decoded for every read that
+    Memory: decoded row groups are cached as NumPy columns per source and process (each worker
+    process of a pipeline has its own cache) up to ``cache_bytes``, evicting the least
+    recently used. Sizes are NumPy buffer sizes; for string, binary and other object columns
+    the estimate adds the Arrow data size plus 64 bytes per Python object. A row group larger than ``cache_bytes`` is decoded for every read that
     needs it and not kept. While reads are in flight, each reading thread may additionally
     hold the row group it is decoding. Set ``cache_bytes`` to at least the size of the row
     groups a window of reads touches: with a global shuffle every read touches random row
@@ -115,9 +134,9 @@ class ParquetDataSource:
         self._handles: dict[int, pq.ParquetFile] = {}
         self._file_locks = [threading.Lock() for _ in self._files]
         self._lock = threading.Lock()
-        self._cache: collections.OrderedDict[int, pa.Table] = collections.OrderedDict()
+        self._cache: collections.OrderedDict[int, _RowGroup] = collections.OrderedDict()
         self._cached_bytes = 0
-        self._loading: dict[int, concurrent.futures.Future[pa.Table]] = {}
+        self._loading: dict[int, concurrent.futures.Future[_RowGroup]] = {}
 
     # --------------------------------------------------------------- properties
     def __len__(self) -> int:
@@ -168,7 +187,10 @@ class ParquetDataSource:
           IndexError: If an index is outside ``[0, len(self))``.
           ValueError: If a row group cannot be decoded (naming the file and row group).
         """
-        keys = np.asarray([operator.index(k) for k in record_keys], dtype=np.int64)
+        keys = np.asarray(record_keys)
+        if keys.dtype.kind not in "iu":  # floats, objects: each must be a real index
+            keys = np.asarray([operator.index(k) for k in record_keys], dtype=np.int64)
+        keys = keys.astype(np.int64, copy=False).reshape(-1)
         if not len(keys):
             return []
         bad = np.flatnonzero((keys < 0) | (keys >= self._len))
@@ -176,16 +198,20 @@ class ParquetDataSource:
             raise IndexError(self._index_message(int(keys[bad[0]])))
         units = np.searchsorted(self._starts, keys, side="right") - 1
         offsets = keys - self._starts[units]
-        order = np.argsort(units, kind="stable")
-        groups = np.split(order, np.flatnonzero(np.diff(units[order])) + 1)
-        out: list[Any] = [None] * len(keys)
-        for group in groups:
-            table = self._row_group(int(units[group[0]]))
-            taken = table.take(pa.array(offsets[group]))
-            rows = rows_from_columns(self._names, [column_to_numpy(c) for c in taken.columns])
-            for position, row in zip(group.tolist(), rows, strict=True):
-                out[position] = row
-        return out
+        if units[0] == units[-1] and (units == units[0]).all():  # one row group: no regrouping
+            columns = [c[offsets] for c in self._row_group(int(units[0])).columns]
+        else:
+            order = np.argsort(units, kind="stable")
+            groups = np.split(order, np.flatnonzero(np.diff(units[order])) + 1)
+            parts = [
+                [c[offsets[g]] for c in self._row_group(int(units[g[0]])).columns] for g in groups
+            ]
+            inverse = np.empty_like(order)
+            inverse[order] = np.arange(len(order))
+            # Concatenation promotes where row groups differ (an int column with nulls in one
+            # row group converts to float there).
+            columns = [np.concatenate(same)[inverse] for same in zip(*parts, strict=True)]
+        return rows_from_columns(self._names, columns)
 
     def _index_message(self, index: int) -> str:
         files = self.paths
@@ -196,13 +222,13 @@ class ParquetDataSource:
         )
 
     # -------------------------------------------------------------- row groups
-    def _row_group(self, unit: int) -> pa.Table:
+    def _row_group(self, unit: int) -> _RowGroup:
         """The decoded row group ``unit``, from the cache or read (once, across threads)."""
         with self._lock:
-            table = self._cache.get(unit)
-            if table is not None:
+            cached = self._cache.get(unit)
+            if cached is not None:
                 self._cache.move_to_end(unit)
-                return table
+                return cached
             future = self._loading.get(unit)
             owner = future is None
             if future is None:
@@ -210,7 +236,7 @@ class ParquetDataSource:
         if not owner:
             return future.result()
         try:
-            table = self._read_row_group(unit)
+            decoded = self._read_row_group(unit)
         except BaseException as err:
             with self._lock:
                 del self._loading[unit]
@@ -218,21 +244,20 @@ class ParquetDataSource:
             raise
         with self._lock:
             del self._loading[unit]
-            self._store(unit, table)
-        future.set_result(table)
-        return table
+            self._store(unit, decoded)
+        future.set_result(decoded)
+        return decoded
 
-    def _store(self, unit: int, table: pa.Table) -> None:
-        size = table.nbytes
-        if size > self._cache_bytes:
+    def _store(self, unit: int, decoded: _RowGroup) -> None:
+        if decoded.nbytes > self._cache_bytes:
             return
-        while self._cached_bytes + size > self._cache_bytes:
+        while self._cached_bytes + decoded.nbytes > self._cache_bytes:
             _, evicted = self._cache.popitem(last=False)
             self._cached_bytes -= evicted.nbytes
-        self._cache[unit] = table
-        self._cached_bytes += size
+        self._cache[unit] = decoded
+        self._cached_bytes += decoded.nbytes
 
-    def _read_row_group(self, unit: int) -> pa.Table:
+    def _read_row_group(self, unit: int) -> _RowGroup:
         file_index = int(self._unit_file[unit])
         row_group = int(self._unit_row_group[unit])
         file = self._files[file_index]
@@ -244,17 +269,16 @@ class ParquetDataSource:
                 handle = open_parquet(file, self._read_kwargs, self._footers[file_index])
                 self._handles[file_index] = handle
             try:
-                return handle.read_row_group(row_group, columns=self._columns)
+                table = handle.read_row_group(row_group, columns=self._columns)
             except (pa.ArrowException, OSError) as err:
                 raise read_error(file, row_group, err) from err
+        return _RowGroup.from_table(table)
 
     # ------------------------------------------------------------------ pickling
     def __getstate__(self) -> dict[str, Any]:
         # Open files, locks and the cache stay behind; the footers too (they can be large),
         # a worker re-reads the footers of the files it uses.
-        keep = ("_files", "_columns", "_cache_bytes", "_read_kwargs", "_schema", "_unit_file")
-        keep += ("_unit_row_group", "_starts", "_len", "_names")
-        return {name: self.__dict__[name] for name in keep}
+        return {name: self.__dict__[name] for name in _PICKLED}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
@@ -285,6 +309,26 @@ class ParquetDataSource:
             f"ParquetDataSource(num_files={len(self._files)}, first_file={self.paths[0]!r}, "
             f"paths_sha1={digest}, columns={columns})"
         )
+
+
+class _RowGroup:
+    """A decoded row group: its columns as NumPy arrays and their estimated size."""
+
+    __slots__ = ("columns", "nbytes")
+
+    def __init__(self, columns: list[np.ndarray], nbytes: int) -> None:
+        self.columns = columns
+        self.nbytes = nbytes
+
+    @classmethod
+    def from_table(cls, table: pa.Table) -> _RowGroup:
+        columns = [column_to_numpy(c) for c in table.columns]
+        nbytes = 0
+        for arrow_column, array in zip(table.columns, columns, strict=True):
+            nbytes += array.nbytes
+            if array.dtype == object:
+                nbytes += arrow_column.nbytes + _PYTHON_OBJECT_BYTES * array.size
+        return cls(columns, nbytes)
 
 
 def _read_footers(

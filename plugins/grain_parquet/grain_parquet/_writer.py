@@ -211,8 +211,8 @@ class ParquetWriter:
     def __enter__(self) -> ParquetWriter:
         return self
 
-    def __exit__(self, exc_type: object, *exc_info: object) -> None:
-        if exc_type is None:
+    def __exit__(self, *exc_info: object) -> None:
+        if exc_info[0] is None:
             self.close()
         else:
             self.abort()
