@@ -20,6 +20,7 @@ prefix; after a worker is stopped or dies the parent removes whatever is left un
 from __future__ import annotations
 
 import _posixshmem  # type: ignore[import-not-found]
+import collections
 import concurrent.futures
 import dataclasses
 import itertools
@@ -28,7 +29,7 @@ import os
 import secrets
 import threading
 import weakref
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from multiprocessing import resource_tracker, shared_memory
 from typing import Any
 
@@ -92,10 +93,10 @@ def _create_block(size: int) -> tuple[str, mmap.mmap]:
 
 
 def open_block(name: str) -> mmap.mmap:
-    """Maps an existing block read-write (the name stays). Pages are mapped on first access."""
+    """Maps an existing block read-write (the name stays), all pages at once."""
     fd = _posixshmem.shm_open(name, os.O_RDWR, mode=0o600)
     try:
-        return mmap.mmap(fd, os.fstat(fd).st_size, flags=mmap.MAP_SHARED)
+        return mmap.mmap(fd, os.fstat(fd).st_size, flags=mmap.MAP_SHARED | _POPULATE)
     finally:
         os.close(fd)
 
@@ -107,6 +108,7 @@ class _BlockPool:
         self._max_free = max_free_per_size
         self._free: dict[int, list[tuple[str, mmap.mmap]]] = {}
         self._used: dict[str, mmap.mmap] = {}
+        self.dropped: list[str] = []
 
     def take(self, size: int) -> tuple[str, mmap.mmap]:
         free = self._free.get(size)
@@ -127,6 +129,7 @@ class _BlockPool:
                 free.append((name, mapping))
             else:
                 unlink_block(name)
+                self.dropped.append(name)
 
     def unlink_all(self) -> None:
         for name in self._used:
@@ -153,6 +156,14 @@ def release_blocks(names: Iterable[str]) -> None:
         _pool.give_back(names)
     else:
         unlink_shm(names)
+
+
+def take_dropped() -> list[str]:
+    """Names this process's pool unlinked since the last call (the parent forgets them)."""
+    if _pool is None or not _pool.dropped:
+        return []
+    dropped, _pool.dropped = _pool.dropped, []
+    return dropped
 
 
 def unlink_pool() -> None:
@@ -389,29 +400,50 @@ def _encode(x: Any, min_size: int, names: list[str]) -> Any:
     return x
 
 
-def open_from_shm(tree: Any, on_release: Callable[[str], None] | None = None) -> Any:
+class RecycledBlocks:
+    """The parent's side of a worker's block pool: mappings kept for blocks the worker reuses
+    (so their pages are mapped once), and the names of blocks the consumer has dropped."""
+
+    def __init__(self) -> None:
+        self.mappings: dict[str, mmap.mmap] = {}
+        self.released: collections.deque[str] = collections.deque()
+
+    def take_released(self) -> list[str]:
+        released = self.released
+        return [released.popleft() for _ in range(len(released))]
+
+    def forget(self, names: Iterable[str]) -> None:
+        for name in names:
+            self.mappings.pop(name, None)
+
+
+def open_from_shm(tree: Any, recycled: RecycledBlocks | None = None) -> Any:
     """Turns references back into arrays.
 
     Args:
       tree: An element with ``_ShmRef`` leaves.
-      on_release: Called with a block's name once the array over it is garbage-collected (the
-        sender recycles the block). Without it the name is unlinked as soon as it is mapped.
+      recycled: The sender recycles blocks: keep their mappings and record each block's name in
+        ``recycled.released`` once the array over it is garbage-collected. Without it the name
+        is unlinked as soon as it is mapped.
     """
     if isinstance(tree, _ShmRef):
-        mapping = open_block(tree.name)
-        arr = np.ndarray(tree.shape, tree.dtype, buffer=mapping)
-        if on_release is None:
+        if recycled is None:
+            once = open_block(tree.name)
             unlink_block(tree.name)
-        else:
-            weakref.finalize(arr, on_release, tree.name)
+            return np.ndarray(tree.shape, tree.dtype, buffer=once)
+        mapping = recycled.mappings.get(tree.name)
+        if mapping is None:
+            mapping = recycled.mappings[tree.name] = open_block(tree.name)
+        arr = np.ndarray(tree.shape, tree.dtype, buffer=mapping)
+        weakref.finalize(arr, recycled.released.append, tree.name)
         return arr
     kind = type(tree)
     if kind is dict:
-        return {k: open_from_shm(v, on_release) for k, v in tree.items()}
+        return {k: open_from_shm(v, recycled) for k, v in tree.items()}
     if kind is list:
-        return [open_from_shm(v, on_release) for v in tree]
+        return [open_from_shm(v, recycled) for v in tree]
     if isinstance(tree, tuple):
-        items = [open_from_shm(v, on_release) for v in tree]
+        items = [open_from_shm(v, recycled) for v in tree]
         if hasattr(kind, "_fields"):
             return kind(*items)
         return kind(items)

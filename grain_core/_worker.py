@@ -12,8 +12,9 @@ Protocol, one pair of pipes per worker (no polling anywhere):
   shared-memory blocks the parent no longer uses (the worker reuses them); ``("set_state",
   generation, state, credits)`` restores the worker pipeline without restarting the process;
   ``("stop",)``.
-* output (worker → parent): ``(generation, kind, element, state, shm_names)`` where ``kind`` is
-  ``ELEMENT``, ``END`` or ``ERROR``; ``state`` is the worker pipeline's state right after producing
+* output (worker → parent): ``(generation, kind, element, state, shm_names, dropped)`` where
+  ``kind`` is ``ELEMENT``, ``END`` or ``ERROR`` and ``dropped`` names blocks the worker freed
+  (the parent forgets its mappings of them); ``state`` is the worker pipeline's state right after producing
   the element, so the parent never has to ask for it. Messages of an older generation (produced
   before a ``set_state``) are discarded by the parent, their shared memory freed.
 
@@ -248,7 +249,7 @@ class _WorkerLoop:
         self._output.send_bytes(pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL))
 
     def _send_error(self, error: BaseException) -> None:
-        self._send((self._generation, ERROR, _error_message(error), None, ()))
+        self._send((self._generation, ERROR, _error_message(error), None, (), ()))
         self._finished = True
         self._credits = max(self._credits - 1, 0)
 
@@ -260,7 +261,7 @@ class _WorkerLoop:
         try:
             element = next(it)
         except StopIteration:
-            self._send((self._generation, END, None, it.get_state(), ()))
+            self._send((self._generation, END, None, it.get_state(), (), ()))
             self._finished = True
             self._credits -= 1
             return
@@ -270,7 +271,9 @@ class _WorkerLoop:
         state = it.get_state()
         tree, names = _shm.copy_to_shm(element, self._min_shm_size)
         try:
-            data = _dumps_element((self._generation, ELEMENT, tree, state, names))
+            data = _dumps_element(
+                (self._generation, ELEMENT, tree, state, names, _shm.take_dropped())
+            )
         except Exception as e:  # noqa: BLE001 - an element that cannot travel is an error
             _shm.release_blocks(names)
             error = TypeError(

@@ -16,7 +16,6 @@ its worker's state right after producing it, so ``get_state`` never talks to the
 
 from __future__ import annotations
 
-import collections
 import copy
 import io
 import pickle
@@ -368,8 +367,8 @@ class _ProcessPrefetchIterator(DatasetIterator[Any]):
         self._generation = 0
         self._outstanding = 0
         self._error: BaseException | None = None
-        # Blocks of elements the consumer has dropped, handed back with the next credit.
-        self._released: collections.deque[str] = collections.deque()
+        # Blocks of elements the consumer has dropped go back with the next credit.
+        self._recycled = _shm.RecycledBlocks()
 
     def _start(self) -> None:
         mp_ds = self._mp_ds
@@ -394,9 +393,7 @@ class _ProcessPrefetchIterator(DatasetIterator[Any]):
     def _grant(self, credits: int) -> None:
         if credits > 0:
             assert self._pool is not None
-            released = self._released
-            names = [released.popleft() for _ in range(len(released))]
-            self._pool.send(0, ("credit", credits, names))
+            self._pool.send(0, ("credit", credits, self._recycled.take_released()))
             self._outstanding += credits
 
     def start_prefetch(self) -> None:
@@ -417,19 +414,20 @@ class _ProcessPrefetchIterator(DatasetIterator[Any]):
         assert pool is not None
         while True:
             try:
-                generation, kind, element, state, names = pool.recv(0)
+                generation, kind, element, state, names, dropped = pool.recv(0)
             except WorkerDiedError as e:
                 self._error = e
                 raise
+            self._recycled.forget(dropped)
             if generation == self._generation:
                 break
-            self._released.extend(names)  # produced before the last set_state
+            self._recycled.released.extend(names)  # produced before the last set_state
         self._outstanding -= 1
         if kind == ELEMENT:
             self._state = state
             if self._buffer > 0:
                 self._grant(1)
-            return _shm.open_from_shm(element, self._released.append) if names else element
+            return _shm.open_from_shm(element, self._recycled) if names else element
         if kind == END:
             self._state = state
             self._exhausted = True
