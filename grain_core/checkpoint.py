@@ -68,6 +68,16 @@ def read_process_file(directory: Any) -> str:
     """
     path = Path(os.fspath(directory)) / process_file_name()
     if not path.exists():
+        names = (p.stem.rsplit("-of-", 1)[1] for p in path.parent.glob("process_*-of-*.json"))
+        written = sorted({int(n) for n in names if n.isdigit()})
+        count = _process_index_and_count()[1]
+        if written and count not in written:
+            raise ValueError(
+                f"File {path} does not exist: the checkpoint in {path.parent} was written by "
+                f"{' / '.join(map(str, written))} processes, and this run has {count}. Restore "
+                "with the same number of processes, or checkpoint a "
+                "grain_core.experimental.ElasticIterator, which restores under any process count."
+            )
         raise ValueError(
             f"File {path} does not exist. The checkpoint was not written by this process "
             "(check the directory and the JAX process count)."

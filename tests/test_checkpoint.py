@@ -123,3 +123,12 @@ def test_orbax_checkpoint_manager_with_model_params(tmp_path: Path) -> None:
         )
     np.testing.assert_array_equal(restored["params"]["w"], params["w"])
     assert list(fresh) == list(range(2, 10))
+
+
+def test_restore_with_another_process_count_says_so(tmp_path: Path) -> None:
+    for i in range(2):
+        (tmp_path / f"process_{i}-of-2.json").write_text('{"next_index": 1}')
+    with pytest.raises(
+        ValueError, match=r"written by 2 processes, and this run has 1.*ElasticIterator"
+    ):
+        checkpoint.CheckpointHandler().restore(tmp_path, _dataset_iterator())
