@@ -177,7 +177,7 @@ class FormatSpec:
             raise MissingCapabilityError(
                 f"Format {self.name!r} has no {capability}; it offers: {', '.join(self.provides)}."
             )
-        return factory  # type: ignore[no-any-return]
+        return factory
 
     def match_strength(self, path: str) -> int:
         """How specifically this format claims ``path``: 0 for not at all.
