@@ -314,7 +314,6 @@ class WorkerPool:
     that uses it, so it can be finalised when that iterator is garbage-collected."""
 
     def __init__(self, specs: Sequence[WorkerSpec]) -> None:
-        self.count = len(specs)
         self._closed = False
         self._procs: list[Any] = []
         self._controls: list[Any] = []
