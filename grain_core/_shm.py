@@ -19,7 +19,6 @@ prefix; after a worker is stopped or dies the parent removes whatever is left un
 
 from __future__ import annotations
 
-import _posixshmem  # type: ignore[import-not-found]
 import collections
 import concurrent.futures
 import dataclasses
@@ -34,6 +33,14 @@ from multiprocessing import resource_tracker, shared_memory
 from typing import Any
 
 import numpy as np
+
+try:
+    import _posixshmem  # type: ignore[import-not-found]
+except ImportError:  # Windows: no POSIX shared memory; arrays travel pickled instead.
+    _posixshmem = None
+
+#: Whether this platform has POSIX shared memory.
+AVAILABLE = _posixshmem is not None
 
 __all__ = [
     "SharedMemoryArray",
@@ -357,7 +364,13 @@ class _ShmRef:
 
 
 def _qualifies(x: np.ndarray, min_size: int) -> bool:
-    return x.nbytes >= min_size and x.nbytes > 0 and not x.dtype.hasobject and x.flags.c_contiguous
+    return (
+        AVAILABLE
+        and x.nbytes >= min_size
+        and x.nbytes > 0
+        and not x.dtype.hasobject
+        and x.flags.c_contiguous
+    )
 
 
 def copy_to_shm(tree: Any, min_size: int = 0) -> tuple[Any, list[str]]:

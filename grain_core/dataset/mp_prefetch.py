@@ -223,7 +223,8 @@ def make_batch_in_shared_memory(values: Sequence[Any]) -> Any:
 def _stack_into_shared_memory(*leaves: Any) -> Any:
     first = leaves[0]
     if (
-        isinstance(first, np.ndarray)
+        _shm.AVAILABLE
+        and isinstance(first, np.ndarray)
         and first.dtype.kind not in "OUSV"
         and first.nbytes * len(leaves) >= _shm.DEFAULT_MIN_SHM_SIZE
         and all(
