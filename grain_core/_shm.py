@@ -139,7 +139,8 @@ class _BlockPool:
                 self.dropped.append(name)
 
     def unlink_all(self) -> None:
-        for name in self._used:
+        # A snapshot: reader threads of a closing pipeline may still be taking blocks.
+        for name in list(self._used):
             unlink_block(name)
         for free in self._free.values():
             for name, _ in free:
