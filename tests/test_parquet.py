@@ -517,6 +517,10 @@ def test_writer_rejects_bad_records(tmp_path: Path) -> None:
         writer.close()
     writer.abort()
     assert not path.exists()
+    with ParquetWriter(path, row_group_size=1) as writer:
+        writer.write({"id": 1})
+        with pytest.raises(ValueError, match=r"record 1 has extra column 'v'; the columns are"):
+            writer.write({"id": 2, "v": 3})
     with pytest.raises(ValueError, match="row_group_size must be a positive int"):
         ParquetWriter(tmp_path / "y.parquet", row_group_size=0)
 

@@ -273,9 +273,10 @@ class _ParquetFileIterator(DatasetIterator[dict[str, Any]]):
                 break
             start = self._offset
             stop = min(start + needed, self._batch_len)
-            pieces.append([c[start:stop] for c in self._cols])
-            needed -= stop - start
-            self._offset = stop
+            if stop > start:
+                pieces.append([c[start:stop] for c in self._cols])
+                needed -= stop - start
+                self._offset = stop
         if not pieces:
             raise StopIteration
         if len(pieces) == 1:

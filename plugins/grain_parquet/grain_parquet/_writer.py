@@ -159,10 +159,16 @@ class ParquetWriter:
         rows, self._rows = self._rows, []
         first = self._written + self._pending_rows
         names = list(self._schema.names) if self._schema is not None else list(rows[0])
-        missing = [(k, n) for k, r in enumerate(rows) for n in names if n not in r]
-        if missing:
-            k, name = missing[0]
-            raise ValueError(f"{self.path}: record {first + k} has no column {name!r}.")
+        for k, row in enumerate(rows):
+            if len(row) != len(names) or any(n not in row for n in names):
+                missing = [n for n in names if n not in row]
+                extra = [n for n in row if n not in names]
+                what = (
+                    f"has no column {missing[0]!r}" if missing else f"has extra column {extra[0]!r}"
+                )
+                raise ValueError(
+                    f"{self.path}: record {first + k} {what}; the columns are {names}."
+                )
         self._push(self._table({n: [r[n] for r in rows] for n in names}, first))
 
     def _push(self, table: pa.Table) -> None:
