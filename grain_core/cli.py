@@ -11,8 +11,7 @@ import argparse
 import json
 import subprocess
 import sys
-import time
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -72,10 +71,14 @@ def _parser() -> argparse.ArgumentParser:
     inspect.add_argument("--json", action="store_true", help="print JSON")
     inspect.set_defaults(run=_cmd_inspect)
 
-    demo = commands.add_parser("demo", help="run the example pipeline and print its throughput")
-    demo.add_argument("--records", type=int, default=10_000, help="in-memory records (10000)")
-    demo.add_argument("--batches", type=int, default=200, help="batches of 128 to read (200)")
-    demo.set_defaults(run=_cmd_demo)
+    demo = commands.add_parser(
+        "demo",
+        help="train a small JAX model from a data file, preempt it and resume it bit-exactly",
+    )
+    from grain_core import demo as demo_module
+
+    demo_module.add_arguments(demo)
+    demo.set_defaults(run=demo_module.run)
 
     bench = commands.add_parser(
         "bench",
@@ -202,39 +205,6 @@ def _json_default(value: Any) -> Any:
     if isinstance(value, bytes):
         return value[:_SAMPLE_CHARS].decode("utf-8", errors="replace")
     return repr(value)
-
-
-def _cmd_demo(args: argparse.Namespace) -> int:
-    import grain_core
-    from grain_core import _demo
-
-    if args.records <= 0 or args.batches <= 0:
-        raise ValueError("--records and --batches must be positive.")
-    print(
-        f"pipeline: source({args.records:,} in-memory records "
-        '{"image": uint8[28,28,1], "label": int}) -> seed(42) -> shuffle -> repeat '
-        f"-> map(normalise) -> batch({_demo.BATCH_SIZE}, drop_remainder=True)"
-    )
-    dataset = _demo.seed_pipeline(grain_core, _demo.make_records(args.records))
-    iterator = iter(dataset.to_iter_dataset())
-    start = time.perf_counter()
-    first = next(iterator)
-    for _ in progress(_take(iterator, args.batches - 1), args.batches - 1, "batches"):
-        pass
-    elapsed = time.perf_counter() - start
-    shapes = ", ".join(f"{k} {v.dtype}{list(v.shape)}" for k, v in first.items())
-    elements = args.batches * _demo.BATCH_SIZE
-    print(f"batch:    {shapes}")
-    print(
-        f"read:     {args.batches:,} batches ({elements:,} elements) in {elapsed:.2f} s: "
-        f"{elements / elapsed:,.0f} elements/s, {args.batches / elapsed:,.1f} batches/s"
-    )
-    return 0
-
-
-def _take(iterator: Iterator[_T], count: int) -> Iterator[_T]:
-    for _ in range(count):
-        yield next(iterator)
 
 
 def progress(iterable: Iterable[_T], total: int, unit: str) -> Iterable[_T]:

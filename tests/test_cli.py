@@ -190,23 +190,6 @@ def test_inspect_errors_are_clear(site: Path, tmp_path: Path, grain_core_cli: Ru
     assert "No format named 'nope' is installed. Installed: fakefmt." in err
 
 
-def test_demo_runs_the_seed_pipeline(grain_core_cli: RunCli) -> None:
-    code, out, _ = grain_core_cli("demo", "--records", "300", "--batches", "3")
-    assert code == 0
-    assert (
-        "seed(42) -> shuffle -> repeat -> map(normalise) -> batch(128, drop_remainder=True)" in out
-    )
-    assert "batch:    image float32[128, 28, 28, 1], label int64[128]" in out
-    assert "read:     3 batches (384 elements) in" in out
-    assert "elements/s" in out
-
-
-def test_demo_rejects_non_positive_sizes(grain_core_cli: RunCli) -> None:
-    code, _, err = grain_core_cli("demo", "--batches", "0")
-    assert code == 1
-    assert "--records and --batches must be positive" in err
-
-
 def test_bench_delegates_to_the_checkout_runner(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, grain_core_cli: RunCli
 ) -> None:
