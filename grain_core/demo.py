@@ -258,7 +258,7 @@ class _Training:
 
 def _save_checkpoint(directory: Path, it: Any, params: dict[str, Any], step: int) -> None:
     CheckpointHandler().save(directory / "loader", it)
-    host_params = {k: np.asarray(v) for k, v in params.items()}
+    host_params: dict[str, Any] = {k: np.asarray(v) for k, v in params.items()}
     tmp = directory / "params.tmp.npz"
     np.savez(tmp, **host_params)
     os.replace(tmp, directory / "params.npz")
