@@ -5,6 +5,7 @@ Files are written by pyarrow (or the plugin's writer) in temporary directories.
 
 from __future__ import annotations
 
+import json
 import pickle
 import threading
 from collections.abc import Callable, Sequence
@@ -13,6 +14,8 @@ from typing import Any
 
 import numpy as np
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 grain_parquet = pytest.importorskip("grain_parquet")
 
@@ -20,7 +23,7 @@ import pyarrow as pa  # noqa: E402
 import pyarrow.parquet as pq  # noqa: E402
 
 import grain_core as grain  # noqa: E402
-from grain_core import plugins  # noqa: E402
+from grain_core import cli, plugins  # noqa: E402
 from grain_core.experimental import (  # noqa: E402
     WindowShuffleMapDataset,
     get_next_index,
@@ -242,6 +245,44 @@ def test_column_batches_are_zero_copy_for_numbers(one_file: str) -> None:
     batch = next(iter(ParquetIterDataset(one_file, column_batch_size=5)))
     assert not batch["id"].flags.writeable and not batch["vec"].flags.writeable
     assert batch["text"].dtype == object
+
+
+@given(
+    num_rows=st.integers(0, 40),
+    row_group_size=st.integers(1, 10),
+    read_batch_size=st.integers(1, 8),
+    column_batch_size=st.one_of(st.none(), st.integers(1, 9)),
+    position=st.integers(0, 41),
+)
+def test_any_layout_restores_anywhere(
+    num_rows: int,
+    row_group_size: int,
+    read_batch_size: int,
+    column_batch_size: int | None,
+    position: int,
+) -> None:
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as directory:
+        path = _write(Path(directory) / "h.parquet", 0, num_rows, row_group_size)
+        ds = ParquetIterDataset(
+            path,
+            columns=["id"],
+            read_batch_size=read_batch_size,
+            column_batch_size=column_batch_size,
+        )
+        out = list(ds)
+        ids = [np.atleast_1d(e["id"]).tolist() for e in out]
+        assert sum(ids, []) == list(range(num_rows))
+        if column_batch_size is not None:
+            assert all(len(b) == column_batch_size for b in ids[:-1])
+        position = min(position, len(out))
+        it = iter(ds)
+        for _ in range(position):
+            next(it)
+        restored = iter(ds)
+        restored.set_state(it.get_state())
+        assert [np.atleast_1d(e["id"]).tolist() for e in restored] == ids[position:]
 
 
 def test_null_and_variable_length_values(tmp_path: Path) -> None:
@@ -547,6 +588,14 @@ def test_inspector_reports_schema_row_groups_sizes_and_sample(one_file: str) -> 
     assert info.details["bytes"] == Path(one_file).stat().st_size
     assert info.details["compressed_bytes"] > 0 and info.details["uncompressed_bytes"] > 0
     assert [int(r["id"]) for r in info.sample] == [0, 1, 2]
+
+
+def test_cli_inspect(one_file: str, capsys: pytest.CaptureFixture[str]) -> None:
+    assert cli.main(["inspect", one_file, "--sample", "1", "--json"]) == 0
+    summary = json.loads(capsys.readouterr().out)
+    assert (summary["format"], summary["num_records"]) == ("parquet", 23)
+    assert summary["details"]["row_groups"] == 5
+    assert summary["sample"][0]["text"] == "row 0"
 
 
 # --------------------------------------------------------------------- bad input
