@@ -77,15 +77,30 @@ def device_put(
     return ThreadPrefetchIterDataset(host.map(put), prefetch_buffer_size=device_buffer_size)
 
 
-def _placer(jax: Any, target: Any) -> Any:
+def _placer(jax: Any, target: Any) -> _Place:
     if isinstance(target, jax.sharding.Sharding):
-        return functools.partial(make_global_batch, sharding=target)
+        return _Place("make_global_batch", make_global_batch, target)
     if isinstance(target, jax.Device):
-        return functools.partial(jax.device_put, device=target)
+        return _Place("device_put", jax.device_put, target)
     raise TypeError(
         f"device_put needs a jax.Device or a jax.sharding.Sharding, got {type(target).__name__} "
         f"({target!r})."
     )
+
+
+class _Place:
+    """``put(element, target)`` as a transform, named after both in the execution summary."""
+
+    def __init__(self, name: str, put: Any, target: Any) -> None:
+        self._name = name
+        self._put = put
+        self._target = target
+
+    def __call__(self, element: Any) -> Any:
+        return self._put(element, self._target)
+
+    def __repr__(self) -> str:
+        return f"{self._name}({self._target})"
 
 
 def make_global_batch(local_batch: Any, sharding: Any) -> Any:

@@ -175,3 +175,25 @@ def test_without_jax_names_the_extra(monkeypatch: pytest.MonkeyPatch) -> None:
         device_put(_batches(), object())
     with pytest.raises(ImportError, match=r"pip install 'grain-core\[jax\]'"):
         make_global_batch(np.zeros(2), object())
+
+
+def test_execution_summary_through_a_data_loader() -> None:
+    from grain_core.experimental import (
+        DatasetOptions,
+        ExecutionTrackingMode,
+        WithOptionsIterDataset,
+        get_execution_summary,
+    )
+
+    loader = grain.DataLoader(
+        data_source=np.arange(64, dtype=np.int32),
+        sampler=grain.samplers.SequentialSampler(64),
+        operations=[grain.transforms.Batch(8)],
+    )
+    options = DatasetOptions(execution_tracking_mode=ExecutionTrackingMode.STAGE_TIMING)
+    device = jax.devices()[0]
+    with iter(WithOptionsIterDataset(device_put(loader, device), options)) as it:
+        assert len(list(it)) == 8
+        names = [stage.name for stage in get_execution_summary(it).stages]
+    assert f"Map(device_put({device}))" in names
+    assert "DataLoader" in names
