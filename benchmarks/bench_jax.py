@@ -32,7 +32,7 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 from _harness import workload  # noqa: E402
 
-from grain_core import demo  # noqa: E402
+from grain_core import _demo, demo  # noqa: E402
 from grain_core.experimental import device_put  # noqa: E402
 
 STEPS = 100
@@ -152,7 +152,7 @@ def _report(steps: int) -> None:
     step_ms = 1000 * (time.perf_counter() - start) / steps
     print(
         f"model step (batches already on device): {step_ms:.2f} ms; loader alone, in-process: "
-        f"{loader_ms:.2f} ms per batch of {demo._demo.BATCH_SIZE}"
+        f"{loader_ms:.2f} ms per batch of {_demo.BATCH_SIZE}"
     )
     print(f"{'configuration':34} {'loop s':>8} {'waiting s':>10} {'waiting %':>10}")
     for label, (workers, prefetch) in {"in-memory device batches": (-1, False), **CONFIGS}.items():

@@ -84,6 +84,8 @@ def run(args: argparse.Namespace) -> int:
         )
         return 1
     if args.resume_from:
+        if not args.dir:
+            raise ValueError("--resume-from needs --dir, the directory holding the data file.")
         return _resume(args, Path(args.resume_from), checkpoint_step)
     workdir = Path(args.dir) if args.dir else Path(tempfile.mkdtemp(prefix="grain-core-demo-"))
     try:

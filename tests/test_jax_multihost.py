@@ -115,11 +115,16 @@ def _without_pids(steps: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 
 def _pid_alive(pid: int) -> bool:
+    """True while ``pid`` runs; an exited process nobody has reaped yet (a zombie) is dead."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
-    return True
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return not Path("/proc/self").exists()  # no procfs: trust os.kill
+    return stat.rsplit(")", 1)[1].split()[0] != "Z"
 
 
 def _run_preempted_and_resumed(
