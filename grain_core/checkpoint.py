@@ -60,15 +60,23 @@ def write_process_file(directory: Any, text: str) -> Path:
     return path
 
 
-def read_process_file(directory: Any) -> str:
+def read_process_file(directory: Any, *, any_process: bool = False) -> str:
     """Reads this process's checkpoint file from ``directory``.
+
+    Args:
+      directory: The checkpoint directory.
+      any_process: If this process's file is missing, read another process's file (for states
+        that are the same on every process, such as an ``ElasticIterator`` over a MapDataset).
 
     Raises:
       ValueError: if the file does not exist.
     """
     path = Path(os.fspath(directory)) / process_file_name()
     if not path.exists():
-        names = (p.stem.rsplit("-of-", 1)[1] for p in path.parent.glob("process_*-of-*.json"))
+        files = sorted(path.parent.glob("process_*-of-*.json"))
+        if any_process and files:
+            return files[0].read_text(encoding="utf-8")
+        names = (p.stem.rsplit("-of-", 1)[1] for p in files)
         written = sorted({int(n) for n in names if n.isdigit()})
         count = _process_index_and_count()[1]
         if written and count not in written:
@@ -76,7 +84,8 @@ def read_process_file(directory: Any) -> str:
                 f"File {path} does not exist: the checkpoint in {path.parent} was written by "
                 f"{' / '.join(map(str, written))} processes, and this run has {count}. Restore "
                 "with the same number of processes, or checkpoint a "
-                "grain_core.experimental.ElasticIterator, which restores under any process count."
+                "grain_core.experimental.ElasticIterator over a MapDataset, which restores under "
+                "any process count."
             )
         raise ValueError(
             f"File {path} does not exist. The checkpoint was not written by this process "
@@ -116,7 +125,7 @@ class CheckpointHandler:
             restore_shard_state_files(directory, item)
             item.start_prefetch()
             return item
-        text = read_process_file(directory)
+        text = read_process_file(directory, any_process=_same_state_everywhere(item))
         try:
             state = json.loads(text)
         except json.JSONDecodeError as e:
@@ -146,6 +155,14 @@ class CheckpointHandler:
     @classmethod
     def typestr(cls) -> str:
         return f"{cls.__module__}.{cls.__qualname__}"
+
+
+def _same_state_everywhere(item: Any) -> bool:
+    # An ElasticIterator over a MapDataset has the same state on every shard, so a checkpoint
+    # of any process restores any number of processes (spec 7.4).
+    from grain_core.dataset.elastic import ElasticIterator
+
+    return isinstance(item, ElasticIterator)
 
 
 def _takes_bytes(item: Any) -> bool:

@@ -132,3 +132,17 @@ def test_restore_with_another_process_count_says_so(tmp_path: Path) -> None:
         ValueError, match=r"written by 2 processes, and this run has 1.*ElasticIterator"
     ):
         checkpoint.CheckpointHandler().restore(tmp_path, _dataset_iterator())
+
+
+def test_elastic_iterator_restores_under_another_process_count(tmp_path: Path) -> None:
+    from grain_core.experimental import ElasticIterator
+    from grain_core.sharding import ShardOptions
+
+    ds = grain.MapDataset.range(40)
+    two_hosts = [ElasticIterator(ds, 4, ShardOptions(i, 2)) for i in range(2)]
+    for i, it in enumerate(two_hosts):
+        assert [b.tolist() for b in (next(it), next(it))] == [[i, i + 2], [4 + i, 6 + i]]
+        (tmp_path / f"process_{i}-of-2.json").write_text(json.dumps(it.get_state()))
+    one_host = ElasticIterator(ds, 4, ShardOptions(0, 1))
+    checkpoint.CheckpointHandler().restore(tmp_path, one_host)
+    assert next(one_host).tolist() == [8, 9, 10, 11]
