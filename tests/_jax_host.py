@@ -8,7 +8,8 @@ writes what it saw to ``{out_dir}/{phase}-{process_id}.json``.
   ``CheckpointHandler`` into ``checkpoint_dir``, reads the rest, reports, then waits to be
   killed (a preemption; the test kills every process).
 * phase ``resume``: restores from ``checkpoint_dir`` and reads the rest; also tries to restore
-  ``other_count_dir`` (written by another process count) and reports the error.
+  ``other_count_dir`` (written by another process count) and reports the error, and restores
+  an ``ElasticIterator`` from ``elastic_dir`` (written by a single process).
 
 With ``global_arrays`` the loader goes through ``device_put`` onto a ``NamedSharding`` over
 every process's devices, so each step is one global ``jax.Array``, summed by a jitted
@@ -28,7 +29,7 @@ import numpy as np
 
 import grain_core as grain
 from grain_core.checkpoint import CheckpointHandler
-from grain_core.experimental import device_put
+from grain_core.experimental import ElasticIterator, device_put
 from grain_core.sharding import ShardByJaxProcess
 
 
@@ -120,6 +121,10 @@ def main() -> None:
             handler.restore(cfg["other_count_dir"], iter(loader))
         except ValueError as err:
             report["other_count_error"] = str(err)
+        # Written by one process; an ElasticIterator restores it under this process count.
+        elastic = ElasticIterator(grain.MapDataset.range(60), 6, ShardByJaxProcess())
+        handler.restore(cfg["elastic_dir"], elastic)
+        report["elastic_batch"] = next(elastic).tolist()
     _write_json(Path(cfg["out_dir"]) / f"{cfg['phase']}-{process_id}.json", report)
     if cfg["phase"] == "first":
         # Preempted here, iterator and workers alive: the test kills every process.

@@ -127,11 +127,29 @@ def _pid_alive(pid: int) -> bool:
     return stat.rsplit(")", 1)[1].split()[0] != "Z"
 
 
+def _write_single_process_elastic_checkpoint(directory: Path) -> None:
+    from grain_core import MapDataset
+    from grain_core.checkpoint import CheckpointHandler
+    from grain_core.experimental import ElasticIterator
+    from grain_core.sharding import ShardOptions
+
+    it = ElasticIterator(MapDataset.range(60), 6, ShardOptions(0, 1))
+    next(it), next(it)
+    CheckpointHandler().save(directory, it)
+    assert [p.name for p in directory.iterdir()] == ["process_0-of-1.json"]
+
+
 def _run_preempted_and_resumed(
     tmp_path: Path, cfg: dict[str, Any]
 ) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
     n = cfg["num_processes"]
-    cfg = dict(cfg, checkpoint_dir=str(tmp_path / "ckpt"), other_count_dir=str(tmp_path / "other"))
+    cfg = dict(
+        cfg,
+        checkpoint_dir=str(tmp_path / "ckpt"),
+        other_count_dir=str(tmp_path / "other"),
+        elastic_dir=str(tmp_path / "elastic"),
+    )
+    _write_single_process_elastic_checkpoint(tmp_path / "elastic")
     other = tmp_path / "other"
     other.mkdir()
     for i in range(n + 1):  # a checkpoint written by a cluster of another size
@@ -160,6 +178,11 @@ def _run_preempted_and_resumed(
             f"process {i} did not resume where it stopped"
         )
         assert f"written by {n + 1} processes, and this run has {n}" in after["other_count_error"]
+    # The single-process elastic checkpoint stood after 2 global batches of 6: every process
+    # continues with its share of global batch 3, elements 12..17.
+    shares = [r["elastic_batch"] for r in resumed]
+    assert all(len(share) == 6 // n for share in shares)
+    assert sorted(x for share in shares for x in share) == list(range(12, 18))
     return first, resumed
 
 
