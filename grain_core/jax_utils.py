@@ -40,7 +40,7 @@ def _import_jax(what: str) -> Any:
 
 def device_put(
     ds: Any,
-    device_or_sharding: Any,
+    device: Any,
     *,
     cpu_buffer_size: int = 4,
     device_buffer_size: int = 2,
@@ -50,9 +50,9 @@ def device_put(
     Args:
       ds: An ``IterDataset``, or a ``grain_core.DataLoader`` (the iterator's state is then the
         loader's version-2 JSON as a dict; ``CheckpointHandler`` writes the same text).
-      device_or_sharding: A ``jax.Device`` (each element is ``jax.device_put`` there), or a
+      device: A ``jax.Device`` (each element is ``jax.device_put`` there), or a
         ``jax.sharding.Sharding`` (each element becomes a global array from this process's
-        part, see :func:`make_global_batch`).
+        part, see :func:`make_global_batch`). Named as in Grain.
       cpu_buffer_size: Host elements read ahead of the device copy.
       device_buffer_size: Elements kept on device ahead of the consumer.
 
@@ -66,7 +66,7 @@ def device_put(
       ValueError: If a buffer size is negative.
     """
     jax = _import_jax("device_put")
-    put = _placer(jax, device_or_sharding)
+    put = _placer(jax, device)
     if cpu_buffer_size < 0 or device_buffer_size < 0:
         raise ValueError(
             f"Buffer sizes must be >= 0, got cpu_buffer_size={cpu_buffer_size}, "
