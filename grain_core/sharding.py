@@ -80,7 +80,8 @@ def jax_process_index_and_count(*, required: bool) -> tuple[int, int]:
     """Returns ``(jax.process_index(), jax.process_count())``.
 
     Args:
-      required: If False and JAX is not importable, returns ``(0, 1)``.
+      required: If False and JAX is not importable, logs a warning naming the package to
+        install and returns ``(0, 1)``.
 
     Raises:
       ImportError: If JAX is not importable and ``required`` is True; the message says
@@ -90,6 +91,13 @@ def jax_process_index_and_count(*, required: bool) -> tuple[int, int]:
         import jax
     except ImportError as err:
         if not required:
+            # Grain's fallback, but a multi-host job without JAX would read all the data on
+            # every host: say so.
+            _LOG.warning(
+                "JAX is not installed, so this process reads shard 0 of 1 (all the data). "
+                "For one shard per JAX process: %s",
+                JAX_INSTALL_HINT,
+            )
             return 0, 1
         raise ImportError(
             f"Sharding by JAX process needs JAX, which is not installed: {JAX_INSTALL_HINT}"

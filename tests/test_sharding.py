@@ -67,11 +67,13 @@ def test_shard_by_jax_process_reads_jax() -> None:
 
 
 def test_shard_by_jax_process_without_jax_is_single_shard(
-    monkeypatch: pytest.MonkeyPatch,
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
     monkeypatch.setitem(sys.modules, "jax", None)  # makes `import jax` raise ImportError
     options = ShardByJaxProcess()
     assert (options.shard_index, options.shard_count) == (0, 1)
+    assert "JAX is not installed" in caplog.text
+    assert "pip install 'grain-core[jax]'" in caplog.text
 
 
 def test_required_jax_names_the_extra_to_install(monkeypatch: pytest.MonkeyPatch) -> None:
