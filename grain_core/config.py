@@ -38,9 +38,7 @@ class Config:
     """
 
     def __init__(self) -> None:
-        object.__setattr__(
-            self, "_values", {k: _from_env(k, v) for k, v in _DEFAULTS.items()}
-        )
+        object.__setattr__(self, "_values", {k: _from_env(k, v) for k, v in _DEFAULTS.items()})
 
     def __getattr__(self, name: str) -> Any:
         values = object.__getattribute__(self, "_values")

@@ -28,7 +28,7 @@ from typing import Any
 import numpy as np
 
 from grain_core import transforms
-from grain_core.dataset.base import DatasetIterator, IterDataset, MapDataset
+from grain_core.dataset.base import DatasetIterator, Indices, IterDataset, MapDataset
 from grain_core.dataset.source import batched_read
 from grain_core.options import MultiprocessingOptions, ReadOptions
 from grain_core.record import Record, RecordMetadata
@@ -123,7 +123,7 @@ class _SamplerMapDataset(MapDataset[Record[Any]]):
             return self.slice(index)
         return self._getitems([index])[0]
 
-    def _getitems(self, indices: Sequence[int]) -> list[Any]:
+    def _getitems(self, indices: Indices) -> list[Any]:
         if self._len == 0:
             raise IndexError("The sampler yields no records for this shard.")
         local = np.asarray(indices, dtype=np.int64) % self._len

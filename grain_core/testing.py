@@ -41,7 +41,11 @@ def assert_trees_equal(actual: Any, expected: Any, path: str = "element") -> Non
             assert_trees_equal(a, e, f"{path}[{i}]")
     elif isinstance(expected, np.ndarray) or isinstance(actual, np.ndarray):
         a, e = np.asarray(actual), np.asarray(expected)
-        if a.shape != e.shape or a.dtype != e.dtype or not np.array_equal(a, e, equal_nan=_nan_ok(e)):
+        if (
+            a.shape != e.shape
+            or a.dtype != e.dtype
+            or not np.array_equal(a, e, equal_nan=_nan_ok(e))
+        ):
             raise AssertionError(f"{path}: {a!r} != {e!r}")
     elif actual != expected and not (_is_nan(actual) and _is_nan(expected)):
         raise AssertionError(f"{path}: {actual!r} != {expected!r}")
@@ -153,8 +157,10 @@ def check_iterator_conformance(
     Raises:
       AssertionError: describing the first violated promise.
     """
-    build = make_dataset if callable(make_dataset) and not _is_dataset(make_dataset) else (
-        lambda: make_dataset
+    build = (
+        make_dataset
+        if callable(make_dataset) and not _is_dataset(make_dataset)
+        else (lambda: make_dataset)
     )
     first_it = _iterate(build())
     expected = _take(first_it, max_elements)

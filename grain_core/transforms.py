@@ -9,7 +9,7 @@ from __future__ import annotations
 import abc
 import dataclasses
 from collections.abc import Callable, Sequence
-from typing import Any, Union
+from typing import Any
 
 import numpy as np
 
@@ -94,5 +94,5 @@ class DatasetSelectionMap(abc.ABC):
     def __getitem__(self, index: int) -> tuple[int, int]: ...
 
 
-Transformation = Union[Batch, Map, RandomMap, TfRandomMap, Filter, FlatMap, MapWithIndex]
+Transformation = Batch | Map | RandomMap | TfRandomMap | Filter | FlatMap | MapWithIndex
 Transformations = Sequence[Transformation]

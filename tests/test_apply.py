@@ -31,7 +31,9 @@ class Tag(transforms.MapWithIndex):
 
 def test_apply_dispatches_in_order():
     ds = MD.range(6).seed(2).apply([Double(), Jitter(), transforms.Batch(2, drop_remainder=True)])
-    expected = MD.range(6).seed(2).map(lambda x: x * 2).random_map(Jitter()).batch(2, drop_remainder=True)
+    expected = (
+        MD.range(6).seed(2).map(lambda x: x * 2).random_map(Jitter()).batch(2, drop_remainder=True)
+    )
     assert [b.tolist() for b in ds] == [b.tolist() for b in expected]
     it_ds = MD.range(6).to_iter_dataset().apply([Odd(), Tag()])
     assert list(it_ds) == [(0, 1), (1, 3), (2, 5)]

@@ -15,7 +15,7 @@ def test_config_reads_updates_and_rejects_assignment(monkeypatch):
     with pytest.raises(ValueError, match="update"):
         cfg.py_debug_mode = False
     with pytest.raises(ValueError, match="Unrecognized config option"):
-        cfg.no_such_option
+        _ = cfg.no_such_option
     with pytest.raises(ValueError, match="py_traceback_filtering"):
         cfg.update("py_traceback_filtering", "sometimes")
 

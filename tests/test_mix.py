@@ -13,10 +13,24 @@ ID = grain.IterDataset
 
 def test_selection_goldens():
     assert [select_by_proportions(k, (300, 100)) for k in range(8)] == [
-        (0, 0), (0, 1), (0, 2), (1, 0), (0, 3), (0, 4), (0, 5), (1, 1)
+        (0, 0),
+        (0, 1),
+        (0, 2),
+        (1, 0),
+        (0, 3),
+        (0, 4),
+        (0, 5),
+        (1, 1),
     ]
     assert [select_by_proportions(k, (100, 200, 100)) for k in range(8)] == [
-        (0, 0), (1, 0), (1, 1), (2, 0), (0, 1), (1, 2), (1, 3), (2, 1)
+        (0, 0),
+        (1, 0),
+        (1, 1),
+        (2, 0),
+        (0, 1),
+        (1, 2),
+        (1, 3),
+        (2, 1),
     ]
 
 
@@ -105,7 +119,9 @@ def test_iter_mix_checkpoints():
     it = iter(ds)
     next(it)
     assert it.get_state() == {
-        "parents": [{"next_index": 1}, {"next_index": 0}], "index": 1, "stop": False
+        "parents": [{"next_index": 1}, {"next_index": 0}],
+        "index": 1,
+        "stop": False,
     }
     assert len(out) == 30  # lengths match the 1:2 weights, so both run out together
 

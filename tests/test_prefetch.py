@@ -72,8 +72,11 @@ def test_no_over_buffering_beyond_prefetch_buffer():
 
 def test_first_element_arrives_before_a_large_block_is_read():
     calls = []
-    it = iter(MD.range(1000).map(lambda x: calls.append(x) or x).to_iter_dataset(
-        grain.ReadOptions(num_threads=0, prefetch_buffer_size=500)))
+    it = iter(
+        MD.range(1000)
+        .map(lambda x: calls.append(x) or x)
+        .to_iter_dataset(grain.ReadOptions(num_threads=0, prefetch_buffer_size=500))
+    )
     assert next(it) == 0
     assert len(calls) == 1
 
@@ -134,8 +137,9 @@ def test_thread_prefetch_keeps_state_exact():
 
 def test_thread_prefetch_zero_buffer_is_synchronous_and_negative_is_error():
     base = MD.range(3).to_iter_dataset()
-    assert not isinstance(iter(ThreadPrefetchIterDataset(base, prefetch_buffer_size=0)),
-                          ThreadPrefetchDatasetIterator)
+    assert not isinstance(
+        iter(ThreadPrefetchIterDataset(base, prefetch_buffer_size=0)), ThreadPrefetchDatasetIterator
+    )
     with pytest.raises(ValueError, match="prefetch_buffer_size"):
         ThreadPrefetchIterDataset(base, prefetch_buffer_size=-1)
 
@@ -146,8 +150,9 @@ def test_thread_prefetch_reraises_and_stops_cleanly():
             raise OSError("disk gone")
         return x
 
-    it = iter(ThreadPrefetchIterDataset(MD.range(5).to_iter_dataset().map(boom),
-                                        prefetch_buffer_size=2))
+    it = iter(
+        ThreadPrefetchIterDataset(MD.range(5).to_iter_dataset().map(boom), prefetch_buffer_size=2)
+    )
     assert [next(it), next(it)] == [0, 1]
     with pytest.raises(OSError, match="disk gone"):
         next(it)

@@ -10,7 +10,6 @@ from grain_core.dataset.base import MapDataset
 __all__ = ["apply_transformations"]
 
 
-
 def apply_transformations(ds: Any, transformations: Any) -> Any:
     """Applies one transformation or a sequence of them to ``ds`` in order.
 

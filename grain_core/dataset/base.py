@@ -40,6 +40,9 @@ __all__ = [
 T = TypeVar("T")
 S = TypeVar("S")
 
+#: Indices handed to ``_getitems``: any integer sequence, usually a NumPy array.
+Indices = Sequence[int] | np.ndarray
+
 #: Length of an infinite MapDataset (one epoch never ends).
 INFINITE = sys.maxsize
 
@@ -106,7 +109,9 @@ def transform_name(transform: Any) -> str:
     code = getattr(transform, "__code__", None)
     if code is not None:
         parts = code.co_filename.split(os.sep)[-3:]
-        return f"{getattr(transform, '__name__', 'fn')} @ .../{'/'.join(parts)}:{code.co_firstlineno}"
+        return (
+            f"{getattr(transform, '__name__', 'fn')} @ .../{'/'.join(parts)}:{code.co_firstlineno}"
+        )
     cls = type(transform)
     if cls.__str__ is not object.__str__ or cls.__repr__ is not object.__repr__:
         return str(transform)
@@ -135,7 +140,7 @@ class MapDataset(_Node, Generic[T], abc.ABC):
     @abc.abstractmethod
     def __getitem__(self, index: Any) -> Any: ...
 
-    def _getitems(self, indices: Sequence[int]) -> list[T | None]:
+    def _getitems(self, indices: Indices) -> list[Any]:
         """Reads many indices at once. Nodes override this to pass the block down in one call."""
         return [self[int(i)] for i in indices]
 
@@ -281,7 +286,7 @@ class _WithSeedMapDataset(MapDataset[T]):
             return self.slice(index)
         return self._parent[index]
 
-    def _getitems(self, indices: Sequence[int]) -> list[T | None]:
+    def _getitems(self, indices: Indices) -> list[Any]:
         return self._parent._getitems(indices)
 
     def __repr__(self) -> str:

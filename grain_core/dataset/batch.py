@@ -8,7 +8,7 @@ from typing import Any
 import numpy as np
 
 from grain_core import _tree
-from grain_core.dataset.base import INFINITE, DatasetIterator, IterDataset, MapDataset
+from grain_core.dataset.base import INFINITE, DatasetIterator, Indices, IterDataset, MapDataset
 
 __all__ = ["BatchIterDataset", "BatchMapDataset", "make_batch"]
 
@@ -154,7 +154,7 @@ class BatchMapDataset(MapDataset[Any]):
             return self.slice(index)
         return self._make(self._parent._getitems(self._parent_range(index)))
 
-    def _getitems(self, indices: Sequence[int]) -> list[Any]:
+    def _getitems(self, indices: Indices) -> list[Any]:
         ranges = [self._parent_range(int(i)) for i in indices]
         flat = np.concatenate([np.arange(r.start, r.stop, dtype=np.int64) for r in ranges])
         values = self._parent._getitems(flat)
@@ -167,8 +167,7 @@ class BatchMapDataset(MapDataset[Any]):
 
     def __repr__(self) -> str:
         return (
-            f"BatchMapDataset(batch_size={self._batch_size}, "
-            f"drop_remainder={self._drop_remainder})"
+            f"BatchMapDataset(batch_size={self._batch_size}, drop_remainder={self._drop_remainder})"
         )
 
 

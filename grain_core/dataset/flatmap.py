@@ -19,6 +19,7 @@ import numpy as np
 from grain_core.dataset.base import (
     INFINITE,
     DatasetIterator,
+    Indices,
     IterDataset,
     MapDataset,
     _transform_fn,
@@ -142,7 +143,7 @@ class FlatMapMapDataset(MapDataset[Any]):
             self._remember(j, splits)
         return splits[k] if splits is not None and k < len(splits) else None
 
-    def _getitems(self, indices: Sequence[int]) -> list[Any]:
+    def _getitems(self, indices: Indices) -> list[Any]:
         idx = np.asarray(indices, dtype=np.int64)
         if idx.size == 0:
             return []

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -10,6 +9,7 @@ import numpy as np
 from grain_core import random as _random
 from grain_core.dataset.base import (
     DatasetIterator,
+    Indices,
     IterDataset,
     MapDataset,
     _transform_fn,
@@ -57,7 +57,7 @@ class MapMapDataset(_ElementwiseMapDataset):
         x = self._parent[index]
         return None if x is None else self._fn(x)
 
-    def _getitems(self, indices: Sequence[int]) -> list[Any]:
+    def _getitems(self, indices: Indices) -> list[Any]:
         fn = self._fn
         return [None if x is None else fn(x) for x in self._parent._getitems(indices)]
 
@@ -75,12 +75,10 @@ class MapWithIndexMapDataset(_ElementwiseMapDataset):
         x = self._parent[index]
         return None if x is None else self._fn(index, x)
 
-    def _getitems(self, indices: Sequence[int]) -> list[Any]:
+    def _getitems(self, indices: Indices) -> list[Any]:
         fn = self._fn
         values = self._parent._getitems(indices)
-        return [
-            None if x is None else fn(int(i), x) for i, x in zip(indices, values, strict=True)
-        ]
+        return [None if x is None else fn(int(i), x) for i, x in zip(indices, values, strict=True)]
 
 
 class RandomMapMapDataset(_ElementwiseMapDataset):
@@ -104,12 +102,12 @@ class RandomMapMapDataset(_ElementwiseMapDataset):
         finally:
             self._pool.release_rng(rng)
 
-    def _getitems(self, indices: Sequence[int]) -> list[Any]:
+    def _getitems(self, indices: Indices) -> list[Any]:
         values = self._parent._getitems(indices)
         fn = self._fn
         rng = self._pool.acquire_rng(0)
         reset = _random.reset_philox
-        out = []
+        out: list[Any] = []
         try:
             for i, x in zip(indices, values, strict=True):
                 if x is None:
@@ -137,7 +135,7 @@ class FilterMapDataset(_ElementwiseMapDataset):
         x = self._parent[index]
         return None if x is None or not self._fn(x) else x
 
-    def _getitems(self, indices: Sequence[int]) -> list[Any]:
+    def _getitems(self, indices: Indices) -> list[Any]:
         fn = self._fn
         return [None if x is None or not fn(x) else x for x in self._parent._getitems(indices)]
 

@@ -10,7 +10,7 @@ from typing import Any
 import numpy as np
 
 from grain_core import _tree
-from grain_core.dataset.base import INFINITE, DatasetIterator, IterDataset, MapDataset
+from grain_core.dataset.base import INFINITE, DatasetIterator, Indices, IterDataset, MapDataset
 from grain_core.transforms import DatasetSelectionMap
 
 __all__ = [
@@ -77,8 +77,7 @@ class SelectionWithProportionsMap(DatasetSelectionMap):
 
     def __repr__(self) -> str:
         return (
-            f"SelectionWithProportionsMap(proportions={self._proportions}, "
-            f"length={self._length})"
+            f"SelectionWithProportionsMap(proportions={self._proportions}, length={self._length})"
         )
 
 
@@ -131,7 +130,7 @@ class MixedMapDataset(MapDataset[Any]):
             e.add_note(f"Raised while reading element {k} of mixed dataset {d}.")
             raise
 
-    def _getitems(self, indices: Sequence[int]) -> list[Any]:
+    def _getitems(self, indices: Indices) -> list[Any]:
         routes = [self._route(int(i)) for i in indices]
         per_dataset: dict[int, list[int]] = {}
         for d, k in routes:
@@ -183,7 +182,7 @@ class ConcatenateMapDataset(MapDataset[Any]):
         c, k = self._route(index)
         return self._parents[c][k]
 
-    def _getitems(self, indices: Sequence[int]) -> list[Any]:
+    def _getitems(self, indices: Indices) -> list[Any]:
         routes = [self._route(int(i)) for i in indices]
         per: dict[int, list[int]] = {}
         for c, k in routes:

@@ -8,7 +8,6 @@ import copy
 import queue
 import threading
 import time
-
 from typing import Any
 
 from grain_core.dataset.base import DatasetIterator, IterDataset, MapDataset
@@ -60,7 +59,9 @@ class PrefetchIterDataset(IterDataset[Any]):
         return PrefetchDatasetIterator(self)
 
     def __repr__(self) -> str:
-        return f"PrefetchIterDataset(read_options={self.read_options}, allow_nones={self.allow_nones})"
+        return (
+            f"PrefetchIterDataset(read_options={self.read_options}, allow_nones={self.allow_nones})"
+        )
 
 
 class PrefetchDatasetIterator(DatasetIterator[Any]):
@@ -273,7 +274,11 @@ class ThreadPrefetchDatasetIterator(DatasetIterator[Any]):
     def _produce(self, stop: threading.Event, q: queue.Queue[Any]) -> None:
         while not stop.is_set():
             try:
-                item = (next(self._source), self._snapshot(), None)
+                item: tuple[Any, Any, BaseException | None] = (
+                    next(self._source),
+                    self._snapshot(),
+                    None,
+                )
             except StopIteration:
                 item = (_END, None, None)
             except BaseException as e:  # noqa: BLE001 - re-raised in the consumer
@@ -360,5 +365,3 @@ class ThreadPrefetchDatasetIterator(DatasetIterator[Any]):
             close = getattr(self._source, "close", None)
             if close is not None:
                 close()
-
-

@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
 
-from grain_core.dataset.base import INFINITE, MapDataset
+from grain_core.dataset.base import INFINITE, Indices, MapDataset
 
 __all__ = ["RepeatMapDataset"]
 
@@ -56,7 +55,7 @@ class RepeatMapDataset(MapDataset[Any]):
             index %= self._parent_len
         return self._parent[index]
 
-    def _getitems(self, indices: Sequence[int]) -> list[Any]:
+    def _getitems(self, indices: Indices) -> list[Any]:
         if not self._reseed:
             indices = np.asarray(indices, dtype=np.int64) % self._parent_len
         return self._parent._getitems(indices)

@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
 
 from grain_core import random as _random
-from grain_core.dataset.base import MapDataset
+from grain_core.dataset.base import Indices, MapDataset
 
 __all__ = ["ShuffleMapDataset"]
 
@@ -41,7 +40,7 @@ class ShuffleMapDataset(MapDataset[Any]):
         seed = (self._seed + epoch) % _SEED_MODULUS
         return self._parent[_random.index_shuffle(j, n - 1, seed) + epoch * n]
 
-    def _getitems(self, indices: Sequence[int]) -> list[Any]:
+    def _getitems(self, indices: Indices) -> list[Any]:
         n = self._len
         if n == 0:
             raise IndexError("Cannot read from an empty dataset.")

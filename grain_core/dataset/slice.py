@@ -7,7 +7,7 @@ from typing import Any
 
 import numpy as np
 
-from grain_core.dataset.base import MapDataset
+from grain_core.dataset.base import Indices, MapDataset
 
 __all__ = ["ReindexMapDataset", "SliceMapDataset"]
 
@@ -35,7 +35,7 @@ class SliceMapDataset(MapDataset[Any]):
         epoch, j = divmod(index, self._len)
         return self._parent[self._start + j * self._step + epoch * self._parent_len]
 
-    def _getitems(self, indices: Sequence[int]) -> list[Any]:
+    def _getitems(self, indices: Indices) -> list[Any]:
         if self._len == 0:
             raise IndexError("Cannot read from an empty slice.")
         epoch, j = np.divmod(np.asarray(indices, dtype=np.int64), self._len)
@@ -66,7 +66,7 @@ class ReindexMapDataset(MapDataset[Any]):
         epoch, j = divmod(index, self._len)
         return self._parent[int(self._indices[j]) + epoch * self._parent_len]
 
-    def _getitems(self, indices: Sequence[int]) -> list[Any]:
+    def _getitems(self, indices: Indices) -> list[Any]:
         if self._len == 0:
             raise IndexError("Cannot read from an empty dataset.")
         epoch, j = np.divmod(np.asarray(indices, dtype=np.int64), self._len)

@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
 
-from grain_core.dataset.base import MapDataset
+from grain_core.dataset.base import Indices, MapDataset
 
 __all__ = ["RangeMapDataset", "SourceMapDataset", "batched_read"]
 
@@ -47,7 +46,7 @@ class SourceMapDataset(MapDataset[Any]):
             raise IndexError("Cannot read from an empty source.")
         return self._source[index % self._len]
 
-    def _getitems(self, indices: Sequence[int]) -> list[Any]:
+    def _getitems(self, indices: Indices) -> list[Any]:
         if self._len == 0:
             raise IndexError("Cannot read from an empty source.")
         keys = (np.asarray(indices, dtype=np.int64) % self._len).tolist()
@@ -83,7 +82,7 @@ class RangeMapDataset(MapDataset[int]):
             raise IndexError("Cannot read from an empty range.")
         return self._range[index % n]
 
-    def _getitems(self, indices: Sequence[int]) -> list[int]:
+    def _getitems(self, indices: Indices) -> list[Any]:
         n = len(self._range)
         if n == 0:
             raise IndexError("Cannot read from an empty range.")

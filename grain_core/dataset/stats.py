@@ -34,7 +34,7 @@ import time
 from collections.abc import Iterator, Sequence
 from typing import Any
 
-from grain_core.dataset.base import DatasetIterator, MapDataset, transform_name
+from grain_core.dataset.base import DatasetIterator, Indices, MapDataset, transform_name
 from grain_core.dataset.options import ExecutionTrackingMode
 
 __all__ = ["ExecutionSummary", "StageSummary", "get_execution_summary", "time_stages"]
@@ -190,7 +190,7 @@ def _timed_map_class(cls: type[Any]) -> type[Any]:
             return untimed_getitem(self, index)
         return _run_timed(self._stage_stats, lambda: untimed_getitem(self, index), 1)
 
-    def _getitems(self: Any, indices: Sequence[int]) -> list[Any]:
+    def _getitems(self: Any, indices: Indices) -> list[Any]:
         return _run_timed(self._stage_stats, lambda: untimed_getitems(self, indices), len(indices))
 
     timed = type(

@@ -15,13 +15,12 @@ import copy
 import itertools
 import operator
 import threading
-from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
 
 from grain_core import random as _random
-from grain_core.dataset.base import DatasetIterator, IterDataset, MapDataset
+from grain_core.dataset.base import DatasetIterator, Indices, IterDataset, MapDataset
 
 __all__ = ["WindowShuffleIterDataset", "WindowShuffleMapDataset"]
 
@@ -109,7 +108,7 @@ class WindowShuffleMapDataset(MapDataset[Any]):
         source = self._source_indices(np.array([operator.index(index)], dtype=np.int64))
         return self._parent[int(source[0])]
 
-    def _getitems(self, indices: Sequence[int]) -> list[Any]:
+    def _getitems(self, indices: Indices) -> list[Any]:
         idx = np.asarray(indices, dtype=np.int64)
         if idx.size == 0:
             return []

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from grain_core.dataset.base import DatasetIterator, IterDataset, MapDataset
+from grain_core.dataset.base import DatasetIterator, Indices, IterDataset, MapDataset
 
 __all__ = ["ZipIterDataset", "ZipMapDataset"]
 
@@ -36,7 +36,7 @@ class ZipMapDataset(MapDataset[tuple[Any, ...]]):
         values = tuple(p[index] for p in self._parents)
         return None if any(v is None for v in values) else values
 
-    def _getitems(self, indices: Sequence[int]) -> list[Any]:
+    def _getitems(self, indices: Indices) -> list[Any]:
         columns = [p._getitems(indices) for p in self._parents]
         return [None if any(v is None for v in row) else row for row in zip(*columns, strict=True)]
 
