@@ -207,3 +207,14 @@ def test_reads_are_batched_through_getitems():
     src = Source()
     assert sum(MD.source(src).to_iter_dataset(grain.ReadOptions(num_threads=0))) == sum(range(4096))
     assert src.calls < 4096 // 16
+
+
+def test_reads_that_release_the_gil_run_in_parallel_threads():
+    def io_like(x):
+        time.sleep(0.002)
+        return x
+
+    it = iter(MD.range(200).map(io_like).to_iter_dataset(grain.ReadOptions(8, 64)))
+    assert [next(it) for _ in range(100)] == list(range(100))
+    assert it._concurrency > 1
+    it.close()

@@ -29,6 +29,8 @@ __all__ = [
 _MAX_CHUNK = 1024
 _FAST_BLOCK_S = 0.001
 _SLOW_BLOCK_S = 0.004
+_IO_BOUND_CPU_SHARE = 0.5
+_CPU_BOUND_CPU_SHARE = 0.8
 
 
 class PrefetchIterDataset(IterDataset[Any]):
@@ -94,6 +96,8 @@ class PrefetchDatasetIterator(DatasetIterator[Any]):
             collections.deque()
         )
         self._in_flight = 0
+        self._concurrency = 1
+        self._cpu_share = 1.0
 
     def _next_chunk_range(self, limit: int) -> tuple[int, int]:
         start = self._read_index
@@ -102,9 +106,13 @@ class PrefetchDatasetIterator(DatasetIterator[Any]):
         return start, count
 
     def _read(self, start: int, count: int) -> list[Any]:
-        began = time.perf_counter()
+        # Thread CPU time, not wall time: with several read threads, waiting for the GIL
+        # would otherwise look like expensive elements and shrink the blocks.
+        began_cpu, began_wall = time.thread_time(), time.perf_counter()
         values = self._map_ds._getitems(range(start, start + count))
-        elapsed = time.perf_counter() - began
+        elapsed = time.thread_time() - began_cpu
+        wall = time.perf_counter() - began_wall
+        self._cpu_share = elapsed / wall if wall > 0 else 1.0
         if elapsed < _FAST_BLOCK_S:
             self._chunk_size = min(self._chunk_size * 2, self._chunk_cap)
         elif elapsed > _SLOW_BLOCK_S:
@@ -116,10 +124,28 @@ class PrefetchDatasetIterator(DatasetIterator[Any]):
             self._executor = concurrent.futures.ThreadPoolExecutor(
                 self._num_threads, thread_name_prefix="grain_core-read"
             )
-        while self._read_index < self._len and self._in_flight < self._buffer_size:
+        while (
+            self._read_index < self._len
+            and self._in_flight < self._buffer_size
+            and len(self._pending) < self._concurrency
+        ):
             start, count = self._next_chunk_range(self._buffer_size - self._in_flight)
             self._pending.append((start, count, self._executor.submit(self._read, start, count)))
             self._in_flight += count
+
+    def _adapt_concurrency(self) -> None:
+        """Runs more reads at once only while they leave the CPU idle.
+
+        Reads that hold the GIL (pure-Python maps over in-memory data) gain nothing from
+        parallel threads and lose a lot to contention, so they keep one block in flight (still
+        overlapped with the consumer). Reads that wait on I/O or release the GIL (file
+        readers, large NumPy operations) use a small share of their wall time on this thread's
+        CPU, and the number of blocks in flight grows up to ``num_threads``.
+        """
+        if self._cpu_share < _IO_BOUND_CPU_SHARE:
+            self._concurrency = min(self._concurrency * 2, self._num_threads)
+        elif self._cpu_share > _CPU_BOUND_CPU_SHARE:
+            self._concurrency = max(self._concurrency // 2, 1)
 
     def _load_chunk(self) -> None:
         if self._threaded:
@@ -130,6 +156,7 @@ class PrefetchDatasetIterator(DatasetIterator[Any]):
                 chunk = future.result()
             except Exception:
                 chunk = self._read_one_by_one(start, count)
+            self._adapt_concurrency()
             self._fill()
         else:
             start, count = self._next_chunk_range(self._chunk_cap)
