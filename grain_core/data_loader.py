@@ -102,10 +102,13 @@ class _SamplerMapDataset(MapDataset[Record[Any]]):
     """Local index ``i`` of shard ``s`` of ``S`` is ``Record(m, source[m.record_key])`` with
     ``m = sampler[i * S + s]``."""
 
-    def __init__(self, source: Any, sampler: Any, shard_options: ShardOptions) -> None:
+    def __init__(
+        self, source: Any, sampler: Any, shard_options: ShardOptions, *, with_rng: bool = True
+    ) -> None:
         super().__init__()
         self._source = source
         self._sampler = sampler
+        self._with_rng = with_rng
         self._shard_index = shard_options.shard_index
         self._shard_count = shard_options.shard_count
         total = _sampler_length(sampler)
@@ -130,7 +133,7 @@ class _SamplerMapDataset(MapDataset[Record[Any]]):
         global_indices = local * self._shard_count + self._shard_index
         block = getattr(self._sampler, "metadata_block", None)
         if block is not None:
-            metas = block(global_indices)
+            metas = block(global_indices, with_rng=self._with_rng)
         else:
             metas = [self._sampler[i] for i in global_indices.tolist()]
         values = batched_read(self._source, [m.record_key for m in metas])
@@ -301,7 +304,15 @@ class DataLoader:
         )
 
     def _build(self) -> IterDataset[Any]:
-        records = _SamplerMapDataset(self._data_source, self._sampler, self._shard_options)
+        # Building a Philox generator per record costs tens of microseconds: only pipelines
+        # with a random operation get them.
+        with_rng = any(
+            isinstance(op, (transforms.RandomMap, transforms.TfRandomMap))
+            for op in self._operations
+        )
+        records = _SamplerMapDataset(
+            self._data_source, self._sampler, self._shard_options, with_rng=with_rng
+        )
         shm_batch_at = _last_batch_position(self._operations) if self._worker_count else -1
         if self._index_layout:
             ds: Any = records

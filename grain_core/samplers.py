@@ -92,13 +92,22 @@ class SequentialSampler:
         return self._len
 
     def __getitem__(self, index: int) -> RecordMetadata:
+        return self._metadata(index, self._seed)
+
+    def _metadata(self, index: int, seed: int | None) -> RecordMetadata:
         if not 0 <= index < self._len:
             raise IndexError(f"Index {index} out of range [0, {self._len}) of {self!r}.")
-        return RecordMetadata(index=index, record_key=index, rng=_rng(self._seed, index))
+        return RecordMetadata(index=index, record_key=index, rng=_rng(seed, index))
 
-    def metadata_block(self, indices: Sequence[int]) -> list[RecordMetadata]:
-        """``[self[i] for i in indices]`` (batched form used by the DataLoader)."""
-        return [self[int(i)] for i in indices]
+    def metadata_block(
+        self, indices: Sequence[int], *, with_rng: bool = True
+    ) -> list[RecordMetadata]:
+        """``[self[i] for i in indices]`` (batched form used by the DataLoader).
+
+        ``with_rng=False`` leaves ``rng`` as None, for pipelines without random operations.
+        """
+        seed = self._seed if with_rng else None
+        return [self._metadata(int(i), seed) for i in indices]
 
     def __repr__(self) -> str:
         return (
@@ -169,14 +178,19 @@ class IndexSampler:
         assert key is not None
         return RecordMetadata(index=index, record_key=key, rng=_rng(self._seed, index))
 
-    def metadata_block(self, indices: Sequence[int]) -> list[RecordMetadata]:
-        """``[self[i] for i in indices]`` with one vectorised key lookup."""
+    def metadata_block(
+        self, indices: Sequence[int], *, with_rng: bool = True
+    ) -> list[RecordMetadata]:
+        """``[self[i] for i in indices]`` with one vectorised key lookup.
+
+        ``with_rng=False`` leaves ``rng`` as None, for pipelines without random operations.
+        """
         idx = np.asarray(indices, dtype=np.int64)
         if idx.size and (idx.min() < 0 or idx.max() >= self._max_index):
             bad = int(idx[(idx < 0) | (idx >= self._max_index)][0])
             raise IndexError(f"Index {bad} out of range [0, {self._max_index}) of {self!r}.")
         keys = self._keys._getitems(idx // self._shard_options.shard_count)  # type: ignore[arg-type]
-        seed = self._seed
+        seed = self._seed if with_rng else None
         return [
             RecordMetadata(index=i, record_key=int(k), rng=_rng(seed, i))  # type: ignore[arg-type]
             for i, k in zip(idx.tolist(), keys, strict=True)

@@ -115,3 +115,14 @@ def test_sequential_sampler() -> None:
         "IndexSampler(num_records=5, shard_options=NoSharding(shard_index=0, shard_count=1, "
         "drop_remainder=False), shuffle=True, num_epochs=2, seed=32)"
     )
+
+
+def test_metadata_block_builds_generators_only_when_asked():
+    from grain_core.samplers import IndexSampler, SequentialSampler
+
+    for sampler in (IndexSampler(10, shuffle=True, seed=3), SequentialSampler(10, seed=3)):
+        with_rng = sampler.metadata_block([0, 4])
+        without = sampler.metadata_block([0, 4], with_rng=False)
+        assert [m.record_key for m in with_rng] == [m.record_key for m in without]
+        assert all(m.rng is not None for m in with_rng)
+        assert all(m.rng is None for m in without)
