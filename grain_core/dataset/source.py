@@ -92,9 +92,10 @@ class RangeMapDataset(MapDataset[int]):
     def to_iter_dataset(self, read_options: Any = None, *, allow_nones: bool = False) -> Any:
         from grain_core.options import ReadOptions
 
-        # Values are computed arithmetically: threads would only add overhead.
+        # Values are computed arithmetically: read them in blocks in the consumer thread;
+        # read threads would only add overhead.
         return super().to_iter_dataset(
-            read_options or ReadOptions(prefetch_buffer_size=0), allow_nones=allow_nones
+            read_options or ReadOptions(num_threads=0), allow_nones=allow_nones
         )
 
     def __repr__(self) -> str:
