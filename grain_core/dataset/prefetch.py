@@ -27,8 +27,8 @@ __all__ = [
 # that heavy elements (whole batches) are not materialised thousands at a time, which would
 # thrash memory. Block sizes never change which elements are produced or their order.
 _MAX_CHUNK = 1024
-_FAST_BLOCK_S = 0.001
-_SLOW_BLOCK_S = 0.004
+_FAST_BLOCK_S = 0.004
+_SLOW_BLOCK_S = 0.016
 _IO_BOUND_CPU_SHARE = 0.5
 _CPU_BOUND_CPU_SHARE = 0.8
 
