@@ -7,12 +7,14 @@ directory, so a crash during a save never leaves a truncated checkpoint.
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import functools
 import json
 import os
 import sys
 import tempfile
+from collections.abc import Callable, Coroutine
 from pathlib import Path
 from typing import Any
 
@@ -92,6 +94,30 @@ def read_process_file(directory: Any, *, any_process: bool = False) -> str:
             "(check the directory and the JAX process count)."
         )
     return path.read_text(encoding="utf-8")
+
+
+def save_coroutine(directory: Any, text: str) -> Coroutine[Any, Any, None]:
+    """Orbax v1 ``save``: a coroutine that waits for ``directory`` and writes ``text`` to it.
+
+    The text is captured by the caller at call time, so later iteration does not change it.
+    """
+
+    async def _write() -> None:
+        await_creation = getattr(directory, "await_creation", None)
+        if await_creation is not None:
+            await await_creation()
+        await asyncio.to_thread(write_process_file, directory, text)
+
+    return _write()
+
+
+def load_coroutine(directory: Any, apply: Callable[[str], None]) -> Coroutine[Any, Any, None]:
+    """Orbax v1 ``load``: a coroutine that reads this process's file and calls ``apply(text)``."""
+
+    async def _read() -> None:
+        apply(await asyncio.to_thread(read_process_file, directory))
+
+    return _read()
 
 
 class CheckpointHandler:

@@ -17,7 +17,6 @@ short), never by a ``repr`` that embeds data or memory addresses.
 
 from __future__ import annotations
 
-import asyncio
 import copy
 import hashlib
 import json
@@ -527,26 +526,14 @@ class DataLoaderIterator:
 
     # ------------------------------------------------------------- Orbax v1 protocol
     async def save(self, directory: Any) -> Any:
-        text = self.get_state().decode()
+        from grain_core.checkpoint import save_coroutine
 
-        async def _write() -> None:
-            await_creation = getattr(directory, "await_creation", None)
-            if await_creation is not None:
-                await await_creation()
-            from grain_core.checkpoint import write_process_file
-
-            await asyncio.to_thread(write_process_file, directory, text)
-
-        return _write()
+        return save_coroutine(directory, self.get_state().decode())
 
     async def load(self, directory: Any) -> Any:
-        async def _read() -> None:
-            from grain_core.checkpoint import read_process_file
+        from grain_core.checkpoint import load_coroutine
 
-            text = await asyncio.to_thread(read_process_file, directory)
-            self.set_state(text.encode())
-
-        return _read()
+        return load_coroutine(directory, lambda text: self.set_state(text.encode()))
 
     def __str__(self) -> str:
         return f"PyGrainDatasetIterator(state={self.get_state().decode()})"

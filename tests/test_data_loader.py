@@ -277,3 +277,24 @@ def test_load() -> None:
     with iter(loader) as it:
         it.start_prefetch()
         assert_trees_equal(next(it), batches[0])
+
+
+def test_orbax_v1_save_and_load_of_a_dataloader_iterator(tmp_path):
+    import asyncio
+
+    async def run(coroutine_factory):
+        await (await coroutine_factory)
+
+    loader = grain.DataLoader(
+        data_source=RangeDataSource(0, 20, 1),
+        sampler=SequentialSampler(20, NoSharding()),
+        worker_count=0,
+    )
+    it = iter(loader)
+    for _ in range(7):
+        next(it)
+    asyncio.run(run(it.save(tmp_path)))
+    assert (tmp_path / "process_0-of-1.json").read_text() == it.get_state().decode()
+    fresh = iter(loader)
+    asyncio.run(run(fresh.load(tmp_path)))
+    assert list(fresh) == list(range(7, 20))

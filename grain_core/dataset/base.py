@@ -11,7 +11,6 @@ so a batch over a source is one call into the source. Nodes never add per-elemen
 from __future__ import annotations
 
 import abc
-import asyncio
 import collections
 import functools
 import json
@@ -455,26 +454,14 @@ class DatasetIterator(Iterator[T], abc.ABC):
 
     # Orbax v1 "stateful checkpointable" protocol.
     async def save(self, directory: Any) -> Any:
-        state_text = json.dumps(self.get_state(), indent=4)
+        from grain_core.checkpoint import save_coroutine
 
-        async def _write() -> None:
-            await_creation = getattr(directory, "await_creation", None)
-            if await_creation is not None:
-                await await_creation()
-            from grain_core.checkpoint import write_process_file
-
-            await asyncio.to_thread(write_process_file, directory, state_text)
-
-        return _write()
+        return save_coroutine(directory, json.dumps(self.get_state(), indent=4))
 
     async def load(self, directory: Any) -> Any:
-        async def _read() -> None:
-            from grain_core.checkpoint import read_process_file
+        from grain_core.checkpoint import load_coroutine
 
-            text = await asyncio.to_thread(read_process_file, directory)
-            self.set_state(json.loads(text))
-
-        return _read()
+        return load_coroutine(directory, lambda text: self.set_state(json.loads(text)))
 
 
 class IterDataset(_Node, Iterable[T], Generic[T], abc.ABC):
