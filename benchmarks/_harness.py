@@ -12,7 +12,8 @@ import dataclasses
 import importlib.util
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from typing import Any
 
 __all__ = [
     "GRAIN_CORE",
@@ -22,6 +23,7 @@ __all__ = [
     "Workload",
     "import_google_grain",
     "measure",
+    "steady_pass",
     "workload",
 ]
 
@@ -114,6 +116,25 @@ def measure(bench: Workload, label: str, repeats: int) -> Measurement | Skipped:
         run()
         seconds.append(time.perf_counter() - start)
     return Measurement(bench.name, label, bench.elements, tuple(seconds))
+
+
+def steady_pass(make_iterator: Callable[[], Iterator[Any]], count: int) -> Callable[[], None]:
+    """A timed pass that takes the next ``count`` elements of one long-lived iterator.
+
+    Measures steady state (no iterator start-up per pass); a new iterator is made when the
+    current one runs out.
+    """
+    current = [make_iterator()]
+
+    def run() -> None:
+        for _ in range(count):
+            try:
+                next(current[0])
+            except StopIteration:
+                current[0] = make_iterator()
+                next(current[0])
+
+    return run
 
 
 def import_google_grain() -> object:

@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from _harness import import_google_grain, workload
+from _harness import import_google_grain, steady_pass, workload
 
 import grain_core
 
@@ -78,17 +78,7 @@ def _shuffled_order() -> np.ndarray:
 
 def _steady(make_iterator: Callable[[], Iterator[Any]]) -> Callable[[], None]:
     """One timed pass = the next PASS_BATCHES batches of a long-lived iterator."""
-    current = [make_iterator()]
-
-    def run() -> None:
-        for _ in range(PASS_BATCHES):
-            try:
-                next(current[0])
-            except StopIteration:
-                current[0] = make_iterator()
-                next(current[0])
-
-    return run
+    return steady_pass(make_iterator, PASS_BATCHES)
 
 
 def _physical_limit() -> Callable[[], None]:

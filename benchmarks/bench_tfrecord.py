@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from _harness import import_google_grain, workload
+from _harness import import_google_grain, steady_pass, workload
 
 import grain_core
 
@@ -119,17 +119,7 @@ def _plain_framing_loop(path: str) -> Iterator[bytes]:
 
 def _steady(make_iterator: Callable[[], Iterator[Any]]) -> Callable[[], None]:
     """One timed pass = the next PASS_BATCHES batches of a long-lived iterator."""
-    current = [make_iterator()]
-
-    def run() -> None:
-        for _ in range(PASS_BATCHES):
-            try:
-                next(current[0])
-            except StopIteration:
-                current[0] = make_iterator()
-                next(current[0])
-
-    return run
+    return steady_pass(make_iterator, PASS_BATCHES)
 
 
 def _shuffled_batches(source: Any) -> Callable[[], None]:
