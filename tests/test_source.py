@@ -74,4 +74,5 @@ def test_range_follows_python_range(args, expected):
 def test_range_reads_synchronously_by_default():
     it = iter(MD.range(5).to_iter_dataset())
     assert not it._threaded
+    assert it._chunk_cap > 1  # values are read in blocks, not one call per element
     assert repr(MD.range(1, 4)) == "RangeMapDataset(start=1, stop=4, step=1)"
