@@ -17,6 +17,10 @@ Protocol, one pair of pipes per worker (no polling anywhere):
   (the parent forgets its mappings of them); ``state`` is the worker pipeline's state right after producing
   the element, so the parent never has to ask for it. Messages of an older generation (produced
   before a ``set_state``) are discarded by the parent, their shared memory freed.
+* statistics (worker → parent, only when the pipeline tracks ``STAGE_TIMING``):
+  ``(STATS_GENERATION, STATS, snapshot, None, (), ())`` with the first element, then at most
+  every ``STATS_INTERVAL_S`` and before ``END``/``ERROR``. They take no credit, and their
+  generation never matches, so the parent's element path does not look at them.
 
 The parent waits on the output pipe together with the process sentinel, so a worker that dies is
 noticed at once. The worker waits on its control pipe and watches the parent's sentinel in a
@@ -42,9 +46,22 @@ from typing import Any
 
 from grain_core import _shm
 
-__all__ = ["ELEMENT", "END", "ERROR", "WorkerPool", "WorkerSpec"]
+__all__ = [
+    "ELEMENT",
+    "END",
+    "ERROR",
+    "STATS",
+    "STATS_GENERATION",
+    "STATS_INTERVAL_S",
+    "WorkerPool",
+    "WorkerSpec",
+]
 
-ELEMENT, END, ERROR = 0, 1, 2
+ELEMENT, END, ERROR, STATS = 0, 1, 2, 3
+#: Generation of statistics messages: no ``set_state`` generation (they count up from 0).
+STATS_GENERATION = -1
+#: Seconds between two statistics messages of a worker while it produces elements.
+STATS_INTERVAL_S = 1.0
 
 #: Environment variable a worker gets for ``JAX_PLATFORMS`` unless the parent sets
 #: ``GRAIN_CORE_WORKER_JAX_PLATFORMS``: workers never claim an accelerator by default.
@@ -188,6 +205,8 @@ class _WorkerLoop:
         self._it: Any = None
         self._build_error: BaseException | None = None
         self._min_shm_size = _shm.DEFAULT_MIN_SHM_SIZE
+        self._tracking = False
+        self._next_report = 0.0
 
     def run(self) -> None:
         try:
@@ -227,6 +246,13 @@ class _WorkerLoop:
             self._min_shm_size = _min_shm_size(self._it)
         except Exception as e:  # noqa: BLE001 - reported to the parent on its next request
             self._build_error = e
+            return
+        from grain_core.dataset.stats import is_tracking
+
+        if is_tracking(self._it):
+            # Chosen once: an untracked pipeline runs the plain _produce, with no check.
+            self._tracking = True
+            self._produce = self._produce_and_report  # type: ignore[method-assign]
 
     def _handle(self, message: tuple[Any, ...]) -> bool:
         kind = message[0]
@@ -249,6 +275,7 @@ class _WorkerLoop:
         self._output.send_bytes(pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL))
 
     def _send_error(self, error: BaseException) -> None:
+        self._report_stats()
         self._send((self._generation, ERROR, _error_message(error), None, (), ()))
         self._finished = True
         self._credits = max(self._credits - 1, 0)
@@ -261,6 +288,7 @@ class _WorkerLoop:
         try:
             element = next(it)
         except StopIteration:
+            self._report_stats()
             self._send((self._generation, END, None, it.get_state(), (), ()))
             self._finished = True
             self._credits -= 1
@@ -286,6 +314,20 @@ class _WorkerLoop:
             return
         self._output.send_bytes(data)
         self._credits -= 1
+
+    def _produce_and_report(self) -> None:
+        _WorkerLoop._produce(self)
+        if not self._finished and time.monotonic() >= self._next_report:
+            self._report_stats()
+
+    def _report_stats(self) -> None:
+        """Sends the pipeline's stage statistics, if it tracks them (before END and ERROR)."""
+        if not self._tracking:
+            return
+        from grain_core.dataset.stats import worker_stage_snapshot
+
+        self._send((STATS_GENERATION, STATS, worker_stage_snapshot(self._it), None, (), ()))
+        self._next_report = time.monotonic() + STATS_INTERVAL_S
 
 
 def _dumps_element(message: tuple[Any, ...]) -> bytes:

@@ -19,7 +19,10 @@ import pytest
 
 import grain_core as grain
 from grain_core import _shm
-from grain_core.dataset.mp_prefetch import slice_for_worker
+from grain_core.dataset import mp_prefetch as mp_prefetch_module
+from grain_core.dataset.mp_prefetch import MultiprocessPrefetchIterDataset, slice_for_worker
+from grain_core.dataset.stats import get_execution_summary
+from grain_core.experimental import DatasetOptions, ExecutionTrackingMode, WithOptionsIterDataset
 from grain_core.options import MultiprocessingOptions
 from grain_core.testing import assert_trees_equal, check_iterator_conformance
 
@@ -381,3 +384,118 @@ def test_workers_recycle_shared_memory_blocks(no_shm_leak: None) -> None:
             del x  # the block goes back to the worker with the next request
         blocks = _shm_names()
     assert 0 < len(blocks) <= 6  # 40 elements used a handful of recycled blocks
+
+
+# ----------------------------------------------------------------- execution statistics
+TIMING = DatasetOptions(execution_tracking_mode=ExecutionTrackingMode.STAGE_TIMING)
+
+
+def _slow(x: int) -> int:
+    time.sleep(0.04)  # sleeping: the stage's self time does not depend on CPU contention
+    return x
+
+
+def _slow_map_pipeline() -> grain.IterDataset:
+    return grain.MapDataset.range(24).map(_slow).to_iter_dataset(grain.ReadOptions(num_threads=0))
+
+
+def test_worker_stages_reach_the_parent_summary(no_shm_leak: None) -> None:
+    ds = WithOptionsIterDataset(_slow_map_pipeline().map(_times_ten), TIMING)
+    with iter(ds.mp_prefetch(_opts(2))) as it:
+        it.start_prefetch()  # worker start-up is not part of any next()
+        assert list(it) == [x * 10 for x in range(24)]
+        summary = get_execution_summary(it)
+    names = [s.name for s in summary.stages]
+    assert names[0] == "MultiprocessPrefetch(num_workers=2)"
+    assert names[1] == "ProcessPrefetch" and not summary.stages[1].in_workers
+    assert summary.stages[1].instances == 2
+    workers = [s for s in summary.stages if s.in_workers]
+    assert workers and all(s.depth >= 2 and s.instances == 2 for s in workers)
+    # The slow map ran 12 times in each worker: summed over workers it is the top stage,
+    # above the parent's wait for the workers (which ran in parallel).
+    slowest = summary.slowest()
+    assert slowest.in_workers and "transform=_slow" in slowest.name
+    assert slowest.num_produced_elements == 24
+    assert slowest.self_time_ns >= 24 * 40_000_000
+    by_kind = {s.name.split("(")[0]: s for s in workers}
+    assert by_kind["Map"].num_produced_elements == 24
+    text = str(summary)
+    assert "[worker] MapMapDataset(transform=_slow" in text
+    assert "SliceMapDataset (differs per worker) x2" in text
+    print(text)
+
+
+def test_worker_stages_arrive_with_the_first_element() -> None:
+    ds = WithOptionsIterDataset(grain.MapDataset.range(40).to_iter_dataset(), TIMING)
+    with iter(ds.mp_prefetch(_opts(2))) as it:
+        for _ in range(4):  # each worker's second element follows its first snapshot
+            next(it)
+        workers = [s for s in get_execution_summary(it).stages if s.in_workers]
+    assert workers and workers[0].num_produced_elements >= 2
+
+
+def test_options_downstream_of_mp_prefetch_reach_the_workers() -> None:
+    ds = _slow_map_pipeline().mp_prefetch(_opts(2))
+    with iter(WithOptionsIterDataset(ds, TIMING)) as it:
+        assert len(list(it)) == 24
+        summary = get_execution_summary(it)
+    assert any(s.in_workers for s in summary.stages)
+
+
+def test_untracked_workers_send_no_statistics(monkeypatch: pytest.MonkeyPatch) -> None:
+    calls: list[Any] = []
+    monkeypatch.setattr(mp_prefetch_module, "attach_worker_stages", lambda *a: calls.append(a))
+    ds = grain.MapDataset.range(10).to_iter_dataset().mp_prefetch(_opts(2))
+    with iter(ds) as it:
+        assert list(it) == list(range(10))
+        with pytest.raises(ValueError, match="STAGE_TIMING"):
+            get_execution_summary(it)
+    assert calls == []
+
+
+def test_tracked_output_and_checkpoints_match_untracked() -> None:
+    ds = grain.MapDataset.range(9).map(_times_ten).to_iter_dataset()
+    assert list(WithOptionsIterDataset(ds, TIMING).mp_prefetch(_opts(2))) == list(ds)
+    check_iterator_conformance(
+        lambda: WithOptionsIterDataset(ds, TIMING).mp_prefetch(_opts(2)), positions=[0, 4]
+    )
+
+
+# ------------------------------------------------------------ free-threaded CPython
+@pytest.fixture
+def gil_disabled(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(sys, "_is_gil_enabled", lambda: False, raising=False)
+
+
+def _shared_counter() -> Any:
+    class Counter:
+        def __init__(self) -> None:
+            self.seen: list[int] = []
+
+        def __call__(self, x: int) -> int:
+            self.seen.append(x)
+            return x
+
+    return Counter()
+
+
+def test_free_threaded_python_uses_threads_with_a_copy_per_thread(gil_disabled: None) -> None:
+    counter = _shared_counter()
+    ds = grain.MapDataset.range(10).map(counter).to_iter_dataset().map(_pid)
+    before = {p.pid for p in multiprocessing.active_children()}
+    prefetched = ds.mp_prefetch(_opts(3))
+    assert not isinstance(prefetched, MultiprocessPrefetchIterDataset)
+    assert list(prefetched) == [os.getpid()] * 10  # threads of this process
+    assert {p.pid for p in multiprocessing.active_children()} == before
+    assert counter.seen == []  # each thread transformed with its own deep copy
+    values = grain.MapDataset.range(10).map(_times_ten).to_iter_dataset()
+    assert list(values.mp_prefetch(_opts(3))) == [x * 10 for x in range(10)]
+    check_iterator_conformance(lambda: values.mp_prefetch(_opts(3)), positions=[0, 4, 9])
+
+
+def test_free_threaded_python_ignores_worker_init_fn(gil_disabled: None) -> None:
+    ds = grain.MapDataset.range(4).to_iter_dataset()
+    with pytest.warns(RuntimeWarning, match="worker_init_fn is ignored"):
+        prefetched = ds.mp_prefetch(_opts(2), worker_init_fn=_init_env)
+    assert list(prefetched) == [0, 1, 2, 3]
+    assert "TEST_WORKER_ID" not in os.environ

@@ -19,6 +19,8 @@ from __future__ import annotations
 import copy
 import io
 import pickle
+import sys
+import warnings
 import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -26,7 +28,15 @@ from typing import Any
 import numpy as np
 
 from grain_core import _shm, _tree
-from grain_core._worker import ELEMENT, END, WorkerDiedError, WorkerPool, WorkerSpec
+from grain_core._worker import (
+    ELEMENT,
+    END,
+    STATS,
+    STATS_GENERATION,
+    WorkerDiedError,
+    WorkerPool,
+    WorkerSpec,
+)
 from grain_core.dataset.base import (
     DatasetIterator,
     IterDataset,
@@ -45,6 +55,8 @@ from grain_core.dataset.map import (
 from grain_core.dataset.options import DatasetOptions
 from grain_core.dataset.prefetch import PrefetchIterDataset
 from grain_core.dataset.source import RangeMapDataset, SourceMapDataset
+from grain_core.dataset.stats import attach_worker_stages
+from grain_core.dataset.with_options import WithOptionsIterDataset
 from grain_core.options import MultiprocessingOptions
 from grain_core.sharding import ShardOptions, even_split
 
@@ -75,6 +87,10 @@ def mp_prefetch(
 ) -> IterDataset[Any]:
     """Runs ``ds`` in ``options.num_workers`` processes (``ds`` itself when that is 0).
 
+    On free-threaded CPython (GIL disabled) threads run in parallel too, so the workers are
+    threads instead (``multithread_prefetch`` over a deep copy of ``ds`` per thread, the same
+    output order) and ``worker_init_fn`` is ignored with a warning.
+
     Args:
       ds: The pipeline to run in workers.
       options: Worker count and per-worker buffer; default 10 workers.
@@ -87,9 +103,49 @@ def mp_prefetch(
         options = MultiprocessingOptions(num_workers=10)
     if options.num_workers == 0:
         return ds
+    if not _gil_enabled():
+        from grain_core.dataset.multithread import multithread_prefetch
+
+        if worker_init_fn is not None:
+            warnings.warn(
+                "mp_prefetch runs its workers as threads on free-threaded Python (the GIL is "
+                "disabled), so worker_init_fn is ignored.",
+                RuntimeWarning,
+                stacklevel=3,
+            )
+        return multithread_prefetch(
+            ds,
+            options.num_workers,
+            options.per_worker_buffer_size,
+            sequential_slice,
+            copy_per_thread=True,
+        )
     return MultiprocessPrefetchIterDataset(
         ds, options, worker_init_fn=worker_init_fn, sequential_slice=sequential_slice
     )
+
+
+def _gil_enabled() -> bool:
+    """False only on a free-threaded CPython running with the GIL disabled."""
+    is_enabled = getattr(sys, "_is_gil_enabled", None)
+    return True if is_enabled is None else bool(is_enabled())
+
+
+def _upstream_options(ds: IterDataset[Any]) -> DatasetOptions | None:
+    """The ``DatasetOptions`` of every ``WithOptionsIterDataset`` in the subtree of ``ds``,
+    merged so that the most downstream explicitly set value wins (None if there are none)."""
+    merged: DatasetOptions | None = None
+    queue: list[Any] = [ds]
+    seen: set[int] = set()
+    while queue:  # breadth first: nearer the output comes first and wins
+        node = queue.pop(0)
+        if id(node) in seen:
+            continue
+        seen.add(id(node))
+        if isinstance(node, WithOptionsIterDataset):
+            merged = node.options if merged is None else merged.merge(node.options)
+        queue.extend(p for p in getattr(node, "_parents", ()) if isinstance(p, IterDataset))
+    return merged
 
 
 class MultiprocessPrefetchIterDataset(IterDataset[Any]):
@@ -135,7 +191,14 @@ class MultiprocessPrefetchIterDataset(IterDataset[Any]):
         workers = [_WorkerIterDataset(self, w) for w in range(self.num_workers)]
         # Strict rotation that skips exhausted workers is an interleave with one slot per
         # worker; the worker processes are the read-ahead, so no input threads.
-        return iter(InterleaveIterDataset(workers, cycle_length=len(workers), iter_buffer_size=0))
+        it = iter(InterleaveIterDataset(workers, cycle_length=len(workers), iter_buffer_size=0))
+        it._stage_label = f"MultiprocessPrefetch(num_workers={self.num_workers})"  # type: ignore[attr-defined]
+        # Options set upstream apply in the workers (they are part of the pickled pipeline)
+        # and, collected here, to the parent's side of the pipeline too (spec 1.2.4).
+        options = _upstream_options(self._parents[0])
+        if options is not None:
+            it._merge_dataset_options(options)
+        return it
 
     def __repr__(self) -> str:
         return (
@@ -263,12 +326,15 @@ def build_worker_iterator(
     sequential: bool,
     options: DatasetOptions | None,
 ) -> DatasetIterator[Any]:
-    """Builds worker ``index``'s iterator with its multiprocessing context and options."""
+    """Builds worker ``index``'s iterator with its multiprocessing context and options.
+
+    ``options`` are the parent's: they already hold the options set in this pipeline, merged
+    with those set downstream of ``mp_prefetch``, so they win.
+    """
     it = iter(_with_shared_memory_output(slice_for_worker(ds, index, count, sequential)))
-    ctx = it._ctx
-    ctx.mp_context = MultiprocessingContext(index, count)
+    it._ctx.mp_context = MultiprocessingContext(index, count)
     if options is not None:
-        ctx.dataset_options = ctx.dataset_options.merge(options)
+        it._merge_dataset_options(options)
     return it
 
 
@@ -422,6 +488,9 @@ class _ProcessPrefetchIterator(DatasetIterator[Any]):
             self._recycled.forget(dropped)
             if generation == self._generation:
                 break
+            if generation == STATS_GENERATION and kind == STATS:
+                attach_worker_stages(self, element)
+                continue
             self._recycled.released.extend(names)  # produced before the last set_state
         self._outstanding -= 1
         if kind == ELEMENT:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 from typing import Any
 
 from grain_core.dataset.base import IterDataset
@@ -12,7 +13,12 @@ __all__ = ["multithread_prefetch"]
 
 
 def multithread_prefetch(
-    ds: IterDataset[Any], num_threads: int, buffer_size: int, sequential_slice: bool = False
+    ds: IterDataset[Any],
+    num_threads: int,
+    buffer_size: int,
+    sequential_slice: bool = False,
+    *,
+    copy_per_thread: bool = False,
 ) -> IterDataset[Any]:
     """Runs ``num_threads`` slices of ``ds`` on threads, merged in strict round-robin order.
 
@@ -27,6 +33,8 @@ def multithread_prefetch(
       num_threads: number of slices (0: return ``ds`` unchanged).
       buffer_size: elements each thread reads ahead (0: slices are read on the consumer thread).
       sequential_slice: contiguous blocks of the source instead of strided slices.
+      copy_per_thread: give each thread a deep copy of ``ds`` (transforms included), the
+        isolation worker processes give (``mp_prefetch`` on free-threaded Python).
 
     Raises:
       ValueError: for negative counts, or a pipeline with no sliceable node (when
@@ -38,7 +46,12 @@ def multithread_prefetch(
         raise ValueError(f"buffer_size must be >= 0, got {buffer_size}.")
     if num_threads == 0:
         return ds
-    shards = [slice_for_worker(ds, i, num_threads, sequential_slice) for i in range(num_threads)]
+    shards = [
+        slice_for_worker(
+            copy.deepcopy(ds) if copy_per_thread else ds, i, num_threads, sequential_slice
+        )
+        for i in range(num_threads)
+    ]
     return InterleaveIterDataset(
         shards,
         cycle_length=num_threads,

@@ -19,6 +19,13 @@ ask for it (``DatasetIterator`` construction, ``_share_ctx``, or options merged 
 
 So a pipeline without tracking runs exactly the code it would run if this module did not exist.
 
+Worker processes (``mp_prefetch``). A tracked worker pipeline sends ``worker_stage_snapshot`` of
+its stages to the parent with its first element, then at most once a second and before it ends
+(nothing is sent, and nothing is checked per element, when tracking is off). The parent keeps the
+latest snapshot of each worker under that worker's receiving stage (``attach_worker_stages``), so
+the summary shows the worker stages, summed over workers and marked ``[worker]``, below the
+``mp_prefetch`` stage whose self time is the parent's wait for its workers.
+
 Self time is measured per thread: a stage's children run either on the same thread (their
 time is subtracted) or on reader/prefetch threads (then the stage's self time is the time it
 waited for them). Summed self time can therefore exceed wall time when threads overlap; shares
@@ -37,7 +44,15 @@ from typing import Any
 from grain_core.dataset.base import DatasetIterator, Indices, MapDataset, transform_name
 from grain_core.dataset.options import ExecutionTrackingMode
 
-__all__ = ["ExecutionSummary", "StageSummary", "get_execution_summary", "time_stages"]
+__all__ = [
+    "ExecutionSummary",
+    "StageSummary",
+    "attach_worker_stages",
+    "get_execution_summary",
+    "is_tracking",
+    "time_stages",
+    "worker_stage_snapshot",
+]
 
 _now = time.perf_counter_ns
 
@@ -75,6 +90,7 @@ class _StageStats:
         "prepared",
         "inputs",
         "has_consumer",
+        "in_workers",
     )
 
     def __init__(self, name: str, kind: str) -> None:
@@ -87,6 +103,7 @@ class _StageStats:
         self.prepared = kind == "map"
         self.inputs: list[_StageStats] = []
         self.has_consumer = False
+        self.in_workers = False
 
     def link(self, child: _StageStats) -> None:
         child.has_consumer = True
@@ -143,6 +160,9 @@ def _timed_iterator_class(cls: type[Any]) -> type[Any]:
 
 
 def _iterator_stage_name(it: DatasetIterator[Any]) -> str:
+    label = vars(it).get("_stage_label")
+    if label is not None:
+        return str(label)
     name = type(it).__name__.lstrip("_")
     for suffix in ("DatasetIterator", "Iterator"):
         if name.endswith(suffix) and name != suffix:
@@ -300,6 +320,67 @@ def _prepare_reachable(iterator: DatasetIterator[Any]) -> None:
         stack.extend(_child_iterators(it))
 
 
+# ---------------------------------------------------------------------- worker processes
+#: One stage of a worker snapshot: name, kind, count, self ns, total ns, in_workers and the
+#: positions of its inputs in the snapshot.
+_SnapshotRow = tuple[str, str, int, int, int, bool, tuple[int, ...]]
+
+
+def is_tracking(iterator: DatasetIterator[Any]) -> bool:
+    """Whether ``iterator`` records stage timing (its pipeline asks for ``STAGE_TIMING``)."""
+    mode = iterator._ctx.dataset_options.execution_tracking_mode
+    return mode is ExecutionTrackingMode.STAGE_TIMING and "_stage_stats" in vars(iterator)
+
+
+def worker_stage_snapshot(iterator: DatasetIterator[Any]) -> list[_SnapshotRow]:
+    """The stage statistics under ``iterator`` as plain tuples a worker sends to the parent.
+
+    Row 0 is ``iterator``'s own stage.
+    """
+    _prepare_reachable(iterator)
+    position: dict[int, int] = {}
+    order: list[_StageStats] = []
+    stack: list[_StageStats] = [iterator._stage_stats]  # type: ignore[attr-defined]
+    while stack:
+        stats = stack.pop()
+        if id(stats) in position:
+            continue
+        position[id(stats)] = len(order)
+        order.append(stats)
+        stack.extend(reversed(stats.inputs))
+    return [
+        (
+            s.name,
+            s.kind,
+            s.count,
+            s.self_ns,
+            s.total_ns,
+            s.in_workers,
+            tuple(position[id(c)] for c in s.inputs),
+        )
+        for s in order
+    ]
+
+
+def attach_worker_stages(iterator: DatasetIterator[Any], snapshot: list[_SnapshotRow]) -> None:
+    """Puts a worker's latest ``snapshot`` under ``iterator``, the parent stage receiving that
+    worker's elements, replacing the previous one. Does nothing if ``iterator`` is untimed."""
+    receiver = vars(iterator).get("_stage_stats")
+    if receiver is None or not snapshot:
+        return
+    nodes = []
+    for name, kind, count, self_ns, total_ns, _, _ in snapshot:
+        stats = _StageStats(name, kind)
+        stats.count, stats.self_ns, stats.total_ns = count, self_ns, total_ns
+        stats.prepared = stats.in_workers = True
+        nodes.append(stats)
+    for stats, row in zip(nodes, snapshot, strict=True):
+        for child in row[6]:
+            stats.link(nodes[child])
+    receiver.inputs = [s for s in receiver.inputs if not s.in_workers]
+    receiver.link(nodes[0])
+
+
 # ----------------------------------------------------------------------------- summaries
 @dataclasses.dataclass(frozen=True)
 class StageSummary:
@@ -316,6 +397,7 @@ class StageSummary:
       share: ``self_time_ns`` over the summed self time of all stages.
       instances: how many stage objects were merged into this row (interleave inputs).
       total_time_ns: time in this stage including its inputs (per thread).
+      in_workers: the stage runs in ``mp_prefetch`` worker processes (figures summed over them).
     """
 
     id: int
@@ -328,6 +410,7 @@ class StageSummary:
     share: float
     instances: int
     total_time_ns: int
+    in_workers: bool = False
 
     @property
     def self_time_per_element_ns(self) -> float:
@@ -361,10 +444,11 @@ class ExecutionSummary:
         rows = []
         for s in self.stages:
             merged = f" x{s.instances}" if s.instances > 1 else ""
+            where = "[worker] " if s.in_workers else ""
             rows.append(
                 (
                     str(s.id),
-                    "  " * s.depth + ("<- " if s.depth else "") + s.name + merged,
+                    "  " * s.depth + ("<- " if s.depth else "") + where + s.name + merged,
                     f"{s.num_produced_elements:,}",
                     _format_ns(s.self_time_ns),
                     _format_ns(s.self_time_per_element_ns),
@@ -387,6 +471,8 @@ class ExecutionSummary:
             "in next(). Self time excludes input stages; share is of the "
             f"{_format_ns(self.total_self_time_ns)} summed over stages and threads."
         )
+        if any(s.in_workers for s in self.stages):
+            title += " [worker] stages ran in mp_prefetch worker processes (summed over them)."
         body = [line(r) for r in rows]
         return "\n".join([title, line(header), rule, *body])
 
@@ -396,6 +482,17 @@ def _format_ns(ns: float) -> str:
         if ns >= scale:
             return f"{ns / scale:.2f} {unit}"
     return f"{ns:.0f} ns"
+
+
+def _per_worker_name(name: str) -> str:
+    """Row name for a worker stage whose description differs between workers."""
+    if name.endswith(_PER_WORKER):
+        return name
+    cut = min((i for i in (name.find("["), name.find("(")) if i > 0), default=len(name))
+    return name[:cut] + _PER_WORKER
+
+
+_PER_WORKER = " (differs per worker)"
 
 
 def get_execution_summary(iterator: DatasetIterator[Any]) -> ExecutionSummary:
@@ -417,33 +514,44 @@ def get_execution_summary(iterator: DatasetIterator[Any]) -> ExecutionSummary:
             "grain_core.experimental.ExecutionTrackingMode.STAGE_TIMING))`, before iterating."
         )
     rows: list[dict[str, Any]] = []
-    index: dict[tuple[int, str], int] = {}  # (parent row, name) -> row, merges siblings
+    # Siblings merge into one row: by name, and for worker stages by position, since every
+    # worker runs the same pipeline but names its own slice ("SliceMapDataset[1:24:2]").
+    index: dict[tuple[int, str | int], int] = {}
     visited: set[int] = set()
 
-    def add(stats: _StageStats, parent_row: int, depth: int) -> int:
-        key = (parent_row, stats.name)
+    def add(stats: _StageStats, parent_row: int, depth: int, position: int) -> int:
+        key = (parent_row, position if stats.in_workers else stats.name)
         row_id = index.get(key)
         if row_id is None:
             row_id = len(rows)
             index[key] = row_id
             rows.append(
-                {"stats": [], "depth": depth, "inputs": [], "name": stats.name, "kind": stats.kind}
+                {
+                    "stats": [],
+                    "depth": depth,
+                    "inputs": [],
+                    "name": stats.name,
+                    "kind": stats.kind,
+                    "in_workers": stats.in_workers,
+                }
             )
             if parent_row >= 0:
                 rows[parent_row]["inputs"].append(row_id)
+        elif rows[row_id]["name"] != stats.name:
+            rows[row_id]["name"] = _per_worker_name(rows[row_id]["name"])
         rows[row_id]["stats"].append(stats)
         return row_id
 
-    def walk(stats: _StageStats, parent_row: int, depth: int) -> None:
+    def walk(stats: _StageStats, parent_row: int, depth: int, position: int) -> None:
         if id(stats) in visited:
             return
         visited.add(id(stats))
-        row = add(stats, parent_row, depth)
-        for child in stats.inputs:
-            walk(child, row, depth + 1)
+        row = add(stats, parent_row, depth, position)
+        for i, child in enumerate(stats.inputs):
+            walk(child, row, depth + 1, i)
 
     _prepare_reachable(iterator)
-    walk(iterator._stage_stats, -1, 0)  # type: ignore[attr-defined]
+    walk(iterator._stage_stats, -1, 0, 0)  # type: ignore[attr-defined]
     total = sum(s.self_ns for r in rows for s in r["stats"]) or 1
     stages = []
     for i, r in enumerate(rows):
@@ -460,6 +568,7 @@ def get_execution_summary(iterator: DatasetIterator[Any]) -> ExecutionSummary:
                 share=self_ns / total,
                 instances=len(r["stats"]),
                 total_time_ns=sum(s.total_ns for s in r["stats"]),
+                in_workers=r["in_workers"],
             )
         )
     return ExecutionSummary(tuple(stages), output_wait_ns=stages[0].total_time_ns)
