@@ -9,8 +9,9 @@ from typing import Any
 import numpy as np
 import pytest
 
-from grain_core import MapDataset, MultiprocessingOptions, ReadOptions
+from grain_core import IterDataset, MapDataset, MultiprocessingOptions, ReadOptions
 from grain_core.checkpoint import CheckpointHandler
+from grain_core.dataset.interleave import InterleaveDatasetIterator
 from grain_core.experimental import ElasticIterator, InterleaveIterDataset, ZipIterDataset
 from grain_core.sharding import ShardOptions
 from grain_core.testing import check_iterator_conformance
@@ -170,3 +171,95 @@ def test_iter_mode_restrictions() -> None:
     map_mode = ElasticIterator(MapDataset.range(5), 1, _shard(0, 1))
     with pytest.raises(ValueError, match="IterDataset mode only"):
         map_mode.get_shard_states()
+
+
+# --------------------------------------------------------- IterDataset mode, split by threads
+class _FileReader(IterDataset):
+    """Reads its files one after another on the consumer thread, as the file readers do."""
+
+    def __init__(self, files: list[list[int]]) -> None:
+        super().__init__()
+        self.files = files
+
+    def with_slice(self, sl: slice) -> _FileReader:
+        return _FileReader(self.files[sl])
+
+    def __iter__(self) -> Any:
+        inputs = [MapDataset.source(f).to_iter_dataset(SYNC) for f in self.files]
+        return iter(InterleaveIterDataset(inputs, cycle_length=2, iter_buffer_size=0))
+
+    def __repr__(self) -> str:
+        return f"_FileReader({len(self.files)} files)"
+
+
+SYNC = ReadOptions(num_threads=0)
+
+
+def _reader_it(index: int, count: int, threads: int, gbs: int = 2) -> ElasticIterator:
+    return ElasticIterator(
+        _FileReader(FILES).map(lambda x: x * 10),
+        gbs,
+        _shard(index, count),
+        read_options=ReadOptions(num_threads=threads, prefetch_buffer_size=max(threads, 1)),
+    )
+
+
+def test_file_reader_shard_is_split_by_threads() -> None:
+    it = _reader_it(1, 2, threads=2)
+    merge = it.base_iterator._parents[0]
+    assert isinstance(merge, InterleaveDatasetIterator)
+    first = next(it).tolist()
+    assert [type(s).__name__ for s in merge._iters] == ["ThreadPrefetchDatasetIterator"] * 2
+    out = first + _drain(it)
+    # Shard 1 of 2 reads files 1, 3, 5: thread 0 files 1 and 5 (two at a time), thread 1
+    # file 3, merged in rotation.
+    assert sorted(out) == sorted(10 * x for f in FILES[1::2] for x in f)
+    assert out[:4] == [1000, 3000, 5000, 3010]
+    unsplit = _drain(_reader_it(1, 2, threads=1))
+    assert sorted(unsplit) == sorted(out) and unsplit != out
+
+
+def test_interleave_pipelines_are_not_split() -> None:
+    it = ElasticIterator(_files_ds(), 2, _shard(0, 2), read_options=ReadOptions(4, 8))
+    interleave = it.base_iterator._parents[0]
+    assert all(isinstance(d, MapDataset) for d in interleave._datasets)  # the files themselves
+
+
+def test_split_by_threads_conformance() -> None:
+    check_iterator_conformance(lambda: _reader_it(0, 2, threads=2), positions=[0, 2, 5])
+
+
+@pytest.mark.parametrize(
+    ("old", "old_threads", "new", "new_threads"),
+    [(2, 2, 3, 3), (1, 3, 2, 1), (2, 1, 1, 2)],
+)
+def test_split_by_threads_shard_states_move_between_topologies(
+    old: int, old_threads: int, new: int, new_threads: int, tmp_path: Path
+) -> None:
+    handler = CheckpointHandler()
+    before = []
+    for i in range(old):
+        it = _reader_it(i, old, old_threads, gbs=old)
+        before += _take(it, 3)
+        handler.save(tmp_path, it)
+        it.close()
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(
+        f"shard_state_{k}.json" for k in range(len(FILES))
+    )
+    after = []
+    for i in range(new):
+        it = _reader_it(i, new, new_threads, gbs=new)
+        handler.restore(tmp_path, it)
+        after += _drain(it)
+        it.close()
+    assert sorted(before + after) == sorted(10 * x for f in FILES for x in f)
+
+
+def test_split_by_threads_shard_states_keys() -> None:
+    it = _reader_it(1, 2, threads=2)
+    before = _take(it, 2)
+    states = it.get_shard_states()
+    assert sorted(states) == [1, 3, 5]
+    restored = _reader_it(1, 2, threads=2)
+    restored.set_shard_states(json.loads(json.dumps(states)))
+    assert sorted(before + _drain(restored)) == sorted(10 * x for f in FILES[1::2] for x in f)

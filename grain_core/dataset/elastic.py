@@ -9,6 +9,13 @@ under a different number of shards (spec 7.4).
   sliceable node) so shard ``s`` reads input datasets ``s, s + S, ...``; progress is saved per
   input dataset (``get_shard_states``) and redistributed when ``S`` changes. The order after a
   change of ``S`` is not the order of an uninterrupted run.
+
+  When the sliceable node is a file reader rather than an ``InterleaveIterDataset`` (no
+  interleave remains to read inputs concurrently: multi-file Parquet or TFRecord read their
+  files on the consumer thread) and ``read_options.num_threads = T > 1``, the shard's pipeline
+  is split by threads: copy ``t`` reads the shard's inputs ``t, t + T, ...`` on its own thread
+  and an interleave merges the ``T`` copies in rotation. Shard states stay per input dataset:
+  input ``j`` of copy ``t`` is the shard's input ``j * T + t``.
 """
 
 from __future__ import annotations
@@ -21,6 +28,7 @@ from typing import Any
 
 from grain_core.checkpoint import atomic_write_text
 from grain_core.dataset.base import DatasetIterator, IterDataset, MapDataset
+from grain_core.dataset.interleave import InterleaveDatasetIterator, InterleaveIterDataset
 from grain_core.dataset.map import FilterMapDataset
 from grain_core.dataset.mix import MixedIterDataset
 from grain_core.dataset.mp_prefetch import slice_for_worker
@@ -41,7 +49,8 @@ class ElasticIterator(DatasetIterator[Any]):
       global_batch_size: elements per step over all shards; each shard yields batches of
         ``global_batch_size // shard_count``.
       shard_options: this process's shard.
-      read_options: for ``to_iter_dataset`` (MapDataset mode).
+      read_options: for ``to_iter_dataset`` (MapDataset mode); in IterDataset mode
+        ``num_threads > 1`` splits a file reader's inputs over that many threads.
       multiprocessing_options: run each shard's pipeline in worker processes (MapDataset mode).
 
     Raises:
@@ -82,6 +91,8 @@ class ElasticIterator(DatasetIterator[Any]):
         self._mp_options = multiprocessing_options
         self._global_next_index = 0
         self._iterator: DatasetIterator[Any] | None = None
+        # IterDataset mode, split by threads: copy t of the shard's pipeline.
+        self._thread_copies: list[IterDataset[Any]] = []
 
     @property
     def shard_options(self) -> ShardOptions:
@@ -112,7 +123,16 @@ class ElasticIterator(DatasetIterator[Any]):
             if self._mp_options is not None:
                 it_ds = it_ds.mp_prefetch(self._mp_options)
             return it_ds
-        return slice_for_worker(self._ds, index, count).batch(per_shard, drop_remainder=False)
+        shard = slice_for_worker(self._ds, index, count)
+        threads = self._read_options.num_threads
+        if threads > 1 and not any(
+            isinstance(node, InterleaveIterDataset) for node in _sliceable_nodes(shard)
+        ):
+            self._thread_copies = [slice_for_worker(shard, t, threads) for t in range(threads)]
+            shard = InterleaveIterDataset(
+                self._thread_copies, cycle_length=threads, num_make_iter_threads=threads
+            )
+        return shard.batch(per_shard, drop_remainder=False)
 
     def __next__(self) -> Any:
         x = next(self.base_iterator)
@@ -141,21 +161,17 @@ class ElasticIterator(DatasetIterator[Any]):
             self._iterator.close()
             self._iterator = None
 
-    def _shard_state_owner(self) -> Any:
+    def _check_shard_states_mode(self) -> None:
         if isinstance(self._ds, MapDataset):
             raise ValueError(
                 "Shard states exist in IterDataset mode only; a MapDataset ElasticIterator's "
                 "get_state() already restores under any shard count."
             )
-        stack: list[Any] = [self.base_iterator]
-        while stack:
-            it = stack.pop(0)
-            if hasattr(it, "get_shard_states"):
-                return it
-            stack.extend(getattr(it, "_parents", ()))
-        raise ValueError(
-            "This ElasticIterator's pipeline has no interleave (or other iterator with shard "
-            "states) to redistribute; use get_state()/set_state()."
+
+    def _thread_interleave(self) -> InterleaveDatasetIterator:
+        """The interleave over the thread copies (split by threads)."""
+        return next(
+            it for it in _iterators(self.base_iterator) if isinstance(it, InterleaveDatasetIterator)
         )
 
     def get_shard_states(self) -> dict[int, dict[str, Any]]:
@@ -164,21 +180,69 @@ class ElasticIterator(DatasetIterator[Any]):
         Raises:
           ValueError: in MapDataset mode, or without an interleave in the pipeline.
         """
+        self._check_shard_states_mode()
+        base = self.base_iterator
+        if not self._thread_copies:
+            return self._global_keys(_shard_state_owner(base).get_shard_states(), 0, 1)
+        # Split by threads: the copies read ahead, so their consumed positions come from the
+        # merging interleave's state, converted to per-input states on scratch iterators.
+        merge_state = self._thread_interleave().get_state()
+        out: dict[int, dict[str, Any]] = {}
+        threads = len(self._thread_copies)
+        for t, copy_ds in enumerate(self._thread_copies):
+            with iter(copy_ds) as scratch:
+                copy_state = merge_state["iterators_in_use_states"][t]
+                if copy_state is not None:
+                    scratch.set_state(copy_state)
+                local = _shard_state_owner(scratch).get_shard_states()
+            out.update(self._global_keys(local, t, threads))
+        return out
+
+    def _global_keys(
+        self, local: list[dict[str, Any]], thread: int, threads: int
+    ) -> dict[int, dict[str, Any]]:
         index, count = self._shard_options.shard_index, self._shard_options.shard_count
-        local = self._shard_state_owner().get_shard_states()
-        return {j * count + index: s for j, s in enumerate(local)}
+        return {(j * threads + thread) * count + index: s for j, s in enumerate(local)}
 
     def set_shard_states(self, shard_states: Mapping[Any, dict[str, Any]]) -> None:
         """Restores progress saved by any shard topology (string keys accepted, as from JSON).
 
         Input datasets without an entry start from their beginning.
+
+        Raises:
+          ValueError: in MapDataset mode, or without an interleave in the pipeline.
         """
-        owner = self._shard_state_owner()
-        index, count = self._shard_options.shard_index, self._shard_options.shard_count
+        self._check_shard_states_mode()
         states = {int(k): v for k, v in shard_states.items()}
+        base = self.base_iterator
+        if not self._thread_copies:
+            owner = _shard_state_owner(base)
+            owner.set_shard_states(self._local_states(owner, states, 0, 1))
+            return
+        threads = len(self._thread_copies)
+        copy_states = []
+        for t, copy_ds in enumerate(self._thread_copies):
+            with iter(copy_ds) as scratch:
+                owner = _shard_state_owner(scratch)
+                owner.set_shard_states(self._local_states(owner, states, t, threads))
+                copy_states.append(scratch.get_state())
+        self._thread_interleave().set_state(
+            {
+                "next_index_in_cycle": 0,
+                "next_index_in_datasets": threads,
+                "iterators_in_use_indices": list(range(threads)),
+                "iterators_in_use_states": copy_states,
+                "exhausted": [0] * threads,
+                "future_states": {},
+            }
+        )
+
+    def _local_states(
+        self, owner: Any, states: dict[int, dict[str, Any]], thread: int, threads: int
+    ) -> list[dict[str, Any]]:
+        keys = self._global_keys(owner.get_shard_states(), thread, threads)
         fresh = {"exhausted": 0, "state": None}
-        num_local = len(owner.get_shard_states())
-        owner.set_shard_states([states.get(j * count + index, fresh) for j in range(num_local)])
+        return [states.get(key, fresh) for key in keys]
 
     def close(self) -> None:
         if self._closed:
@@ -191,6 +255,38 @@ class ElasticIterator(DatasetIterator[Any]):
             f"ElasticIterator(global_batch_size={self._global_batch_size}, "
             f"shard_options={self._shard_options})"
         )
+
+
+def _iterators(it: DatasetIterator[Any]) -> Any:
+    """``it`` and its parent iterators, nearest first."""
+    queue: list[Any] = [it]
+    while queue:
+        current = queue.pop(0)
+        yield current
+        queue.extend(getattr(current, "_parents", ()))
+
+
+def _shard_state_owner(it: DatasetIterator[Any]) -> Any:
+    """The iterator nearest the output that keeps progress per input dataset."""
+    for current in _iterators(it):
+        if hasattr(current, "get_shard_states"):
+            return current
+    raise ValueError(
+        "This ElasticIterator's pipeline has no interleave (or other iterator with shard "
+        "states) to redistribute; use get_state()/set_state()."
+    )
+
+
+def _sliceable_nodes(ds: IterDataset[Any]) -> list[Any]:
+    """The first sliceable node on every path from ``ds`` towards its sources."""
+    found, stack = [], [ds]
+    while stack:
+        node = stack.pop()
+        if hasattr(node, "with_slice") or hasattr(node, "set_slice"):
+            found.append(node)
+        else:
+            stack.extend(p for p in node._parents if isinstance(p, IterDataset))
+    return found
 
 
 def _walk(ds: Any) -> Any:
