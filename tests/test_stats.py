@@ -250,3 +250,39 @@ def test_interleave_inputs_merge_into_one_row_per_stage(iter_buffer_size: int) -
     # Inputs the interleave finished and dropped still count.
     assert merged[0].instances == 4
     assert merged[0].num_produced_elements == 20
+
+
+# ------------------------------------------------------------------ worker snapshots
+def test_worker_snapshots_merge_under_the_receiving_stage(clock: FakeClock) -> None:
+    """What mp_prefetch does with worker statistics, without processes: each worker's latest
+    snapshot replaces its previous one under the parent stage that receives its elements."""
+    workers = [iter(WithOptionsIterDataset(_pipeline(clock).map(abs), TIMING)) for _ in range(2)]
+    assert all(stats.is_tracking(w) for w in workers)
+    inputs = [grain.MapDataset.range(2).to_iter_dataset(SYNC) for _ in range(2)]
+    merge = InterleaveIterDataset(inputs, cycle_length=2, iter_buffer_size=0)
+    parent = iter(WithOptionsIterDataset(merge, TIMING))
+    assert len(list(parent)) == 4
+    receivers = parent._iters
+    for worker, receiver in zip(workers, receivers, strict=True):
+        next(worker)
+        stats.attach_worker_stages(receiver, stats.worker_stage_snapshot(worker))
+        list(worker)
+        snapshot = json.loads(json.dumps(stats.worker_stage_snapshot(worker)))  # as sent
+        stats.attach_worker_stages(receiver, snapshot)
+    summary = get_execution_summary(parent)
+    in_workers = [s for s in summary.stages if s.in_workers]
+    assert [s.name.split("(")[0] for s in in_workers][:2] == ["Map", "Batch"]
+    assert all(s.instances == 2 and s.depth >= 2 for s in in_workers)
+    assert in_workers[0].num_produced_elements == 20  # 10 batches per worker
+    costly = next(s for s in in_workers if "costly" in s.name)
+    assert costly.self_time_ns == 2 * 100 * 1000
+    assert summary.slowest() == costly
+    assert "[worker] MapMapDataset(transform=costly" in str(summary)
+    assert "ran in mp_prefetch worker processes" in str(summary).splitlines()[0]
+
+
+def test_untracked_iterators_are_not_tracking_and_ignore_snapshots() -> None:
+    it = iter(_pipeline())
+    assert not stats.is_tracking(it)
+    stats.attach_worker_stages(it, [("Map", "iter", 1, 1, 1, False, ())])
+    assert "_stage_stats" not in vars(it)
