@@ -5,10 +5,16 @@ import time
 
 import numpy as np
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 import grain_core as grain
 from grain_core.dataset.options import DatasetOptions
-from grain_core.dataset.prefetch import ThreadPrefetchDatasetIterator, ThreadPrefetchIterDataset
+from grain_core.dataset.prefetch import (
+    ReadConcurrency,
+    ThreadPrefetchDatasetIterator,
+    ThreadPrefetchIterDataset,
+)
 from grain_core.testing import check_iterator_conformance
 
 MD = grain.MapDataset
@@ -216,5 +222,65 @@ def test_reads_that_release_the_gil_run_in_parallel_threads():
 
     it = iter(MD.range(200).map(io_like).to_iter_dataset(grain.ReadOptions(8, 64)))
     assert [next(it) for _ in range(100)] == list(range(100))
-    assert it._concurrency > 1
+    assert it._concurrency.value > 1
     it.close()
+
+
+def _feed(controller, rate, cpu_share, windows, clock):
+    """Delivers ``windows`` windows of 4 blocks of 100 elements at ``rate`` elements/s."""
+    for _ in range(windows * 4):
+        clock[0] += 100 / rate
+        controller.block_done(100, cpu_share, clock[0])
+
+
+def _controller(max_value):
+    controller, clock = ReadConcurrency(max_value), [0.0]
+    controller.block_done(10, 1.0, clock[0])
+    return controller, clock
+
+
+def test_read_concurrency_keeps_probes_that_raise_the_rate():
+    controller, clock = _controller(8)
+    _feed(controller, 1000, 0.1, 1, clock)
+    assert controller.value == 2  # low load: probing
+    _feed(controller, 2000, 0.1, 1, clock)
+    assert controller.value == 2  # kept: the rate doubled
+    _feed(controller, 2000, 0.1, 1, clock)
+    assert controller.value == 4
+
+
+def test_read_concurrency_undoes_probes_that_do_not_pay_and_backs_off():
+    # A GIL-bound read on a busy machine: its thread is descheduled half the time, which looks
+    # like I/O, but more threads deliver nothing more.
+    controller, clock = _controller(8)
+    probes = []
+    for _ in range(40):
+        before = controller.value
+        _feed(controller, 1000, 0.4, 1, clock)
+        probes.append(controller.value > before)
+    assert controller.value in (1, 2)
+    assert sum(probes) < 40 // 4  # waits twice as long after every failed probe
+
+
+def test_read_concurrency_shrinks_when_reads_load_the_cpu():
+    controller, clock = _controller(8)
+    for rate in (1000, 2000, 4000, 8000):
+        _feed(controller, rate, 0.05, 2, clock)
+    grown = controller.value
+    assert grown > 2
+    _feed(controller, 8000, 1.0, 1, clock)
+    assert controller.value == grown // 2
+
+
+@given(
+    st.lists(
+        st.tuples(st.integers(1, 100), st.floats(0.0, 1.0), st.floats(1e-4, 0.1)), max_size=200
+    ),
+    st.integers(1, 16),
+)
+def test_read_concurrency_stays_within_bounds(blocks, max_value):
+    controller, now = ReadConcurrency(max_value), 0.0
+    for elements, share, dt in blocks:
+        now += dt
+        controller.block_done(elements, share, now)
+        assert 1 <= controller.value <= max_value

@@ -17,6 +17,7 @@ from grain_core.options import ReadOptions
 __all__ = [
     "PrefetchDatasetIterator",
     "PrefetchIterDataset",
+    "ReadConcurrency",
     "ThreadPrefetchDatasetIterator",
     "ThreadPrefetchIterDataset",
 ]
@@ -29,8 +30,14 @@ __all__ = [
 _MAX_CHUNK = 1024
 _FAST_BLOCK_S = 0.004
 _SLOW_BLOCK_S = 0.016
-_IO_BOUND_CPU_SHARE = 0.5
-_CPU_BOUND_CPU_SHARE = 0.8
+_IO_BOUND_LOAD = 0.5
+_CPU_BOUND_LOAD = 0.8
+# A probe of twice the blocks in flight is kept only if the delivery rate over a window of at
+# least _WINDOW_BLOCKS blocks and _WINDOW_S seconds rises by _PROBE_GAIN.
+_WINDOW_BLOCKS = 4
+_WINDOW_S = 0.02
+_PROBE_GAIN = 1.2
+_MAX_PROBE_WAIT = 64
 
 
 class PrefetchIterDataset(IterDataset[Any]):
@@ -96,7 +103,7 @@ class PrefetchDatasetIterator(DatasetIterator[Any]):
             collections.deque()
         )
         self._in_flight = 0
-        self._concurrency = 1
+        self._concurrency = ReadConcurrency(self._num_threads)
         self._cpu_share = 1.0
 
     def _next_chunk_range(self, limit: int) -> tuple[int, int]:
@@ -127,25 +134,11 @@ class PrefetchDatasetIterator(DatasetIterator[Any]):
         while (
             self._read_index < self._len
             and self._in_flight < self._buffer_size
-            and len(self._pending) < self._concurrency
+            and len(self._pending) < self._concurrency.value
         ):
             start, count = self._next_chunk_range(self._buffer_size - self._in_flight)
             self._pending.append((start, count, self._executor.submit(self._read, start, count)))
             self._in_flight += count
-
-    def _adapt_concurrency(self) -> None:
-        """Runs more reads at once only while they leave the CPU idle.
-
-        Reads that hold the GIL (pure-Python maps over in-memory data) gain nothing from
-        parallel threads and lose a lot to contention, so they keep one block in flight (still
-        overlapped with the consumer). Reads that wait on I/O or release the GIL (file
-        readers, large NumPy operations) use a small share of their wall time on this thread's
-        CPU, and the number of blocks in flight grows up to ``num_threads``.
-        """
-        if self._cpu_share < _IO_BOUND_CPU_SHARE:
-            self._concurrency = min(self._concurrency * 2, self._num_threads)
-        elif self._cpu_share > _CPU_BOUND_CPU_SHARE:
-            self._concurrency = max(self._concurrency // 2, 1)
 
     def _load_chunk(self) -> None:
         if self._threaded:
@@ -156,7 +149,7 @@ class PrefetchDatasetIterator(DatasetIterator[Any]):
                 chunk = future.result()
             except Exception:
                 chunk = self._read_one_by_one(start, count)
-            self._adapt_concurrency()
+            self._concurrency.block_done(len(chunk), self._cpu_share, time.perf_counter())
             self._fill()
         else:
             start, count = self._next_chunk_range(self._chunk_cap)
@@ -237,6 +230,76 @@ class PrefetchDatasetIterator(DatasetIterator[Any]):
         if self._executor is not None:
             self._executor.shutdown(wait=False, cancel_futures=True)
             self._executor = None
+
+
+class ReadConcurrency:
+    """How many blocks a threaded ``to_iter_dataset`` reads at once.
+
+    Reads that wait on I/O or release the GIL gain from running in parallel threads; reads
+    that hold the GIL (pure-Python maps over in-memory data) gain nothing and lose a lot to
+    contention, and so do reads in processes that already use every core (``mp_prefetch``
+    workers). The signal that more reads might help is the *load*: the CPU the reads in
+    flight use together, in cores (the last block's share of its wall time on its thread's
+    CPU, times the blocks in flight). It cannot tell a thread waiting for I/O from one waiting
+    for a busy CPU, so a low load only triggers a *probe*: twice the blocks in flight, kept if
+    the delivery rate rises by ``_PROBE_GAIN`` over the next window, else undone, with the
+    next probe waiting twice as many windows. A load above ``_CPU_BOUND_LOAD`` (reads busy on
+    the CPU or contending for the GIL) halves the blocks in flight. One block in flight still
+    overlaps reading with the consumer.
+
+    Args:
+      max_value: The most blocks in flight (``ReadOptions.num_threads``).
+    """
+
+    def __init__(self, max_value: int) -> None:
+        self.value = 1
+        self._max = max_value
+        self._window_start = -1.0
+        self._window_elements = 0
+        self._window_blocks = 0
+        self._rate_before_probe = 0.0  # > 0 while a probe runs
+        self._probe_wait = 1
+        self._windows_since_probe = 0
+
+    def block_done(self, elements: int, cpu_share: float, now: float) -> None:
+        """Accounts for one delivered block and adapts :attr:`value` at the end of a window.
+
+        Args:
+          elements: Elements in the block.
+          cpu_share: The block's CPU time on its thread over its wall time.
+          now: ``time.perf_counter()`` when the block was delivered.
+        """
+        if self._window_start < 0:
+            self._window_start = now
+            return
+        self._window_elements += elements
+        self._window_blocks += 1
+        elapsed = now - self._window_start
+        if self._window_blocks < _WINDOW_BLOCKS or elapsed < _WINDOW_S:
+            return
+        rate = self._window_elements / elapsed
+        self._window_start, self._window_elements, self._window_blocks = now, 0, 0
+        if self._rate_before_probe > 0:
+            if rate < self._rate_before_probe * _PROBE_GAIN:
+                self.value //= 2
+                self._probe_wait = min(self._probe_wait * 2, _MAX_PROBE_WAIT)
+            else:
+                self._probe_wait = 1
+            self._rate_before_probe = 0.0
+            self._windows_since_probe = 0
+            return
+        load = cpu_share * self.value
+        if load > _CPU_BOUND_LOAD and self.value > 1:
+            self.value //= 2
+            return
+        self._windows_since_probe += 1
+        if (
+            load < _IO_BOUND_LOAD
+            and self.value < self._max
+            and self._windows_since_probe >= self._probe_wait
+        ):
+            self._rate_before_probe = rate
+            self.value = min(self.value * 2, self._max)
 
 
 class _Raise:
