@@ -6,7 +6,7 @@ Built entirely on the Dataset API. Two layouts, chosen from the operations:
   or ``Batch``): the whole pipeline is a ``MapDataset`` and workers take strided shares of its
   *output* elements (batches), so the output is the same for any ``worker_count`` and a
   checkpoint taken with ``N`` workers restores with ``M`` (Grain cannot, rough edge 6).
-* **Stream layout** (a ``Filter`` or ``FlatMap`` is present): records are strided across workers
+* **Stream layout** (a ``Filter``, ``FlatMap`` or legacy operation is present): records are strided across workers
   and the operations run as ``IterDataset`` steps inside each worker, as in Grain; the order and
   the checkpoint depend on ``worker_count``.
 
@@ -43,6 +43,7 @@ _ONE_TO_ONE = (
     transforms.TfRandomMap,
     transforms.MapWithIndex,
 )
+_KNOWN_OPERATIONS = (*_ONE_TO_ONE, transforms.Batch, transforms.Filter, transforms.FlatMap)
 _LONG_REPR = 256
 
 
@@ -221,11 +222,68 @@ def _records_per_element(operations: Sequence[Any]) -> int:
 
 
 def _check_operation(op: Any) -> None:
-    if not isinstance(op, (*_ONE_TO_ONE, transforms.Batch, transforms.Filter, transforms.FlatMap)):
-        raise TypeError(
-            f"Unsupported DataLoader operation {op!r} ({type(op).__name__}). Use "
-            "grain_core.transforms Map, RandomMap, MapWithIndex, Filter, FlatMap or Batch."
+    if isinstance(op, _KNOWN_OPERATIONS) or callable(op):
+        return
+    raise TypeError(
+        f"Unsupported DataLoader operation {op!r} ({type(op).__name__}). Use "
+        "grain_core.transforms Map, RandomMap, MapWithIndex, Filter, FlatMap or Batch, or a "
+        "legacy operation: a callable from an iterator of Records to an iterator of Records."
+    )
+
+
+class _LegacyOperationIterDataset(IterDataset[Record[Any]]):
+    """Applies a legacy DataLoader operation (``Iterator[Record] -> Iterator[Record]``, such as
+    ``PackAndBatchOperation``) to the records of its parent.
+
+    The operation has no state of its own: the state is the parent's, and restoring it starts a
+    new run of the operation there. Records the operation had taken but not yet emitted when
+    the state was saved (a partly filled pack) are not replayed; use the Dataset API's
+    packing datasets for exact checkpoints.
+    """
+
+    def __init__(self, parent: IterDataset[Record[Any]], operation: Any) -> None:
+        super().__init__(parent)
+        self._operation = operation
+
+    def __iter__(self) -> _LegacyOperationIterator:
+        return _LegacyOperationIterator(self._parents[0].__iter__(), self._operation)
+
+    def __repr__(self) -> str:
+        return f"LegacyOperation({self._operation!r})"
+
+
+class _LegacyOperationIterator(DatasetIterator[Record[Any]]):
+    def __init__(self, parent: DatasetIterator[Record[Any]], operation: Any) -> None:
+        super().__init__(parent)
+        self._operation = operation
+        self._output: Any = None
+
+    def __next__(self) -> Record[Any]:
+        self._check_open()
+        if self._output is None:
+            self._output = self._start()
+        return next(self._output)  # type: ignore[no-any-return]
+
+    def _start(self) -> Any:
+        usage = (
+            f"A legacy DataLoader operation ({self._operation!r}) maps an iterator of Records "
+            "to an iterator of Records; use transforms.Map for a function of one element."
         )
+        try:
+            output = self._operation(self._parents[0])
+        except TypeError as e:
+            e.add_note(usage)
+            raise
+        if not hasattr(output, "__next__"):
+            raise TypeError(f"It returned {type(output).__name__}, not an iterator. {usage}")
+        return output
+
+    def get_state(self) -> dict[str, Any]:
+        return self._parents[0].get_state()
+
+    def set_state(self, state: dict[str, Any]) -> None:
+        self._parents[0].set_state(state)
+        self._output = None
 
 
 # -------------------------------------------------------------------------- DataLoader
@@ -340,8 +398,10 @@ class DataLoader:
                     from grain_core.dataset.flatmap import FlatMapIterDataset
 
                     it_ds = FlatMapIterDataset(it_ds, _RecordFlatMap(op))
-                else:
+                elif isinstance(op, _ONE_TO_ONE):
                     it_ds = it_ds.map(_RecordMap(op))
+                else:
+                    it_ds = _LegacyOperationIterDataset(it_ds, op)
             out = it_ds.map(_record_data)
         if self._worker_count:
             out = out.mp_prefetch(self.multiprocessing_options)

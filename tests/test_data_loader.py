@@ -244,7 +244,67 @@ def test_invalid_arguments() -> None:
     with pytest.raises(ValueError, match="No shard options"):
         grain.DataLoader(data_source=SOURCE, sampler=NoShards())
     with pytest.raises(TypeError, match="Unsupported DataLoader operation"):
-        grain.DataLoader(data_source=SOURCE, sampler=sampler, operations=[lambda x: x])
+        grain.DataLoader(data_source=SOURCE, sampler=sampler, operations=["batch"])
+    for not_an_operation, match in (
+        (lambda records: 3, "returned int, not an iterator"),
+        (len, "has no len"),
+    ):
+        loader = grain.DataLoader(
+            data_source=SOURCE, sampler=sampler, operations=[not_an_operation]
+        )
+        with pytest.raises(TypeError, match=match) as raised:
+            next(iter(loader))
+        assert "use transforms.Map for a function of one element" in str(raised.value) + "".join(
+            getattr(raised.value, "__notes__", [])
+        )
+
+
+def tag_pairs(records: Any) -> Any:
+    """A legacy operation: an iterator of Records to an iterator of Records (2 -> 1)."""
+    for first in records:
+        second = next(records, None)
+        pair = np.int64(-1 if second is None else second.data["x"][0])
+        data = {"x": first.data["x"], "pair": pair}
+        yield grain.Record(first.metadata, data)
+
+
+def test_legacy_operation_runs_with_any_worker_count_and_checkpoints() -> None:
+    ops = [PlusOne(), tag_pairs, transforms.Batch(3)]
+    expected = list(_loader(0, ops))
+    assert len(expected) == 5
+    assert [int(p) for b in expected for p in b["pair"]] == [
+        int(x[0]) for b in list(_loader(0, [PlusOne(), transforms.Batch(2)])) for x in b["x"][1:]
+    ]
+    # Each worker runs the operation over its own records (15 each: 8 outputs).
+    for workers, outputs in ((0, 15), (2, 16)):
+        with iter(_loader(workers, ops)) as it:
+            assert sum(len(b["pair"]) for b in it) == outputs
+    # The legacy operation has no state of its own; it consumes exactly two records per
+    # output, so a checkpoint between batches is exact.
+    for position in (0, 2, 5):
+        with iter(_loader(0, ops)) as it:
+            for _ in range(position):
+                next(it)
+            state = it.get_state()
+        with iter(_loader(0, ops)) as restored:
+            restored.set_state(state)
+            _assert_streams_equal(list(restored), expected[position:])
+
+
+def test_pack_and_batch_operation_in_a_dataloader() -> None:
+    source = [np.arange(n, dtype=np.int32) + 1 for n in (3, 2, 4, 1, 5, 2, 3)]
+    loader = grain.DataLoader(
+        data_source=source,
+        sampler=SequentialSampler(len(source)),
+        operations=[grain.experimental.PackAndBatchOperation(np.int64(6), batch_size=2)],
+        worker_count=2,
+    )
+    with iter(loader) as it:
+        batches = list(it)
+    tokens = sum(int((values > 0).sum()) for values, _, _ in batches)
+    assert tokens == sum(len(s) for s in source)  # every token packed, none dropped
+    for values, segments, positions in batches:
+        assert values.shape == segments.shape == positions.shape == (2, 6)
 
 
 def test_sharded_loaders_and_sampler_without_len() -> None:
