@@ -98,17 +98,30 @@ def _has_index(sampler: Any, index: int) -> bool:
     return True
 
 
-class _SamplerMapDataset(MapDataset[Record[Any]]):
+class _SamplerMapDataset(MapDataset[Any]):
     """Local index ``i`` of shard ``s`` of ``S`` is ``Record(m, source[m.record_key])`` with
-    ``m = sampler[i * S + s]``."""
+    ``m = sampler[i * S + s]``, or just ``source[m.record_key]`` without ``with_metadata``.
+
+    Args:
+      with_rng: Give each record's metadata its random generator.
+      with_metadata: Produce Records; without it no metadata object is built per record (for
+        pipelines whose operations never look at it).
+    """
 
     def __init__(
-        self, source: Any, sampler: Any, shard_options: ShardOptions, *, with_rng: bool = True
+        self,
+        source: Any,
+        sampler: Any,
+        shard_options: ShardOptions,
+        *,
+        with_rng: bool = True,
+        with_metadata: bool = True,
     ) -> None:
         super().__init__()
         self._source = source
         self._sampler = sampler
         self._with_rng = with_rng
+        self._with_metadata = with_metadata
         self._shard_index = shard_options.shard_index
         self._shard_count = shard_options.shard_count
         total = _sampler_length(sampler)
@@ -131,12 +144,17 @@ class _SamplerMapDataset(MapDataset[Record[Any]]):
             raise IndexError("The sampler yields no records for this shard.")
         local = np.asarray(indices, dtype=np.int64) % self._len
         global_indices = local * self._shard_count + self._shard_index
+        record_keys = getattr(self._sampler, "record_keys", None)
+        if not self._with_metadata and record_keys is not None:
+            return batched_read(self._source, record_keys(global_indices).tolist())
         block = getattr(self._sampler, "metadata_block", None)
         if block is not None:
             metas = block(global_indices, with_rng=self._with_rng)
         else:
             metas = [self._sampler[i] for i in global_indices.tolist()]
         values = batched_read(self._source, [m.record_key for m in metas])
+        if not self._with_metadata:
+            return values
         return [Record(m, v) for m, v in zip(metas, values, strict=True)]
 
     def __repr__(self) -> str:
@@ -149,22 +167,41 @@ class _RecordMap:
 
     def __init__(self, op: Any) -> None:
         self._op = op
+        # Chosen once: isinstance checks against the transform ABCs cost a microsecond each.
+        if isinstance(op, transforms.Map):
+            self._apply = self._map
+        elif isinstance(op, transforms.MapWithIndex):
+            self._apply = self._map_with_index
+        elif isinstance(op, transforms.RandomMap):
+            self._apply = self._random_map
+        else:
+            self._apply = self._np_random_map
 
     def __call__(self, record: Record[Any]) -> Record[Any]:
-        op, meta = self._op, record.metadata
-        if isinstance(op, transforms.Map):
-            return Record(meta, op.map(record.data))
-        if isinstance(op, transforms.MapWithIndex):
-            return Record(meta, op.map_with_index(meta.index, record.data))
-        rng = meta.rng
+        return self._apply(record)
+
+    def _map(self, record: Record[Any]) -> Record[Any]:
+        return Record(record.metadata, self._op.map(record.data))
+
+    def _map_with_index(self, record: Record[Any]) -> Record[Any]:
+        meta = record.metadata
+        return Record(meta, self._op.map_with_index(meta.index, record.data))
+
+    def _random_map(self, record: Record[Any]) -> Record[Any]:
+        return Record(record.metadata, self._op.random_map(record.data, self._rng(record)))
+
+    def _np_random_map(self, record: Record[Any]) -> Record[Any]:
+        return Record(record.metadata, self._op.np_random_map(record.data, self._rng(record)))
+
+    def _rng(self, record: Record[Any]) -> np.random.Generator:
+        rng = record.metadata.rng
         if rng is None:
             raise ValueError(
-                f"{type(op).__name__} needs a random generator, but record {meta.index} has "
-                "none: give the sampler a seed (e.g. IndexSampler(..., seed=42))."
+                f"{type(self._op).__name__} needs a random generator, but record "
+                f"{record.metadata.index} has none: give the sampler a seed (e.g. "
+                "IndexSampler(..., seed=42))."
             )
-        if isinstance(op, transforms.RandomMap):
-            return Record(meta, op.random_map(record.data, rng))
-        return Record(meta, op.np_random_map(record.data, rng))
+        return rng
 
 
 class _RecordFilter:
@@ -190,18 +227,24 @@ class _RecordFlatMap:
         ]
 
 
+def _batch_fn(batch_fn: Any, shared_memory: bool) -> Any:
+    """The function a ``Batch`` operation stacks with: the user's or ``make_batch``, writing
+    into shared memory when the batch is sent to the parent process."""
+    from grain_core.dataset.batch import make_batch
+    from grain_core.dataset.mp_prefetch import make_batch_in_shared_memory
+
+    if batch_fn is None:
+        return make_batch_in_shared_memory if shared_memory else make_batch
+    if shared_memory and hasattr(batch_fn, "enable_shared_memory_output"):
+        batch_fn = copy.copy(batch_fn)
+        batch_fn.enable_shared_memory_output()
+    return batch_fn
+
+
 class _RecordBatch:
     """Batches ``data`` fields; keeps the last record's metadata without its key."""
 
-    def __init__(self, batch_fn: Any, shared_memory: bool) -> None:
-        from grain_core.dataset.batch import make_batch
-        from grain_core.dataset.mp_prefetch import make_batch_in_shared_memory
-
-        if batch_fn is None:
-            batch_fn = make_batch_in_shared_memory if shared_memory else make_batch
-        elif shared_memory and hasattr(batch_fn, "enable_shared_memory_output"):
-            batch_fn = copy.copy(batch_fn)
-            batch_fn.enable_shared_memory_output()
+    def __init__(self, batch_fn: Any) -> None:
         self._batch_fn = batch_fn
 
     def __call__(self, records: Sequence[Record[Any]]) -> Record[Any]:
@@ -367,22 +410,35 @@ class DataLoader:
             isinstance(op, (transforms.RandomMap, transforms.TfRandomMap))
             for op in self._operations
         )
+        # Only index and random operations look at a record's metadata; without them the
+        # pipeline runs on the data alone, with no Record objects per record.
+        with_metadata = not self._index_layout or any(
+            isinstance(op, _ONE_TO_ONE) and not isinstance(op, transforms.Map)
+            for op in self._operations
+        )
         records = _SamplerMapDataset(
-            self._data_source, self._sampler, self._shard_options, with_rng=with_rng
+            self._data_source,
+            self._sampler,
+            self._shard_options,
+            with_rng=with_rng,
+            with_metadata=with_metadata,
         )
         shm_batch_at = _last_batch_position(self._operations) if self._worker_count else -1
         if self._index_layout:
             ds: Any = records
             for position, op in enumerate(self._operations):
                 if isinstance(op, transforms.Batch):
+                    batch_fn = _batch_fn(op.batch_fn, position == shm_batch_at)
                     ds = ds.batch(
                         op.batch_size,
                         drop_remainder=op.drop_remainder,
-                        batch_fn=_RecordBatch(op.batch_fn, position == shm_batch_at),
+                        batch_fn=_RecordBatch(batch_fn) if with_metadata else batch_fn,
                     )
                 else:
-                    ds = ds.map(_RecordMap(op))
-            out = ds.map(_record_data).to_iter_dataset(self._element_read_options())
+                    ds = ds.map(_RecordMap(op) if with_metadata else op.map)
+            if with_metadata:
+                ds = ds.map(_record_data)
+            out = ds.to_iter_dataset(self._element_read_options())
         else:
             it_ds: Any = records.to_iter_dataset(self._read_options)
             for position, op in enumerate(self._operations):
@@ -390,7 +446,7 @@ class DataLoader:
                     it_ds = it_ds.batch(
                         op.batch_size,
                         drop_remainder=op.drop_remainder,
-                        batch_fn=_RecordBatch(op.batch_fn, position == shm_batch_at),
+                        batch_fn=_RecordBatch(_batch_fn(op.batch_fn, position == shm_batch_at)),
                     )
                 elif isinstance(op, transforms.Filter):
                     it_ds = it_ds.filter(_RecordFilter(op))

@@ -53,6 +53,14 @@ def _check_seed(seed: Any) -> int | None:
     return seed
 
 
+def _check_indices(indices: Sequence[int], length: int, sampler: object) -> np.ndarray:
+    idx = np.asarray(indices, dtype=np.int64)
+    if idx.size and (idx.min() < 0 or idx.max() >= length):
+        bad = int(idx[(idx < 0) | (idx >= length)][0])
+        raise IndexError(f"Index {bad} out of range [0, {length}) of {sampler!r}.")
+    return idx
+
+
 def _rng(seed: int | None, index: int) -> np.random.Generator | None:
     if seed is None:
         return None
@@ -108,6 +116,14 @@ class SequentialSampler:
         """
         seed = self._seed if with_rng else None
         return [self._metadata(int(i), seed) for i in indices]
+
+    def record_keys(self, indices: Sequence[int]) -> np.ndarray:
+        """``[self[i].record_key for i in indices]`` as an int64 array, without metadata.
+
+        Raises:
+          IndexError: For an index out of range.
+        """
+        return _check_indices(indices, self._len, self)
 
     def __repr__(self) -> str:
         return (
@@ -185,16 +201,22 @@ class IndexSampler:
 
         ``with_rng=False`` leaves ``rng`` as None, for pipelines without random operations.
         """
-        idx = np.asarray(indices, dtype=np.int64)
-        if idx.size and (idx.min() < 0 or idx.max() >= self._max_index):
-            bad = int(idx[(idx < 0) | (idx >= self._max_index)][0])
-            raise IndexError(f"Index {bad} out of range [0, {self._max_index}) of {self!r}.")
-        keys = self._keys._getitems(idx // self._shard_options.shard_count)  # type: ignore[arg-type]
+        keys = self.record_keys(indices)
         seed = self._seed if with_rng else None
         return [
-            RecordMetadata(index=i, record_key=int(k), rng=_rng(seed, i))  # type: ignore[arg-type]
-            for i, k in zip(idx.tolist(), keys, strict=True)
+            RecordMetadata(index=i, record_key=k, rng=_rng(seed, i))
+            for i, k in zip(np.asarray(indices).tolist(), keys.tolist(), strict=True)
         ]
+
+    def record_keys(self, indices: Sequence[int]) -> np.ndarray:
+        """``[self[i].record_key for i in indices]`` as an int64 array, without metadata.
+
+        Raises:
+          IndexError: For an index out of range.
+        """
+        idx = _check_indices(indices, self._max_index, self)
+        keys = self._keys._getitems(idx // self._shard_options.shard_count)  # type: ignore[arg-type]
+        return np.asarray(keys, dtype=np.int64)
 
     def __repr__(self) -> str:
         return (

@@ -126,3 +126,19 @@ def test_metadata_block_builds_generators_only_when_asked():
         assert [m.record_key for m in with_rng] == [m.record_key for m in without]
         assert all(m.rng is not None for m in with_rng)
         assert all(m.rng is None for m in without)
+
+
+@given(st.integers(1, 50), st.integers(1, 4), st.booleans(), st.data())
+def test_record_keys_match_the_metadata(n: int, count: int, shuffle: bool, data) -> None:
+    shard = ShardOptions(data.draw(st.integers(0, count - 1)), count)
+    for sampler in (
+        IndexSampler(n, shard, shuffle=shuffle, num_epochs=2, seed=3),
+        SequentialSampler(n, shard),
+    ):
+        length = len(sampler)
+        indices = data.draw(st.lists(st.integers(0, length - 1), max_size=20))
+        keys = sampler.record_keys(indices)
+        assert keys.dtype == np.int64
+        assert keys.tolist() == [sampler[i].record_key for i in indices]
+        with pytest.raises(IndexError, match=f"Index {length} out of range"):
+            sampler.record_keys([0, length])
