@@ -10,11 +10,15 @@ import gzip
 import os
 import pickle
 import struct
+import tempfile
 import zlib
 from pathlib import Path
+from unittest import mock
 
 import numpy as np
 import pytest
+from hypothesis import assume, given
+from hypothesis import strategies as st
 
 grain_tfrecord = pytest.importorskip("grain_tfrecord")
 
@@ -27,10 +31,13 @@ from grain_tfrecord import (  # noqa: E402
     decode_example,
     encode_example,
 )
+from grain_tfrecord._dataset import TFRecordChainIterator  # noqa: E402
 from grain_tfrecord._source import index_path_for  # noqa: E402
+from grain_tfrecord._stream import Block, FrameReader  # noqa: E402
 
 import grain_core  # noqa: E402
 from grain_core import plugins  # noqa: E402
+from grain_core.dataset.interleave import InterleaveDatasetIterator  # noqa: E402
 from grain_core.options import MultiprocessingOptions  # noqa: E402
 from grain_core.testing import (  # noqa: E402
     assert_equal_output_after_checkpoint,
@@ -221,6 +228,148 @@ def test_mp_prefetch_reads_files_in_worker_processes(
     with iter(ds.mp_prefetch(MultiprocessingOptions(num_workers=2))) as resumed:
         resumed.set_state(state)
         assert list(resumed) == rest
+
+
+def _run_records(runs: list[tuple[int, int]], file_index: int = 0) -> list[bytes]:
+    """Records in runs of equal lengths (``(length, count)`` per run), each record distinct."""
+    records = []
+    for length, count in runs:
+        for _ in range(count):
+            tag = f"{file_index}:{len(records)}:".encode()
+            records.append((tag * (length // len(tag) + 1))[:length])
+    return records
+
+
+_RUNS = st.lists(st.tuples(st.integers(0, 200), st.integers(1, 70)), min_size=1, max_size=5)
+
+
+@given(runs=_RUNS, chunk_size=st.sampled_from([64, 1000, 4096]))
+def test_runs_of_equal_lengths_read_exactly_across_chunks_and_blocks(
+    runs: list[tuple[int, int]], chunk_size: int
+) -> None:
+    # Small chunks and blocks: frames cut by the end of a buffer, runs cut by block ends.
+    records = _run_records(runs)
+    with tempfile.TemporaryDirectory() as tmp:
+        path = _write(Path(tmp) / "runs.tfrecord", records)
+        with (
+            mock.patch.object(grain_tfrecord._stream, "CHUNK_SIZE", chunk_size),
+            mock.patch.object(grain_tfrecord._stream, "_BLOCK_BYTES", 2048),
+        ):
+            ds = TFRecordIterDataset(path)
+            positions = sorted({0, len(records) // 3, len(records) - 1, len(records)})
+            assert check_iterator_conformance(ds, positions=positions) == records
+
+
+# Where a flipped bit lands in a frame (byte range; negative: from the end) and which check
+# must catch it.
+_DAMAGED_FIELDS = {
+    "length": (0, 8, "length CRC"),
+    "length CRC": (8, 12, "length CRC"),
+    "payload": (12, -4, "data CRC"),
+    "data CRC": (-4, 0, "data CRC"),
+}
+
+
+@given(
+    runs=_RUNS,
+    pick=st.floats(0, 1, exclude_max=True),
+    field=st.sampled_from(sorted(_DAMAGED_FIELDS)),
+    byte=st.integers(0, 1000),
+    bit=st.integers(0, 7),
+    chunk_size=st.sampled_from([1000, 1 << 20]),
+)
+def test_any_flipped_bit_stops_the_reader_at_the_damaged_record(
+    runs: list[tuple[int, int]], pick: float, field: str, byte: int, bit: int, chunk_size: int
+) -> None:
+    records = _run_records(runs)
+    damaged = int(pick * len(records))
+    frame_offset = _frame_offset(records, damaged)
+    frame_size = len(records[damaged]) + 16
+    start, stop, reason = _DAMAGED_FIELDS[field]
+    first, last = start % frame_size, (stop - 1) % frame_size + 1
+    assume(last > first)  # an empty payload has no byte to flip
+    with tempfile.TemporaryDirectory() as tmp:
+        path = _write(Path(tmp) / "damaged.tfrecord", records)
+        data = bytearray(path.read_bytes())
+        data[frame_offset + first + byte % (last - first)] ^= 1 << bit
+        path.write_bytes(bytes(data))
+        with (
+            mock.patch.object(grain_tfrecord._stream, "CHUNK_SIZE", chunk_size),
+            mock.patch.object(grain_tfrecord._stream, "_BLOCK_BYTES", 2048),
+        ):
+            it = iter(TFRecordIterDataset(path))
+            read = []
+            with pytest.raises(CorruptRecordError) as caught:
+                for record in it:
+                    read.append(record)
+            assert read == records[:damaged]
+            assert (caught.value.offset, caught.value.reason) == (frame_offset, reason)
+            assert it.get_state() == {"reader_offset": frame_offset}
+
+
+def test_equal_length_frames_are_checked_as_runs_and_unchecked_when_asked(
+    tmp_path: Path,
+) -> None:
+    records = _run_records([(100, 300)])
+    path = _write(tmp_path / "fixed.tfrecord", records)
+    _corrupt(path, _frame_offset(records, 250) + 12 + 50)
+    reader = FrameReader(str(path), None, True, 0)
+    one_by_one: list[int] = []
+    parse_frames = reader._parse_frames
+
+    def spy() -> Block:
+        block = parse_frames()
+        one_by_one.append(len(block.records))
+        return block
+
+    with mock.patch.object(reader, "_parse_frames", spy):
+        blocks = [reader.read_block() for _ in range(6)]
+    reader.close()
+    # The run path takes every intact record; the loop only reports the damaged one.
+    assert sum(one_by_one) == 0 and one_by_one
+    assert [r for block in blocks for r in block.records] == records[:250]
+    assert blocks[-1].error is not None and blocks[-1].error.reason == "data CRC"
+    unchecked = list(TFRecordIterDataset(path, verify_crc=False))
+    assert unchecked[:250] == records[:250] and unchecked[251:] == records[251:]
+    assert unchecked[250] != records[250]
+
+
+def test_files_read_one_after_another_skip_the_interleave_hop_but_keep_its_state(
+    tmp_path: Path,
+) -> None:
+    contents = [_run_records([(30, 50), (7, 3), (30, 40)], k) for k in range(3)]
+    paths = [_write(tmp_path / f"run.tfrecord-{k:05d}-of-00003", r) for k, r in enumerate(contents)]
+    everything = [r for records in contents for r in records]
+    with mock.patch.object(grain_tfrecord._stream, "_BLOCK_BYTES", 1024):
+        ds = TFRecordIterDataset(paths)
+        it = iter(ds)
+        assert isinstance(it, TFRecordChainIterator)
+        out = check_iterator_conformance(ds, positions=range(0, len(everything) + 1, 11))
+        assert out == everything
+        assert_equal_output_after_checkpoint(ds)
+        # State for state, the same as the generic interleave iterator over the same files.
+        generic = iter(ds._parents[0])
+        assert type(generic) is InterleaveDatasetIterator
+        for k in range(len(everything) + 1):
+            assert it.get_state() == generic.get_state(), f"after {k} records"
+            if k < len(everything):
+                assert next(it) == next(generic) == everything[k]
+        with pytest.raises(StopIteration):
+            next(it)
+        # A state of either restores in the other; restoring reuses the live file iterator.
+        generic = iter(ds._parents[0])
+        for _ in range(60):
+            next(generic)
+        it = iter(ds)
+        next(it)
+        it.set_state(generic.get_state())
+        assert list(it) == everything[60:]
+        it.set_state(generic.get_state())
+        assert next(it) == everything[60]
+        it.close()
+        with pytest.raises(ValueError, match="closed iterator"):
+            next(it)
+    assert not isinstance(iter(TFRecordIterDataset(paths, cycle_length=2)), TFRecordChainIterator)
 
 
 def test_gzip_reader_restores_offsets_in_the_decompressed_stream(tmp_path: Path) -> None:

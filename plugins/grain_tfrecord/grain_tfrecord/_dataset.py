@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import bisect
 import operator
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 from grain_core.dataset.base import DatasetIterator, IterDataset
+from grain_core.dataset.interleave import InterleaveDatasetIterator, InterleaveIterDataset
 from grain_tfrecord._framing import PathLike, compression_for, expand_paths
 from grain_tfrecord._stream import Block, FrameReader
 
@@ -21,7 +22,8 @@ class TFRecordIterDataset(IterDataset[bytes]):
     the state ``{"reader_offset": byte offset of the next record}`` (for compressed files, an
     offset in the decompressed stream; restoring it re-reads the file up to there). Several
     files are read through an ``InterleaveIterDataset`` of one dataset per file (state: the
-    interleave state), which ``mp_prefetch`` slices by file.
+    interleave state), which ``mp_prefetch`` slices by file; files read one after the other
+    (``cycle_length=1``) hand out their records without a hop through the interleave.
 
     Args:
       paths: A path, a sequence of paths, or a pattern (``train.tfrecord-*-of-00016``,
@@ -66,8 +68,6 @@ class TFRecordIterDataset(IterDataset[bytes]):
             self._file_compression = compression_for(files[0], compression)
             super().__init__()
             return
-        from grain_core.experimental import InterleaveIterDataset
-
         one_per_file = [
             TFRecordIterDataset(p, verify_crc=verify_crc, compression=compression) for p in files
         ]
@@ -99,9 +99,12 @@ class TFRecordIterDataset(IterDataset[bytes]):
         return sliced
 
     def __iter__(self) -> DatasetIterator[bytes]:
-        if self._parents:
-            return iter(self._parents[0])
-        return TFRecordFileIterator(self._paths[0], self._file_compression, self._verify_crc)
+        if not self._parents:
+            return TFRecordFileIterator(self._paths[0], self._file_compression, self._verify_crc)
+        interleave = self._parents[0]
+        if interleave.cycle_length == 1:
+            return TFRecordChainIterator(interleave)
+        return iter(interleave)
 
     def __repr__(self) -> str:
         return f"TFRecordIterDataset(paths={list(self._paths)!r}, verify_crc={self._verify_crc})"
@@ -134,6 +137,11 @@ class TFRecordFileIterator(DatasetIterator[bytes]):
         self._block = Block([], offset, None)
         # An iterator over the block's records: its length hint tells how many are left.
         self._records = iter(self._block.records)
+
+    @property
+    def block_records(self) -> Iterator[bytes]:
+        """The rest of the current block: taking a record from it advances this iterator."""
+        return self._records
 
     def __next__(self) -> bytes:
         record = next(self._records, None)
@@ -183,3 +191,49 @@ class TFRecordFileIterator(DatasetIterator[bytes]):
 
     def __repr__(self) -> str:
         return f"TFRecordFileIterator({self._path!r})"
+
+
+class TFRecordChainIterator(InterleaveDatasetIterator):
+    """The interleave iterator over one dataset per file, read one after the other.
+
+    Records are taken straight from the current file iterator's block (its
+    :attr:`~TFRecordFileIterator.block_records`), which advances that iterator exactly as its
+    own ``__next__`` would: the state stays the interleave state (spec 7.9) and every check
+    is unchanged, while the per-record hop through the interleave and the file iterator is
+    skipped. At the end of a block, the record comes through the interleave as usual.
+
+    Args:
+      ds: An interleave with ``cycle_length=1`` over ``TFRecordIterDataset`` s of one file.
+    """
+
+    def __init__(self, ds: InterleaveIterDataset) -> None:
+        super().__init__(ds)
+        self._records: Iterator[bytes] = iter(())
+
+    def __next__(self) -> bytes:
+        record = next(self._records, None)
+        if record is None:
+            return self._next_through_interleave()
+        return record
+
+    def _next_through_interleave(self) -> bytes:
+        record = super().__next__()
+        current = self._iters[0]  # the only slot, which has just produced the record
+        if isinstance(current, TFRecordFileIterator):
+            self._records = current.block_records
+        return record
+
+    def set_state(self, state: dict[str, Any]) -> None:
+        self._records = iter(())  # the file iterators may be repositioned or replaced
+        super().set_state(state)
+
+    def _set_next_index(self, index: int) -> None:
+        self._records = iter(())
+        super()._set_next_index(index)
+
+    def close(self) -> None:
+        self._records = iter(())
+        super().close()
+
+    def __repr__(self) -> str:
+        return f"TFRecordChainIterator(num_files={self._num_datasets})"

@@ -1,9 +1,13 @@
 """Sequential reading of TFRecord frames: large reads, a block of frames parsed per read.
 
 ``FrameReader`` reads a megabyte at a time and ``read_block`` slices up to 64 KiB of complete
-frames out of the buffer in one tight loop, checking each data CRC inline (a length CRC is
-computed once per distinct length: most files repeat few lengths). The iterator hands out
-the records of a block through a list iterator, so its ``__next__`` does almost nothing.
+frames out of the buffer. A run of frames of one length (fixed-size records) is handled as a
+whole: NumPy strided views of the buffer compare its headers and its stored data CRCs, and
+the per-record Python work is a slice and one ``crc32c`` call. Other frames go through one
+tight loop checking each data CRC inline. Either way a length CRC is computed once per
+distinct length (most files repeat few lengths), and every data CRC is checked. The iterator
+hands out the records of a block through a list iterator, so its ``__next__`` does almost
+nothing.
 """
 
 from __future__ import annotations
@@ -15,8 +19,10 @@ import zlib
 from typing import Final, Protocol
 
 import crc32c
+import numpy as np
 
 from grain_tfrecord._framing import (
+    FOOTER_SIZE,
     FRAME_OVERHEAD,
     HEADER,
     HEADER_SIZE,
@@ -44,6 +50,13 @@ _BLOCK_BYTES: Final = 1 << 16
 _FOOTER_AND_HEADER: Final = struct.Struct("<IQI")
 # Header CRCs cached per length; cleared when full (files with very many distinct lengths).
 _HEADER_CACHE_SIZE: Final = 1 << 16
+# Shortest run of equal-length frames checked with NumPy: below it, NumPy's fixed cost per
+# call outweighs what the vectorised checks save over the per-frame loop.
+_MIN_RUN: Final = 16
+_MASK_DELTA_U32: Final = np.uint32(MASK_DELTA)
+# Header layouts cached per (length, run size): one per record size, plus the shorter runs at
+# the ends of buffers.
+_RUN_LAYOUT_CACHE_SIZE: Final = 16
 
 
 class ByteStream(Protocol):
@@ -193,6 +206,7 @@ class FrameReader:
         self._pos = 0
         self._offset = offset  # stream offset of self._buf[self._pos]
         self._header_crcs: dict[int, int] = {}
+        self._run_layouts: dict[tuple[int, int], struct.Struct] = {}
 
     def read_block(self) -> Block:
         """Returns the next block; its ``records`` are empty only at the end or on an error.
@@ -209,18 +223,22 @@ class FrameReader:
                 if left:
                     block.error = self._truncated()
                 return block
-            frame = HEADER_SIZE
+            # A frame cut by the end of the buffer is completed on its own (its header first),
+            # so that the next read starts a new buffer on a frame boundary instead of copying
+            # a whole chunk to join it to the cut frame's bytes.
+            need = CHUNK_SIZE if not left else HEADER_SIZE
             if left >= HEADER_SIZE:
-                frame = HEADER.unpack_from(self._buf, self._pos)[0] + FRAME_OVERHEAD
-                if self._unread is not None and frame - left > self._unread:
+                need = HEADER.unpack_from(self._buf, self._pos)[0] + FRAME_OVERHEAD
+                if self._unread is not None and need - left > self._unread:
                     block.error = self._truncated()
                     return block
-            self._fill(max(frame, CHUNK_SIZE))
+            self._fill(need)
 
     def _fill(self, need: int) -> None:
         """Reads until ``need`` unparsed bytes are buffered or the stream ends."""
-        parts = [self._buf[self._pos :]]
-        want = need - len(parts[0])
+        left = self._buf[self._pos :]
+        parts = [left] if left else []
+        want = need - len(left)
         if self._unread is not None:
             want = min(want, self._unread)
         read = self._stream.read
@@ -235,7 +253,7 @@ class FrameReader:
                 self._unread -= len(chunk)
         if self._unread == 0:
             self._at_end = True
-        self._buf = b"".join(parts)
+        self._buf = b"".join(parts)  # a single part is taken as is, without a copy
         self._pos = 0
 
     def _truncated(self) -> CorruptRecordError:
@@ -250,6 +268,63 @@ class FrameReader:
 
     def _parse(self) -> Block:
         """Slices up to _BLOCK_BYTES of complete frames out of the buffer."""
+        return self._parse_run() or self._parse_frames()
+
+    def _parse_run(self) -> Block | None:
+        """Takes a run of complete frames with the first frame's header, or returns None.
+
+        The run stops before the first frame whose header differs or whose data CRC fails:
+        a damaged frame is left to :meth:`_parse_frames`, which raises the error naming it.
+        Returns None for runs shorter than _MIN_RUN.
+        """
+        buf = self._buf
+        pos = self._pos
+        if pos + HEADER_SIZE > len(buf):
+            return None
+        length, length_crc = HEADER.unpack_from(buf, pos)
+        stride = length + FRAME_OVERHEAD
+        count = min((len(buf) - pos) // stride, _BLOCK_BYTES // stride)
+        if count < _MIN_RUN or (self._verify and self._check_header(buf, pos, length, length_crc)):
+            return None
+        last_of_shortest = pos + (_MIN_RUN - 1) * stride
+        if buf[last_of_shortest : last_of_shortest + HEADER_SIZE] != buf[pos : pos + HEADER_SIZE]:
+            return None  # most likely frames of varying lengths: no layout is built for them
+        headers = self._run_headers(length, count).unpack_from(buf, pos)
+        if headers.count(headers[0]) != count:
+            count = next(k for k, header in enumerate(headers) if header != headers[0])
+        first = pos + HEADER_SIZE
+        end = pos + count * stride
+        records = [buf[start : start + length] for start in range(first, end, stride)]
+        if self._verify:
+            computed = list(map(crc32c.crc32c, records))
+            # Unmasked stored CRCs: rotate_left(masked - MASK_DELTA, 15), for the whole run.
+            masked = np.ndarray((count,), "<u4", buf, first + length, (stride,))
+            unmasked = masked - _MASK_DELTA_U32
+            stored = ((unmasked << 15) | (unmasked >> 17)).tolist()
+            if computed != stored:
+                count = next(
+                    k for k, (a, b) in enumerate(zip(computed, stored, strict=True)) if a != b
+                )
+                del records[count:]
+        if count < _MIN_RUN:
+            return None
+        self._offset += count * stride
+        self._pos = pos + count * stride
+        return Block(records, self._offset - count * stride, None)
+
+    def _run_headers(self, length: int, count: int) -> struct.Struct:
+        """The layout unpacking the headers (as 12-byte strings) of ``count`` frames."""
+        layout = self._run_layouts.get((length, count))
+        if layout is None:
+            if len(self._run_layouts) >= _RUN_LAYOUT_CACHE_SIZE:
+                self._run_layouts.clear()
+            skip = length + FOOTER_SIZE
+            layout = struct.Struct("<" + f"12s{skip}x" * (count - 1) + "12s")
+            self._run_layouts[(length, count)] = layout
+        return layout
+
+    def _parse_frames(self) -> Block:
+        """Slices frames one by one (any lengths), stopping at the first damaged one."""
         buf = self._buf
         pos = first = self._pos
         size = len(buf)
