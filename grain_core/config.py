@@ -43,6 +43,9 @@ class Config:
     def __getattr__(self, name: str) -> Any:
         values = object.__getattribute__(self, "_values")
         if name not in values:
+            if name.startswith("__"):
+                # Protocol lookups (copy, pickle, pytest ids) expect AttributeError.
+                raise AttributeError(name)
             raise ValueError(f"Unrecognized config option: {name}. Known: {sorted(values)}.")
         return values[name]
 

@@ -25,3 +25,12 @@ def test_constants():
 
     assert constants.EPOCH == "_epoch"
     assert constants.INDEX in constants.META_FEATURES and len(constants.META_FEATURES) == 6
+
+
+def test_protocol_lookups_get_attribute_error() -> None:
+    from grain_core import config
+
+    assert getattr(config, "__name__", None) is None
+    assert not hasattr(config, "__wrapped__")
+    with pytest.raises(ValueError, match="Unrecognized config option"):
+        config.not_an_option  # noqa: B018
