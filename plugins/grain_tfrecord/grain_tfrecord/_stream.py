@@ -43,9 +43,11 @@ CHUNK_SIZE: Final = 1 << 20
 # Largest single read when a (possibly garbage) length asks for more: memory then grows only
 # as far as the file really goes.
 _MAX_READ: Final = 1 << 26
-# Payload bytes per block: the records of a block are alive together, and keeping that
-# below the allocator's trim threshold lets their memory be reused instead of faulted in anew.
-_BLOCK_BYTES: Final = 1 << 16
+# Payload bytes per block: large enough to spread the fixed cost of the vectorised checks of
+# a run over a few hundred small records, small enough that the records of a block (alive
+# together) stay well below the allocator's trim threshold (glibc raises it to twice the
+# chunk size once the first chunk is freed), so their memory is reused, not faulted in anew.
+_BLOCK_BYTES: Final = 1 << 18
 # A frame's data CRC followed by the next frame's header.
 _FOOTER_AND_HEADER: Final = struct.Struct("<IQI")
 # Header CRCs cached per length; cleared when full (files with very many distinct lengths).
@@ -337,15 +339,14 @@ class FrameReader:
             crc = crc32c.crc32c
             mask_delta = MASK_DELTA
             block_end = pos + _BLOCK_BYTES
+            header_crcs = self._header_crcs
             length, length_crc = HEADER.unpack_from(buf, pos)
-            checked_length = checked_crc = -1  # the last header that passed its check
             # Literal sizes in this loop: 12-byte header, payload, 4-byte footer.
             while True:
-                if verify and (length != checked_length or length_crc != checked_crc):
+                if verify and header_crcs.get(length) != length_crc:
                     error = self._check_header(buf, pos, length, length_crc)
                     if error:
                         break
-                    checked_length, checked_crc = length, length_crc
                 stop = pos + 12 + length
                 # One unpack reads this frame's data CRC and the next frame's header.
                 if stop + 16 <= size:
