@@ -35,6 +35,7 @@ import multiprocessing.connection
 import os
 import pickle
 import secrets
+import select
 import signal
 import threading
 import time
@@ -207,6 +208,7 @@ class _WorkerLoop:
         self._min_shm_size = _shm.DEFAULT_MIN_SHM_SIZE
         self._tracking = False
         self._next_report = 0.0
+        self._control_ready = _readiness_check(control)
 
     def run(self) -> None:
         try:
@@ -216,7 +218,7 @@ class _WorkerLoop:
                     if not self._handle(self._control.recv()):
                         return
                     continue
-                while self._control.poll():
+                while self._control_ready():
                     if not self._handle(self._control.recv()):
                         return
                 if self._credits > 0 and not self._finished:
@@ -330,6 +332,24 @@ class _WorkerLoop:
         self._next_report = time.monotonic() + STATS_INTERVAL_S
 
 
+def _readiness_check(conn: Any) -> Any:
+    """A function telling, without blocking, whether ``conn`` has data to read.
+
+    ``Connection.poll()`` builds and tears down a selector on every call (about 7 us); a
+    ``select.poll`` object registered once answers in well under a microsecond, and the check
+    runs for every element on both sides of the pipe.
+    """
+    if not hasattr(select, "poll"):
+        return conn.poll
+    poller = select.poll()
+    poller.register(conn.fileno(), select.POLLIN)
+
+    def ready() -> bool:
+        return bool(poller.poll(0))
+
+    return ready
+
+
 def _dumps_element(message: tuple[Any, ...]) -> bytes:
     try:
         return pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
@@ -360,6 +380,7 @@ class WorkerPool:
         self._procs: list[Any] = []
         self._controls: list[Any] = []
         self._outputs: list[Any] = []
+        self._output_ready: list[Any] = []
         self._prefixes = [spec.shm_prefix for spec in specs]
         self._labels = [f"{spec.index} of {spec.count}" for spec in specs]
         process_cls = _process_class()
@@ -379,6 +400,7 @@ class WorkerPool:
                 self._procs.append(proc)
                 self._controls.append(control_w)
                 self._outputs.append(output_r)
+                self._output_ready.append(_readiness_check(output_r))
         except BaseException:
             self.shutdown()
             raise
@@ -402,7 +424,7 @@ class WorkerPool:
           WorkerDiedError: If the worker process ended.
         """
         conn = self._outputs[index]
-        if not conn.poll():
+        if not self._output_ready[index]():
             multiprocessing.connection.wait([conn, self._procs[index].sentinel])
         try:
             data = conn.recv_bytes()
