@@ -232,6 +232,27 @@ def test_bytes_match_the_protobuf_runtime_both_ways() -> None:
     assert encode_example(decoded) == serialized
 
 
+@pytest.mark.parametrize("size", [127, 128, 129, 16383, 16384])
+def test_lengths_around_one_and_two_byte_prefixes_match_the_protobuf_runtime(size: int) -> None:
+    pb = _proto()
+    blob = (bytes(range(256)) * 65)[:size]
+    message = pb.Example()
+    message.features.feature["blob"].bytes_list.value.append(blob)
+    message.features.feature["ids"].int64_list.value.extend(range(size // 2))
+    serialized = message.SerializeToString(deterministic=True)
+    decoded = decode_example(serialized)
+    assert decoded["blob"].tolist() == [blob]
+    assert decoded["ids"].tolist() == list(range(size // 2))
+    assert encode_example(decoded) == serialized
+
+
+def test_two_byte_lengths_cut_off_or_too_long_are_malformed() -> None:
+    with pytest.raises(ExampleDecodeError, match="cut off"):
+        decode_example(b"\x0a\x81")
+    with pytest.raises(ExampleDecodeError, match="128 bytes .* runs past the end"):
+        decode_example(b"\x0a\x80\x01" + bytes(127))
+
+
 def test_sequence_example_matches_the_protobuf_runtime() -> None:
     pb = _proto()
     message = pb.SequenceExample()

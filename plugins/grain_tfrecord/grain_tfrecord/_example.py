@@ -289,6 +289,9 @@ def _length(buf: bytes, pos: int, end: int) -> tuple[int, int]:
     length = buf[pos]
     if length < 0x80:
         pos += 1
+    elif pos + 1 < end and buf[pos + 1] < 0x80:  # two-byte length (128 B to 16 KiB): inlined
+        length = (length & 0x7F) | buf[pos + 1] << 7
+        pos += 2
     else:
         length, pos = _varint(buf, pos, end)
     stop = pos + length
