@@ -6,6 +6,9 @@ Needs the grain-tfrecord plugin (skipped without it). Workloads and their same-r
   both CRCs of every record. Baselines: a minimal plain-Python framing loop with no
   checksum (target: grain_core >= 0.5x of it) and Google Grain's ``TFRecordIterDataset``
   (no checksums; one dataset per file, chained) — target: grain_core >= 1x.
+* ``tfrecord_full_pass_crc_varied``: the same with record sizes drawn from 512-1535 bytes
+  (mean 1 KiB), so no two neighbours share a length: frames are checked one by one instead
+  of as runs of equal-length frames. Same baselines; no target, reported for visibility.
 * ``tfrecord_random_access``: ``MapDataset.source(TFRecordDataSource).shuffle().batch(256)``,
   steady state (``PASS_BATCHES`` batches per timed pass of a long-lived iterator), against
   the same pipeline over ArrayRecord files holding the same records (when grain-arrayrecord
@@ -47,18 +50,24 @@ _HAVE_PLUGIN = importlib.util.find_spec("grain_tfrecord") is not None
 _HAVE_ARRAYRECORD = importlib.util.find_spec("grain_arrayrecord") is not None
 
 
-def _record_batches() -> Iterator[tuple[int, list[bytes]]]:
-    """The records of each file: an 8-byte label and 1016 random bytes."""
+def _record_batches(varied: bool = False) -> Iterator[tuple[int, list[bytes]]]:
+    """The records of each file: an 8-byte label and random bytes, 1016 of them or (varied)
+    504-1527 of them."""
     rng = np.random.default_rng(SEED)
     per_file = RECORDS // FILES
     for k in range(FILES):
-        payload = rng.bytes(per_file * (RECORD_BYTES - 8))
+        sizes = (
+            rng.integers(RECORD_BYTES // 2, RECORD_BYTES * 3 // 2, per_file) - 8
+            if varied
+            else np.full(per_file, RECORD_BYTES - 8)
+        )
+        ends = np.cumsum(sizes).tolist()
+        payload = rng.bytes(ends[-1])
         yield (
             k,
             [
-                (k * per_file + i).to_bytes(8, "little")
-                + payload[i * (RECORD_BYTES - 8) : (i + 1) * (RECORD_BYTES - 8)]
-                for i in range(per_file)
+                (k * per_file + i).to_bytes(8, "little") + payload[end - size : end]
+                for i, (end, size) in enumerate(zip(ends, sizes.tolist(), strict=True))
             ],
         )
 
@@ -71,12 +80,13 @@ def _directory() -> Path:
 
 
 @functools.cache
-def _tfrecord_paths() -> list[str]:
+def _tfrecord_paths(varied: bool = False) -> list[str]:
     from grain_tfrecord import TFRecordWriter
 
     paths = []
-    for k, records in _record_batches():
-        path = _directory() / f"data.tfrecord-{k:05d}-of-{FILES:05d}"
+    for k, records in _record_batches(varied):
+        name = "varied" if varied else "data"
+        path = _directory() / f"{name}.tfrecord-{k:05d}-of-{FILES:05d}"
         with TFRecordWriter(path) as writer:
             for record in records:
                 writer.write(record)
@@ -115,6 +125,17 @@ def _plain_framing_loop(path: str) -> Iterator[bytes]:
             (length,) = unpack_length(header)
             yield read(length)
             read(4)
+
+
+def _plain(varied: bool) -> Callable[[], None]:
+    paths = _tfrecord_paths(varied)
+    return lambda: _count(itertools.chain.from_iterable(map(_plain_framing_loop, paths)))
+
+
+def _grain_reader(varied: bool) -> Callable[[], None]:
+    grain: Any = import_google_grain()
+    datasets = [grain.experimental.TFRecordIterDataset(p) for p in _tfrecord_paths(varied)]
+    return lambda: _count(itertools.chain.from_iterable(map(iter, datasets)))
 
 
 def _steady(make_iterator: Callable[[], Iterator[Any]]) -> Callable[[], None]:
@@ -204,16 +225,25 @@ if _HAVE_PLUGIN:
         ds = TFRecordIterDataset(_tfrecord_paths())
         return lambda: _count(iter(ds))
 
-    @tfrecord_full_pass_crc.baseline("plain framing loop (no CRC)")
-    def _plain() -> Callable[[], None]:
-        paths = _tfrecord_paths()
-        return lambda: _count(itertools.chain.from_iterable(map(_plain_framing_loop, paths)))
+    @workload(
+        "tfrecord_full_pass_crc_varied",
+        elements=RECORDS,
+        description="TFRecordIterDataset over 4 files x 50k x 0.5-1.5 KiB, both CRCs checked",
+    )
+    def tfrecord_full_pass_crc_varied() -> Callable[[], None]:
+        from grain_tfrecord import TFRecordIterDataset
 
-    @tfrecord_full_pass_crc.baseline("grain TFRecordIterDataset (no CRC)", requires="grain")
-    def _grain_reader() -> Callable[[], None]:
-        grain: Any = import_google_grain()
-        datasets = [grain.experimental.TFRecordIterDataset(p) for p in _tfrecord_paths()]
-        return lambda: _count(itertools.chain.from_iterable(map(iter, datasets)))
+        ds = TFRecordIterDataset(_tfrecord_paths(varied=True))
+        return lambda: _count(iter(ds))
+
+    for _full_pass, _varied in (
+        (tfrecord_full_pass_crc, False),
+        (tfrecord_full_pass_crc_varied, True),
+    ):
+        _full_pass.baseline("plain framing loop (no CRC)")(functools.partial(_plain, _varied))
+        _full_pass.baseline("grain TFRecordIterDataset (no CRC)", requires="grain")(
+            functools.partial(_grain_reader, _varied)
+        )
 
     @workload(
         "tfrecord_random_access",
