@@ -1,16 +1,19 @@
 """The ``grain-core`` command line (also ``python -m grain_core``).
 
 Commands: ``plugins`` (what is installed and what failed), ``inspect PATH`` (a file through
-its format plugin), ``demo`` (the end-to-end example with its throughput), ``bench`` (the
-repository's benchmark suite). ``--version`` lists the loaded plugins too.
+its format plugin), ``convert IN OUT`` (records from one format to another), ``demo`` (the
+end-to-end example with its throughput), ``bench`` (the repository's benchmark suite).
+``--version`` lists the loaded plugins too.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import subprocess
 import sys
+import time
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
@@ -70,6 +73,15 @@ def _parser() -> argparse.ArgumentParser:
     inspect.add_argument("--sample", type=int, default=3, help="records to show (default 3)")
     inspect.add_argument("--json", action="store_true", help="print JSON")
     inspect.set_defaults(run=_cmd_inspect)
+
+    convert = commands.add_parser(
+        "convert", help="copy the records of a file into another format, with a progress bar"
+    )
+    convert.add_argument("input", help="file (or sharded pattern) to read")
+    convert.add_argument("output", help="file to write; replaced only once it is complete")
+    convert.add_argument("--from", dest="from_format", help="input format (default: from path)")
+    convert.add_argument("--to", dest="to_format", help="output format (default: from path)")
+    convert.set_defaults(run=_cmd_convert)
 
     demo = commands.add_parser(
         "demo",
@@ -197,6 +209,58 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_convert(args: argparse.Namespace) -> int:
+    source_format = (
+        plugins.get_format(args.from_format)
+        if args.from_format
+        else plugins.format_for_path(args.input)
+    )
+    target_format = (
+        plugins.get_format(args.to_format)
+        if args.to_format
+        else plugins.format_for_path(args.output)
+    )
+    make_writer = target_format.get("writer")
+    records, total = _records_of(source_format, args.input)
+    output = Path(args.output)
+    # The writer sees a name with the output's own suffix (compression is chosen from it).
+    partial = output.with_name(f".convert-{os.getpid()}-{output.name}")
+    started = time.perf_counter()
+    count = 0
+    try:
+        with make_writer(str(partial)) as writer:
+            for record in progress(records, total, "rec"):
+                try:
+                    writer.write(record)
+                except TypeError as err:
+                    raise ValueError(
+                        f"Record {count} of {args.input} ({source_format.name}, a "
+                        f"{type(record).__name__}) cannot be written as {target_format.name}: "
+                        f"{err}. Convert between formats that store the same kind of record."
+                    ) from None
+                count += 1
+        os.replace(partial, output)
+    finally:
+        partial.unlink(missing_ok=True)
+    seconds = time.perf_counter() - started
+    print(
+        f"{count} records: {args.input} ({source_format.name}) -> {args.output} "
+        f"({target_format.name}) in {seconds:.2f} s"
+    )
+    return 0
+
+
+def _records_of(fmt: plugins.FormatSpec, path: str) -> tuple[Iterable[Any], int | None]:
+    """The records of ``path`` in file order, streamed when the format can, and their number
+    when it is known up front."""
+    if fmt.iter_dataset is not None:
+        return fmt.iter_dataset(path), None
+    from grain_core.dataset.base import MapDataset
+
+    source = fmt.get("source")(path)
+    return MapDataset.source(source).to_iter_dataset(), len(source)
+
+
 def _json_default(value: Any) -> Any:
     if isinstance(value, np.ndarray):
         return f"{value.dtype}{list(value.shape)}"
@@ -207,8 +271,9 @@ def _json_default(value: Any) -> Any:
     return repr(value)
 
 
-def progress(iterable: Iterable[_T], total: int, unit: str) -> Iterable[_T]:
-    """Wraps ``iterable`` in a tqdm progress bar when stderr is a terminal and tqdm exists.
+def progress(iterable: Iterable[_T], total: int | None, unit: str) -> Iterable[_T]:
+    """Wraps ``iterable`` in a tqdm progress bar when stderr is a terminal and tqdm exists
+    (``total=None``: a count without an end).
 
     tqdm is optional (``pip install 'grain-core[progress]'``): without it, or when output is
     redirected, the iterable is returned unchanged so logs stay clean.

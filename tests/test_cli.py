@@ -220,3 +220,70 @@ def test_help_does_not_load_plugins(grain_core_cli: RunCli) -> None:
     with pytest.raises(SystemExit):
         grain_core_cli("--help")
     assert plugins._manager._registry is None
+
+
+def test_convert_jsonl_round_trip_is_atomic(tmp_path: Path, grain_core_cli: RunCli) -> None:
+    pytest.importorskip("grain_jsonl")
+    source = tmp_path / "in.jsonl"
+    source.write_text("".join(f'{{"label": {i}, "text": "t{i}"}}\n' for i in range(5)))
+    target = tmp_path / "out.jsonl"
+    code, out, err = grain_core_cli("convert", str(source), str(target))
+    assert code == 0, err
+    assert out.startswith(f"5 records: {source} (jsonl) -> {target} (jsonl) in ")
+    assert target.read_text() == source.read_text().replace(": ", ":").replace(", ", ",")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["in.jsonl", "out.jsonl"]
+
+
+def test_convert_errors_name_the_formats_and_keep_the_old_output(
+    site: Path, tmp_path: Path, grain_core_cli: RunCli
+) -> None:
+    code, _, err = grain_core_cli("convert", "x.fake", str(tmp_path / "y.fake"))
+    assert code == 1
+    assert "Format 'fakefmt' has no writer; it offers: source." in err
+    pytest.importorskip("grain_jsonl")
+    source = tmp_path / "in.jsonl"
+    source.write_text('{"a": 1}\n')
+    target = tmp_path / "out.jsonl"
+    target.write_text("previous\n")
+    code, _, err = grain_core_cli("convert", str(tmp_path / "missing.jsonl"), str(target))
+    assert code == 1 and "missing.jsonl" in err
+    assert target.read_text() == "previous\n"
+
+
+def test_convert_between_arrayrecord_and_tfrecord(tmp_path: Path, grain_core_cli: RunCli) -> None:
+    arrayrecord = pytest.importorskip("grain_arrayrecord")
+    tfrecord = pytest.importorskip("grain_tfrecord")
+    records = [bytes([i]) * (i + 1) for i in range(40)]
+    first = tmp_path / "a.array_record"
+    with arrayrecord.ArrayRecordWriter(str(first)) as writer:
+        for r in records:
+            writer.write(r)
+    middle = tmp_path / "b.tfrecord.gz"
+    last = tmp_path / "c.array_record"
+    for src, dst in ((first, middle), (middle, last)):
+        code, out, err = grain_core_cli("convert", str(src), str(dst))
+        assert code == 0, err
+        assert out.startswith("40 records:")
+    assert list(tfrecord.TFRecordIterDataset(str(middle))) == records
+    assert arrayrecord.ArrayRecordDataSource(str(last)).__getitems__(range(40)) == records
+
+
+def test_convert_rows_to_examples_and_reject_what_the_target_cannot_hold(
+    tmp_path: Path, grain_core_cli: RunCli
+) -> None:
+    pytest.importorskip("grain_jsonl")
+    tfrecord = pytest.importorskip("grain_tfrecord")
+    source = tmp_path / "in.jsonl"
+    source.write_text('{"a": 1, "b": [0.5, 1.5]}\n')
+    examples = tmp_path / "out.tfrecord"
+    code, _, err = grain_core_cli("convert", str(source), str(examples))
+    assert code == 0, err  # TFRecordWriter encodes rows as tf.train.Example
+    (record,) = list(tfrecord.TFRecordIterDataset(str(examples)))
+    decoded = tfrecord.decode_example(record)
+    assert decoded["a"].tolist() == [1] and decoded["b"].tolist() == [0.5, 1.5]
+    back = tmp_path / "back.jsonl"
+    code, _, err = grain_core_cli("convert", str(examples), str(back))
+    assert code == 1
+    assert "Record 0 of" in err and "(tfrecord, a bytes) cannot be written as jsonl" in err
+    assert not back.exists()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["in.jsonl", "out.tfrecord"]
