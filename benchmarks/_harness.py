@@ -103,32 +103,19 @@ class Skipped:
     reason: str
 
 
-def measure(bench: Workload, repeats: int) -> list[Measurement | Skipped]:
-    """Times ``repeats`` passes of every implementation of ``bench``, interleaved.
-
-    Every implementation is set up and warmed up (one untimed pass: lazy tables, thread pools,
-    workers, imports), then the timed passes go round-robin over the implementations, so a
-    change in the machine's load during the run affects all of them alike and the ratios stay
-    meaningful on a shared machine.
-    """
-    results: dict[str, Measurement | Skipped] = {}
-    runs: dict[str, Callable[[], object]] = {}
-    for label, (setup, requires) in bench.implementations.items():
-        if requires is not None and importlib.util.find_spec(requires) is None:
-            results[label] = Skipped(bench.name, label, f"{requires} is not installed")
-            continue
-        run = setup()
-        run()
-        runs[label] = run
-    seconds: dict[str, list[float]] = {label: [] for label in runs}
+def measure(bench: Workload, label: str, repeats: int) -> Measurement | Skipped:
+    """Times ``repeats`` passes of one implementation after one untimed warm-up pass."""
+    setup, requires = bench.implementations[label]
+    if requires is not None and importlib.util.find_spec(requires) is None:
+        return Skipped(bench.name, label, f"{requires} is not installed")
+    run = setup()
+    run()  # Warm-up: lazy tables, thread pools, imports.
+    seconds = []
     for _ in range(repeats):
-        for label, run in runs.items():
-            start = time.perf_counter()
-            run()
-            seconds[label].append(time.perf_counter() - start)
-    for label, timings in seconds.items():
-        results[label] = Measurement(bench.name, label, bench.elements, tuple(timings))
-    return [results[label] for label in bench.implementations]
+        start = time.perf_counter()
+        run()
+        seconds.append(time.perf_counter() - start)
+    return Measurement(bench.name, label, bench.elements, tuple(seconds))
 
 
 def steady_pass(make_iterator: Callable[[], Iterator[Any]], count: int) -> Callable[[], None]:

@@ -28,9 +28,7 @@ imported automatically) and register a setup function that returns one full pass
         ...
 
 The ratio column is grain_core's elements/s divided by the baseline's (> 1: grain_core is
-faster), measured in the same run: every implementation is set up and warmed up first, then
-the timed passes alternate between them, so load from other processes hits all alike. Never
-time things in unit tests; measure here.
+faster), measured in the same run. Never time things in unit tests; measure here.
 """
 
 from __future__ import annotations
@@ -79,10 +77,10 @@ def main(argv: list[str] | None = None) -> int:
 
     for name in selected:
         bench = WORKLOADS[name]
-        if not args.json:
-            labels = ", ".join(bench.implementations)
-            print(f"running {name} ({labels}) ...", file=sys.stderr, flush=True)
-        results.extend(measure(bench, args.repeats))
+        for label in bench.implementations:
+            if not args.json:
+                print(f"running {name} / {label} ...", file=sys.stderr, flush=True)
+            results.append(measure(bench, label, args.repeats))
 
     if args.json:
         print(json.dumps(_as_json(results, args.repeats), indent=2))

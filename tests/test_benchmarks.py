@@ -89,18 +89,3 @@ def test_initial_workloads_are_registered(
     for name in ("range_shuffle_map_batch", "seed_pipeline", "index_shuffle_1m"):
         assert f"{name}: " in listed
     assert "[grain_core, numpy loop, grain]" in listed
-
-
-def test_timed_passes_interleave_the_implementations(
-    harness: tuple[ModuleType, ModuleType],
-) -> None:
-    _harness, _ = harness
-    calls: list[str] = []
-    bench = _harness.Workload("interleaved", elements=1, description="interleaved")
-    bench.implementations[_harness.GRAIN_CORE] = (lambda: lambda: calls.append("ours"), None)
-    bench.baseline("base")(lambda: lambda: calls.append("base"))
-    results = _harness.measure(bench, 3)
-    # One warm-up pass each, then the timed passes round-robin.
-    assert calls == ["ours", "base"] + ["ours", "base"] * 3
-    assert [r.implementation for r in results] == ["grain_core", "base"]
-    assert all(len(r.seconds) == 3 for r in results)
