@@ -1,11 +1,13 @@
 """Sequential reading of TFRecord frames: large reads, a block of frames parsed per read.
 
-``FrameReader`` reads a megabyte at a time and ``read_block`` slices up to 64 KiB of complete
-frames out of the buffer. A run of frames of one length (fixed-size records) is handled as a
-whole: NumPy strided views of the buffer compare its headers and its stored data CRCs, and
-the per-record Python work is a slice and one ``crc32c`` call. Other frames go through one
-tight loop checking each data CRC inline. Either way a length CRC is computed once per
-distinct length (most files repeat few lengths), and every data CRC is checked. The iterator
+``FrameReader`` reads a megabyte at a time and ``read_block`` slices up to 256 KiB of
+complete frames out of the buffer. A run of frames of one length (fixed-size records) is
+handled as a whole: its headers are compared in one ``struct`` unpack, and the per-record
+Python work is a slice. Other frames go through one tight loop that checks each length CRC
+(a damaged length must not be followed) and collects the stored data CRCs. Either way the
+data CRCs of a block are computed with ``crc32c`` (one call per record) and compared with the
+stored ones all at once (NumPy unmasks them), and a length CRC is computed once per distinct
+length (most files repeat few lengths). The iterator
 hands out the records of a block through a list iterator, so its ``__next__`` does almost
 nothing.
 """
@@ -155,6 +157,17 @@ def open_stream(path: str, compression: str | None, offset: int) -> ByteStream:
     return reader
 
 
+def _first_crc_failure(records: list[bytes], masked: list[int] | np.ndarray) -> int | None:
+    """Returns the index of the first record whose data CRC is not ``masked[k]``, or None."""
+    computed = list(map(crc32c.crc32c, records))
+    # Unmasked stored CRCs: rotate_left(masked - MASK_DELTA, 15), all at once.
+    unmasked = np.asarray(masked, dtype=np.uint32) - _MASK_DELTA_U32
+    expected = ((unmasked << 15) | (unmasked >> 17)).tolist()
+    if computed == expected:
+        return None
+    return next(k for k, (a, b) in enumerate(zip(computed, expected, strict=True)) if a != b)
+
+
 class Block:
     """Records parsed from one read, and what to raise after the last of them.
 
@@ -298,15 +311,10 @@ class FrameReader:
         end = pos + count * stride
         records = [buf[start : start + length] for start in range(first, end, stride)]
         if self._verify:
-            computed = list(map(crc32c.crc32c, records))
-            # Unmasked stored CRCs: rotate_left(masked - MASK_DELTA, 15), for the whole run.
             masked = np.ndarray((count,), "<u4", buf, first + length, (stride,))
-            unmasked = masked - _MASK_DELTA_U32
-            stored = ((unmasked << 15) | (unmasked >> 17)).tolist()
-            if computed != stored:
-                count = next(
-                    k for k, (a, b) in enumerate(zip(computed, stored, strict=True)) if a != b
-                )
+            failed = _first_crc_failure(records, masked)
+            if failed is not None:
+                count = failed
                 del records[count:]
         if count < _MIN_RUN:
             return None
@@ -326,18 +334,22 @@ class FrameReader:
         return layout
 
     def _parse_frames(self) -> Block:
-        """Slices frames one by one (any lengths), stopping at the first damaged one."""
+        """Slices frames one by one (any lengths), stopping at the first damaged one.
+
+        Length CRCs are checked in the loop (a damaged length must not be followed); the
+        data CRCs of the frames sliced are checked together afterwards.
+        """
         buf = self._buf
         pos = first = self._pos
         size = len(buf)
         records: list[bytes] = []
+        stored: list[int] = []  # the masked data CRCs of the records
         error = None
         if pos + HEADER_SIZE <= size:
             append = records.append
+            append_stored = stored.append
             verify = self._verify
             unpack_footer_and_header = _FOOTER_AND_HEADER.unpack_from
-            crc = crc32c.crc32c
-            mask_delta = MASK_DELTA
             block_end = pos + _BLOCK_BYTES
             header_crcs = self._header_crcs
             length, length_crc = HEADER.unpack_from(buf, pos)
@@ -355,17 +367,18 @@ class FrameReader:
                     data_crc, next_length = U32.unpack_from(buf, stop)[0], -1
                 else:
                     break
-                data = buf[pos + 12 : stop]
-                if verify:
-                    value = crc(data)
-                    if (((value >> 15) | (value << 17)) + mask_delta) & 0xFFFFFFFF != data_crc:
-                        error = crc_error(self._path, self._offset + pos - first, "data CRC", b"")
-                        break
-                append(data)
+                append(buf[pos + 12 : stop])
+                append_stored(data_crc)
                 pos = stop + 4
                 if next_length < 0 or pos >= block_end:
                     break
                 length, length_crc = next_length, next_length_crc
+        if self._verify and records:
+            failed = _first_crc_failure(records, stored)
+            if failed is not None:
+                pos = first + sum(map(len, records[:failed])) + failed * FRAME_OVERHEAD
+                del records[failed:]
+                error = crc_error(self._path, self._offset + pos - first, "data CRC", b"")
         block = Block(records, self._offset, error)
         self._offset += pos - first
         self._pos = pos
