@@ -136,9 +136,10 @@ def test_record_keys_match_the_metadata(n: int, count: int, shuffle: bool, data)
         SequentialSampler(n, shard),
     ):
         length = len(sampler)
-        indices = data.draw(st.lists(st.integers(0, length - 1), max_size=20))
+        # A shard can be empty (1 record over 2 shards): then no index is valid.
+        indices = data.draw(st.lists(st.integers(0, length - 1), max_size=20)) if length else []
         keys = sampler.record_keys(indices)
         assert keys.dtype == np.int64
         assert keys.tolist() == [sampler[i].record_key for i in indices]
         with pytest.raises(IndexError, match=f"Index {length} out of range"):
-            sampler.record_keys([0, length])
+            sampler.record_keys([*indices[:1], length])
