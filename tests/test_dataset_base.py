@@ -153,7 +153,6 @@ def test_numpy_elements_round_trip_state():
     assert [x.tolist() for x in it2] == rest
 
 
-
 @pytest.mark.parametrize(
     "make",
     [
