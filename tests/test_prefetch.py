@@ -215,6 +215,28 @@ def test_reads_are_batched_through_getitems():
     assert src.calls < 4096 // 16
 
 
+def test_one_block_in_flight_may_take_the_whole_read_ahead():
+    # Sources with batched reads (ArrayRecord) pay a fixed cost per call: while the probing
+    # keeps a single block in flight, that block grows to the whole read-ahead, not to
+    # read-ahead / num_threads.
+    sizes = []
+
+    class Source:
+        def __len__(self):
+            return 4096
+
+        def __getitem__(self, i):
+            return i
+
+        def __getitems__(self, keys):
+            sizes.append(len(keys))
+            return list(keys)
+
+    it = iter(MD.source(Source()).to_iter_dataset(grain.ReadOptions(16, 64)))
+    assert list(it) == list(range(4096))
+    assert max(sizes) == 64
+
+
 def test_reads_that_release_the_gil_run_in_parallel_threads():
     def io_like(x):
         time.sleep(0.002)

@@ -85,10 +85,7 @@ class PrefetchDatasetIterator(DatasetIterator[Any]):
         self._threaded = opts.num_threads > 0 and opts.prefetch_buffer_size > 0
         self._num_threads = opts.num_threads
         self._buffer_size = opts.prefetch_buffer_size
-        if self._threaded:
-            self._chunk_cap = max(1, min(_MAX_CHUNK, opts.prefetch_buffer_size // opts.num_threads))
-        else:
-            self._chunk_cap = max(1, min(_MAX_CHUNK, opts.prefetch_buffer_size))
+        self._chunk_cap = max(1, min(_MAX_CHUNK, opts.prefetch_buffer_size))
         self._executor: concurrent.futures.ThreadPoolExecutor | None = None
         self._checker = FilterRatioChecker(f"to_iter_dataset over {self._map_ds!r}")
         self._reset(0)
@@ -109,6 +106,10 @@ class PrefetchDatasetIterator(DatasetIterator[Any]):
     def _next_chunk_range(self, limit: int) -> tuple[int, int]:
         start = self._read_index
         count = min(self._chunk_size, self._len - start, limit)
+        if self._threaded:
+            # The read-ahead is shared by the blocks that may be in flight: one block alone
+            # may take all of it (large batched reads amortise a source's per-call cost).
+            count = min(count, max(1, self._buffer_size // self._concurrency.value))
         self._read_index += count
         return start, count
 
