@@ -23,6 +23,7 @@ __all__ = [
     "Workload",
     "import_google_grain",
     "measure",
+    "measure_all",
     "steady_pass",
     "workload",
 ]
@@ -41,12 +42,14 @@ class Workload:
       elements: Elements processed by one pass (for elements/s).
       description: One line for the table.
       implementations: Label -> (setup, module the setup needs or None); grain_core first.
+      alternate: Time the implementations' passes in alternation (see :func:`measure_all`).
     """
 
     name: str
     elements: int
     description: str
     implementations: dict[str, tuple[Setup, str | None]] = dataclasses.field(default_factory=dict)
+    alternate: bool = False
 
     def baseline(self, label: str, *, requires: str | None = None) -> Callable[[Setup], Setup]:
         """Decorator adding a baseline; ``requires`` names a module it needs (else skipped)."""
@@ -63,13 +66,22 @@ class Workload:
 WORKLOADS: dict[str, Workload] = {}
 
 
-def workload(name: str, *, elements: int, description: str) -> Callable[[Setup], Workload]:
-    """Decorator registering ``setup`` as grain_core's implementation of a new workload."""
+def workload(
+    name: str, *, elements: int, description: str, alternate: bool = False
+) -> Callable[[Setup], Workload]:
+    """Decorator registering ``setup`` as grain_core's implementation of a new workload.
+
+    Args:
+      alternate: Time passes of all implementations in alternation instead of one
+        implementation after the other. Only for workloads whose passes leave nothing running
+        between them (each pass opens and closes its own iterator): a steady-state iterator's
+        prefetch threads would keep working while another implementation is timed.
+    """
 
     def register(setup: Setup) -> Workload:
         if name in WORKLOADS:
             raise ValueError(f"Workload {name!r} is registered twice.")
-        bench = Workload(name, elements, description, {GRAIN_CORE: (setup, None)})
+        bench = Workload(name, elements, description, {GRAIN_CORE: (setup, None)}, alternate)
         WORKLOADS[name] = bench
         return bench
 
@@ -112,10 +124,42 @@ def measure(bench: Workload, label: str, repeats: int) -> Measurement | Skipped:
     run()  # Warm-up: lazy tables, thread pools, imports.
     seconds = []
     for _ in range(repeats):
-        start = time.perf_counter()
-        run()
-        seconds.append(time.perf_counter() - start)
+        seconds.append(_timed(run))
     return Measurement(bench.name, label, bench.elements, tuple(seconds))
+
+
+def measure_all(bench: Workload, repeats: int) -> list[Measurement | Skipped]:
+    """Times every implementation of ``bench``.
+
+    With ``bench.alternate`` all are set up and warmed first, then round ``r`` times one pass
+    of each, in reverse order on odd rounds: a drift of the machine over the run (frequency,
+    memory, other load) then falls on every implementation alike instead of on whichever ran
+    last, which matters when the difference measured is a few percent.
+    """
+    if not bench.alternate:
+        return [measure(bench, label, repeats) for label in bench.implementations]
+    results: dict[str, Measurement | Skipped] = {}
+    runs: dict[str, Callable[[], object]] = {}
+    for label, (setup, requires) in bench.implementations.items():
+        if requires is not None and importlib.util.find_spec(requires) is None:
+            results[label] = Skipped(bench.name, label, f"{requires} is not installed")
+            continue
+        runs[label] = setup()
+        runs[label]()  # Warm-up.
+    seconds: dict[str, list[float]] = {label: [] for label in runs}
+    for round_ in range(repeats):
+        order = list(runs) if round_ % 2 == 0 else list(reversed(runs))
+        for label in order:
+            seconds[label].append(_timed(runs[label]))
+    for label, times in seconds.items():
+        results[label] = Measurement(bench.name, label, bench.elements, tuple(times))
+    return [results[label] for label in bench.implementations]
+
+
+def _timed(run: Callable[[], object]) -> float:
+    start = time.perf_counter()
+    run()
+    return time.perf_counter() - start
 
 
 def steady_pass(make_iterator: Callable[[], Iterator[Any]], count: int) -> Callable[[], None]:

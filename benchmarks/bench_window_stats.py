@@ -107,6 +107,8 @@ def _seed_iter_dataset() -> Any:
     "stats_overhead_seed_pipeline",
     elements=SEED_BATCHES * _demo.BATCH_SIZE,
     description="workload (b) seed_pipeline, execution tracking DISABLED (default options)",
+    # Every pass opens and closes its iterator, and the claim is a difference of < 2 %.
+    alternate=True,
 )
 def stats_overhead_seed_pipeline() -> Callable[[], None]:
     return _take_batches(_seed_iter_dataset)

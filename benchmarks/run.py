@@ -42,7 +42,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _harness import GRAIN_CORE, WORKLOADS, Measurement, Skipped, measure  # noqa: E402
+from _harness import GRAIN_CORE, WORKLOADS, Measurement, Skipped, measure_all  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -77,10 +77,10 @@ def main(argv: list[str] | None = None) -> int:
 
     for name in selected:
         bench = WORKLOADS[name]
-        for label in bench.implementations:
-            if not args.json:
-                print(f"running {name} / {label} ...", file=sys.stderr, flush=True)
-            results.append(measure(bench, label, args.repeats))
+        if not args.json:
+            labels = ", ".join(bench.implementations)
+            print(f"running {name} / {labels} ...", file=sys.stderr, flush=True)
+        results.extend(measure_all(bench, args.repeats))
 
     if args.json:
         print(json.dumps(_as_json(results, args.repeats), indent=2))

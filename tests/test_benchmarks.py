@@ -89,3 +89,20 @@ def test_initial_workloads_are_registered(
     for name in ("range_shuffle_map_batch", "seed_pipeline", "index_shuffle_1m"):
         assert f"{name}: " in listed
     assert "[grain_core, numpy loop, grain]" in listed
+
+
+def test_alternating_workloads_interleave_passes(harness: tuple[ModuleType, ModuleType]) -> None:
+    _harness, _ = harness
+    calls: list[str] = []
+    bench = _harness.Workload("alt", elements=1, description="alt", alternate=True)
+    bench.implementations[_harness.GRAIN_CORE] = (lambda: lambda: calls.append("a"), None)
+    bench.baseline("b")(lambda: lambda: calls.append("b"))
+    bench.baseline("absent", requires="no_such_module_for_grain_core_tests")(
+        lambda: lambda: calls.append("absent")
+    )
+    results = _harness.measure_all(bench, repeats=3)
+    # Warm-ups first, then rounds in alternating order: a, b | b, a | a, b.
+    assert "".join(calls) == "ab" + "ab" + "ba" + "ab"
+    assert [r.implementation for r in results] == ["grain_core", "b", "absent"]
+    assert [len(r.seconds) for r in results[:2]] == [3, 3]
+    assert isinstance(results[2], _harness.Skipped)
