@@ -12,6 +12,7 @@ import pytest
 
 import grain_core as grain
 from grain_core import transforms
+from grain_core.data_loader import _SamplerMapDataset
 from grain_core.samplers import IndexSampler, SequentialSampler
 from grain_core.sharding import NoSharding, ShardOptions
 from grain_core.sources import RangeDataSource, SharedMemoryDataSource
@@ -319,6 +320,27 @@ def test_sharded_loaders_and_sampler_without_len() -> None:
     assert list(grain.DataLoader(data_source=SOURCE, sampler=Unsized())) == list(range(9, -1, -1))
     sampler = SequentialSampler(10, ShardOptions(1, 3, drop_remainder=False))
     assert list(grain.DataLoader(data_source=SOURCE, sampler=sampler)) == [1, 4, 7]
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_a_shard_without_records_yields_nothing(workers: int) -> None:
+    # One record over two shards: shard 1 is empty, with or without worker processes.
+    sampler = IndexSampler(1, ShardOptions(1, 2), shuffle=True, num_epochs=1, seed=0)
+    loader = grain.DataLoader(
+        data_source=SOURCE,
+        sampler=sampler,
+        operations=[transforms.Batch(2)],
+        shard_options=ShardOptions(1, 2),
+        worker_count=workers,
+    )
+    it = iter(loader)
+    assert list(it) == []
+    restored = iter(loader)
+    restored.set_state(it.get_state())
+    assert list(restored) == []
+    records = _SamplerMapDataset(SOURCE, sampler, ShardOptions(1, 2))
+    assert len(records) == 0
+    assert records._getitems([]) == []
 
 
 def test_load() -> None:
