@@ -1,5 +1,7 @@
 from __future__ import annotations
 
+import gc
+import multiprocessing
 import threading
 import time
 
@@ -165,6 +167,22 @@ def test_thread_prefetch_reraises_and_stops_cleanly():
     it.close()
     with pytest.raises(ValueError, match="closed"):
         next(it)
+
+
+def test_a_dropped_thread_prefetch_iterator_stops_its_thread_and_workers():
+    # Training loops drop iterators without close() (a new one per epoch): the producer
+    # thread must not keep the iterator, and with it the worker processes, alive.
+    ds = MD.range(1000).to_iter_dataset().mp_prefetch(grain.MultiprocessingOptions(1))
+    it = iter(ThreadPrefetchIterDataset(ds, prefetch_buffer_size=2))
+    assert next(it) == 0
+    thread = it._thread
+    workers = {p.pid for p in multiprocessing.active_children()}
+    assert thread is not None and workers
+    del it
+    gc.collect()
+    thread.join(timeout=5)
+    assert not thread.is_alive()
+    assert not workers & {p.pid for p in multiprocessing.active_children()}
 
 
 def test_thread_prefetch_over_foreign_iterators():

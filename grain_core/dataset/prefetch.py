@@ -337,6 +337,37 @@ class ThreadPrefetchIterDataset(IterDataset[Any]):
 _END = object()
 
 
+def _snapshot(source: Any, owns_state_copies: bool) -> Any:
+    state = source.get_state()
+    # grain_core iterators return fresh state dicts; foreign iterators may not.
+    return copy.deepcopy(state) if owns_state_copies else state
+
+
+def _produce(
+    source: Any, owns_state_copies: bool, stop: threading.Event, q: queue.Queue[Any]
+) -> None:
+    """The producer thread of a ThreadPrefetchDatasetIterator: ``(element, state, error)``."""
+    while not stop.is_set():
+        try:
+            item: tuple[Any, Any, BaseException | None] = (
+                next(source),
+                _snapshot(source, owns_state_copies),
+                None,
+            )
+        except StopIteration:
+            item = (_END, None, None)
+        except BaseException as e:  # noqa: BLE001 - re-raised in the consumer
+            item = (_END, None, e)
+        while not stop.is_set():
+            try:
+                q.put(item, timeout=0.1)
+                break
+            except queue.Full:
+                continue
+        if item[0] is _END:
+            return
+
+
 class ThreadPrefetchDatasetIterator(DatasetIterator[Any]):
     """Prefetches ``(element, state)`` pairs from any iterator with get_state/set_state.
 
@@ -358,38 +389,18 @@ class ThreadPrefetchDatasetIterator(DatasetIterator[Any]):
         self._exhausted = False
 
     def _snapshot(self) -> Any:
-        state = self._source.get_state()
-        # grain_core iterators return fresh state dicts; foreign iterators may not.
-        return copy.deepcopy(state) if self._owns_state_copies else state
-
-    def _produce(self, stop: threading.Event, q: queue.Queue[Any]) -> None:
-        while not stop.is_set():
-            try:
-                item: tuple[Any, Any, BaseException | None] = (
-                    next(self._source),
-                    self._snapshot(),
-                    None,
-                )
-            except StopIteration:
-                item = (_END, None, None)
-            except BaseException as e:  # noqa: BLE001 - re-raised in the consumer
-                item = (_END, None, e)
-            while not stop.is_set():
-                try:
-                    q.put(item, timeout=0.1)
-                    break
-                except queue.Full:
-                    continue
-            if item[0] is _END:
-                return
+        return _snapshot(self._source, self._owns_state_copies)
 
     def _start(self) -> None:
         if self._thread is None and not self._exhausted:
             self._stop = threading.Event()
             self._queue = queue.Queue(maxsize=self._buffer_size)
+            # The thread gets the source, never this iterator: an iterator the user drops
+            # without close() is then collected, and collecting it stops the thread and
+            # closes the source (worker processes included).
             self._thread = threading.Thread(
-                target=self._produce,
-                args=(self._stop, self._queue),
+                target=_produce,
+                args=(self._source, self._owns_state_copies, self._stop, self._queue),
                 name="grain_core-thread-prefetch",
                 daemon=True,
             )
