@@ -9,6 +9,7 @@ with like on the same machine at the same moment.
 from __future__ import annotations
 
 import dataclasses
+import gc
 import importlib.util
 import statistics
 import time
@@ -136,8 +137,21 @@ def measure_all(bench: Workload, repeats: int) -> list[Measurement | Skipped]:
     memory, other load) then falls on every implementation alike instead of on whichever ran
     last, which matters when the difference measured is a few percent.
     """
+    try:
+        return _measure_all(bench, repeats)
+    finally:
+        # Each implementation's passes are garbage now; collecting them closes their
+        # iterators (threads, worker processes) before the next workload is timed.
+        gc.collect()
+
+
+def _measure_all(bench: Workload, repeats: int) -> list[Measurement | Skipped]:
     if not bench.alternate:
-        return [measure(bench, label, repeats) for label in bench.implementations]
+        results = []
+        for label in bench.implementations:
+            results.append(measure(bench, label, repeats))
+            gc.collect()
+        return results
     results: dict[str, Measurement | Skipped] = {}
     runs: dict[str, Callable[[], object]] = {}
     for label, (setup, requires) in bench.implementations.items():

@@ -183,8 +183,20 @@ def _first_batch(make_iterator: Callable[[], Any], cold: Callable[[], None]) -> 
 
 
 def _stop_grain_core_forkserver() -> None:
+    import multiprocessing
+
     from grain_core import _worker
 
+    # A forkserver exits only once every process it started has exited (each holds the
+    # server's "alive" pipe): with a worker still running, stopping it would wait forever.
+    for process in multiprocessing.active_children():
+        process.join(timeout=10)
+    alive = multiprocessing.active_children()
+    if alive:
+        raise RuntimeError(
+            f"Cannot measure a cold start: worker processes {alive} of an earlier workload are "
+            "still running (an iterator that was not closed or collected)."
+        )
     _worker._FORKSERVER._stop()
 
 
