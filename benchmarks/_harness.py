@@ -122,10 +122,11 @@ def measure(bench: Workload, label: str, repeats: int) -> Measurement | Skipped:
     if requires is not None and importlib.util.find_spec(requires) is None:
         return Skipped(bench.name, label, f"{requires} is not installed")
     run = setup()
-    run()  # Warm-up: lazy tables, thread pools, imports.
-    seconds = []
-    for _ in range(repeats):
-        seconds.append(_timed(run))
+    try:
+        run()  # Warm-up: lazy tables, thread pools, imports.
+        seconds = [_timed(run) for _ in range(repeats)]
+    finally:
+        _close(run)
     return Measurement(bench.name, label, bench.elements, tuple(seconds))
 
 
@@ -137,34 +138,25 @@ def measure_all(bench: Workload, repeats: int) -> list[Measurement | Skipped]:
     memory, other load) then falls on every implementation alike instead of on whichever ran
     last, which matters when the difference measured is a few percent.
     """
-    try:
-        return _measure_all(bench, repeats)
-    finally:
-        # Each implementation's passes are garbage now; collecting them closes their
-        # iterators (threads, worker processes) before the next workload is timed.
-        gc.collect()
-
-
-def _measure_all(bench: Workload, repeats: int) -> list[Measurement | Skipped]:
     if not bench.alternate:
-        results = []
-        for label in bench.implementations:
-            results.append(measure(bench, label, repeats))
-            gc.collect()
-        return results
+        return [measure(bench, label, repeats) for label in bench.implementations]
     results: dict[str, Measurement | Skipped] = {}
     runs: dict[str, Callable[[], object]] = {}
-    for label, (setup, requires) in bench.implementations.items():
-        if requires is not None and importlib.util.find_spec(requires) is None:
-            results[label] = Skipped(bench.name, label, f"{requires} is not installed")
-            continue
-        runs[label] = setup()
-        runs[label]()  # Warm-up.
-    seconds: dict[str, list[float]] = {label: [] for label in runs}
-    for round_ in range(repeats):
-        order = list(runs) if round_ % 2 == 0 else list(reversed(runs))
-        for label in order:
-            seconds[label].append(_timed(runs[label]))
+    try:
+        for label, (setup, requires) in bench.implementations.items():
+            if requires is not None and importlib.util.find_spec(requires) is None:
+                results[label] = Skipped(bench.name, label, f"{requires} is not installed")
+                continue
+            runs[label] = setup()
+            runs[label]()  # Warm-up.
+        seconds: dict[str, list[float]] = {label: [] for label in runs}
+        for round_ in range(repeats):
+            order = list(runs) if round_ % 2 == 0 else list(reversed(runs))
+            for label in order:
+                seconds[label].append(_timed(runs[label]))
+    finally:
+        for run in runs.values():
+            _close(run)
     for label, times in seconds.items():
         results[label] = Measurement(bench.name, label, bench.elements, tuple(times))
     return [results[label] for label in bench.implementations]
@@ -176,23 +168,44 @@ def _timed(run: Callable[[], object]) -> float:
     return time.perf_counter() - start
 
 
+def _close(run: Callable[[], object]) -> None:
+    """Calls ``run.close()`` where a setup gave its pass one (passes over a long-lived
+    iterator: read threads, worker processes), so nothing an implementation started keeps
+    running while the next one is timed; collects the rest."""
+    close = getattr(run, "close", None)
+    if close is not None:
+        close()
+    gc.collect()
+
+
+class _SteadyPass:
+    def __init__(self, make_iterator: Callable[[], Iterator[Any]], count: int) -> None:
+        self._make_iterator = make_iterator
+        self._count = count
+        self._iterator = make_iterator()
+
+    def __call__(self) -> None:
+        for _ in range(self._count):
+            try:
+                next(self._iterator)
+            except StopIteration:
+                self.close()
+                self._iterator = self._make_iterator()
+                next(self._iterator)
+
+    def close(self) -> None:
+        close = getattr(self._iterator, "close", None)
+        if close is not None:
+            close()
+
+
 def steady_pass(make_iterator: Callable[[], Iterator[Any]], count: int) -> Callable[[], None]:
     """A timed pass that takes the next ``count`` elements of one long-lived iterator.
 
     Measures steady state (no iterator start-up per pass); a new iterator is made when the
-    current one runs out.
+    current one runs out. The harness closes the iterator when the implementation is done.
     """
-    current = [make_iterator()]
-
-    def run() -> None:
-        for _ in range(count):
-            try:
-                next(current[0])
-            except StopIteration:
-                current[0] = make_iterator()
-                next(current[0])
-
-    return run
+    return _SteadyPass(make_iterator, count)
 
 
 def import_google_grain() -> object:

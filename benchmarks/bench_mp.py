@@ -125,6 +125,7 @@ def _transport_pass(grain: Any) -> Callable[[], None]:
         if total != TRANSPORT_BATCHES * 1024:
             raise AssertionError(f"checksum {total}")
 
+    run.close = it.close  # type: ignore[attr-defined]  # the harness stops the workers
     return run
 
 
