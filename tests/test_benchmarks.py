@@ -106,3 +106,38 @@ def test_alternating_workloads_interleave_passes(harness: tuple[ModuleType, Modu
     assert [r.implementation for r in results] == ["grain_core", "b", "absent"]
     assert [len(r.seconds) for r in results[:2]] == [3, 3]
     assert isinstance(results[2], _harness.Skipped)
+
+
+def test_long_lived_iterators_are_closed_once_timed(harness: tuple[ModuleType, ModuleType]) -> None:
+    _harness, _ = harness
+
+    class Counting:
+        def __init__(self) -> None:
+            self.closed = False
+            self.left = 5
+
+        def __iter__(self) -> Counting:
+            return self
+
+        def __next__(self) -> int:
+            if self.left == 0:
+                raise StopIteration
+            self.left -= 1
+            return self.left
+
+        def close(self) -> None:
+            self.closed = True
+
+    made: list[Counting] = []
+
+    def make() -> Counting:
+        made.append(Counting())
+        return made[-1]
+
+    bench = _harness.Workload("steady", elements=3, description="steady")
+    bench.implementations[_harness.GRAIN_CORE] = (lambda: _harness.steady_pass(make, 3), None)
+    (result,) = _harness.measure_all(bench, repeats=2)
+    # 3 passes of 3 elements from iterators of 5: the first ran out and was replaced.
+    assert len(result.seconds) == 2
+    assert len(made) == 2
+    assert all(it.closed for it in made)
