@@ -1,7 +1,8 @@
 """Worker processes and the DataLoader (issue 4), each against Google Grain in the same run.
 
 * ``mp_cpu_heavy``: ~1 ms of GIL-bound NumPy work per element, 20,000 elements, batch 64, with
-  2 workers; baselines: grain_core with 0 and 1 workers, Grain with 0 and 2 workers.
+  2 workers; baselines: grain_core with 0 and 1 workers, Grain with 0 and 2 workers, and the
+  same batches from a bare ``multiprocessing.Pool(2)`` (how two processes scale here now).
 * ``mp_shm_transport``: 4 MiB float32 batches from 2 running workers to the parent, which
   touches every page of each; baselines: a plain NumPy copy of the same bytes in the parent into
   one reused buffer (the physical limit, cache-resident) and into as many rotating buffers as the
@@ -111,6 +112,34 @@ def _() -> Callable[[], None]:
 @mp_cpu_heavy.baseline("grain 0 workers", requires="grain")
 def _() -> Callable[[], None]:
     return _drain(_heavy_ds(import_google_grain(), 0), HEAVY_OUT)
+
+
+def heavy_batch(start: int) -> np.ndarray:
+    """One batch of the same work, for the plain process pool."""
+    stop = min(start + HEAVY_BATCH, HEAVY_ELEMENTS)
+    return np.stack([heavy(x) for x in range(start, stop)])
+
+
+@mp_cpu_heavy.baseline("multiprocessing.Pool(2), no pipeline")
+def _() -> Callable[[], None]:
+    # What this machine gives two processes right now (shared hosts vary): the same batches
+    # computed by a bare process pool, so the 2-worker figure can be read against it.
+    import multiprocessing
+
+    pool = multiprocessing.get_context("forkserver").Pool(2)
+    starts = range(0, HEAVY_ELEMENTS, HEAVY_BATCH)
+
+    def run() -> None:
+        count = sum(1 for _ in pool.imap(heavy_batch, starts))
+        if count != HEAVY_OUT:
+            raise AssertionError(f"{count} batches, expected {HEAVY_OUT}")
+
+    def close() -> None:
+        pool.terminate()
+        pool.join()
+
+    run.close = close  # type: ignore[attr-defined]
+    return run
 
 
 def _transport_pass(grain: Any) -> Callable[[], None]:
