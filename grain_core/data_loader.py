@@ -141,8 +141,6 @@ class _SamplerMapDataset(MapDataset[Any]):
 
     def _getitems(self, indices: Indices) -> list[Any]:
         if self._len == 0:
-            if len(indices) == 0:
-                return []
             raise IndexError("The sampler yields no records for this shard.")
         local = np.asarray(indices, dtype=np.int64) % self._len
         global_indices = local * self._shard_count + self._shard_index

@@ -215,6 +215,8 @@ class IndexSampler:
           IndexError: For an index out of range.
         """
         idx = _check_indices(indices, self._max_index, self)
+        if idx.size == 0:  # e.g. a shard with no records: nothing to look up
+            return idx
         keys = self._keys._getitems(idx // self._shard_options.shard_count)  # type: ignore[arg-type]
         return np.asarray(keys, dtype=np.int64)
 

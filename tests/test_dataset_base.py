@@ -151,24 +151,3 @@ def test_numpy_elements_round_trip_state():
     it2 = iter(ds)
     it2.set_state(state)
     assert [x.tolist() for x in it2] == rest
-
-
-@pytest.mark.parametrize(
-    "make",
-    [
-        lambda: grain.MapDataset.range(0),
-        lambda: grain.MapDataset.range(0).shuffle(seed=1),
-        lambda: grain.MapDataset.range(3)[5:],
-        lambda: grain.experimental.WindowShuffleMapDataset(
-            grain.MapDataset.range(0), window_size=4, seed=1
-        ),
-    ],
-    ids=["range", "shuffle", "slice", "window_shuffle"],
-)
-def test_reading_no_indices_of_an_empty_dataset_returns_nothing(make) -> None:
-    # An empty shard (1 record over 2 shards) asks for no indices: that is not an error.
-    ds = make()
-    assert len(ds) == 0
-    assert ds._getitems([]) == []
-    with pytest.raises(IndexError, match="empty"):
-        ds._getitems([0])

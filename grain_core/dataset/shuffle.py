@@ -42,11 +42,11 @@ class ShuffleMapDataset(MapDataset[Any]):
 
     def _getitems(self, indices: Indices) -> list[Any]:
         n = self._len
+        if n == 0:
+            raise IndexError("Cannot read from an empty dataset.")
         idx = np.asarray(indices, dtype=np.int64)
         if idx.size == 0:
             return []
-        if n == 0:
-            raise IndexError("Cannot read from an empty dataset.")
         epochs, pos = np.divmod(idx, n)
         first_epoch = int(epochs[0])
         if (epochs == first_epoch).all():

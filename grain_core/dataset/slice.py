@@ -37,8 +37,6 @@ class SliceMapDataset(MapDataset[Any]):
 
     def _getitems(self, indices: Indices) -> list[Any]:
         if self._len == 0:
-            if len(indices) == 0:
-                return []
             raise IndexError("Cannot read from an empty slice.")
         epoch, j = np.divmod(np.asarray(indices, dtype=np.int64), self._len)
         return self._parent._getitems(self._start + j * self._step + epoch * self._parent_len)
@@ -70,8 +68,6 @@ class ReindexMapDataset(MapDataset[Any]):
 
     def _getitems(self, indices: Indices) -> list[Any]:
         if self._len == 0:
-            if len(indices) == 0:
-                return []
             raise IndexError("Cannot read from an empty dataset.")
         epoch, j = np.divmod(np.asarray(indices, dtype=np.int64), self._len)
         if isinstance(self._indices, MapDataset):

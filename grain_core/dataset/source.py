@@ -85,8 +85,6 @@ class RangeMapDataset(MapDataset[int]):
     def _getitems(self, indices: Indices) -> list[Any]:
         n = len(self._range)
         if n == 0:
-            if len(indices) == 0:
-                return []
             raise IndexError("Cannot read from an empty range.")
         idx = np.asarray(indices, dtype=np.int64) % n
         return (self.start + idx * self.step).tolist()
