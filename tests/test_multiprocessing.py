@@ -116,6 +116,28 @@ def test_copy_to_shm_round_trip_and_rules() -> None:
     np.testing.assert_array_equal(decoded["strided"], big[::2])
 
 
+@pytest.mark.parametrize(
+    "dtype",
+    [
+        np.dtype(np.float32),
+        np.dtype(">i8"),
+        np.dtype("M8[ns]"),
+        np.dtype("U3"),
+        np.dtype([("a", "<i4"), ("b", "<f8")]),
+        np.dtype(np.float64, metadata={"unit": "m"}),
+    ],
+    ids=str,
+)
+def test_leaves_keep_their_exact_dtype_through_the_transport(dtype: np.dtype) -> None:
+    # Plain dtypes travel as their code, structured ones and those with metadata as objects.
+    arr = np.zeros(8, dtype)
+    encoded, _ = _shm.copy_to_shm(arr, min_size=0)
+    decoded = _shm.open_from_shm(pickle.loads(pickle.dumps(encoded)))
+    assert decoded.dtype == dtype and decoded.dtype.metadata == dtype.metadata
+    assert decoded.dtype.fields == dtype.fields
+    np.testing.assert_array_equal(decoded, arr)
+
+
 def test_unlink_shm_frees_unopened_elements() -> None:
     _, names = _shm.copy_to_shm([np.ones(100)], min_size=0)
     _shm.unlink_shm(names)
