@@ -75,8 +75,9 @@ def workload(
     Args:
       alternate: Time passes of all implementations in alternation instead of one
         implementation after the other. Only for workloads whose passes leave nothing running
-        between them (each pass opens and closes its own iterator): a steady-state iterator's
-        prefetch threads would keep working while another implementation is timed.
+        between them (each pass opens and closes its own iterator, or a pool of processes
+        waits idle): a steady-state iterator's prefetch threads would keep working while
+        another implementation is timed.
     """
 
     def register(setup: Setup) -> Workload:

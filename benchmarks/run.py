@@ -31,7 +31,7 @@ A pass over a long-lived iterator (steady state) comes from ``steady_pass(make_i
 any other pass that leaves threads or processes running gets a ``close`` attribute, which the
 harness calls once the implementation is timed so nothing it started runs into the next one.
 ``workload(..., alternate=True)`` times the implementations' passes in alternation (for passes
-that open and close their own iterators).
+that open and close their own iterators, or leave only idle processes between passes).
 
 The ratio column is grain_core's elements/s divided by the baseline's (> 1: grain_core is
 faster), measured in the same run. Never time things in unit tests; measure here.
