@@ -215,11 +215,11 @@ class _WorkerLoop:
             self._build()
             while True:
                 if self._credits == 0 or self._finished:
-                    if not self._handle(self._control.recv()):
+                    if not self._handle(pickle.loads(self._control.recv_bytes())):
                         return
                     continue
                 while self._control_ready():
-                    if not self._handle(self._control.recv()):
+                    if not self._handle(pickle.loads(self._control.recv_bytes())):
                         return
                 if self._credits > 0 and not self._finished:
                     self._produce()
@@ -412,8 +412,9 @@ class WorkerPool:
 
     def send(self, index: int, message: tuple[Any, ...]) -> None:
         """Sends a control message (a dead worker is reported by the next ``recv``)."""
+        data = pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
         try:
-            self._controls[index].send(message)
+            self._controls[index].send_bytes(data)
         except (BrokenPipeError, ConnectionResetError, OSError):
             pass
 

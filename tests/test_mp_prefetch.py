@@ -149,6 +149,47 @@ def test_zero_workers_returns_the_dataset() -> None:
     assert ds.mp_prefetch(_opts(0)) is ds
 
 
+class _LogProduced:
+    """Appends each element it passes to a file: what a worker has produced so far."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+
+    def __call__(self, x: int) -> int:
+        with open(self.path, "a") as f:
+            f.write(f"{x}\n")
+        return x
+
+
+def _produced_once_idle(path: Any) -> int:
+    """Elements logged once the worker has stopped for lack of credit (unchanged for 0.3 s)."""
+    deadline = time.monotonic() + 10
+    last = -1
+    while time.monotonic() < deadline:
+        count = len(path.read_text().split()) if path.exists() else 0
+        if count == last:
+            return count
+        last = count
+        time.sleep(0.3)
+    raise AssertionError("the worker kept producing")
+
+
+@pytest.mark.parametrize("buffer", [1, 2, 5])
+def test_worker_stays_within_its_buffer_ahead(buffer: int, tmp_path: Any) -> None:
+    # Credits go back in batches of half the buffer: the worker ends up more than half of its
+    # buffer ahead of the consumer, and never further than all of it.
+    log = tmp_path / "produced.txt"
+    ds = grain.MapDataset.range(100).to_iter_dataset().map(_LogProduced(str(log)))
+    with iter(ds.mp_prefetch(_opts(1, buffer))) as it:
+        consumed = 0
+        for target in (1, 4, 9, 10):
+            while consumed < target:
+                assert next(it) == consumed
+                consumed += 1
+            ahead = _produced_once_idle(log) - consumed
+            assert buffer // 2 < ahead <= buffer
+
+
 # -------------------------------------------------------------------------- checkpoints
 def test_checkpoint_conformance_with_workers(no_shm_leak: None) -> None:
     ds = grain.MapDataset.range(11).map(_times_ten).to_iter_dataset().batch(2)

@@ -427,6 +427,11 @@ class _ProcessPrefetchIterator(DatasetIterator[Any]):
         self._index = index
         self._count = mp_ds.num_workers
         self._buffer = mp_ds.options.per_worker_buffer_size
+        # Credits go back once half the buffer is owed, not per element: one control message
+        # (a pickle and a system call that wakes the worker) per element halved the parent's
+        # throughput of small elements. The worker stays between half and all of its buffer
+        # ahead.
+        self._grant_batch = max(1, self._buffer // 2)
         self._pool: WorkerPool | None = None
         self._finalizer: weakref.finalize | None = None
         self._state: Any = None
@@ -495,8 +500,9 @@ class _ProcessPrefetchIterator(DatasetIterator[Any]):
         self._outstanding -= 1
         if kind == ELEMENT:
             self._state = state
-            if self._buffer > 0:
-                self._grant(1)
+            owed = self._buffer - self._outstanding
+            if owed >= self._grant_batch:
+                self._grant(owed)
             return _shm.open_from_shm(element, self._recycled) if names else element
         if kind == END:
             self._state = state
