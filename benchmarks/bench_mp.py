@@ -10,6 +10,9 @@
   transport keeps in flight (memory-bound), and Grain with 2 workers. The workers hand out a
   ready 4 MiB array, so only the transport is measured (copy into shared memory, message,
   mapping in the parent). batches/s × 4 MiB = GB/s.
+* ``mp_small_elements``: Python ints through 2 running workers, one message each (no batch
+  before ``mp_prefetch``), steady state: the per-element cost of the transport; baselines: the
+  same pipeline in one process, and Grain with 2 workers.
 * ``first_batch_mp_prefetch`` / ``first_batch_dataloader``: seconds from ``iter()`` to the first
   batch with 2 workers, cold (grain_core's forkserver is stopped after every pass, so each pass
   pays for starting it). elements/s = 1 / seconds.
@@ -24,11 +27,12 @@ from collections.abc import Callable
 from typing import Any
 
 import numpy as np
-from _harness import import_google_grain, workload
+from _harness import import_google_grain, steady_pass, workload
 
 HEAVY_ELEMENTS = 20_000
 HEAVY_BATCH = 64
 TRANSPORT_BATCHES = 200
+SMALL_ELEMENTS = 20_000
 TRANSPORT_SHAPE = (1024, 1024)  # float32: 4 MiB
 RESTORE_RECORDS = 10_000
 RESTORE_POSITIONS = list(range(0, RESTORE_RECORDS, RESTORE_RECORDS // 20))
@@ -202,6 +206,42 @@ def _() -> Callable[[], None]:
 @mp_shm_transport.baseline("grain 2 workers", requires="grain")
 def _() -> Callable[[], None]:
     return _transport_pass(import_google_grain())
+
+
+def plus_one(x: int) -> int:
+    return x + 1
+
+
+def _small_elements_pass(grain: Any, workers: int) -> Callable[[], None]:
+    # Steady state over a long stream: start-up is what first_batch_mp_prefetch measures.
+    ds = grain.MapDataset.range(10**9).map(plus_one).to_iter_dataset()
+    if workers:
+        options = grain.MultiprocessingOptions(num_workers=workers, per_worker_buffer_size=16)
+        ds = ds.mp_prefetch(options)
+    return steady_pass(lambda: iter(ds), SMALL_ELEMENTS)
+
+
+@workload(
+    "mp_small_elements",
+    elements=SMALL_ELEMENTS,
+    description="ints one message each, mp_prefetch 2 workers, buffer 16, steady state",
+)
+def mp_small_elements() -> Callable[[], None]:
+    import grain_core as grain
+
+    return _small_elements_pass(grain, 2)
+
+
+@mp_small_elements.baseline("grain_core 0 workers")
+def _() -> Callable[[], None]:
+    import grain_core as grain
+
+    return _small_elements_pass(grain, 0)
+
+
+@mp_small_elements.baseline("grain 2 workers", requires="grain")
+def _() -> Callable[[], None]:
+    return _small_elements_pass(import_google_grain(), 2)
 
 
 def _first_batch(make_iterator: Callable[[], Any], cold: Callable[[], None]) -> Callable[[], None]:
