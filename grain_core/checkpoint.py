@@ -7,7 +7,6 @@ directory, so a crash during a save never leaves a truncated checkpoint.
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
 import functools
 import json
@@ -103,6 +102,8 @@ def save_coroutine(directory: Any, text: str) -> Coroutine[Any, Any, None]:
     """
 
     async def _write() -> None:
+        import asyncio  # here: importing it costs ~60 ms, and only Orbax saves need it
+
         await_creation = getattr(directory, "await_creation", None)
         if await_creation is not None:
             await await_creation()
@@ -115,6 +116,8 @@ def load_coroutine(directory: Any, apply: Callable[[str], None]) -> Coroutine[An
     """Orbax v1 ``load``: a coroutine that reads this process's file and calls ``apply(text)``."""
 
     async def _read() -> None:
+        import asyncio
+
         apply(await asyncio.to_thread(read_process_file, directory))
 
     return _read()
