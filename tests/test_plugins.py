@@ -556,3 +556,16 @@ def test_entry_point_name_declared_by_two_distributions(make_plugin: MakePlugin)
     assert (first.distribution, first.status) == ("fake-one", "loaded")
     assert (second.distribution, second.status) == ("fake-two", "failed")
     assert registry.format_for_path("x.one").name == "first"
+
+
+def test_entry_point_discovery_is_imported_only_when_plugins_load() -> None:
+    # importlib.metadata costs ~20 ms in every process that imports grain_core (each worker's
+    # forkserver included); only the first plugin lookup needs it.
+    code = (
+        "import sys, grain_core\n"
+        "assert 'importlib.metadata' not in sys.modules\n"
+        "from grain_core import plugins\n"
+        "plugins.list_shuffle_strategies()\n"
+        "assert 'importlib.metadata' in sys.modules\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True)
