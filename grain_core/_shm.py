@@ -22,11 +22,13 @@ from __future__ import annotations
 import collections
 import concurrent.futures
 import dataclasses
+import errno
 import itertools
 import mmap
 import os
 import secrets
 import threading
+import warnings
 import weakref
 from collections.abc import Iterable
 from multiprocessing import resource_tracker, shared_memory
@@ -45,6 +47,7 @@ AVAILABLE = _posixshmem is not None
 __all__ = [
     "SharedMemoryArray",
     "SharedMemoryArrayMetadata",
+    "SharedMemoryFullError",
     "copy_to_shm",
     "open_from_shm",
     "unlink_shm",
@@ -71,6 +74,24 @@ def _new_name() -> str:
     return f"/{_name_prefix}{next(_counter):x}"
 
 
+class SharedMemoryFullError(OSError):
+    """``/dev/shm`` has no room for a new shared-memory block."""
+
+    def __init__(self, size: int) -> None:
+        try:
+            stats = os.statvfs(_SHM_DIR)
+            free = f"{stats.f_bavail * stats.f_frsize} of {stats.f_blocks * stats.f_frsize}"
+        except OSError:
+            free = "unknown"
+        super().__init__(
+            errno.ENOSPC,
+            f"{_SHM_DIR} has no room for a shared-memory block of {size} bytes ({free} bytes "
+            "free). Give the machine or container more shared memory (e.g. `docker run "
+            "--shm-size=2g`), or lower MultiprocessingOptions.per_worker_buffer_size or "
+            "num_workers.",
+        )
+
+
 def create_block(size: int) -> tuple[str, mmap.mmap]:
     """Returns the name and a read-write mapping of a block of ``size`` bytes: a free block of
     the worker's pool when there is one, else a new block (pages populated at once)."""
@@ -89,6 +110,7 @@ def _create_block(size: int) -> tuple[str, mmap.mmap]:
         break
     try:
         os.ftruncate(fd, size)
+        _reserve(fd, size)
         mapping = mmap.mmap(fd, size, flags=mmap.MAP_SHARED | _POPULATE)
     except BaseException:
         os.close(fd)
@@ -97,6 +119,38 @@ def _create_block(size: int) -> tuple[str, mmap.mmap]:
     os.close(fd)
     resource_tracker.register(name, _RTYPE)
     return name, mapping
+
+
+def _reserve(fd: int, size: int) -> None:
+    """Allocates the block's pages now. A full ``/dev/shm`` (Docker gives containers 64 MiB)
+    then fails here, with an error that says so, instead of killing the process with SIGBUS
+    at its first write into the mapping."""
+    fallocate = getattr(os, "posix_fallocate", None)
+    if fallocate is None:  # macOS
+        return
+    try:
+        fallocate(fd, 0, size)
+    except OSError as e:
+        if e.errno in (errno.ENOSPC, errno.ENOMEM):
+            raise SharedMemoryFullError(size) from e
+        if e.errno not in (errno.EOPNOTSUPP, errno.EINVAL):  # no fallocate: map as before
+            raise
+
+
+_warned_full = False
+
+
+def warn_full(error: SharedMemoryFullError) -> None:
+    """Warns, once per process, that arrays travel pickled because ``/dev/shm`` is full."""
+    global _warned_full
+    if not _warned_full:
+        _warned_full = True
+        warnings.warn(
+            f"{error.strerror} Until then, arrays that do not fit travel pickled through the "
+            "worker's pipe (slower).",
+            RuntimeWarning,
+            stacklevel=2,
+        )
 
 
 def open_block(name: str) -> mmap.mmap:
@@ -257,6 +311,7 @@ class SharedMemoryArray(np.ndarray):  # type: ignore[type-arg]
 
     Raises:
       ValueError: For an object dtype.
+      SharedMemoryFullError: If ``/dev/shm`` has no room for the block.
     """
 
     _shm_name: str | None
@@ -395,7 +450,7 @@ def copy_to_shm(tree: Any, min_size: int = 0) -> tuple[Any, list[str]]:
 
     Whole-block :class:`SharedMemoryArray` leaves are referenced without copying; other
     C-contiguous, non-empty, non-object arrays of at least ``min_size`` bytes are copied into a
-    new block. Containers (dict, list, tuple, namedtuple) are rebuilt only where a leaf changed,
+    new block, or stay in the tree (to be pickled) with a warning when ``/dev/shm`` is full. Containers (dict, list, tuple, namedtuple) are rebuilt only where a leaf changed,
     keeping their key order.
 
     Returns:
@@ -413,7 +468,11 @@ def _encode(x: Any, min_size: int, names: list[str]) -> Any:
             return _ShmRef(x._shm_name, tuple(x.shape), x.dtype)
         if not _qualifies(x, min_size):
             return x
-        name, mapping = create_block(x.nbytes)
+        try:
+            name, mapping = create_block(x.nbytes)
+        except SharedMemoryFullError as e:
+            warn_full(e)
+            return x
         np.ndarray(x.shape, x.dtype, buffer=mapping)[...] = x
         names.append(name)
         return _ShmRef(name, tuple(x.shape), x.dtype)

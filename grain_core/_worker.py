@@ -367,6 +367,20 @@ def _min_shm_size(it: Any) -> int:
 
 
 # ------------------------------------------------------------------------------ parent side
+#: What a worker killed by a signal most likely ran into, and what to do about it.
+_SIGNAL_HINTS = {
+    signal.SIGKILL: (
+        " A SIGKILL usually means the machine ran out of memory: reduce "
+        "per_worker_buffer_size, the number of workers or the element size."
+    ),
+    signal.SIGBUS: (
+        f" A SIGBUS usually means {_shm._SHM_DIR} is full (Docker gives containers 64 MiB): "
+        "give the container more shared memory (`docker run --shm-size=2g`) or reduce "
+        "per_worker_buffer_size or the number of workers."
+    ),
+}
+
+
 class WorkerDiedError(RuntimeError):
     """A worker process ended without being asked to."""
 
@@ -439,15 +453,16 @@ class WorkerPool:
         code = proc.exitcode
         _shm.unlink_prefix(self._prefixes[index])
         how = f"exit code {code}"
+        hint = ""
         if code is not None and code < 0:
             try:
                 how += f" ({signal.Signals(-code).name})"
             except ValueError:
                 pass
+            hint = _SIGNAL_HINTS.get(-code, "")
         return WorkerDiedError(
             f"Worker process {self._labels[index]} (pid {proc.pid}) was terminated "
-            f"unexpectedly with {how}. A SIGKILL usually means the machine ran out of memory: "
-            "reduce per_worker_buffer_size, the number of workers or the element size."
+            f"unexpectedly with {how}.{hint}"
         )
 
     def shutdown(self) -> None:

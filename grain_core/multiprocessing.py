@@ -2,7 +2,12 @@
 
 from __future__ import annotations
 
-from grain_core._shm import SharedMemoryArray, SharedMemoryArrayMetadata
+from grain_core._shm import SharedMemoryArray, SharedMemoryArrayMetadata, SharedMemoryFullError
 from grain_core.options import MultiprocessingOptions
 
-__all__ = ["MultiprocessingOptions", "SharedMemoryArray", "SharedMemoryArrayMetadata"]
+__all__ = [
+    "MultiprocessingOptions",
+    "SharedMemoryArray",
+    "SharedMemoryArrayMetadata",
+    "SharedMemoryFullError",
+]

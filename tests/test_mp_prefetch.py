@@ -293,6 +293,67 @@ def test_killed_worker_is_reported_quickly(no_shm_leak: None) -> None:
     it.close()
 
 
+def _bus_error_on_three(x: int) -> int:
+    if x == 3:
+        os.kill(os.getpid(), signal.SIGBUS)
+    return x
+
+
+def test_bus_error_in_a_worker_points_at_shared_memory(no_shm_leak: None) -> None:
+    ds = grain.MapDataset.range(8).map(_bus_error_on_three).to_iter_dataset()
+    with iter(ds.mp_prefetch(_opts(2))) as it:
+        with pytest.raises(RuntimeError, match=r"\(SIGBUS\)\. .*/dev/shm is full.*--shm-size"):
+            list(it)
+
+
+_SMALL_DEV_SHM_SCRIPT = """
+import numpy as np, warnings, grain_core as grain
+warnings.simplefilter("ignore", RuntimeWarning)
+def batch(i):
+    return np.full((1024, 1024), i, np.float32)
+ds = grain.MapDataset.range(40).map(batch).to_iter_dataset()
+options = grain.MultiprocessingOptions(num_workers=2, per_worker_buffer_size=2)
+print(sum(float(x[0, 0]) for x in ds.mp_prefetch(options)))
+"""
+
+
+def test_a_real_full_dev_shm_slows_down_but_loses_nothing(tmp_path: Any) -> None:
+    # 4 MiB batches from 2 workers with 2 ahead each need ~24 MiB; /dev/shm gets 12 MiB in a
+    # private mount namespace (root only), as in a container with a small --shm-size.
+    script = tmp_path / "small_dev_shm.py"
+    script.write_text(_SMALL_DEV_SHM_SCRIPT)
+    mount = "mount -t tmpfs -o size=12m tmpfs /dev/shm"
+    probe = subprocess.run(["unshare", "-m", "sh", "-c", mount], capture_output=True)
+    if probe.returncode != 0:
+        pytest.skip("needs unshare and mount (root) to give /dev/shm a small size")
+    result = subprocess.run(
+        ["unshare", "-m", "sh", "-c", f'{mount} && exec "{sys.executable}" "{script}"'],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.split() == [str(float(sum(range(40))))]
+
+
+def _no_room_in_dev_shm(worker_index: int, worker_count: int) -> None:
+    import errno
+
+    def fallocate(fd: int, offset: int, size: int) -> None:
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    os.posix_fallocate = fallocate
+
+
+def test_arrays_travel_pickled_when_dev_shm_is_full(no_shm_leak: None) -> None:
+    # Both ways into shared memory: a map output copied into a block, a batch stacked into one.
+    ds = grain.MapDataset.range(12).map(_big).to_iter_dataset()
+    for pipeline in (ds, ds.batch(3)):
+        expected = list(pipeline.mp_prefetch(_opts(2)))
+        got = list(pipeline.mp_prefetch(_opts(2), worker_init_fn=_no_room_in_dev_shm))
+        assert_trees_equal(got, expected)
+
+
 def _unpicklable_element(x: int) -> Any:
     return threading.Lock()
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import collections
+import errno
 import gc
 import os
 import pickle
@@ -16,6 +17,7 @@ from grain_core.multiprocessing import (
     MultiprocessingOptions,
     SharedMemoryArray,
     SharedMemoryArrayMetadata,
+    SharedMemoryFullError,
 )
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="/dev/shm listing")
@@ -136,6 +138,31 @@ def test_leaves_keep_their_exact_dtype_through_the_transport(dtype: np.dtype) ->
     assert decoded.dtype == dtype and decoded.dtype.metadata == dtype.metadata
     assert decoded.dtype.fields == dtype.fields
     np.testing.assert_array_equal(decoded, arr)
+
+
+@pytest.fixture
+def dev_shm_full(monkeypatch: pytest.MonkeyPatch) -> None:
+    def fallocate(fd: int, offset: int, size: int) -> None:
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(os, "posix_fallocate", fallocate)
+    monkeypatch.setattr(_shm, "_warned_full", False)
+
+
+def test_a_full_dev_shm_is_a_clear_error_and_leaves_no_block(dev_shm_full: None) -> None:
+    before = set(os.listdir("/dev/shm"))
+    with pytest.raises(SharedMemoryFullError, match=r"no room .* 4096 bytes.*--shm-size") as info:
+        SharedMemoryArray((1024,), np.float32)
+    assert info.value.errno == errno.ENOSPC
+    assert set(os.listdir("/dev/shm")) == before
+
+
+def test_transport_keeps_arrays_inline_when_dev_shm_is_full(dev_shm_full: None) -> None:
+    tree = {"x": np.arange(1000, dtype=np.float64), "y": np.ones(2000)}
+    with pytest.warns(RuntimeWarning, match="travel pickled") as record:
+        encoded, names = _shm.copy_to_shm(tree, min_size=0)
+    assert len(record) == 1  # once per process, not once per array
+    assert names == [] and encoded["x"] is tree["x"] and encoded["y"] is tree["y"]
 
 
 def test_unlink_shm_frees_unopened_elements() -> None:

@@ -295,7 +295,11 @@ def _stack_into_shared_memory(*leaves: Any) -> Any:
             for x in leaves
         )
     ):
-        out = _shm.SharedMemoryArray((len(leaves), *first.shape), first.dtype)
+        try:
+            out = _shm.SharedMemoryArray((len(leaves), *first.shape), first.dtype)
+        except _shm.SharedMemoryFullError as e:
+            _shm.warn_full(e)
+            return make_batch(list(leaves))
         np.stack(leaves, out=out)
         return out
     return make_batch(list(leaves))
