@@ -75,21 +75,23 @@ def _new_name() -> str:
 
 
 class SharedMemoryFullError(OSError):
-    """``/dev/shm`` has no room for a new shared-memory block."""
+    """``/dev/shm`` has no room for a new shared-memory block (``errno`` is ``ENOSPC``)."""
 
-    def __init__(self, size: int) -> None:
-        try:
-            stats = os.statvfs(_SHM_DIR)
-            free = f"{stats.f_bavail * stats.f_frsize} of {stats.f_blocks * stats.f_frsize}"
-        except OSError:
-            free = "unknown"
-        super().__init__(
-            errno.ENOSPC,
-            f"{_SHM_DIR} has no room for a shared-memory block of {size} bytes ({free} bytes "
-            "free). Give the machine or container more shared memory (e.g. `docker run "
-            "--shm-size=2g`), or lower MultiprocessingOptions.per_worker_buffer_size or "
-            "num_workers.",
-        )
+
+def _no_room(size: int) -> SharedMemoryFullError:
+    try:
+        stats = os.statvfs(_SHM_DIR)
+        free = f"{stats.f_bavail * stats.f_frsize} of {stats.f_blocks * stats.f_frsize}"
+    except OSError:
+        free = "unknown"
+    # (errno, message) like any OSError, so the error pickles from a worker to the parent.
+    return SharedMemoryFullError(
+        errno.ENOSPC,
+        f"{_SHM_DIR} has no room for a shared-memory block of {size} bytes ({free} bytes "
+        "free). Give the machine or container more shared memory (e.g. `docker run "
+        "--shm-size=2g`), or lower MultiprocessingOptions.per_worker_buffer_size or "
+        "num_workers.",
+    )
 
 
 def create_block(size: int) -> tuple[str, mmap.mmap]:
@@ -132,7 +134,7 @@ def _reserve(fd: int, size: int) -> None:
         fallocate(fd, 0, size)
     except OSError as e:
         if e.errno in (errno.ENOSPC, errno.ENOMEM):
-            raise SharedMemoryFullError(size) from e
+            raise _no_room(size) from e
         if e.errno not in (errno.EOPNOTSUPP, errno.EINVAL):  # no fallocate: map as before
             raise
 

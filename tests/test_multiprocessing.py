@@ -155,6 +155,9 @@ def test_a_full_dev_shm_is_a_clear_error_and_leaves_no_block(dev_shm_full: None)
         SharedMemoryArray((1024,), np.float32)
     assert info.value.errno == errno.ENOSPC
     assert set(os.listdir("/dev/shm")) == before
+    # Raised in a worker, it reaches the parent as itself.
+    copy = pickle.loads(pickle.dumps(info.value))
+    assert type(copy) is SharedMemoryFullError and str(copy) == str(info.value)
 
 
 def test_transport_keeps_arrays_inline_when_dev_shm_is_full(dev_shm_full: None) -> None:
