@@ -29,6 +29,7 @@ thread, so it exits as soon as the parent dies.
 
 from __future__ import annotations
 
+import faulthandler
 import io
 import multiprocessing
 import multiprocessing.connection
@@ -183,6 +184,9 @@ def _watch_parent() -> None:
 def worker_main(spec: WorkerSpec, control: Any, output: Any) -> None:
     """Entry point of a worker process."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's to handle.
+    # A crash in native code (a decoder, a C extension) prints the worker's Python stack to
+    # the stderr it shares with the parent, which then names the signal.
+    faulthandler.enable()
     os.environ["JAX_PLATFORMS"] = spec.jax_platforms
     if spec.plugins is not None:
         from grain_core import plugins
@@ -372,6 +376,10 @@ _SIGNAL_HINTS = {
     signal.SIGKILL: (
         " A SIGKILL usually means the machine ran out of memory: reduce "
         "per_worker_buffer_size, the number of workers or the element size."
+    ),
+    signal.SIGSEGV: (
+        " The worker crashed in native code (a C extension used by the pipeline); its Python "
+        "stack at the crash is on stderr above."
     ),
     signal.SIGBUS: (
         f" A SIGBUS usually means {_shm._SHM_DIR} is full (Docker gives containers 64 MiB): "

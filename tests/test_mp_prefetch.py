@@ -336,6 +336,27 @@ def test_a_real_full_dev_shm_slows_down_but_loses_nothing(tmp_path: Any) -> None
     assert result.stdout.split() == [str(float(sum(range(40))))]
 
 
+_SEGFAULT_SCRIPT = """
+import ctypes, grain_core as grain
+def crash_in_native_code(x):
+    if x == 3:
+        ctypes.string_at(0)
+    return x
+ds = grain.MapDataset.range(8).map(crash_in_native_code).to_iter_dataset()
+list(ds.mp_prefetch(grain.MultiprocessingOptions(num_workers=2)))
+"""
+
+
+def test_a_crash_in_native_code_names_the_signal_and_the_python_stack(tmp_path: Any) -> None:
+    script = tmp_path / "segfault.py"
+    script.write_text(_SEGFAULT_SCRIPT)
+    result = subprocess.run([sys.executable, str(script)], capture_output=True, text=True)
+    assert result.returncode == 1
+    assert "exit code -11 (SIGSEGV). The worker crashed in native code" in result.stderr
+    # The worker's own stack, from faulthandler, points at the function that crashed.
+    assert "Segmentation fault" in result.stderr and "crash_in_native_code" in result.stderr
+
+
 def _no_room_in_dev_shm(worker_index: int, worker_count: int) -> None:
     import errno
 
