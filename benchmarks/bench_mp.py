@@ -4,6 +4,8 @@
   2 workers; baselines: grain_core with 0 and 1 workers, Grain with 0 and 2 workers, and the
   same batches from a bare ``multiprocessing.Pool(2)`` (how two processes scale here now);
   passes alternate between the implementations.
+* ``mp_cpu_heavy_slow_core``: the same with each worker pinned to its own core and a busy
+  process sharing core 1 (a noisy neighbour on one virtual CPU), against a pool pinned alike.
 * ``mp_shm_transport``: 4 MiB float32 batches from 2 running workers to the parent, which
   touches every page of each; baselines: a plain NumPy copy of the same bytes in the parent into
   one reused buffer (the physical limit, cache-resident) and into as many rotating buffers as the
@@ -23,6 +25,7 @@
 from __future__ import annotations
 
 import json
+import os
 from collections.abc import Callable
 from typing import Any
 
@@ -128,13 +131,13 @@ def heavy_batch(start: int) -> np.ndarray:
     return np.stack([heavy(x) for x in range(start, stop)])
 
 
-@mp_cpu_heavy.baseline("multiprocessing.Pool(2), no pipeline")
-def _() -> Callable[[], None]:
-    # What this machine gives two processes right now (shared hosts vary): the same batches
-    # computed by a bare process pool, so the 2-worker figure can be read against it.
+def _pool_pass(
+    initializer: Callable[..., None] | None = None, initargs: tuple[Any, ...] = ()
+) -> Any:
+    """The heavy batches from a bare ``multiprocessing.Pool(2)`` (dynamic task dispatch)."""
     import multiprocessing
 
-    pool = multiprocessing.get_context("forkserver").Pool(2)
+    pool = multiprocessing.get_context("forkserver").Pool(2, initializer, initargs)
     starts = range(0, HEAVY_ELEMENTS, HEAVY_BATCH)
 
     def run() -> None:
@@ -148,6 +151,75 @@ def _() -> Callable[[], None]:
 
     run.close = close  # type: ignore[attr-defined]
     return run
+
+
+@mp_cpu_heavy.baseline("multiprocessing.Pool(2), no pipeline")
+def _() -> Callable[[], None]:
+    # What this machine gives two processes right now (shared hosts vary): the same batches
+    # computed by a bare process pool, so the 2-worker figure can be read against it.
+    return _pool_pass()
+
+
+def pin_worker_to_core(index: int, count: int) -> None:
+    """``worker_init_fn``: worker ``i`` runs on core ``i % 2`` only."""
+    os.sched_setaffinity(0, {index % 2})
+
+
+def pin_pool_process_to_core(counter: Any) -> None:
+    """Pool initializer: the ``i``-th process started runs on core ``i % 2`` only."""
+    with counter.get_lock():
+        index = counter.value
+        counter.value += 1
+    os.sched_setaffinity(0, {index % 2})
+
+
+def keep_core_1_busy() -> None:
+    os.sched_setaffinity(0, {1})
+    while True:
+        pass
+
+
+def _with_core_1_busy(run: Any) -> Callable[[], None]:
+    # A busy process on core 1 leaves the worker pinned there half of that core, as a noisy
+    # neighbour on a shared host does to one virtual CPU.
+    import multiprocessing
+
+    busy = multiprocessing.get_context("forkserver").Process(target=keep_core_1_busy, daemon=True)
+    busy.start()
+    close_run = getattr(run, "close", None)
+
+    def close() -> None:
+        busy.kill()
+        busy.join()
+        if close_run is not None:
+            close_run()
+
+    run.close = close
+    return run  # type: ignore[no-any-return]
+
+
+if hasattr(os, "sched_setaffinity") and len(os.sched_getaffinity(0)) >= 2:
+
+    @workload(
+        "mp_cpu_heavy_slow_core",
+        elements=HEAVY_ELEMENTS,
+        description="mp_cpu_heavy with one worker per core and core 1 shared with a busy process",
+    )  # Not alternated: each implementation's busy process runs only while it is timed.
+    def mp_cpu_heavy_slow_core() -> Callable[[], None]:
+        # Strict rotation (the price of worker-count-independent order) waits for the slower
+        # worker; a pool that hands out tasks dynamically does not.
+        import grain_core as grain
+
+        options = grain.MultiprocessingOptions(num_workers=2)
+        ds = _heavy_ds(grain, 0).mp_prefetch(options, worker_init_fn=pin_worker_to_core)
+        return _with_core_1_busy(_drain(ds, HEAVY_OUT))
+
+    @mp_cpu_heavy_slow_core.baseline("multiprocessing.Pool(2), no pipeline")
+    def _() -> Callable[[], None]:
+        import multiprocessing
+
+        counter = multiprocessing.get_context("forkserver").Value("i", 0)
+        return _with_core_1_busy(_pool_pass(pin_pool_process_to_core, (counter,)))
 
 
 def _transport_pass(grain: Any) -> Callable[[], None]:
