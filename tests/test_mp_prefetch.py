@@ -275,14 +275,20 @@ def test_worker_exception_keeps_type_and_traceback(no_shm_leak: None) -> None:
     it.close()
 
 
-def _kill_self_on_three(x: int) -> int:
-    if x == 3:
-        os.kill(os.getpid(), signal.SIGKILL)
-    return x
+class _SignalSelfOnThree:
+    """A map that kills its own process with ``signum`` at element 3."""
+
+    def __init__(self, signum: int) -> None:
+        self.signum = signum
+
+    def __call__(self, x: int) -> int:
+        if x == 3:
+            os.kill(os.getpid(), self.signum)
+        return x
 
 
 def test_killed_worker_is_reported_quickly(no_shm_leak: None) -> None:
-    ds = grain.MapDataset.range(8).map(_kill_self_on_three).to_iter_dataset()
+    ds = grain.MapDataset.range(8).map(_SignalSelfOnThree(signal.SIGKILL)).to_iter_dataset()
     it = iter(ds.mp_prefetch(_opts(2)))
     start = time.monotonic()
     with pytest.raises(RuntimeError, match=r"Worker process 1 of 2 .* exit code -9 \(SIGKILL\)"):
@@ -293,14 +299,8 @@ def test_killed_worker_is_reported_quickly(no_shm_leak: None) -> None:
     it.close()
 
 
-def _bus_error_on_three(x: int) -> int:
-    if x == 3:
-        os.kill(os.getpid(), signal.SIGBUS)
-    return x
-
-
 def test_bus_error_in_a_worker_points_at_shared_memory(no_shm_leak: None) -> None:
-    ds = grain.MapDataset.range(8).map(_bus_error_on_three).to_iter_dataset()
+    ds = grain.MapDataset.range(8).map(_SignalSelfOnThree(signal.SIGBUS)).to_iter_dataset()
     with iter(ds.mp_prefetch(_opts(2))) as it:
         with pytest.raises(RuntimeError, match=r"\(SIGBUS\)\. .*/dev/shm is full.*--shm-size"):
             list(it)
