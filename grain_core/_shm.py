@@ -172,37 +172,41 @@ class _BlockPool:
         self._free: dict[int, list[tuple[str, mmap.mmap]]] = {}
         self._used: dict[str, mmap.mmap] = {}
         self.dropped: list[str] = []
+        # Read threads take blocks (a MapDataset batch stacked into shared memory) while the
+        # worker's main thread gives them back.
+        self._lock = threading.Lock()
 
     def take(self, size: int) -> tuple[str, mmap.mmap]:
-        free = self._free.get(size)
-        if free:
-            name, mapping = free.pop()
-        else:
-            name, mapping = _create_block(size)
-        self._used[name] = mapping
+        with self._lock:
+            free = self._free.get(size)
+            block = free.pop() if free else None
+        name, mapping = block if block is not None else _create_block(size)
+        with self._lock:
+            self._used[name] = mapping
         return name, mapping
 
     def give_back(self, names: Iterable[str]) -> None:
         for name in names:
-            mapping = self._used.pop(name, None)
-            if mapping is None:
-                continue
-            free = self._free.setdefault(len(mapping), [])
-            if len(free) < self._max_free:
-                free.append((name, mapping))
-            else:
+            with self._lock:
+                mapping = self._used.pop(name, None)
+                if mapping is None:
+                    continue
+                free = self._free.setdefault(len(mapping), [])
+                keep = len(free) < self._max_free
+                if keep:
+                    free.append((name, mapping))
+            if not keep:
                 unlink_block(name)
                 self.dropped.append(name)
 
     def unlink_all(self) -> None:
-        # A snapshot: reader threads of a closing pipeline may still be taking blocks.
-        for name in list(self._used):
+        with self._lock:
+            # A snapshot: reader threads of a closing pipeline may still be taking blocks.
+            names = [*self._used, *(name for free in self._free.values() for name, _ in free)]
+            self._used.clear()
+            self._free.clear()
+        for name in names:
             unlink_block(name)
-        for free in self._free.values():
-            for name, _ in free:
-                unlink_block(name)
-        self._used.clear()
-        self._free.clear()
 
 
 _pool: _BlockPool | None = None

@@ -51,6 +51,13 @@ def test_map_batch_lengths_and_contents():
     assert [b.tolist() for b in ds._getitems([3, 0])] == [[9], [0, 1, 2]]
 
 
+def test_map_batch_with_another_batch_fn_keeps_its_batching():
+    ds = grain.MapDataset.range(7).batch(3, drop_remainder=True)
+    summed = ds.with_batch_fn(sum)
+    assert len(summed) == 2 and list(summed) == [3, 12]
+    assert ds.batch_fn is make_batch and summed.batch_fn is sum
+
+
 def test_batch_epoch_boundaries_with_repeat_before_and_after():
     before = MD.range(5).repeat(2).batch(3)
     assert [b.tolist() for b in before] == [[0, 1, 2], [3, 4, 0], [1, 2, 3], [4]]

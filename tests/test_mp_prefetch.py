@@ -106,6 +106,29 @@ def test_final_batch_is_stacked_into_shared_memory(no_shm_leak: None) -> None:
     assert out[0]["s"].dtype == np.dtype("<U5")  # strings are not truncated
 
 
+def test_map_dataset_batch_stacks_into_shared_memory_in_a_worker(
+    no_shm_leak: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # `.batch(n).to_iter_dataset()` is the usual end of a pipeline: inside a worker the batch
+    # is written once, into a block that travels by name (no second copy into shared memory).
+    monkeypatch.setattr(_shm, "_pool", _shm._BlockPool(4))  # as in a worker
+    ds = grain.MapDataset.range(10).map(_big).batch(3).to_iter_dataset()
+    it = mp_prefetch_module.build_worker_iterator(ds, 1, 2, False, None)
+    try:
+        batch = next(it)
+        assert_trees_equal(batch, list(ds)[1])
+        assert isinstance(batch["z"], _shm.SharedMemoryArray)
+        _, names = _shm.copy_to_shm(batch, _shm.DEFAULT_MIN_SHM_SIZE)
+        assert names == [batch["z"].metadata.name]
+    finally:
+        it.close()
+        _shm.unlink_pool()
+    ds_strings = grain.MapDataset.range(4).map(_big).batch(2).to_iter_dataset()
+    out = list(ds_strings.mp_prefetch(_opts(2)))
+    assert_trees_equal(out, list(ds_strings))
+    assert out[0]["s"].dtype == np.dtype("<U2")  # strings are not truncated
+
+
 def test_sequential_slice_goldens() -> None:
     ds = grain.MapDataset.source(list(range(15))).to_iter_dataset()
     assert list(ds.mp_prefetch(_opts(4), sequential_slice=True)) == [

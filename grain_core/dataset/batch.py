@@ -165,6 +165,16 @@ class BatchMapDataset(MapDataset[Any]):
             pos += len(r)
         return out
 
+    @property
+    def batch_fn(self) -> Callable[[Sequence[Any]], Any]:
+        return self._batch_fn
+
+    def with_batch_fn(self, batch_fn: Callable[[Sequence[Any]], Any]) -> BatchMapDataset:
+        """The same batching of the same parent, with another batch function."""
+        return BatchMapDataset(
+            self._parent, self._batch_size, drop_remainder=self._drop_remainder, batch_fn=batch_fn
+        )
+
     def __repr__(self) -> str:
         return (
             f"BatchMapDataset(batch_size={self._batch_size}, drop_remainder={self._drop_remainder})"

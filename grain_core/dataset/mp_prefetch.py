@@ -44,7 +44,7 @@ from grain_core.dataset.base import (
     MultiprocessingContext,
     _WithSeedMapDataset,
 )
-from grain_core.dataset.batch import BatchIterDataset, make_batch
+from grain_core.dataset.batch import BatchIterDataset, BatchMapDataset, make_batch
 from grain_core.dataset.interleave import InterleaveIterDataset
 from grain_core.dataset.map import (
     FilterMapDataset,
@@ -306,21 +306,32 @@ def _stack_into_shared_memory(*leaves: Any) -> Any:
 
 
 def _with_shared_memory_output(ds: IterDataset[Any]) -> IterDataset[Any]:
-    """``ds`` with its final batch writing into shared memory, when it ends with a batch whose
-    function allows it (the default one, or one with ``enable_shared_memory_output()``)."""
-    if not isinstance(ds, BatchIterDataset):
-        return ds
-    fn = ds.batch_fn
+    """``ds`` with its final batch writing into shared memory, when it ends with a batch (an
+    IterDataset one, or a MapDataset one read by ``to_iter_dataset``) whose function allows
+    it: the default one, or one with ``enable_shared_memory_output()``."""
+    if isinstance(ds, BatchIterDataset):
+        fn = _shared_memory_batch_fn(ds.batch_fn)
+        if fn is None:
+            return ds
+        return BatchIterDataset(
+            ds._parents[0], ds.batch_size, drop_remainder=ds.drop_remainder, batch_fn=fn
+        )
+    if isinstance(ds, PrefetchIterDataset) and isinstance(ds.map_parent, BatchMapDataset):
+        fn = _shared_memory_batch_fn(ds.map_parent.batch_fn)
+        if fn is None:
+            return ds
+        return ds.with_parent(ds.map_parent.with_batch_fn(fn))
+    return ds
+
+
+def _shared_memory_batch_fn(fn: Callable[..., Any]) -> Callable[..., Any] | None:
     if fn is make_batch:
-        fn = make_batch_in_shared_memory
-    elif hasattr(fn, "enable_shared_memory_output"):
+        return make_batch_in_shared_memory
+    if hasattr(fn, "enable_shared_memory_output"):
         fn = copy.copy(fn)
         fn.enable_shared_memory_output()
-    else:
-        return ds
-    return BatchIterDataset(
-        ds._parents[0], ds.batch_size, drop_remainder=ds.drop_remainder, batch_fn=fn
-    )
+        return fn
+    return None
 
 
 def build_worker_iterator(
@@ -335,7 +346,8 @@ def build_worker_iterator(
     ``options`` are the parent's: they already hold the options set in this pipeline, merged
     with those set downstream of ``mp_prefetch``, so they win.
     """
-    it = iter(_with_shared_memory_output(slice_for_worker(ds, index, count, sequential)))
+    # Before slicing: a worker's slice of a MapDataset batch is a slice over that batch.
+    it = iter(slice_for_worker(_with_shared_memory_output(ds), index, count, sequential))
     it._ctx.mp_context = MultiprocessingContext(index, count)
     if options is not None:
         it._merge_dataset_options(options)
