@@ -17,7 +17,6 @@ short), never by a ``repr`` that embeds data or memory addresses.
 
 from __future__ import annotations
 
-import copy
 import hashlib
 import json
 import os
@@ -231,14 +230,12 @@ def _batch_fn(batch_fn: Any, shared_memory: bool) -> Any:
     """The function a ``Batch`` operation stacks with: the user's or ``make_batch``, writing
     into shared memory when the batch is sent to the parent process."""
     from grain_core.dataset.batch import make_batch
-    from grain_core.dataset.mp_prefetch import make_batch_in_shared_memory
+    from grain_core.dataset.mp_prefetch import shared_memory_batch_fn
 
-    if batch_fn is None:
-        return make_batch_in_shared_memory if shared_memory else make_batch
-    if shared_memory and hasattr(batch_fn, "enable_shared_memory_output"):
-        batch_fn = copy.copy(batch_fn)
-        batch_fn.enable_shared_memory_output()
-    return batch_fn
+    fn = make_batch if batch_fn is None else batch_fn
+    if shared_memory:
+        return shared_memory_batch_fn(fn) or fn
+    return fn
 
 
 class _RecordBatch:

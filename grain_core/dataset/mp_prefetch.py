@@ -310,21 +310,23 @@ def _with_shared_memory_output(ds: IterDataset[Any]) -> IterDataset[Any]:
     IterDataset one, or a MapDataset one read by ``to_iter_dataset``) whose function allows
     it: the default one, or one with ``enable_shared_memory_output()``."""
     if isinstance(ds, BatchIterDataset):
-        fn = _shared_memory_batch_fn(ds.batch_fn)
+        fn = shared_memory_batch_fn(ds.batch_fn)
         if fn is None:
             return ds
         return BatchIterDataset(
             ds._parents[0], ds.batch_size, drop_remainder=ds.drop_remainder, batch_fn=fn
         )
     if isinstance(ds, PrefetchIterDataset) and isinstance(ds.map_parent, BatchMapDataset):
-        fn = _shared_memory_batch_fn(ds.map_parent.batch_fn)
+        fn = shared_memory_batch_fn(ds.map_parent.batch_fn)
         if fn is None:
             return ds
         return ds.with_parent(ds.map_parent.with_batch_fn(fn))
     return ds
 
 
-def _shared_memory_batch_fn(fn: Callable[..., Any]) -> Callable[..., Any] | None:
+def shared_memory_batch_fn(fn: Callable[..., Any]) -> Callable[..., Any] | None:
+    """``fn`` writing its output into shared memory (``make_batch`` or a function with
+    ``enable_shared_memory_output()``), or None when it cannot."""
     if fn is make_batch:
         return make_batch_in_shared_memory
     if hasattr(fn, "enable_shared_memory_output"):
