@@ -225,11 +225,11 @@ if hasattr(os, "sched_setaffinity") and len(os.sched_getaffinity(0)) >= 2:
         return _with_core_1_busy(_pool_pass(pin_pool_process_to_core, (counter,)))
 
 
-def _transport_pass(grain: Any) -> Callable[[], None]:
-    # Steady state: one long-lived iterator whose workers are running before the first timed
-    # pass (start-up is what first_batch_mp_prefetch measures).
-    ds = grain.MapDataset.range(TRANSPORT_BATCHES).repeat().map(ready_batch).to_iter_dataset()
-    it = iter(ds.mp_prefetch(grain.MultiprocessingOptions(num_workers=2, per_worker_buffer_size=2)))
+def _batches_pass(ds: Any) -> Callable[[], None]:
+    """Takes ``TRANSPORT_BATCHES`` 4 MiB batches of ones from one long-lived iterator, touching
+    every page of each (steady state: the workers run before the first timed pass; start-up is
+    what first_batch_mp_prefetch measures)."""
+    it = iter(ds)
     _touch_pages(next(it))
 
     def run() -> None:
@@ -237,8 +237,33 @@ def _transport_pass(grain: Any) -> Callable[[], None]:
         if total != TRANSPORT_BATCHES * 1024:
             raise AssertionError(f"checksum {total}")
 
-    run.close = it.close  # type: ignore[attr-defined]  # the harness stops the workers
+    run.close = getattr(it, "close", lambda: None)  # type: ignore[attr-defined]
     return run
+
+
+def _transport_pass(grain: Any) -> Callable[[], None]:
+    ds = grain.MapDataset.range(TRANSPORT_BATCHES).repeat().map(ready_batch).to_iter_dataset()
+    options = grain.MultiprocessingOptions(num_workers=2, per_worker_buffer_size=2)
+    return _batches_pass(ds.mp_prefetch(options))
+
+
+def _workers_workload(
+    name: str, elements: int, description: str, make_pass: Callable[[Any, int], Any]
+) -> None:
+    """Registers ``name``: ``make_pass(grain, workers)`` for grain_core with 2 workers, against
+    grain_core with 0 workers (the same pipeline in one process) and Grain with 2 workers."""
+
+    def grain_core_setup(workers: int) -> Callable[[], Callable[[], None]]:
+        def setup() -> Callable[[], None]:
+            import grain_core as grain
+
+            return make_pass(grain, workers)  # type: ignore[no-any-return]
+
+        return setup
+
+    bench = workload(name, elements=elements, description=description)(grain_core_setup(2))
+    bench.baseline("grain_core 0 workers")(grain_core_setup(0))
+    bench.baseline("grain 2 workers", requires="grain")(lambda: make_pass(import_google_grain(), 2))
 
 
 @workload(
@@ -298,39 +323,15 @@ def _batch_transport_pass(grain: Any, workers: int) -> Callable[[], None]:
     if workers:
         options = grain.MultiprocessingOptions(num_workers=workers, per_worker_buffer_size=2)
         ds = ds.mp_prefetch(options)
-    it = iter(ds)
-    _touch_pages(next(it))
-
-    def run() -> None:
-        total = sum(_touch_pages(next(it)) for _ in range(TRANSPORT_BATCHES))
-        if total != TRANSPORT_BATCHES * 1024:
-            raise AssertionError(f"checksum {total}")
-
-    run.close = getattr(it, "close", lambda: None)  # type: ignore[attr-defined]
-    return run
+    return _batches_pass(ds)
 
 
-@workload(
+_workers_workload(
     "mp_batch_transport",
-    elements=TRANSPORT_BATCHES,
-    description="4 MiB batches of 256 rows batched in 2 workers, steady state (x 4 MiB = GB/s)",
+    TRANSPORT_BATCHES,
+    "4 MiB batches of 256 rows batched in 2 workers, steady state (x 4 MiB = GB/s)",
+    _batch_transport_pass,
 )
-def mp_batch_transport() -> Callable[[], None]:
-    import grain_core as grain
-
-    return _batch_transport_pass(grain, 2)
-
-
-@mp_batch_transport.baseline("grain_core 0 workers")
-def _() -> Callable[[], None]:
-    import grain_core as grain
-
-    return _batch_transport_pass(grain, 0)
-
-
-@mp_batch_transport.baseline("grain 2 workers", requires="grain")
-def _() -> Callable[[], None]:
-    return _batch_transport_pass(import_google_grain(), 2)
 
 
 def plus_one(x: int) -> int:
@@ -346,27 +347,12 @@ def _small_elements_pass(grain: Any, workers: int) -> Callable[[], None]:
     return steady_pass(lambda: iter(ds), SMALL_ELEMENTS)
 
 
-@workload(
+_workers_workload(
     "mp_small_elements",
-    elements=SMALL_ELEMENTS,
-    description="ints one message each, mp_prefetch 2 workers, buffer 16, steady state",
+    SMALL_ELEMENTS,
+    "ints one message each, mp_prefetch 2 workers, buffer 16, steady state",
+    _small_elements_pass,
 )
-def mp_small_elements() -> Callable[[], None]:
-    import grain_core as grain
-
-    return _small_elements_pass(grain, 2)
-
-
-@mp_small_elements.baseline("grain_core 0 workers")
-def _() -> Callable[[], None]:
-    import grain_core as grain
-
-    return _small_elements_pass(grain, 0)
-
-
-@mp_small_elements.baseline("grain 2 workers", requires="grain")
-def _() -> Callable[[], None]:
-    return _small_elements_pass(import_google_grain(), 2)
 
 
 def _first_batch(make_iterator: Callable[[], Any], cold: Callable[[], None]) -> Callable[[], None]:
