@@ -1,26 +1,34 @@
 """grain_core: deterministic, resumable, pluggable data loading for JAX.
 
-``import grain_core as grain`` gives the names of Google Grain's ``grain`` namespace.
+``import grain_core as grain`` gives the names of Google Grain's ``grain`` namespace. They are
+imported on first use: every worker process imports this package, and most of it is not what
+a worker runs.
 """
 
 from __future__ import annotations
 
-from grain_core import (
-    checkpoint,
-    constants,
-    experimental,
-    multiprocessing,
-    samplers,
-    sharding,
-    sources,
-    transforms,
-)
+import importlib
+from typing import TYPE_CHECKING, Any
+
+# Imported now: ``grain_core.config`` is this object, not the submodule of the same name.
 from grain_core.config import config
-from grain_core.data_loader import DataLoader, DataLoaderIterator, load
-from grain_core.dataset.base import DatasetIterator, IterDataset, MapDataset
-from grain_core.options import MultiprocessingOptions, ReadOptions
-from grain_core.plugins import hookimpl
-from grain_core.record import Record, RecordMetadata
+
+if TYPE_CHECKING:
+    from grain_core import (
+        checkpoint,
+        constants,
+        experimental,
+        multiprocessing,
+        samplers,
+        sharding,
+        sources,
+        transforms,
+    )
+    from grain_core.data_loader import DataLoader, DataLoaderIterator, load
+    from grain_core.dataset.base import DatasetIterator, IterDataset, MapDataset
+    from grain_core.options import MultiprocessingOptions, ReadOptions
+    from grain_core.plugins import hookimpl
+    from grain_core.record import Record, RecordMetadata
 
 __version__ = "0.1.0"
 __version_info__ = (0, 1, 0)
@@ -47,3 +55,44 @@ __all__ = [
     "sources",
     "transforms",
 ]
+
+_SUBMODULES = frozenset(
+    {
+        "checkpoint",
+        "constants",
+        "experimental",
+        "multiprocessing",
+        "samplers",
+        "sharding",
+        "sources",
+        "transforms",
+    }
+)
+_DEFINED_IN = {
+    "DataLoader": "grain_core.data_loader",
+    "DataLoaderIterator": "grain_core.data_loader",
+    "load": "grain_core.data_loader",
+    "DatasetIterator": "grain_core.dataset.base",
+    "IterDataset": "grain_core.dataset.base",
+    "MapDataset": "grain_core.dataset.base",
+    "MultiprocessingOptions": "grain_core.options",
+    "ReadOptions": "grain_core.options",
+    "hookimpl": "grain_core.plugins",
+    "Record": "grain_core.record",
+    "RecordMetadata": "grain_core.record",
+}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _SUBMODULES:
+        return importlib.import_module(f"{__name__}.{name}")
+    module = _DEFINED_IN.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *__all__})

@@ -71,7 +71,8 @@ _WORKER_JAX_PLATFORMS_ENV = "GRAIN_CORE_WORKER_JAX_PLATFORMS"
 
 # ---------------------------------------------------------------------------------- starting
 _FORKSERVER = forkserver.ForkServer()
-_FORKSERVER.set_forkserver_preload(["grain_core._worker", "cloudpickle"])
+# What every worker runs, imported once before the forks rather than in each worker.
+_FORKSERVER.set_forkserver_preload(["grain_core.dataset.mp_prefetch", "cloudpickle"])
 
 
 class _Popen(popen_forkserver.Popen):
