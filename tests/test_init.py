@@ -11,6 +11,9 @@ import grain_core
 
 
 def test_every_public_name_resolves_and_is_listed() -> None:
+    # The lazy tables and __all__ name the same things (a name in one only is a mistake).
+    lazy = {*grain_core._SUBMODULES, *grain_core._DEFINED_IN, "config"}
+    assert set(grain_core.__all__) == lazy
     for name in grain_core.__all__:
         assert getattr(grain_core, name) is not None
     assert set(grain_core.__all__) <= set(dir(grain_core))
