@@ -72,7 +72,9 @@ _WORKER_JAX_PLATFORMS_ENV = "GRAIN_CORE_WORKER_JAX_PLATFORMS"
 # ---------------------------------------------------------------------------------- starting
 _FORKSERVER = forkserver.ForkServer()
 # What every worker runs, imported once before the forks rather than in each worker.
-_FORKSERVER.set_forkserver_preload(["grain_core.dataset.mp_prefetch", "cloudpickle"])
+_FORKSERVER.set_forkserver_preload(
+    ["grain_core.dataset.mp_prefetch", "grain_core.dataset.mp_dispatch", "cloudpickle"]
+)
 
 
 class _Popen(popen_forkserver.Popen):
@@ -124,6 +126,8 @@ class WorkerSpec:
       options: ``DatasetOptions`` of the parent's iterator, merged into the worker's.
       shm_prefix: Name prefix of this worker's shared-memory blocks.
       pool_size: Free blocks of one size the worker keeps for reuse.
+      dispatch: The worker computes the positions the parent assigns (``mp_dispatch``)
+        instead of running its strided share of the pipeline.
     """
 
     def __init__(
@@ -139,6 +143,7 @@ class WorkerSpec:
         options: Any,
         shm_prefix: str,
         pool_size: int,
+        dispatch: bool = False,
     ) -> None:
         self.index = index
         self.count = count
@@ -150,6 +155,7 @@ class WorkerSpec:
         self.options = options
         self.shm_prefix = shm_prefix
         self.pool_size = pool_size
+        self.dispatch = dispatch
         self.jax_platforms = os.environ.get(_WORKER_JAX_PLATFORMS_ENV, "cpu")
 
 
@@ -197,7 +203,8 @@ def worker_main(spec: WorkerSpec, control: Any, output: Any) -> None:
     _shm.set_name_prefix(spec.shm_prefix)
     _shm.enable_block_pool(spec.pool_size)
     _watch_parent()
-    _WorkerLoop(spec, control, output).run()
+    loop = _DispatchWorkerLoop if spec.dispatch else _WorkerLoop
+    loop(spec, control, output).run()
 
 
 class _WorkerLoop:
@@ -219,14 +226,14 @@ class _WorkerLoop:
         try:
             self._build()
             while True:
-                if self._credits == 0 or self._finished:
+                if not self._can_produce():
                     if not self._handle(pickle.loads(self._control.recv_bytes())):
                         return
                     continue
                 while self._control_ready():
                     if not self._handle(pickle.loads(self._control.recv_bytes())):
                         return
-                if self._credits > 0 and not self._finished:
+                if self._can_produce():
                     self._produce()
         except (EOFError, BrokenPipeError, ConnectionResetError):
             return  # The parent closed our pipes: it is gone or shutting down.
@@ -238,28 +245,38 @@ class _WorkerLoop:
     def _build(self) -> None:
         import cloudpickle  # noqa: F401 - needed to unpickle by-value functions
 
-        from grain_core.dataset.mp_prefetch import build_worker_iterator
-
         spec = self._spec
         try:
             if spec.init_fn is not None:
                 pickle.loads(spec.init_fn)(spec.index, spec.count)
-            ds = pickle.loads(spec.dataset)
-            self._it = build_worker_iterator(
-                ds, spec.index, spec.count, spec.sequential_slice, spec.options
-            )
-            if spec.state is not None:
-                self._it.set_state(spec.state)
-            self._min_shm_size = _min_shm_size(self._it)
+            self._build_pipeline(pickle.loads(spec.dataset))
+            self._min_shm_size = _min_shm_size(self._pipeline())
         except Exception as e:  # noqa: BLE001 - reported to the parent on its next request
             self._build_error = e
             return
         from grain_core.dataset.stats import is_tracking
 
-        if is_tracking(self._it):
+        if is_tracking(self._pipeline()):
             # Chosen once: an untracked pipeline runs the plain _produce, with no check.
             self._tracking = True
             self._produce = self._produce_and_report  # type: ignore[method-assign]
+
+    def _build_pipeline(self, ds: Any) -> None:
+        from grain_core.dataset.mp_prefetch import build_worker_iterator
+
+        spec = self._spec
+        self._it = build_worker_iterator(
+            ds, spec.index, spec.count, spec.sequential_slice, spec.options
+        )
+        if spec.state is not None:
+            self._it.set_state(spec.state)
+
+    def _can_produce(self) -> bool:
+        return self._credits > 0 and not self._finished
+
+    def _pipeline(self) -> Any:
+        """The iterator whose stage statistics are reported."""
+        return self._it
 
     def _handle(self, message: tuple[Any, ...]) -> bool:
         kind = message[0]
@@ -274,6 +291,7 @@ class _WorkerLoop:
                     self._it.set_state(state)
                 except Exception as e:  # noqa: BLE001 - reported on the next request
                     self._send_error(e)
+                    self._finish_with_error()
         elif kind == "stop":
             return False
         return True
@@ -284,26 +302,18 @@ class _WorkerLoop:
     def _send_error(self, error: BaseException) -> None:
         self._report_stats()
         self._send((self._generation, ERROR, _error_message(error), None, (), ()))
+
+    def _finish_with_error(self) -> None:
+        # The stream stops at its error; the parent re-raises it until the next set_state.
         self._finished = True
         self._credits = max(self._credits - 1, 0)
 
-    def _produce(self) -> None:
-        if self._build_error is not None:
-            self._send_error(self._build_error)
-            return
-        it = self._it
-        try:
-            element = next(it)
-        except StopIteration:
-            self._report_stats()
-            self._send((self._generation, END, None, it.get_state(), (), ()))
-            self._finished = True
-            self._credits -= 1
-            return
-        except Exception as e:  # noqa: BLE001 - re-raised in the parent
-            self._send_error(e)
-            return
-        state = it.get_state()
+    def _send_element(self, element: Any, state: Any) -> bool:
+        """Sends one element (through shared memory where it qualifies).
+
+        Returns:
+          False if the element could not be pickled: that was sent as an error instead.
+        """
         tree, names = _shm.copy_to_shm(element, self._min_shm_size)
         try:
             data = _dumps_element(
@@ -318,12 +328,35 @@ class _WorkerLoop:
             )
             error.__cause__ = e
             self._send_error(error)
-            return
+            return False
         self._output.send_bytes(data)
-        self._credits -= 1
+        return True
+
+    def _produce(self) -> None:
+        if self._build_error is not None:
+            self._send_error(self._build_error)
+            self._finish_with_error()
+            return
+        it = self._it
+        try:
+            element = next(it)
+        except StopIteration:
+            self._report_stats()
+            self._send((self._generation, END, None, it.get_state(), (), ()))
+            self._finished = True
+            self._credits -= 1
+            return
+        except Exception as e:  # noqa: BLE001 - re-raised in the parent
+            self._send_error(e)
+            self._finish_with_error()
+            return
+        if self._send_element(element, it.get_state()):
+            self._credits -= 1
+        else:
+            self._finish_with_error()
 
     def _produce_and_report(self) -> None:
-        _WorkerLoop._produce(self)
+        type(self)._produce(self)
         if not self._finished and time.monotonic() >= self._next_report:
             self._report_stats()
 
@@ -333,8 +366,66 @@ class _WorkerLoop:
             return
         from grain_core.dataset.stats import worker_stage_snapshot
 
-        self._send((STATS_GENERATION, STATS, worker_stage_snapshot(self._it), None, (), ()))
+        self._send((STATS_GENERATION, STATS, worker_stage_snapshot(self._pipeline()), None, (), ()))
         self._next_report = time.monotonic() + STATS_INTERVAL_S
+
+
+class _DispatchWorkerLoop(_WorkerLoop):
+    """A worker of the dispatching engine (``grain_core.dataset.mp_dispatch``).
+
+    It computes the runs of positions the parent assigns, in assignment order, and sends each
+    element with the seconds it took instead of a state (the parent knows every position). An
+    error is sent for its position and the worker goes on with the next one: another class's
+    positions queued behind it are still needed.
+
+    Control: ``("assign", generation, runs, names)`` adds runs ``(class, first slice index,
+    count)`` and hands back blocks; a new generation first drops the runs not yet computed.
+    """
+
+    def __init__(self, spec: WorkerSpec, control: Any, output: Any) -> None:
+        super().__init__(spec, control, output)
+        self._reader: Any = None
+        self._pending = 0
+
+    def _build_pipeline(self, ds: Any) -> None:
+        from grain_core.dataset.mp_dispatch import PositionReader
+
+        spec = self._spec
+        self._reader = self._it = PositionReader(ds, spec.index, spec.count, spec.options)
+
+    def _pipeline(self) -> Any:
+        return None if self._reader is None else self._reader.iterator
+
+    def _can_produce(self) -> bool:
+        return self._pending > 0
+
+    def _handle(self, message: tuple[Any, ...]) -> bool:
+        if message[0] != "assign":
+            return message[0] != "stop"
+        _, generation, runs, names = message
+        _shm.release_blocks(names)
+        if generation != self._generation:
+            self._generation = generation
+            self._pending = 0
+            if self._reader is not None:
+                self._reader.reset()
+        self._pending += sum(run[2] for run in runs)
+        if self._reader is not None:
+            self._reader.assign(runs)
+        return True
+
+    def _produce(self) -> None:
+        self._pending -= 1
+        if self._build_error is not None:
+            self._send_error(self._build_error)
+            return
+        began = time.perf_counter()
+        try:
+            element = self._reader.next()
+        except Exception as e:  # noqa: BLE001 - re-raised in the parent at its position
+            self._send_error(e)
+            return
+        self._send_element(element, time.perf_counter() - began)
 
 
 def _readiness_check(conn: Any) -> Any:
@@ -440,6 +531,17 @@ class WorkerPool:
             self._controls[index].send_bytes(data)
         except (BrokenPipeError, ConnectionResetError, OSError):
             pass
+
+    def ready(self, index: int) -> bool:
+        """Whether worker ``index`` has a message waiting (never blocks)."""
+        return bool(self._output_ready[index]())
+
+    def wait_any(self) -> list[int]:
+        """Waits until some worker has a message or has ended; returns those workers' indices."""
+        waitables: dict[Any, int] = {}
+        for index, (conn, proc) in enumerate(zip(self._outputs, self._procs, strict=True)):
+            waitables[conn] = waitables[proc.sentinel] = index
+        return sorted({waitables[x] for x in multiprocessing.connection.wait(list(waitables))})
 
     def recv(self, index: int) -> tuple[Any, ...]:
         """Returns the next message of worker ``index``, waiting for it.

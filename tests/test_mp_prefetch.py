@@ -5,6 +5,7 @@ from __future__ import annotations
 import gc
 import multiprocessing
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -225,11 +226,13 @@ def test_set_state_restores_workers_in_place() -> None:
     with iter(ds.mp_prefetch(_opts(2))) as it:
         start = it.get_state()
         first = [next(it) for _ in range(5)]
+        workers = {p.pid for p in multiprocessing.active_children()}
         it.set_state(start)
         again = list(it)
-        assert again[:5] == first
-        assert set(again) == set(first)  # the same two processes
-        assert len(multiprocessing.active_children()) >= 2
+        assert len(again) == 12
+        # Which worker computes a position is dynamic; the processes are the same ones.
+        assert set(first) | set(again) <= workers
+        assert workers <= {p.pid for p in multiprocessing.active_children()}
 
 
 def test_get_state_before_iteration_starts_no_process() -> None:
@@ -292,7 +295,8 @@ def test_worker_exception_keeps_type_and_traceback(no_shm_leak: None) -> None:
             got.append(x)
     assert got == [0, 1, 2, 3, 4]
     notes = "\n".join(info.value.__notes__)
-    assert "worker process 1 of 2" in notes and "_fail_on_five" in notes
+    # Which worker computed element 5 depends on timing: positions go to free workers.
+    assert re.search("worker process [01] of 2", notes) and "_fail_on_five" in notes
     with pytest.raises(CustomError):  # asking again never hangs
         next(it)
     it.close()
@@ -314,7 +318,7 @@ def test_killed_worker_is_reported_quickly(no_shm_leak: None) -> None:
     ds = grain.MapDataset.range(8).map(_SignalSelfOnThree(signal.SIGKILL)).to_iter_dataset()
     it = iter(ds.mp_prefetch(_opts(2)))
     start = time.monotonic()
-    with pytest.raises(RuntimeError, match=r"Worker process 1 of 2 .* exit code -9 \(SIGKILL\)"):
+    with pytest.raises(RuntimeError, match=r"Worker process [01] of 2 .* exit code -9 \(SIGKILL\)"):
         list(it)
     assert time.monotonic() - start < 5
     with pytest.raises(RuntimeError, match="terminated unexpectedly"):
@@ -445,9 +449,14 @@ def _read_env(_: Any) -> tuple[str | None, str | None]:
 
 
 def test_worker_init_fn_and_cpu_only_jax() -> None:
-    ds = grain.MapDataset.range(4).map(_read_env).to_iter_dataset()
-    out = list(ds.mp_prefetch(_opts(2), worker_init_fn=_init_env))
+    # A map after the slice point runs in the worker of its strided share.
+    rotating = grain.MapDataset.range(4).to_iter_dataset().map(_read_env)
+    out = list(rotating.mp_prefetch(_opts(2), worker_init_fn=_init_env))
     assert out == [("0/2", "cpu"), ("1/2", "cpu")] * 2
+    # A MapDataset's positions go to whichever worker is free.
+    dispatched = grain.MapDataset.range(8).map(_read_env).to_iter_dataset()
+    out = list(dispatched.mp_prefetch(_opts(2), worker_init_fn=_init_env))
+    assert len(out) == 8 and set(out) <= {("0/2", "cpu"), ("1/2", "cpu")}
 
 
 def test_closed_iterator_and_gc_release_everything(no_shm_leak: None) -> None:

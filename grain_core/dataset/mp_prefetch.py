@@ -188,7 +188,17 @@ class MultiprocessPrefetchIterDataset(IterDataset[Any]):
         return {**self.__dict__, "_payload": None}
 
     def __iter__(self) -> DatasetIterator[Any]:
-        workers = [_WorkerIterDataset(self, w) for w in range(self.num_workers)]
+        from grain_core.dataset import mp_dispatch
+
+        workers: list[IterDataset[Any]]
+        if mp_dispatch.dispatchable(self._parents[0], self.sequential_slice):
+            dispatcher = mp_dispatch.PositionDispatcher(self)
+            workers = [
+                mp_dispatch.DispatchedClassIterDataset(dispatcher, w)
+                for w in range(self.num_workers)
+            ]
+        else:
+            workers = [_WorkerIterDataset(self, w) for w in range(self.num_workers)]
         # Strict rotation that skips exhausted workers is an interleave with one slot per
         # worker; the worker processes are the read-ahead, so no input threads.
         it = iter(InterleaveIterDataset(workers, cycle_length=len(workers), iter_buffer_size=0))
@@ -419,6 +429,23 @@ def _loaded_plugin_names() -> list[str] | None:
     ]
 
 
+def remote_error(payload: tuple[Any, ...], index: int, count: int) -> BaseException:
+    """The exception a worker sent (``_worker._error_message``), noted with its traceback."""
+    exc_bytes, type_name, message, tb = payload
+    error: BaseException | None = None
+    if exc_bytes is not None:
+        try:
+            error = pickle.loads(exc_bytes)
+        except Exception:  # noqa: BLE001 - fall back to a text description
+            error = None
+    if error is None:
+        error = RuntimeError(f"{type_name}: {message}")
+    error.add_note(
+        f"Raised in mp_prefetch worker process {index} of {count}. Worker traceback:\n{tb}"
+    )
+    return error
+
+
 # ----------------------------------------------------------------------------- iterator
 class _WorkerIterDataset(IterDataset[Any]):
     """Worker ``index`` of an mp_prefetch: one input of the parent-side interleave."""
@@ -526,24 +553,8 @@ class _ProcessPrefetchIterator(DatasetIterator[Any]):
             self._state = state
             self._exhausted = True
             raise StopIteration
-        self._error = self._remote_error(element)
+        self._error = remote_error(element, self._index, self._count)
         raise self._error
-
-    def _remote_error(self, payload: tuple[Any, ...]) -> BaseException:
-        exc_bytes, type_name, message, tb = payload
-        error: BaseException | None = None
-        if exc_bytes is not None:
-            try:
-                error = pickle.loads(exc_bytes)
-            except Exception:  # noqa: BLE001 - fall back to a text description
-                error = None
-        if error is None:
-            error = RuntimeError(f"{type_name}: {message}")
-        error.add_note(
-            f"Raised in mp_prefetch worker process {self._index} of {self._count}. "
-            f"Worker traceback:\n{tb}"
-        )
-        return error
 
     def get_state(self) -> dict[str, Any]:
         if self._state is None:

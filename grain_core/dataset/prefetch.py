@@ -209,6 +209,12 @@ class PrefetchDatasetIterator(DatasetIterator[Any]):
         self._cancel_pending()
         self._reset(int(next_index))
 
+    def source_extended(self) -> None:
+        """Reads on into indices appended to a growing MapDataset (the positions assigned to an
+        ``mp_prefetch`` worker); the read-ahead never passes the last one."""
+        self._len = len(self._map_ds)
+        self.start_prefetch()
+
     def _get_next_index(self) -> int:
         return self._next_index
 

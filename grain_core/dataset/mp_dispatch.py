@@ -1,0 +1,524 @@
+"""``mp_prefetch`` over ``to_iter_dataset()``: positions go to whichever worker is free.
+
+When the pipeline given to ``mp_prefetch`` is a MapDataset read by ``to_iter_dataset`` (the
+usual ``….map(f).batch(n).to_iter_dataset().mp_prefetch(…)``, and the DataLoader's Map/Batch
+pipelines), every element is a function of its index alone, so any worker can compute any
+element. Strict rotation, with worker ``w`` reading ``map_parent[w::N]``, runs every worker at
+the slowest one's pace (a core shared with another process, a worker the host deschedules);
+here the parent keeps that output and its state and hands out the positions instead:
+
+* The output is the same rotation over ``N`` strided *classes* (class ``c`` holds the indices
+  ``c, c + N, …``), and each class's state is the ``{"next_index": j}`` its worker would report,
+  so checkpoints are interchangeable with the rotating engine and across worker counts.
+* Workers get *runs* ``(class, first slice index, count)``: of their own class while it has
+  room, else of the class furthest behind, so a worker that is ahead takes over the slow one's
+  work instead of waiting for it. A worker computes its runs in order, so the parent files
+  each result by position without tags.
+* Commitments follow the cost of an element: a worker is given about ``_RUN_TARGET_S`` of
+  work, at least ``per_worker_buffer_size`` elements and at most the read-ahead
+  (``ReadOptions.prefetch_buffer_size``), and elements that travel through shared memory go
+  ``per_worker_buffer_size`` at a time. Expensive elements are handed out one at a time, so
+  the work follows the free worker; cheap ones go in long runs that the worker's read threads
+  read ahead as usual. Each class holds at most a window of twice the largest commitment plus
+  one results ahead of the consumer, which bounds the parent's memory.
+"""
+
+from __future__ import annotations
+
+import collections
+import weakref
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from grain_core import _shm
+from grain_core._worker import (
+    ELEMENT,
+    ERROR,
+    STATS,
+    STATS_GENERATION,
+    WorkerDiedError,
+    WorkerPool,
+    WorkerSpec,
+)
+from grain_core.dataset.base import DatasetIterator, IterDataset, MapDataset, MultiprocessingContext
+from grain_core.dataset.options import DatasetOptions, FilterRatioChecker
+from grain_core.dataset.prefetch import PrefetchIterDataset
+from grain_core.dataset.stats import attach_worker_stages
+
+__all__ = [
+    "AssignedPositionsMapDataset",
+    "DispatchedClassIterDataset",
+    "PositionDispatcher",
+    "PositionReader",
+    "dispatchable",
+]
+
+#: Seconds of work a worker is committed to at once (it keeps a worker busy across the
+#: parent's round trip without tying positions to a worker that turns out to be slow).
+_RUN_TARGET_S = 0.01
+#: Weight of the newest element time in a worker's running average.
+_TIME_WEIGHT = 0.3
+
+
+def dispatchable(ds: IterDataset[Any], sequential_slice: bool) -> bool:
+    """Whether ``mp_prefetch`` over ``ds`` can dispatch positions: ``ds`` reads a MapDataset
+    (``to_iter_dataset``) and the workers take strided shares."""
+    return type(ds) is PrefetchIterDataset and not sequential_slice
+
+
+# ------------------------------------------------------------------------------ worker side
+class _Runs:
+    """Runs of assigned positions: ``(first index, first parent position, length)``."""
+
+    __slots__ = ("runs", "length")
+
+    def __init__(self) -> None:
+        self.runs: collections.deque[tuple[int, int, int]] = collections.deque()
+        self.length = 0
+
+
+class AssignedPositionsMapDataset(MapDataset[Any]):
+    """The positions of ``parent`` assigned to one worker, in assignment order.
+
+    Index ``k`` is the ``k``-th assigned position. Runs ``(class, first slice index, count)``
+    of the ``count``-strided classes are appended as they arrive; runs already read are
+    dropped, so the memory stays that of the runs in flight. Copies (stage timing makes them)
+    share the runs.
+    """
+
+    def __init__(self, parent: MapDataset[Any], count: int) -> None:
+        super().__init__(parent)
+        self._count = count
+        self._assigned = _Runs()
+
+    def add(self, runs: Sequence[tuple[int, int, int]]) -> None:
+        assigned = self._assigned
+        for cls, first, length in runs:
+            assigned.runs.append((assigned.length, cls + first * self._count, length))
+            assigned.length += length
+
+    def drop_before(self, index: int) -> None:
+        """Forgets the runs that end before ``index`` (already read)."""
+        runs = self._assigned.runs
+        while runs and runs[0][0] + runs[0][2] <= index:
+            runs.popleft()
+
+    def position(self, index: int) -> int:
+        """The parent index of index ``index``.
+
+        Raises:
+          IndexError: If ``index`` is not assigned (or was dropped).
+        """
+        for start, first, length in self._assigned.runs:
+            if start <= index < start + length:
+                return first + (index - start) * self._count
+        raise IndexError(f"Index {index} is not among the positions assigned to this worker.")
+
+    def __len__(self) -> int:
+        return self._assigned.length
+
+    def __getitem__(self, index: Any) -> Any:
+        if isinstance(index, slice):
+            return self.slice(index)
+        position = self.position(index)
+        try:
+            return self._parents[0][position]
+        except Exception as e:
+            e.add_note(f"Raised while reading index {position} of {self._parents[0]!r}.")
+            raise
+
+    def _getitems(self, indices: Any) -> list[Any]:
+        return self._parents[0]._getitems(self._positions(indices))  # type: ignore[no-any-return]
+
+    def _positions(self, indices: Any) -> np.ndarray:
+        if not (isinstance(indices, range) and indices.step == 1):
+            return np.array([self.position(int(k)) for k in indices], np.int64)
+        lo, hi = indices.start, indices.stop
+        parts = []
+        for start, first, length in self._assigned.runs:
+            a, b = max(lo, start), min(hi, start + length)
+            if a < b:
+                parts.append(np.arange(a - start, b - start, dtype=np.int64) * self._count + first)
+        out = np.concatenate(parts) if parts else np.empty(0, np.int64)
+        if len(out) != len(indices):
+            raise IndexError(f"Indices {indices} are not all assigned to this worker.")
+        return out
+
+    def __repr__(self) -> str:
+        return f"AssignedPositionsMapDataset({self._parents[0]!r}, classes={self._count})"
+
+
+class PositionReader:
+    """A worker's reader of its assigned positions of ``ds`` (a ``to_iter_dataset`` reader),
+    in order, with that reader's read threads and read-ahead, which stop at the last position
+    assigned. ``None`` (filtered) elements are returned: the parent skips them in order.
+
+    Args:
+      ds: The pipeline given to ``mp_prefetch``.
+      index / count: This worker and the number of workers (= classes).
+      options: The parent's ``DatasetOptions``.
+    """
+
+    def __init__(
+        self,
+        ds: PrefetchIterDataset,
+        index: int,
+        count: int,
+        options: DatasetOptions | None,
+    ) -> None:
+        from grain_core.dataset.mp_prefetch import _with_shared_memory_output
+
+        ds = _with_shared_memory_output(ds)  # type: ignore[assignment]
+        self._source = ds.map_parent
+        self._read_options = ds.read_options
+        self._context = MultiprocessingContext(index, count)
+        self._count = count
+        self._options = options
+        self._open()
+
+    def _open(self) -> None:
+        self._positions = AssignedPositionsMapDataset(self._source, self._count)
+        reader = PrefetchIterDataset(
+            self._positions, read_options=self._read_options, allow_nones=True
+        )
+        it = iter(reader)
+        it._ctx.mp_context = self._context
+        if self._options is not None:
+            it._merge_dataset_options(self._options)
+        self.iterator = it
+
+    def assign(self, runs: Sequence[tuple[int, int, int]]) -> None:
+        """Appends runs ``(class, first slice index, count)`` and starts reading them."""
+        self._positions.drop_before(self.iterator.get_state()["next_index"])
+        self._positions.add(runs)
+        self.iterator.source_extended()
+
+    def reset(self) -> None:
+        """Drops every position not yet returned (the parent restored a state)."""
+        self.iterator.close()
+        self._open()
+
+    def next(self) -> Any:
+        """The element at the next assigned position.
+
+        Raises:
+          Exception: What computing it raised; the position is then skipped.
+        """
+        it = self.iterator
+        try:
+            return next(it)
+        except Exception:
+            it.set_state({"next_index": it.get_state()["next_index"] + 1})
+            raise
+
+    def close(self) -> None:
+        self.iterator.close()
+
+
+# ------------------------------------------------------------------------------ parent side
+class PositionDispatcher:
+    """The parent's side: the worker processes, what each is computing, and the results
+    waiting for the consumer, by ``(class, slice index)``. Shared by the ``N`` class iterators
+    of one ``mp_prefetch`` iterator; holds none of them strongly, so an unclosed iterator is
+    collected and its workers stopped.
+
+    Args:
+      mp_ds: The ``MultiprocessPrefetchIterDataset`` over a ``to_iter_dataset`` reader.
+    """
+
+    def __init__(self, mp_ds: Any) -> None:
+        ds: PrefetchIterDataset = mp_ds._parents[0]
+        self._mp_ds = mp_ds
+        self._count = n = mp_ds.num_workers
+        total = len(ds.map_parent)
+        self.lengths = [len(range(c, total, n)) for c in range(n)]
+        self._allow_nones = ds.allow_nones
+        self._min_run = max(1, mp_ds.options.per_worker_buffer_size)
+        self._max_run = max(self._min_run, ds.read_options.prefetch_buffer_size)
+        self.frontier = [0] * n  # per class: next slice index for the consumer
+        self._assigned = [0] * n  # per class: next slice index not yet assigned
+        self._held: dict[tuple[int, int], tuple[int, int, Any, list[str]]] = {}
+        self._runs: list[collections.deque[list[int]]] = [collections.deque() for _ in range(n)]
+        self._outstanding = [0] * n  # per worker: positions assigned, results not received
+        self._seconds = [0.0] * n  # per worker: average seconds per element (0: unknown)
+        self._large = [False] * n  # per worker: its last element travelled in shared memory
+        self._limits = [self._min_run] * n
+        self._checkers = [
+            FilterRatioChecker(f"to_iter_dataset over {ds.map_parent!r}") for _ in range(n)
+        ]
+        self._recycled = [_shm.RecycledBlocks() for _ in range(n)]
+        self._slots: list[Any] = [None] * n
+        self._generation = 0
+        self._restarted = False
+        self._since_pump = 0
+        self._pool: WorkerPool | None = None
+        self._finalizer: weakref.finalize | None = None
+        self.error: BaseException | None = None
+        self._open_iterators = 0
+
+    # ------------------------------------------------------------------- consumer side
+    def register(self, cls: int, iterator: DatasetIterator[Any]) -> None:
+        """``iterator`` reads class ``cls`` and receives its worker's stage statistics. The
+        workers run while an iterator registered here is open."""
+        self._slots[cls] = weakref.ref(iterator)
+        self._open_iterators += 1
+
+    def unregister(self) -> None:
+        """A registered iterator was closed; the last one stops the workers."""
+        self._open_iterators -= 1
+        if self._open_iterators == 0 and self._finalizer is not None:
+            self._finalizer()  # the workers' blocks go with them
+            self._finalizer = self._pool = None
+            self._held.clear()
+            self._recycled = [_shm.RecycledBlocks() for _ in range(self._count)]
+
+    def start(self, options: DatasetOptions) -> None:
+        """Starts the workers (once) and gives them their first runs."""
+        if self._pool is not None:
+            return
+        mp_ds = self._mp_ds
+        dataset, init_fn = mp_ds.payload()
+        from grain_core.dataset.mp_prefetch import _loaded_plugin_names
+
+        plugins = _loaded_plugin_names()
+        specs = [
+            WorkerSpec(
+                index=w,
+                count=self._count,
+                init_fn=init_fn,
+                dataset=dataset,
+                sequential_slice=False,
+                state=None,
+                plugins=plugins,
+                options=options,
+                shm_prefix=WorkerPool.new_prefix(w),
+                pool_size=2 * self._min_run + 2,
+                dispatch=True,
+            )
+            for w in range(self._count)
+        ]
+        self._pool = pool = WorkerPool(specs)
+        self._finalizer = weakref.finalize(self, pool.shutdown)
+        self._generation = 0
+        self.error = None
+        self._forget_work()
+        self._assign()
+
+    def next_of(self, cls: int, options: DatasetOptions) -> Any:
+        """The next element of class ``cls``.
+
+        Raises:
+          StopIteration: The class is exhausted.
+          WorkerDiedError: A worker process ended.
+          Exception: What computing the element raised in a worker (again on every call until
+            the class is restored to another position).
+        """
+        if self.error is not None:
+            raise self.error
+        if self._pool is None:
+            self.start(options)
+        held = self._held
+        while True:
+            j = self.frontier[cls]
+            if j >= self.lengths[cls]:
+                raise StopIteration
+            result = held.get((cls, j))
+            if result is None:
+                self._pump(block=True)
+                continue
+            worker, kind, value, names = result
+            if kind == ERROR:
+                raise value
+            del held[(cls, j)]
+            self.frontier[cls] = j + 1
+            self._since_pump += 1
+            if self._since_pump >= self._limits[worker] // 2 + 1:
+                self._pump(block=False)
+            if value is None and not self._allow_nones:
+                self._checkers[cls].record(1, 1, options)
+                continue
+            if not self._allow_nones:
+                self._checkers[cls].record(1, 0, options)
+            return _shm.open_from_shm(value, self._recycled[worker]) if names else value
+
+    def restore(self, cls: int, next_index: int) -> None:
+        """Class ``cls`` continues at slice index ``next_index``.
+
+        Raises:
+          IndexError: ``next_index`` is outside the class.
+          WorkerDiedError: A worker process ended before.
+        """
+        if isinstance(self.error, WorkerDiedError):
+            raise self.error
+        length = self.lengths[cls]
+        if not 0 <= next_index <= length:
+            raise IndexError(
+                f"Checkpoint `next_index` {next_index} is out of range [0, {length}] for "
+                f"worker {cls} of {self._count} of {self._mp_ds._parents[0].map_parent!r}: the "
+                "checkpoint belongs to a different pipeline."
+            )
+        self.frontier[cls] = next_index
+        self._restarted = True  # runs are re-planned on the next pump, once for all classes
+
+    # --------------------------------------------------------------------- scheduling
+    def _pump(self, block: bool) -> None:
+        """Receives what the workers sent, then hands out work; with ``block``, waits for at
+        least one message first if none is there."""
+        pool = self._pool
+        assert pool is not None
+        self._since_pump = 0
+        if self._restarted:
+            self._restart_runs()
+        ready = [w for w in range(self._count) if pool.ready(w)]
+        if not ready and block:
+            self._assign()
+            ready = pool.wait_any()
+        try:
+            for w in ready:
+                self._receive(w)
+                while pool.ready(w):
+                    self._receive(w)
+        except WorkerDiedError as e:
+            self.error = e
+            raise
+        self._assign()
+
+    def _restart_runs(self) -> None:
+        # Results of the old generation are discarded when they arrive (their blocks go back
+        # to their workers); every worker hears of the new one.
+        self._generation += 1
+        for worker, _, _, names in self._held.values():
+            self._recycled[worker].released.extend(names)
+        self._held.clear()
+        self._forget_work()
+        self.error = None
+        self._assign(every_worker=True)
+
+    def _forget_work(self) -> None:
+        """Nothing is assigned: the work starts again from the consumer's positions."""
+        self._restarted = False
+        for runs in self._runs:
+            runs.clear()
+        self._outstanding = [0] * self._count
+        self._assigned = list(self.frontier)
+
+    def _receive(self, worker: int) -> None:
+        assert self._pool is not None
+        generation, kind, value, seconds, names, dropped = self._pool.recv(worker)
+        recycled = self._recycled[worker]
+        recycled.forget(dropped)
+        if generation != self._generation:
+            if generation == STATS_GENERATION and kind == STATS:
+                slot = self._slots[worker]
+                iterator = None if slot is None else slot()
+                if iterator is not None:
+                    attach_worker_stages(iterator, value)
+            else:
+                recycled.released.extend(names)
+            return
+        run = self._runs[worker][0]
+        cls, j = run[0], run[1]
+        run[1] += 1
+        run[2] -= 1
+        if run[2] == 0:
+            self._runs[worker].popleft()
+        self._outstanding[worker] -= 1
+        if kind == ELEMENT:
+            self._learn(worker, seconds, bool(names))
+            self._held[(cls, j)] = (worker, ELEMENT, value, names)
+        else:
+            from grain_core.dataset.mp_prefetch import remote_error
+
+            self._held[(cls, j)] = (worker, ERROR, remote_error(value, worker, self._count), [])
+
+    def _learn(self, worker: int, seconds: float, large: bool) -> None:
+        average = self._seconds[worker]
+        average = seconds if average == 0.0 else average + _TIME_WEIGHT * (seconds - average)
+        self._seconds[worker] = average
+        self._large[worker] = large
+        if large or average <= 0.0:
+            self._limits[worker] = self._min_run if large else self._max_run
+        else:
+            fit = int(_RUN_TARGET_S / average)
+            self._limits[worker] = max(self._min_run, min(self._max_run, fit))
+
+    def _assign(self, every_worker: bool = False) -> None:
+        """Gives each worker runs up to its commitment: of its own class while that has room,
+        then of the classes furthest behind the consumer. A busy worker gets more only once
+        half its commitment is free, so runs are not handed out one element at a time."""
+        pool = self._pool
+        assert pool is not None
+        n = self._count
+        window = 2 * max(self._limits) + 1
+        for worker in range(n):
+            limit = self._limits[worker]
+            free = limit - self._outstanding[worker]
+            runs: list[tuple[int, int, int]] = []
+            if free > 0 and (self._outstanding[worker] == 0 or 2 * free >= limit):
+                order = [worker] + sorted(
+                    (c for c in range(n) if c != worker), key=self.frontier.__getitem__
+                )
+                for cls in order:
+                    room = min(self.lengths[cls], self.frontier[cls] + window)
+                    room -= self._assigned[cls]
+                    if room <= 0:
+                        continue
+                    count = min(room, free)
+                    runs.append((cls, self._assigned[cls], count))
+                    self._runs[worker].append([cls, self._assigned[cls], count])
+                    self._assigned[cls] += count
+                    free -= count
+                    if free == 0:
+                        break
+            if runs or every_worker:
+                self._outstanding[worker] += sum(run[2] for run in runs)
+                released = self._recycled[worker].take_released()
+                pool.send(worker, ("assign", self._generation, runs, released))
+
+
+class DispatchedClassIterDataset(IterDataset[Any]):
+    """Class ``index`` of a dispatching ``mp_prefetch``: one input of the parent-side
+    interleave, as ``_WorkerIterDataset`` is for the rotating engine."""
+
+    def __init__(self, dispatcher: PositionDispatcher, index: int) -> None:
+        super().__init__()
+        self.dispatcher = dispatcher
+        self.index = index
+
+    def __iter__(self) -> DatasetIterator[Any]:
+        return _DispatchedClassIterator(self.dispatcher, self.index)
+
+    def __repr__(self) -> str:
+        return f"DispatchedClassIterDataset(class={self.index})"
+
+
+class _DispatchedClassIterator(DatasetIterator[Any]):
+    """The elements of one class in order; state ``{"next_index": j}`` as its worker's."""
+
+    def __init__(self, dispatcher: PositionDispatcher, index: int) -> None:
+        super().__init__()
+        self._dispatcher = dispatcher
+        self._index = index
+        dispatcher.register(index, self)
+
+    def __next__(self) -> Any:
+        self._check_open()
+        return self._dispatcher.next_of(self._index, self._ctx.dataset_options)
+
+    def start_prefetch(self) -> None:
+        if not self._closed:
+            self._dispatcher.start(self._ctx.dataset_options)
+
+    def get_state(self) -> dict[str, Any]:
+        return {"next_index": self._dispatcher.frontier[self._index]}
+
+    def set_state(self, state: dict[str, Any]) -> None:
+        self._dispatcher.restore(self._index, int(state["next_index"]))
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._dispatcher.unregister()
+        super().close()

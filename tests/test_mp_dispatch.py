@@ -1,0 +1,197 @@
+"""mp_prefetch over ``to_iter_dataset()``: positions dispatched to free workers, the output and
+state of strict rotation kept (real worker processes)."""
+
+from __future__ import annotations
+
+import copy
+import os
+import sys
+import time
+from typing import Any
+
+import cloudpickle
+import numpy as np
+import pytest
+
+import grain_core as grain
+from grain_core.dataset import mp_dispatch
+from grain_core.dataset.mp_dispatch import AssignedPositionsMapDataset, PositionDispatcher
+from grain_core.options import MultiprocessingOptions
+from grain_core.testing import check_iterator_conformance
+
+pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="POSIX shm + /dev/shm")
+
+cloudpickle.register_pickle_by_value(sys.modules[__name__])
+
+
+def _opts(n: int, buffer: int = 1) -> MultiprocessingOptions:
+    return MultiprocessingOptions(num_workers=n, per_worker_buffer_size=buffer)
+
+
+def _keep_non_multiples_of_three(x: int) -> bool:
+    return x % 3 != 0
+
+
+def _filtered(length: int = 40) -> grain.IterDataset:
+    # Classes lose different numbers of elements, so their positions drift apart.
+    return grain.MapDataset.range(length).filter(_keep_non_multiples_of_three).to_iter_dataset()
+
+
+def _run(ds: grain.IterDataset, steps: int) -> tuple[list[Any], list[Any]]:
+    """The elements and the state after each of ``steps`` elements."""
+    elements, states = [], []
+    with iter(ds) as it:
+        states.append(it.get_state())
+        for _ in range(steps):
+            elements.append(next(it))
+            states.append(it.get_state())
+    return elements, states
+
+
+# ----------------------------------------------------------------------------- the view
+def test_assigned_positions_map_runs_of_strided_classes() -> None:
+    view = AssignedPositionsMapDataset(grain.MapDataset.range(100), 3)
+    view.add([(1, 0, 2), (0, 5, 3)])  # class 1: 1, 4; class 0: 15, 18, 21
+    assert len(view) == 5
+    assert [view[k] for k in range(5)] == [1, 4, 15, 18, 21]
+    assert view._getitems(range(1, 4)) == [4, 15, 18]
+    assert view._getitems([4, 0]) == [21, 1]
+    view.drop_before(2)
+    assert view.position(2) == 15
+    with pytest.raises(IndexError, match="not among the positions"):
+        view.position(0)
+    timed_copy = copy.copy(view)  # stage timing reads through copies
+    view.add([(2, 0, 1)])
+    assert len(timed_copy) == 6 and timed_copy[5] == 2
+
+
+def test_assigned_positions_name_the_parent_index_of_an_error() -> None:
+    def fail(x: int) -> int:
+        raise ValueError(f"bad {x}")
+
+    view = AssignedPositionsMapDataset(grain.MapDataset.range(10).map(fail), 2)
+    view.add([(1, 3, 1)])
+    with pytest.raises(ValueError, match="bad 7") as info:
+        view[0]
+    assert "Raised while reading index 7 of" in "\n".join(info.value.__notes__)
+
+
+# --------------------------------------------------------------- same output, same state
+@pytest.mark.parametrize("workers", [2, 3])
+def test_output_and_states_equal_strict_rotation(
+    workers: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    ds = _filtered().mp_prefetch(_opts(workers))
+    dispatched = _run(ds, 26)
+    monkeypatch.setattr(mp_dispatch, "dispatchable", lambda ds, sequential: False)
+    assert _run(ds, 26) == dispatched
+    assert sorted(dispatched[0]) == [x for x in range(40) if x % 3]
+
+
+def test_checkpoints_move_between_the_engines(monkeypatch: pytest.MonkeyPatch) -> None:
+    ds = _filtered().mp_prefetch(_opts(3))
+    with iter(ds) as it:
+        for _ in range(7):
+            next(it)
+        state = it.get_state()
+        rest = list(it)
+    with monkeypatch.context() as m:
+        m.setattr(mp_dispatch, "dispatchable", lambda ds, sequential: False)
+        with iter(ds) as it:
+            it.set_state(state)
+            assert list(it) == rest
+        with iter(ds) as it:
+            for _ in range(11):
+                next(it)
+            rotating_state = it.get_state()
+            rotating_rest = list(it)
+    with iter(ds) as it:
+        it.set_state(rotating_state)
+        assert list(it) == rotating_rest
+
+
+def test_checkpoint_conformance_with_filters() -> None:
+    check_iterator_conformance(lambda: _filtered(20).mp_prefetch(_opts(3)), positions=[0, 5, 9])
+
+
+def test_restore_before_the_first_element_starts_there() -> None:
+    ds = grain.MapDataset.range(10).to_iter_dataset().mp_prefetch(_opts(2))
+    with iter(ds) as it:
+        state = it.get_state()
+        state["iterators_in_use_states"] = [{"next_index": 3}, {"next_index": 2}]
+        it.set_state(state)
+        assert list(it) == [6, 5, 8, 7, 9]
+
+
+def test_restore_outside_the_class_is_a_clear_error() -> None:
+    ds = grain.MapDataset.range(10).to_iter_dataset().mp_prefetch(_opts(2))
+    with iter(ds) as it:
+        state = it.get_state()
+        state["iterators_in_use_states"] = [{"next_index": 0}, {"next_index": 9}]
+        with pytest.raises(IndexError, match=r"next_index` 9 is out of range \[0, 5\]"):
+            it.set_state(state)
+
+
+def test_set_state_mid_stream_discards_results_in_flight() -> None:
+    ds = grain.MapDataset.range(30).map(lambda x: x * 2).to_iter_dataset().mp_prefetch(_opts(2, 4))
+    with iter(ds) as it:
+        states = [it.get_state()]
+        out = []
+        for _ in range(12):
+            out.append(next(it))
+            states.append(it.get_state())
+        for k in (9, 2, 11, 0):
+            it.set_state(states[k])
+            assert [next(it) for _ in range(3)] == [2 * x for x in range(k, k + 3)]
+
+
+# ------------------------------------------------------------------------- load balance
+def _slow_in_worker_zero(index: int, count: int) -> None:
+    os.environ["TEST_SLOW_WORKER"] = "1" if index == 0 else "0"
+
+
+def _timed_identity(x: int) -> tuple[int, str]:
+    slow = os.environ["TEST_SLOW_WORKER"] == "1"
+    time.sleep(0.03 if slow else 0.001)
+    return x, "slow" if slow else "fast"
+
+
+def test_a_slow_worker_does_not_hold_back_the_fast_one() -> None:
+    # Strict rotation makes each worker compute exactly its half; dispatch hands most of the
+    # positions to the worker that is free, and the output order does not change.
+    ds = grain.MapDataset.range(60).map(_timed_identity).to_iter_dataset()
+    with iter(ds.mp_prefetch(_opts(2), worker_init_fn=_slow_in_worker_zero)) as it:
+        out = list(it)
+    assert [x for x, _ in out] == list(range(60))
+    by_fast = sum(1 for _, who in out if who == "fast")
+    assert by_fast >= 45, f"the fast worker computed only {by_fast} of 60 elements"
+
+
+# ------------------------------------------------------------------------------ commitments
+def _dispatcher(buffer: int = 2, read_ahead: int = 50) -> PositionDispatcher:
+    ds = grain.MapDataset.range(100).to_iter_dataset(
+        grain.ReadOptions(num_threads=2, prefetch_buffer_size=read_ahead)
+    )
+    return PositionDispatcher(ds.mp_prefetch(_opts(2, buffer)))
+
+
+def test_commitments_follow_the_cost_of_an_element() -> None:
+    d = _dispatcher()
+    d._learn(0, 0.0001, large=False)  # cheap: ~10 ms of them, at most the read-ahead
+    assert d._limits[0] == 50
+    d._learn(1, 0.002, large=False)
+    assert d._limits[1] == 5
+    d._learn(1, 0.5, large=False)  # expensive: the buffer, at least
+    assert d._limits[1] == 2
+    d._learn(0, 0.0001, large=True)  # in shared memory: the buffer, whatever the cost
+    assert d._limits[0] == 2
+
+
+def test_large_elements_through_dispatched_workers() -> None:
+    def big(x: int) -> np.ndarray:
+        return np.full((256, 256), x, np.float32)
+
+    ds = grain.MapDataset.range(12).map(big).to_iter_dataset().mp_prefetch(_opts(3, 2))
+    with iter(ds) as it:
+        for x, arr in enumerate(it):
+            assert arr.shape == (256, 256) and float(arr[0, 0]) == x
