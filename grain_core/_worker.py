@@ -374,58 +374,71 @@ class _DispatchWorkerLoop(_WorkerLoop):
     """A worker of the dispatching engine (``grain_core.dataset.mp_dispatch``).
 
     It computes the runs of positions the parent assigns, in assignment order, and sends each
-    element with the seconds it took instead of a state (the parent knows every position). An
+    element with the CPU seconds an element costs instead of a state (the parent knows every position). An
     error is sent for its position and the worker goes on with the next one: another class's
     positions queued behind it are still needed.
 
-    Control: ``("assign", generation, runs, names)`` adds runs ``(class, first slice index,
-    count)`` and hands back blocks; a new generation first drops the runs not yet computed.
+    Its read threads compute the positions assigned ahead (``PositionReader``); results are
+    sent while it has credits, so the shared memory in flight stays bounded however long the
+    runs.
+
+    Control: ``("assign", generation, runs, credits, names)`` adds runs ``(class, first slice
+    index, count)`` and credits and hands back blocks; a new generation first drops the runs
+    not yet computed and the credits left.
     """
 
     def __init__(self, spec: WorkerSpec, control: Any, output: Any) -> None:
         super().__init__(spec, control, output)
         self._reader: Any = None
         self._pending = 0
+        self._cpu_mark = time.process_time()
 
     def _build_pipeline(self, ds: Any) -> None:
         from grain_core.dataset.mp_dispatch import PositionReader
 
         spec = self._spec
         self._reader = self._it = PositionReader(ds, spec.index, spec.count, spec.options)
+        self._cpu_mark = time.process_time()  # start-up is not the cost of an element
 
     def _pipeline(self) -> Any:
         return None if self._reader is None else self._reader.iterator
 
     def _can_produce(self) -> bool:
-        return self._pending > 0
+        return self._pending > 0 and self._credits > 0
 
     def _handle(self, message: tuple[Any, ...]) -> bool:
         if message[0] != "assign":
             return message[0] != "stop"
-        _, generation, runs, names = message
+        _, generation, runs, credits, names = message
         _shm.release_blocks(names)
         if generation != self._generation:
             self._generation = generation
-            self._pending = 0
+            self._pending = self._credits = 0
             if self._reader is not None:
                 self._reader.reset()
-        self._pending += sum(run[2] for run in runs)
-        if self._reader is not None:
-            self._reader.assign(runs)
+        self._credits += credits
+        if runs:
+            self._pending += sum(run[2] for run in runs)
+            if self._reader is not None:
+                self._reader.assign(runs)
         return True
 
     def _produce(self) -> None:
         self._pending -= 1
+        self._credits -= 1
         if self._build_error is not None:
             self._send_error(self._build_error)
             return
-        began = time.perf_counter()
+        # The process's CPU time since the previous element, read threads included: what
+        # the parent sizes this worker's commitments by.
+        now = time.process_time()
+        cpu_seconds, self._cpu_mark = now - self._cpu_mark, now
         try:
             element = self._reader.next()
         except Exception as e:  # noqa: BLE001 - re-raised in the parent at its position
             self._send_error(e)
             return
-        self._send_element(element, time.perf_counter() - began)
+        self._send_element(element, cpu_seconds)
 
 
 def _readiness_check(conn: Any) -> Any:

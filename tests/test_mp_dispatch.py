@@ -152,7 +152,9 @@ def _slow_in_worker_zero(index: int, count: int) -> None:
 
 def _timed_identity(x: int) -> tuple[int, str]:
     slow = os.environ["TEST_SLOW_WORKER"] == "1"
-    time.sleep(0.03 if slow else 0.001)
+    deadline = time.thread_time() + (0.03 if slow else 0.002)
+    while time.thread_time() < deadline:  # CPU work: what a worker on a busy core does slowly
+        pass
     return x, "slow" if slow else "fast"
 
 
@@ -164,7 +166,7 @@ def test_a_slow_worker_does_not_hold_back_the_fast_one() -> None:
         out = list(it)
     assert [x for x, _ in out] == list(range(60))
     by_fast = sum(1 for _, who in out if who == "fast")
-    assert by_fast >= 45, f"the fast worker computed only {by_fast} of 60 elements"
+    assert by_fast >= 40, f"the fast worker computed only {by_fast} of 60 elements"
 
 
 # ------------------------------------------------------------------------------ commitments
@@ -175,16 +177,14 @@ def _dispatcher(buffer: int = 2, read_ahead: int = 50) -> PositionDispatcher:
     return PositionDispatcher(ds.mp_prefetch(_opts(2, buffer)))
 
 
-def test_commitments_follow_the_cost_of_an_element() -> None:
+def test_commitments_follow_the_cpu_cost_of_an_element() -> None:
     d = _dispatcher()
-    d._learn(0, 0.0001, large=False)  # cheap: ~10 ms of them, at most the read-ahead
+    d._learn(0, 0.0)  # waiting costs no CPU: as far as the read-ahead goes
     assert d._limits[0] == 50
-    d._learn(1, 0.002, large=False)
+    d._learn(1, 0.002)  # ~10 ms of CPU work
     assert d._limits[1] == 5
-    d._learn(1, 0.5, large=False)  # expensive: the buffer, at least
+    d._learn(1, 0.5)  # expensive: the buffer, at least
     assert d._limits[1] == 2
-    d._learn(0, 0.0001, large=True)  # in shared memory: the buffer, whatever the cost
-    assert d._limits[0] == 2
 
 
 def test_large_elements_through_dispatched_workers() -> None:

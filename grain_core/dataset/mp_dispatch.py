@@ -58,6 +58,8 @@ __all__ = [
 #: Seconds of work a worker is committed to at once (it keeps a worker busy across the
 #: parent's round trip without tying positions to a worker that turns out to be slow).
 _RUN_TARGET_S = 0.01
+#: CPU seconds an element must cost for free workers to help with other classes' positions.
+_HELP_MIN_CPU_S = 0.01
 #: Weight of the newest element time in a worker's running average.
 _TIME_WEIGHT = 0.3
 
@@ -242,8 +244,13 @@ class PositionDispatcher:
         self._held: dict[tuple[int, int], tuple[int, int, Any, list[str]]] = {}
         self._runs: list[collections.deque[list[int]]] = [collections.deque() for _ in range(n)]
         self._outstanding = [0] * n  # per worker: positions assigned, results not received
-        self._seconds = [0.0] * n  # per worker: average seconds per element (0: unknown)
-        self._large = [False] * n  # per worker: its last element travelled in shared memory
+        # Per worker, this generation: credits granted (results it may send), results
+        # received, and results of it the consumer has taken.
+        self._granted = [0] * n
+        self._received = [0] * n
+        self._consumed = [0] * n
+        self._credit_batch = max(1, self._min_run // 2)
+        self._cpu_seconds = [0.0] * n  # per worker: average CPU seconds per element (0: unknown)
         self._limits = [self._min_run] * n
         self._checkers = [
             FilterRatioChecker(f"to_iter_dataset over {ds.map_parent!r}") for _ in range(n)
@@ -252,7 +259,6 @@ class PositionDispatcher:
         self._slots: list[Any] = [None] * n
         self._generation = 0
         self._restarted = False
-        self._since_pump = 0
         self._pool: WorkerPool | None = None
         self._finalizer: weakref.finalize | None = None
         self.error: BaseException | None = None
@@ -326,16 +332,15 @@ class PositionDispatcher:
                 raise StopIteration
             result = held.get((cls, j))
             if result is None:
-                self._pump(block=True)
+                self._pump(block=True, needed=(cls, j))
                 continue
             worker, kind, value, names = result
             if kind == ERROR:
                 raise value
             del held[(cls, j)]
             self.frontier[cls] = j + 1
-            self._since_pump += 1
-            if self._since_pump >= self._limits[worker] // 2 + 1:
-                self._pump(block=False)
+            self._consumed[worker] += 1
+            self._pump(block=False)
             if value is None and not self._allow_nones:
                 self._checkers[cls].record(1, 1, options)
                 continue
@@ -363,16 +368,23 @@ class PositionDispatcher:
         self._restarted = True  # runs are re-planned on the next pump, once for all classes
 
     # --------------------------------------------------------------------- scheduling
-    def _pump(self, block: bool) -> None:
-        """Receives what the workers sent, then hands out work; with ``block``, waits for at
-        least one message first if none is there."""
+    def _pump(self, block: bool, needed: tuple[int, int] | None = None) -> None:
+        """Receives what the workers sent, then hands out work and credits; with ``block``,
+        waits for at least one message first if none is there.
+
+        Args:
+          block: Wait for a message.
+          needed: The position the consumer waits for: if the worker computing it has used
+            all its credits (on results the consumer needs later), it gets one more.
+        """
         pool = self._pool
         assert pool is not None
-        self._since_pump = 0
         if self._restarted:
             self._restart_runs()
         ready = [w for w in range(self._count) if pool.ready(w)]
         if not ready and block:
+            if needed is not None:
+                self._unblock(*needed)
             self._assign()
             ready = pool.wait_any()
         try:
@@ -384,6 +396,18 @@ class PositionDispatcher:
             self.error = e
             raise
         self._assign()
+
+    def _unblock(self, cls: int, j: int) -> None:
+        # Results are sent in assignment order: the worker computing (cls, j) may have spent
+        # its credits on results needed later.
+        for worker, runs in enumerate(self._runs):
+            if self._granted[worker] == self._received[worker] and any(
+                run[0] == cls and run[1] <= j < run[1] + run[2] for run in runs
+            ):
+                self._granted[worker] += 1
+                assert self._pool is not None
+                self._pool.send(worker, ("assign", self._generation, [], 1, []))
+                return
 
     def _restart_runs(self) -> None:
         # Results of the old generation are discarded when they arrive (their blocks go back
@@ -402,11 +426,14 @@ class PositionDispatcher:
         for runs in self._runs:
             runs.clear()
         self._outstanding = [0] * self._count
+        self._granted = [0] * self._count
+        self._received = [0] * self._count
+        self._consumed = [0] * self._count
         self._assigned = list(self.frontier)
 
     def _receive(self, worker: int) -> None:
         assert self._pool is not None
-        generation, kind, value, seconds, names, dropped = self._pool.recv(worker)
+        generation, kind, value, cpu_seconds, names, dropped = self._pool.recv(worker)
         recycled = self._recycled[worker]
         recycled.forget(dropped)
         if generation != self._generation:
@@ -425,57 +452,105 @@ class PositionDispatcher:
         if run[2] == 0:
             self._runs[worker].popleft()
         self._outstanding[worker] -= 1
+        self._received[worker] += 1
         if kind == ELEMENT:
-            self._learn(worker, seconds, bool(names))
+            self._learn(worker, cpu_seconds)
             self._held[(cls, j)] = (worker, ELEMENT, value, names)
         else:
             from grain_core.dataset.mp_prefetch import remote_error
 
             self._held[(cls, j)] = (worker, ERROR, remote_error(value, worker, self._count), [])
 
-    def _learn(self, worker: int, seconds: float, large: bool) -> None:
-        average = self._seconds[worker]
-        average = seconds if average == 0.0 else average + _TIME_WEIGHT * (seconds - average)
-        self._seconds[worker] = average
-        self._large[worker] = large
-        if large or average <= 0.0:
-            self._limits[worker] = self._min_run if large else self._max_run
+    def _learn(self, worker: int, cpu_seconds: float) -> None:
+        """Sets ``worker``'s commitment from the CPU time its elements cost (all its threads):
+        about ``_RUN_TARGET_S`` of CPU work, within ``[per_worker_buffer_size, read-ahead]``.
+        Waiting (I/O) costs no CPU, so elements read from slow storage get long runs that the
+        worker's read threads overlap; CPU-heavy ones go a few at a time."""
+        average = self._cpu_seconds[worker]
+        if average == 0.0:
+            average = cpu_seconds
         else:
-            fit = int(_RUN_TARGET_S / average)
-            self._limits[worker] = max(self._min_run, min(self._max_run, fit))
+            average += _TIME_WEIGHT * (cpu_seconds - average)
+        self._cpu_seconds[worker] = average
+        fit = self._max_run if average <= 0.0 else int(_RUN_TARGET_S / average)
+        self._limits[worker] = max(self._min_run, min(self._max_run, fit))
 
     def _assign(self, every_worker: bool = False) -> None:
-        """Gives each worker runs up to its commitment: of its own class while that has room,
-        then of the classes furthest behind the consumer. A busy worker gets more only once
-        half its commitment is free, so runs are not handed out one element at a time."""
+        """Hands out positions and credits.
+
+        A worker gets more positions once half its commitment is free (or it is idle), so
+        runs are not handed out one element at a time. Each class is covered at most
+        ``window`` positions ahead of the consumer, and a worker may send as many results as
+        the consumer has taken from it plus ``ahead``:
+
+        * Cheap elements: the window is the largest commitment and ``ahead`` is
+          ``per_worker_buffer_size``, as in strict rotation. Workers take their own class,
+          which keeps each worker's reads contiguous and its sends in the consumer's order;
+          an idle worker takes what fits of the others. Held results cost memory, and moving
+          large cheap elements is bound by memory bandwidth, which more blocks in flight
+          slow down.
+        * Elements costing more CPU than ``_HELP_MIN_CPU_S``: window and ``ahead`` grow to
+          twice the largest commitment plus two, and free workers take the classes least
+          covered ahead of the consumer, so a worker that is free while another computes the
+          position the consumer needs computes the ones after it.
+        """
         pool = self._pool
         assert pool is not None
         n = self._count
-        window = 2 * max(self._limits) + 1
-        for worker in range(n):
+        helping = max(self._cpu_seconds) >= _HELP_MIN_CPU_S
+        window = max(self._limits)
+        ahead = self._min_run
+        if helping:
+            window = ahead = 2 * window + 2
+        runs: list[list[tuple[int, int, int]]] = [[] for _ in range(n)]
+        for worker in sorted(range(n), key=self._outstanding.__getitem__):
             limit = self._limits[worker]
             free = limit - self._outstanding[worker]
-            runs: list[tuple[int, int, int]] = []
-            if free > 0 and (self._outstanding[worker] == 0 or 2 * free >= limit):
-                order = [worker] + sorted(
-                    (c for c in range(n) if c != worker), key=self.frontier.__getitem__
+            if free <= 0 or (self._outstanding[worker] and 2 * free < limit):
+                continue
+            if not helping:
+                free = self._give(worker, worker, free, window, runs[worker])
+                if self._outstanding[worker]:
+                    continue  # others' classes only for a worker that would idle
+            while free > 0:
+                open_classes = [
+                    c
+                    for c in range(n)
+                    if self._assigned[c] < min(self.lengths[c], self.frontier[c] + window)
+                ]
+                if not open_classes:
+                    break
+                cls = min(
+                    open_classes, key=lambda c: (self._assigned[c] - self.frontier[c], c != worker)
                 )
-                for cls in order:
-                    room = min(self.lengths[cls], self.frontier[cls] + window)
-                    room -= self._assigned[cls]
-                    if room <= 0:
-                        continue
-                    count = min(room, free)
-                    runs.append((cls, self._assigned[cls], count))
-                    self._runs[worker].append([cls, self._assigned[cls], count])
-                    self._assigned[cls] += count
-                    free -= count
-                    if free == 0:
-                        break
-            if runs or every_worker:
-                self._outstanding[worker] += sum(run[2] for run in runs)
+                share = max(1, free // len(open_classes))
+                free -= share - self._give(worker, cls, share, window, runs[worker])
+        for worker in range(n):
+            credits = self._consumed[worker] + ahead - self._granted[worker]
+            if credits < self._credit_batch and self._granted[worker] > self._received[worker]:
+                credits = 0
+            credits = max(credits, 0)
+            if runs[worker] or credits or every_worker or self._recycled[worker].released:
                 released = self._recycled[worker].take_released()
-                pool.send(worker, ("assign", self._generation, runs, released))
+                message = ("assign", self._generation, runs[worker], credits, released)
+                pool.send(worker, message)
+                self._granted[worker] += credits
+
+    def _give(
+        self, worker: int, cls: int, count: int, window: int, runs: list[tuple[int, int, int]]
+    ) -> int:
+        """Assigns ``worker`` up to ``count`` positions of class ``cls`` at most ``window``
+        ahead of the consumer; returns how many of ``count`` are left."""
+        room = min(self.lengths[cls], self.frontier[cls] + window) - self._assigned[cls]
+        given = min(room, count)
+        if given <= 0:
+            return count
+        first = self._assigned[cls]
+        runs.append((cls, first, given))
+        self._runs[worker].append([cls, first, given])
+        self._assigned[cls] = first + given
+        self._outstanding[worker] += given
+        return count - given
 
 
 class DispatchedClassIterDataset(IterDataset[Any]):
