@@ -1,11 +1,13 @@
 """Worker processes and the DataLoader (issue 4), each against Google Grain in the same run.
 
 * ``mp_cpu_heavy``: ~1 ms of GIL-bound NumPy work per element, 20,000 elements, batch 64, with
-  2 workers; baselines: grain_core with 0 and 1 workers, Grain with 0 and 2 workers, and the
-  same batches from a bare ``multiprocessing.Pool(2)`` (how two processes scale here now);
-  passes alternate between the implementations.
+  2 workers (positions dispatched to free workers); baselines: grain_core with 0 and 1 workers,
+  with 2 workers in strict rotation (an IterDataset step after ``to_iter_dataset``), Grain
+  with 0 and 2 workers, and the same batches from a bare ``multiprocessing.Pool(2)`` (how two
+  processes scale here now); passes alternate between the implementations.
 * ``mp_cpu_heavy_slow_core``: the same with each worker pinned to its own core and a busy
-  process sharing core 1 (a noisy neighbour on one virtual CPU), against a pool pinned alike.
+  process sharing core 1 (a noisy neighbour on one virtual CPU), against strict rotation and
+  a pool pinned alike.
 * ``mp_shm_transport``: 4 MiB float32 batches from 2 running workers to the parent, which
   touches every page of each; baselines: a plain NumPy copy of the same bytes in the parent into
   one reused buffer (the physical limit, cache-resident) and into as many rotating buffers as the
@@ -80,10 +82,17 @@ def _drain(ds: Any, expected: int) -> Callable[[], None]:
     return run
 
 
-def _heavy_ds(grain: Any, workers: int) -> Any:
+def same(x: Any) -> Any:
+    return x
+
+
+def _heavy_ds(grain: Any, workers: int, rotation: bool = False, **mp_kwargs: Any) -> Any:
     ds = grain.MapDataset.range(HEAVY_ELEMENTS).map(heavy).batch(HEAVY_BATCH).to_iter_dataset()
+    if rotation:
+        # An IterDataset step after the slice point: workers run strided shares in rotation.
+        ds = ds.map(same)
     if workers:
-        ds = ds.mp_prefetch(grain.MultiprocessingOptions(num_workers=workers))
+        ds = ds.mp_prefetch(grain.MultiprocessingOptions(num_workers=workers), **mp_kwargs)
     return ds
 
 
@@ -116,6 +125,13 @@ def _() -> Callable[[], None]:
     import grain_core as grain
 
     return _drain(_heavy_ds(grain, 1), HEAVY_OUT)
+
+
+@mp_cpu_heavy.baseline("grain_core 2 workers, strict rotation")
+def _() -> Callable[[], None]:
+    import grain_core as grain
+
+    return _drain(_heavy_ds(grain, 2, rotation=True), HEAVY_OUT)
 
 
 @mp_cpu_heavy.baseline("grain 2 workers", requires="grain")
@@ -209,12 +225,18 @@ if hasattr(os, "sched_setaffinity") and len(os.sched_getaffinity(0)) >= 2:
         description="mp_cpu_heavy with one worker per core and core 1 shared with a busy process",
     )  # Not alternated: each implementation's busy process runs only while it is timed.
     def mp_cpu_heavy_slow_core() -> Callable[[], None]:
-        # Strict rotation (the price of worker-count-independent order) waits for the slower
-        # worker; a pool that hands out tasks dynamically does not.
+        # Positions go to the worker that is free, as a pool's tasks do.
         import grain_core as grain
 
-        options = grain.MultiprocessingOptions(num_workers=2)
-        ds = _heavy_ds(grain, 0).mp_prefetch(options, worker_init_fn=pin_worker_to_core)
+        ds = _heavy_ds(grain, 2, worker_init_fn=pin_worker_to_core)
+        return _with_core_1_busy(_drain(ds, HEAVY_OUT))
+
+    @mp_cpu_heavy_slow_core.baseline("grain_core 2 workers, strict rotation")
+    def _() -> Callable[[], None]:
+        # Each worker computes its strided share: both run at the slower core's pace.
+        import grain_core as grain
+
+        ds = _heavy_ds(grain, 2, rotation=True, worker_init_fn=pin_worker_to_core)
         return _with_core_1_busy(_drain(ds, HEAVY_OUT))
 
     @mp_cpu_heavy_slow_core.baseline("multiprocessing.Pool(2), no pipeline")

@@ -17,6 +17,10 @@ Protocol, one pair of pipes per worker (no polling anywhere):
   (the parent forgets its mappings of them); ``state`` is the worker pipeline's state right after producing
   the element, so the parent never has to ask for it. Messages of an older generation (produced
   before a ``set_state``) are discarded by the parent, their shared memory freed.
+* dispatching workers (``grain_core.dataset.mp_dispatch``) take ``("assign", generation,
+  runs, credits, names)`` instead of credits and ``set_state``, and send
+  ``(generation, kind, element, cpu_seconds, shm_names, dropped)``: no state, since the parent
+  knows which position each result is.
 * statistics (worker → parent, only when the pipeline tracks ``STAGE_TIMING``):
   ``(STATS_GENERATION, STATS, snapshot, None, (), ())`` with the first element, then at most
   every ``STATS_INTERVAL_S`` and before ``END``/``ERROR``. They take no credit, and their

@@ -195,3 +195,24 @@ def test_large_elements_through_dispatched_workers() -> None:
     with iter(ds) as it:
         for x, arr in enumerate(it):
             assert arr.shape == (256, 256) and float(arr[0, 0]) == x
+
+
+_IN_FLIGHT = [0, 0]  # per worker process: reads running now, most at once
+
+
+def _waiting_read(x: int) -> tuple[int, int]:
+    _IN_FLIGHT[0] += 1
+    _IN_FLIGHT[1] = max(_IN_FLIGHT)
+    time.sleep(0.005)  # waiting on storage: no CPU
+    _IN_FLIGHT[0] -= 1
+    return x, _IN_FLIGHT[1]
+
+
+def test_reads_that_wait_overlap_in_each_worker() -> None:
+    # Elements that cost no CPU get long runs, which the worker's read threads read together
+    # (as each worker's read-ahead does under strict rotation).
+    read_options = grain.ReadOptions(num_threads=8, prefetch_buffer_size=64)
+    ds = grain.MapDataset.range(600).map(_waiting_read).to_iter_dataset(read_options)
+    out = list(ds.mp_prefetch(_opts(2)))
+    assert [x for x, _ in out] == list(range(600))
+    assert max(most for _, most in out) > 1

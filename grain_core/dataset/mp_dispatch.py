@@ -5,22 +5,25 @@ usual ``….map(f).batch(n).to_iter_dataset().mp_prefetch(…)``, and the DataLo
 pipelines), every element is a function of its index alone, so any worker can compute any
 element. Strict rotation, with worker ``w`` reading ``map_parent[w::N]``, runs every worker at
 the slowest one's pace (a core shared with another process, a worker the host deschedules);
-here the parent keeps that output and its state and hands out the positions instead:
+here the parent keeps that output and its state, and hands out the positions instead:
 
 * The output is the same rotation over ``N`` strided *classes* (class ``c`` holds the indices
   ``c, c + N, …``), and each class's state is the ``{"next_index": j}`` its worker would report,
   so checkpoints are interchangeable with the rotating engine and across worker counts.
-* Workers get *runs* ``(class, first slice index, count)``: of their own class while it has
-  room, else of the class furthest behind, so a worker that is ahead takes over the slow one's
-  work instead of waiting for it. A worker computes its runs in order, so the parent files
-  each result by position without tags.
-* Commitments follow the cost of an element: a worker is given about ``_RUN_TARGET_S`` of
-  work, at least ``per_worker_buffer_size`` elements and at most the read-ahead
-  (``ReadOptions.prefetch_buffer_size``), and elements that travel through shared memory go
-  ``per_worker_buffer_size`` at a time. Expensive elements are handed out one at a time, so
-  the work follows the free worker; cheap ones go in long runs that the worker's read threads
-  read ahead as usual. Each class holds at most a window of twice the largest commitment plus
-  one results ahead of the consumer, which bounds the parent's memory.
+* Workers get *runs* ``(class, first slice index, count)``, compute them in order with their
+  read threads (``PositionReader``) and send each result with the CPU time an element cost;
+  the parent files results by position, no tags needed.
+* A worker is committed to about ``_RUN_TARGET_S`` of CPU work, at least
+  ``per_worker_buffer_size`` positions and at most the read-ahead
+  (``ReadOptions.prefetch_buffer_size``): elements that wait on storage cost no CPU and get
+  long runs whose reads overlap, CPU-heavy ones go a few at a time.
+* Results are sent against credits, as many as the consumer has taken plus
+  ``per_worker_buffer_size``, so the shared memory in flight is that of strict rotation.
+* Cheap elements: each worker takes its own class (contiguous reads, results in the consumer's
+  order). Elements that cost more than ``_HELP_MIN_CPU_S`` of CPU: free workers take the
+  classes least covered ahead of the consumer, with a wider window and as many credits, so a
+  worker that is free while another computes the position the consumer needs computes the
+  ones after it.
 """
 
 from __future__ import annotations

@@ -8,6 +8,10 @@ worker; nothing the user holds is mutated. The parent takes one element from eac
 that are exhausted, so the output never depends on timing; with only 1:1 transformations after
 the slice point it equals the single-process output.
 
+When ``ds`` is a MapDataset read by ``to_iter_dataset`` (every element a function of its index),
+the same output and state are produced by handing positions to whichever worker is free
+(``grain_core.dataset.mp_dispatch``), so a worker on a slower core does not hold back the others.
+
 The merge is an ``InterleaveIterDataset`` with one slot per worker, so the state is the interleave
 state of spec 1.3.1 with one worker pipeline state per slot. Every element arrives together with
 its worker's state right after producing it, so ``get_state`` never talks to the workers, and
