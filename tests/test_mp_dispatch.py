@@ -12,6 +12,8 @@ from typing import Any
 import cloudpickle
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import grain_core as grain
 from grain_core.dataset import mp_dispatch
@@ -183,7 +185,7 @@ def test_commitments_follow_the_cpu_cost_of_an_element() -> None:
     assert d._limits[0] == 50
     d._learn(1, 0.002)  # ~10 ms of CPU work
     assert d._limits[1] == 5
-    d._learn(1, 0.5)  # expensive: the buffer, at least
+    d._learn(1, 0.5)  # expensive: the buffer and at least two (one queued)
     assert d._limits[1] == 2
 
 
@@ -216,3 +218,41 @@ def test_reads_that_wait_overlap_in_each_worker() -> None:
     out = list(ds.mp_prefetch(_opts(2)))
     assert [x for x, _ in out] == list(range(600))
     assert max(most for _, most in out) > 1
+
+
+class _KeepOnly:
+    def __init__(self, kept: frozenset[int]) -> None:
+        self.kept = kept
+
+    def __call__(self, x: int) -> bool:
+        return x in self.kept
+
+
+@settings(max_examples=8, deadline=None)
+@given(
+    kept=st.frozensets(st.integers(0, 29)),
+    workers=st.sampled_from([2, 3]),
+    stop=st.integers(0, 30),
+)
+def test_any_filter_and_restore_point_match_strict_rotation(
+    kept: frozenset[int], workers: int, stop: int
+) -> None:
+    ds = grain.MapDataset.range(30).filter(_KeepOnly(kept)).to_iter_dataset()
+    ds = ds.mp_prefetch(_opts(workers))
+    original = mp_dispatch.dispatchable
+    mp_dispatch.dispatchable = lambda ds, sequential: False
+    try:
+        with iter(ds) as it:
+            states = [it.get_state()]
+            elements = []
+            for x in it:
+                elements.append(x)
+                states.append(it.get_state())
+            states.append(it.get_state())  # exhausted
+    finally:
+        mp_dispatch.dispatchable = original
+    stop = min(stop, len(elements))
+    with iter(ds) as it:
+        it.set_state(states[stop])
+        assert list(it) == elements[stop:]
+        assert it.get_state() == states[-1]

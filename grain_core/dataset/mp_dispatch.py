@@ -240,7 +240,10 @@ class PositionDispatcher:
         total = len(ds.map_parent)
         self.lengths = [len(range(c, total, n)) for c in range(n)]
         self._allow_nones = ds.allow_nones
-        self._min_run = max(1, mp_ds.options.per_worker_buffer_size)
+        self._buffer = max(1, mp_ds.options.per_worker_buffer_size)
+        # A worker always has its next position: waiting for the parent to hand one out
+        # would cost it a round trip, and the parent a core, per element.
+        self._min_run = max(2, self._buffer)
         self._max_run = max(self._min_run, ds.read_options.prefetch_buffer_size)
         self.frontier = [0] * n  # per class: next slice index for the consumer
         self._assigned = [0] * n  # per class: next slice index not yet assigned
@@ -252,7 +255,7 @@ class PositionDispatcher:
         self._granted = [0] * n
         self._received = [0] * n
         self._consumed = [0] * n
-        self._credit_batch = max(1, self._min_run // 2)
+        self._credit_batch = max(1, self._buffer // 2)
         self._cpu_seconds = [0.0] * n  # per worker: average CPU seconds per element (0: unknown)
         self._limits = [self._min_run] * n
         self._checkers = [
@@ -303,7 +306,7 @@ class PositionDispatcher:
                 plugins=plugins,
                 options=options,
                 shm_prefix=WorkerPool.new_prefix(w),
-                pool_size=2 * self._min_run + 2,
+                pool_size=2 * self._buffer + 2,
                 dispatch=True,
             )
             for w in range(self._count)
@@ -502,7 +505,7 @@ class PositionDispatcher:
         n = self._count
         helping = max(self._cpu_seconds) >= _HELP_MIN_CPU_S
         window = max(self._limits)
-        ahead = self._min_run
+        ahead = self._buffer
         if helping:
             window = ahead = 2 * window + 2
         runs: list[list[tuple[int, int, int]]] = [[] for _ in range(n)]
