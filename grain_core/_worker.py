@@ -19,8 +19,8 @@ Protocol, one pair of pipes per worker (no polling anywhere):
   before a ``set_state``) are discarded by the parent, their shared memory freed.
 * dispatching workers (``grain_core.dataset.mp_dispatch``) take ``("assign", generation,
   runs, credits, names)`` instead of credits and ``set_state``, and send
-  ``(generation, kind, element, cpu_seconds, shm_names, dropped)``: no state, since the parent
-  knows which position each result is.
+  ``(generation, kind, element, cpu_total, shm_names, dropped)`` with the worker's CPU seconds
+  so far instead of a state: the parent knows which position each result is.
 * statistics (worker → parent, only when the pipeline tracks ``STAGE_TIMING``):
   ``(STATS_GENERATION, STATS, snapshot, None, (), ())`` with the first element, then at most
   every ``STATS_INTERVAL_S`` and before ``END``/``ERROR``. They take no credit, and their
@@ -378,7 +378,7 @@ class _DispatchWorkerLoop(_WorkerLoop):
     """A worker of the dispatching engine (``grain_core.dataset.mp_dispatch``).
 
     It computes the runs of positions the parent assigns, in assignment order, and sends each
-    element with the CPU seconds an element costs instead of a state (the parent knows every position). An
+    element with the CPU seconds the worker has used so far instead of a state (the parent knows every position). An
     error is sent for its position and the worker goes on with the next one: another class's
     positions queued behind it are still needed.
 
@@ -395,14 +395,14 @@ class _DispatchWorkerLoop(_WorkerLoop):
         super().__init__(spec, control, output)
         self._reader: Any = None
         self._pending = 0
-        self._cpu_mark = time.process_time()
+        self._cpu_start = time.process_time()
 
     def _build_pipeline(self, ds: Any) -> None:
         from grain_core.dataset.mp_dispatch import PositionReader
 
         spec = self._spec
         self._reader = self._it = PositionReader(ds, spec.index, spec.count, spec.options)
-        self._cpu_mark = time.process_time()  # start-up is not the cost of an element
+        self._cpu_start = time.process_time()  # start-up is not the cost of an element
 
     def _pipeline(self) -> Any:
         return None if self._reader is None else self._reader.iterator
@@ -433,16 +433,14 @@ class _DispatchWorkerLoop(_WorkerLoop):
         if self._build_error is not None:
             self._send_error(self._build_error)
             return
-        # The process's CPU time since the previous element, read threads included: what
-        # the parent sizes this worker's commitments by.
-        now = time.process_time()
-        cpu_seconds, self._cpu_mark = now - self._cpu_mark, now
         try:
             element = self._reader.next()
         except Exception as e:  # noqa: BLE001 - re-raised in the parent at its position
             self._send_error(e)
             return
-        self._send_element(element, cpu_seconds)
+        # The process's CPU time so far, read threads included: what the parent sizes this
+        # worker's commitments by.
+        self._send_element(element, time.process_time() - self._cpu_start)
 
 
 def _readiness_check(conn: Any) -> Any:

@@ -63,6 +63,10 @@ __all__ = [
 _RUN_TARGET_S = 0.01
 #: CPU seconds an element must cost for free workers to help with other classes' positions.
 _HELP_MIN_CPU_S = 0.01
+#: Results between two updates of a worker's CPU cost (sooner once they cost _RUN_TARGET_S).
+_LEARN_EVERY = 8
+#: Elements between two filter-ratio checks of a class.
+_FILTER_CHECK_EVERY = 256
 #: Weight of the newest element time in a worker's running average.
 _TIME_WEIGHT = 0.3
 
@@ -256,8 +260,13 @@ class PositionDispatcher:
         self._received = [0] * n
         self._consumed = [0] * n
         self._credit_batch = max(1, self._buffer // 2)
+        self._ahead = self._buffer  # results a worker may send beyond those consumed
         self._cpu_seconds = [0.0] * n  # per worker: average CPU seconds per element (0: unknown)
+        # Per worker: its CPU time when its average was last updated, and results since.
+        self._cpu_mark = [0.0] * n
+        self._since_learned = [0] * n
         self._limits = [self._min_run] * n
+        self._filter_counts = [[0, 0] for _ in range(n)]  # per class: seen, dropped
         self._checkers = [
             FilterRatioChecker(f"to_iter_dataset over {ds.map_parent!r}") for _ in range(n)
         ]
@@ -313,6 +322,8 @@ class PositionDispatcher:
         ]
         self._pool = pool = WorkerPool(specs)
         self._finalizer = weakref.finalize(self, pool.shutdown)
+        self._cpu_mark = [0.0] * self._count
+        self._since_learned = [0] * self._count
         self._generation = 0
         self.error = None
         self._forget_work()
@@ -346,12 +357,18 @@ class PositionDispatcher:
             del held[(cls, j)]
             self.frontier[cls] = j + 1
             self._consumed[worker] += 1
-            self._pump(block=False)
-            if value is None and not self._allow_nones:
-                self._checkers[cls].record(1, 1, options)
-                continue
+            if self._consumed[worker] + self._ahead - self._granted[worker] >= self._credit_batch:
+                self._pump(block=False)  # credits due: the worker may be waiting for them
             if not self._allow_nones:
-                self._checkers[cls].record(1, 0, options)
+                counts = self._filter_counts[cls]
+                counts[0] += 1
+                if value is None:
+                    counts[1] += 1
+                if counts[0] == _FILTER_CHECK_EVERY:
+                    self._checkers[cls].record(counts[0], counts[1], options)
+                    counts[:] = [0, 0]
+                if value is None:
+                    continue
             return _shm.open_from_shm(value, self._recycled[worker]) if names else value
 
     def restore(self, cls: int, next_index: int) -> None:
@@ -439,7 +456,7 @@ class PositionDispatcher:
 
     def _receive(self, worker: int) -> None:
         assert self._pool is not None
-        generation, kind, value, cpu_seconds, names, dropped = self._pool.recv(worker)
+        generation, kind, value, cpu_total, names, dropped = self._pool.recv(worker)
         recycled = self._recycled[worker]
         recycled.forget(dropped)
         if generation != self._generation:
@@ -460,8 +477,13 @@ class PositionDispatcher:
         self._outstanding[worker] -= 1
         self._received[worker] += 1
         if kind == ELEMENT:
-            self._learn(worker, cpu_seconds)
             self._held[(cls, j)] = (worker, ELEMENT, value, names)
+            self._since_learned[worker] += 1
+            spent = cpu_total - self._cpu_mark[worker]
+            if spent >= _RUN_TARGET_S or self._since_learned[worker] >= _LEARN_EVERY:
+                self._learn(worker, spent / self._since_learned[worker])
+                self._cpu_mark[worker] = cpu_total
+                self._since_learned[worker] = 0
         else:
             from grain_core.dataset.mp_prefetch import remote_error
 
@@ -505,9 +527,9 @@ class PositionDispatcher:
         n = self._count
         helping = max(self._cpu_seconds) >= _HELP_MIN_CPU_S
         window = max(self._limits)
-        ahead = self._buffer
+        self._ahead = ahead = self._buffer
         if helping:
-            window = ahead = 2 * window + 2
+            window = self._ahead = ahead = 2 * window + 2
         runs: list[list[tuple[int, int, int]]] = [[] for _ in range(n)]
         for worker in sorted(range(n), key=self._outstanding.__getitem__):
             limit = self._limits[worker]
@@ -533,9 +555,8 @@ class PositionDispatcher:
                 free -= share - self._give(worker, cls, share, window, runs[worker])
         for worker in range(n):
             credits = self._consumed[worker] + ahead - self._granted[worker]
-            if credits < self._credit_batch and self._granted[worker] > self._received[worker]:
+            if credits < self._credit_batch:
                 credits = 0
-            credits = max(credits, 0)
             if runs[worker] or credits or every_worker or self._recycled[worker].released:
                 released = self._recycled[worker].take_released()
                 message = ("assign", self._generation, runs[worker], credits, released)
