@@ -189,6 +189,33 @@ def test_commitments_follow_the_cpu_cost_of_an_element() -> None:
     assert d._limits[1] == 2
 
 
+class _RecordingPool:
+    def __init__(self) -> None:
+        self.sent: list[tuple[int, tuple[Any, ...]]] = []
+
+    def send(self, worker: int, message: tuple[Any, ...]) -> None:
+        self.sent.append((worker, message))
+
+
+def test_a_waiting_consumer_always_gets_its_position_sent() -> None:
+    d = _dispatcher(buffer=1)
+    d._pool = pool = _RecordingPool()  # type: ignore[assignment]
+    d.frontier, d._assigned = [5, 4], [7, 6]
+    # Both workers sent all they were allowed; worker 0 computes (0, 5) after (1, 4).
+    d._runs[0].extend([[1, 4, 2], [0, 5, 2]])
+    d._runs[1].extend([[1, 9, 3]])
+    d._outstanding = [4, 3]
+    d._granted, d._received = [3, 2], [3, 2]
+    d._unblock(0, 5)  # three results to send up to it
+    assert pool.sent == [(0, ("assign", 0, [], 3, []))]
+    d._unblock(0, 5)  # already on its way
+    assert len(pool.sent) == 1
+    d.frontier[1] = d._assigned[1] = 12  # no worker has (1, 12): the least busy takes it
+    d._unblock(1, 12)
+    assert pool.sent[1] == (1, ("assign", 0, [(1, 12, 1)], 4, []))
+    assert d._assigned[1] == 13 and d._outstanding[1] == 4
+
+
 def test_large_elements_through_dispatched_workers() -> None:
     def big(x: int) -> np.ndarray:
         return np.full((256, 256), x, np.float32)

@@ -421,16 +421,33 @@ class PositionDispatcher:
         self._assign()
 
     def _unblock(self, cls: int, j: int) -> None:
-        # Results are sent in assignment order: the worker computing (cls, j) may have spent
-        # its credits on results needed later.
+        """Makes sure position ``(cls, j)``, which the consumer waits for, is on its way.
+
+        Workers send in assignment order, against credits: the one computing it may have spent
+        its credits on results needed later, and when every worker is committed to positions
+        needed later it is not assigned at all. It then goes to the worker with the fewest
+        positions to compute, and that worker gets the credits to send through to it.
+        """
         for worker, runs in enumerate(self._runs):
-            if self._granted[worker] == self._received[worker] and any(
-                run[0] == cls and run[1] <= j < run[1] + run[2] for run in runs
-            ):
-                self._granted[worker] += 1
-                assert self._pool is not None
-                self._pool.send(worker, ("assign", self._generation, [], 1, []))
-                return
+            before = 0
+            for run_cls, first, count in runs:
+                if run_cls == cls and first <= j < first + count:
+                    self._grant_through(worker, before + j - first + 1, [])
+                    return
+                before += count
+        worker = min(range(self._count), key=self._outstanding.__getitem__)
+        self._runs[worker].append([cls, j, 1])
+        self._assigned[cls] = j + 1
+        self._outstanding[worker] += 1
+        self._grant_through(worker, self._outstanding[worker], [(cls, j, 1)])
+
+    def _grant_through(self, worker: int, sends: int, runs: list[tuple[int, int, int]]) -> None:
+        """Lets ``worker`` send its next ``sends`` results (and gives it ``runs``)."""
+        credits = max(0, sends - (self._granted[worker] - self._received[worker]))
+        if credits or runs:
+            assert self._pool is not None
+            self._pool.send(worker, ("assign", self._generation, runs, credits, []))
+            self._granted[worker] += credits
 
     def _restart_runs(self) -> None:
         # Results of the old generation are discarded when they arrive (their blocks go back
