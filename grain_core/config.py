@@ -18,6 +18,9 @@ _DEFAULTS: dict[str, Any] = {
     "py_dataset_visualization_output_dir": None,
     "py_traceback_filtering": "auto",
     "py_relay_sigterm_to_main": False,
+    # grain_core's own: mp_prefetch over to_iter_dataset() hands positions to free workers
+    # (grain_core.dataset.mp_dispatch). False: each worker computes its fixed strided share.
+    "py_mp_prefetch_dispatch": True,
 }
 
 

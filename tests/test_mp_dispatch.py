@@ -147,6 +147,24 @@ def test_set_state_mid_stream_discards_results_in_flight() -> None:
             assert [next(it) for _ in range(3)] == [2 * x for x in range(k, k + 3)]
 
 
+def _worker_id(index: int, count: int) -> None:
+    os.environ["TEST_WORKER_ID"] = str(index)
+
+
+def _read_worker_id(x: int) -> tuple[int, str]:
+    return x, os.environ["TEST_WORKER_ID"]
+
+
+def test_config_turns_dispatch_off_for_worker_dependent_maps() -> None:
+    ds = grain.MapDataset.range(9).map(_read_worker_id).to_iter_dataset()
+    grain.config.update("py_mp_prefetch_dispatch", False)
+    try:
+        out = list(ds.mp_prefetch(_opts(3), worker_init_fn=_worker_id))
+    finally:
+        grain.config.update("py_mp_prefetch_dispatch", True)
+    assert out == [(x, str(x % 3)) for x in range(9)]
+
+
 # ------------------------------------------------------------------------- load balance
 def _slow_in_worker_zero(index: int, count: int) -> None:
     os.environ["TEST_SLOW_WORKER"] = "1" if index == 0 else "0"

@@ -72,9 +72,18 @@ _TIME_WEIGHT = 0.3
 
 
 def dispatchable(ds: IterDataset[Any], sequential_slice: bool) -> bool:
-    """Whether ``mp_prefetch`` over ``ds`` can dispatch positions: ``ds`` reads a MapDataset
-    (``to_iter_dataset``) and the workers take strided shares."""
-    return type(ds) is PrefetchIterDataset and not sequential_slice
+    """Whether ``mp_prefetch`` over ``ds`` dispatches positions: ``ds`` reads a MapDataset
+    (``to_iter_dataset``), the workers take strided shares, and
+    ``grain_core.config.py_mp_prefetch_dispatch`` is on (off, each worker computes its own
+    strided share: for transformations whose result depends on state a ``worker_init_fn``
+    set up, which would otherwise depend on which worker was free)."""
+    from grain_core.config import config
+
+    return (
+        type(ds) is PrefetchIterDataset
+        and not sequential_slice
+        and bool(config.py_mp_prefetch_dispatch)
+    )
 
 
 # ------------------------------------------------------------------------------ worker side

@@ -10,7 +10,8 @@ the slice point it equals the single-process output.
 
 When ``ds`` is a MapDataset read by ``to_iter_dataset`` (every element a function of its index),
 the same output and state are produced by handing positions to whichever worker is free
-(``grain_core.dataset.mp_dispatch``), so a worker on a slower core does not hold back the others.
+(``grain_core.dataset.mp_dispatch``), so a worker on a slower core does not hold back the others
+(``config.py_mp_prefetch_dispatch = False`` keeps each worker on its share).
 
 The merge is an ``InterleaveIterDataset`` with one slot per worker, so the state is the interleave
 state of spec 1.3.1 with one worker pipeline state per slot. Every element arrives together with
