@@ -165,7 +165,8 @@ class AssignedPositionsMapDataset(MapDataset[Any]):
         return out
 
     def __repr__(self) -> str:
-        return f"AssignedPositionsMapDataset({self._parents[0]!r}, classes={self._count})"
+        # One row of the execution summary, above its parent's.
+        return f"AssignedPositionsMapDataset(classes={self._count})"
 
 
 class PositionReader:
