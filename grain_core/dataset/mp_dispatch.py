@@ -58,7 +58,7 @@ __all__ = [
     "dispatchable",
 ]
 
-#: Seconds of work a worker is committed to at once (it keeps a worker busy across the
+#: CPU seconds of work a worker is committed to at once (it keeps a worker busy across the
 #: parent's round trip without tying positions to a worker that turns out to be slow).
 _RUN_TARGET_S = 0.01
 #: CPU seconds an element must cost for free workers to help with other classes' positions.
@@ -407,8 +407,8 @@ class PositionDispatcher:
 
         Args:
           block: Wait for a message.
-          needed: The position the consumer waits for: if the worker computing it has used
-            all its credits (on results the consumer needs later), it gets one more.
+          needed: The position the consumer waits for, made sure to be on its way before
+            waiting (``_unblock``).
         """
         pool = self._pool
         assert pool is not None
@@ -416,9 +416,9 @@ class PositionDispatcher:
             self._restart_runs()
         ready = [w for w in range(self._count) if pool.ready(w)]
         if not ready and block:
+            self._assign()
             if needed is not None:
                 self._unblock(*needed)
-            self._assign()
             ready = pool.wait_any()
         try:
             for w in ready:
