@@ -52,7 +52,7 @@ from grain_core.dataset.stats import attach_worker_stages
 
 __all__ = [
     "AssignedPositionsMapDataset",
-    "DispatchedClassIterDataset",
+    "DispatchedClassIterator",
     "PositionDispatcher",
     "PositionReader",
     "dispatchable",
@@ -607,24 +607,9 @@ class PositionDispatcher:
         return count - given
 
 
-class DispatchedClassIterDataset(IterDataset[Any]):
-    """Class ``index`` of a dispatching ``mp_prefetch``: one input of the parent-side
-    interleave, as ``_WorkerIterDataset`` is for the rotating engine."""
-
-    def __init__(self, dispatcher: PositionDispatcher, index: int) -> None:
-        super().__init__()
-        self.dispatcher = dispatcher
-        self.index = index
-
-    def __iter__(self) -> DatasetIterator[Any]:
-        return _DispatchedClassIterator(self.dispatcher, self.index)
-
-    def __repr__(self) -> str:
-        return f"DispatchedClassIterDataset(class={self.index})"
-
-
-class _DispatchedClassIterator(DatasetIterator[Any]):
-    """The elements of one class in order; state ``{"next_index": j}`` as its worker's."""
+class DispatchedClassIterator(DatasetIterator[Any]):
+    """The elements of class ``index`` in order: one input of the parent-side interleave;
+    state ``{"next_index": j}``, as the class's worker reports under strict rotation."""
 
     def __init__(self, dispatcher: PositionDispatcher, index: int) -> None:
         super().__init__()

@@ -22,6 +22,7 @@ its worker's state right after producing it, so ``get_state`` never talks to the
 from __future__ import annotations
 
 import copy
+import functools
 import io
 import pickle
 import sys
@@ -195,15 +196,14 @@ class MultiprocessPrefetchIterDataset(IterDataset[Any]):
     def __iter__(self) -> DatasetIterator[Any]:
         from grain_core.dataset import mp_dispatch
 
-        workers: list[IterDataset[Any]]
+        make: Callable[[int], DatasetIterator[Any]]
         if mp_dispatch.dispatchable(self._parents[0], self.sequential_slice):
-            dispatcher = mp_dispatch.PositionDispatcher(self)
-            workers = [
-                mp_dispatch.DispatchedClassIterDataset(dispatcher, w)
-                for w in range(self.num_workers)
-            ]
+            make = functools.partial(
+                mp_dispatch.DispatchedClassIterator, mp_dispatch.PositionDispatcher(self)
+            )
         else:
-            workers = [_WorkerIterDataset(self, w) for w in range(self.num_workers)]
+            make = functools.partial(_ProcessPrefetchIterator, self)
+        workers = [_MergeInputIterDataset(make, w) for w in range(self.num_workers)]
         # Strict rotation that skips exhausted workers is an interleave with one slot per
         # worker; the worker processes are the read-ahead, so no input threads.
         it = iter(InterleaveIterDataset(workers, cycle_length=len(workers), iter_buffer_size=0))
@@ -452,19 +452,20 @@ def remote_error(payload: tuple[Any, ...], index: int, count: int) -> BaseExcept
 
 
 # ----------------------------------------------------------------------------- iterator
-class _WorkerIterDataset(IterDataset[Any]):
-    """Worker ``index`` of an mp_prefetch: one input of the parent-side interleave."""
+class _MergeInputIterDataset(IterDataset[Any]):
+    """Input ``index`` of an mp_prefetch's parent-side interleave: the output of worker
+    ``index`` (rotation), or of class ``index`` (dispatch); ``make(index)`` reads it."""
 
-    def __init__(self, mp_ds: MultiprocessPrefetchIterDataset, index: int) -> None:
+    def __init__(self, make: Callable[[int], DatasetIterator[Any]], index: int) -> None:
         super().__init__()
-        self.mp_ds = mp_ds
+        self.make = make
         self.index = index
 
     def __iter__(self) -> DatasetIterator[Any]:
-        return _ProcessPrefetchIterator(self.mp_ds, self.index)
+        return self.make(self.index)
 
     def __repr__(self) -> str:
-        return f"_WorkerIterDataset(worker={self.index} of {self.mp_ds.num_workers})"
+        return f"_MergeInputIterDataset(index={self.index})"
 
 
 class _ProcessPrefetchIterator(DatasetIterator[Any]):
