@@ -17,7 +17,11 @@ from hypothesis import strategies as st
 
 import grain_core as grain
 from grain_core.dataset import mp_dispatch
-from grain_core.dataset.mp_dispatch import AssignedPositionsMapDataset, PositionDispatcher
+from grain_core.dataset.mp_dispatch import (
+    AssignedPositionsMapDataset,
+    PositionDispatcher,
+    PositionReader,
+)
 from grain_core.options import MultiprocessingOptions
 from grain_core.testing import check_iterator_conformance
 
@@ -76,6 +80,22 @@ def test_assigned_positions_name_the_parent_index_of_an_error() -> None:
     with pytest.raises(ValueError, match="bad 7") as info:
         view[0]
     assert "Raised while reading index 7 of" in "\n".join(info.value.__notes__)
+
+
+def test_position_reader_goes_on_past_a_failing_position() -> None:
+    # Positions of other classes queued behind a failure are still needed by the consumer.
+    def fail_on_seven(x: int) -> int:
+        if x == 7:
+            raise ValueError("bad 7")
+        return x
+
+    ds = grain.MapDataset.range(20).map(fail_on_seven).to_iter_dataset()
+    reader = PositionReader(ds, 0, 2, None)
+    reader.assign([(1, 3, 1), (0, 4, 2)])  # positions 7, then 8 and 10
+    with pytest.raises(ValueError, match="bad 7"):
+        reader.next()
+    assert [reader.next(), reader.next()] == [8, 10]
+    reader.close()
 
 
 # --------------------------------------------------------------- same output, same state
@@ -232,6 +252,25 @@ def test_a_waiting_consumer_always_gets_its_position_sent() -> None:
     d._unblock(1, 12)
     assert pool.sent[1] == (1, ("assign", 0, [(1, 12, 1)], 4, []))
     assert d._assigned[1] == 13 and d._outstanding[1] == 4
+
+
+def _quarter_mib(x: int) -> np.ndarray:
+    return np.full(64 * 1024, x, np.float32)
+
+
+def test_credits_bound_the_shared_memory_in_flight() -> None:
+    # Cheap elements get long runs (the read-ahead, 64 here); what reaches shared memory is
+    # still per_worker_buffer_size beyond what the consumer took, as under strict rotation.
+    prefix = f"gc{os.getpid():x}"
+    read_options = grain.ReadOptions(num_threads=2, prefetch_buffer_size=64)
+    ds = grain.MapDataset.range(400).map(_quarter_mib).to_iter_dataset(read_options)
+    with iter(ds.mp_prefetch(_opts(2))) as it:
+        for x in range(40):
+            assert float(next(it)[0]) == x
+        time.sleep(0.5)  # the workers go as far ahead as they are allowed
+        blocks = [e for e in os.listdir("/dev/shm") if e.startswith(prefix)]
+        # Per worker: its credit, a block being written, and its pool of free blocks (4).
+        assert len(blocks) <= 2 * (1 + 1 + 4), blocks
 
 
 def test_large_elements_through_dispatched_workers() -> None:

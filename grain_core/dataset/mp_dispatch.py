@@ -187,9 +187,9 @@ class PositionReader:
         count: int,
         options: DatasetOptions | None,
     ) -> None:
-        from grain_core.dataset.mp_prefetch import _with_shared_memory_output
+        from grain_core.dataset.mp_prefetch import with_shared_memory_output
 
-        ds = _with_shared_memory_output(ds)  # type: ignore[assignment]
+        ds = with_shared_memory_output(ds)  # type: ignore[assignment]
         self._source = ds.map_parent
         self._read_options = ds.read_options
         self._context = MultiprocessingContext(index, count)
@@ -306,14 +306,14 @@ class PositionDispatcher:
             self._recycled = [_shm.RecycledBlocks() for _ in range(self._count)]
 
     def start(self, options: DatasetOptions) -> None:
-        """Starts the workers (once) and gives them their first runs."""
+        """Starts the workers, unless they are running, and gives them their first runs."""
         if self._pool is not None:
             return
         mp_ds = self._mp_ds
         dataset, init_fn = mp_ds.payload()
-        from grain_core.dataset.mp_prefetch import _loaded_plugin_names
+        from grain_core.dataset.mp_prefetch import loaded_plugin_names
 
-        plugins = _loaded_plugin_names()
+        plugins = loaded_plugin_names()
         specs = [
             WorkerSpec(
                 index=w,

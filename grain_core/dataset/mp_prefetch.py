@@ -69,9 +69,13 @@ from grain_core.sharding import ShardOptions, even_split
 __all__ = [
     "MultiprocessPrefetchIterDataset",
     "build_worker_iterator",
+    "loaded_plugin_names",
     "make_batch_in_shared_memory",
     "mp_prefetch",
+    "remote_error",
+    "shared_memory_batch_fn",
     "slice_for_worker",
+    "with_shared_memory_output",
 ]
 
 # MapDataset nodes that keep every index in place, so a contiguous block of their source is the
@@ -320,7 +324,7 @@ def _stack_into_shared_memory(*leaves: Any) -> Any:
     return make_batch(list(leaves))
 
 
-def _with_shared_memory_output(ds: IterDataset[Any]) -> IterDataset[Any]:
+def with_shared_memory_output(ds: IterDataset[Any]) -> IterDataset[Any]:
     """``ds`` with its final batch writing into shared memory, when it ends with a batch (an
     IterDataset one, or a MapDataset one read by ``to_iter_dataset``) whose function allows
     it: the default one, or one with ``enable_shared_memory_output()``."""
@@ -364,7 +368,7 @@ def build_worker_iterator(
     with those set downstream of ``mp_prefetch``, so they win.
     """
     # Before slicing: a worker's slice of a MapDataset batch is a slice over that batch.
-    it = iter(slice_for_worker(_with_shared_memory_output(ds), index, count, sequential))
+    it = iter(slice_for_worker(with_shared_memory_output(ds), index, count, sequential))
     it._ctx.mp_context = MultiprocessingContext(index, count)
     if options is not None:
         it._merge_dataset_options(options)
@@ -423,7 +427,9 @@ def _first_unpicklable_node(root: Any) -> Any:
     return None
 
 
-def _loaded_plugin_names() -> list[str] | None:
+def loaded_plugin_names() -> list[str] | None:
+    """Names of the plugins the parent loaded (workers load the same), or None if it has
+    not loaded any yet."""
     from grain_core.plugins import _manager
 
     reg = _manager._registry
@@ -503,7 +509,7 @@ class _ProcessPrefetchIterator(DatasetIterator[Any]):
             dataset=dataset,
             sequential_slice=mp_ds.sequential_slice,
             state=self._state,
-            plugins=_loaded_plugin_names(),
+            plugins=loaded_plugin_names(),
             options=self._ctx.dataset_options,
             shm_prefix=WorkerPool.new_prefix(self._index),
             pool_size=2 * self._buffer + 2,
