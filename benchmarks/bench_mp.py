@@ -11,7 +11,9 @@
 * ``mp_shm_transport``: 4 MiB float32 batches from 2 running workers to the parent, which
   touches every page of each; baselines: a plain NumPy copy of the same bytes in the parent into
   one reused buffer (the physical limit, cache-resident) and into as many rotating buffers as the
-  transport keeps in flight (memory-bound), and Grain with 2 workers. The workers hand out a
+  transport keeps in flight (memory-bound), the bare mechanism (two processes copying into
+  shared-memory blocks mapped once, block names over a pipe, no pipeline: the ceiling of any
+  cross-process transport here), and Grain with 2 workers. The workers hand out a
   ready 4 MiB array, so only the transport is measured (copy into shared memory, message,
   mapping in the parent). batches/s × 4 MiB = GB/s.
 * ``mp_batch_transport``: the usual end of a pipeline, ``.batch(256).to_iter_dataset()``, with
@@ -323,6 +325,87 @@ def _() -> Callable[[], None]:
     # As many destinations as the transport keeps in flight (2 workers x 3 blocks), so the
     # copy streams through memory as the transport's does.
     return _copy_pass(6)
+
+
+def bare_transport_worker(conn: Any, names: list[str]) -> None:
+    """Copies the ready batch into whichever of its blocks the parent handed back, and sends
+    the block's name; ``None`` stops it."""
+    from multiprocessing import shared_memory
+
+    blocks = {name: shared_memory.SharedMemory(name) for name in names}
+    free = list(names)
+    try:
+        while True:
+            while not free or conn.poll():
+                name = conn.recv()
+                if name is None:
+                    return
+                free.append(name)
+            name = free.pop()  # the block handed back last: the likeliest still in cache
+            np.ndarray(TRANSPORT_SHAPE, np.float32, buffer=blocks[name].buf)[...] = ready_batch(0)
+            conn.send(name)
+    finally:
+        for block in blocks.values():
+            block.close()
+
+
+def _bare_transport_pass() -> Callable[[], None]:
+    """The mechanism alone: 2 processes copy the batch into shared-memory blocks mapped once,
+    a pipe carries block names both ways, the parent reads in rotation and hands each block
+    back once read. Each worker has ``per_worker_buffer_size + 1`` blocks, what grain_core
+    keeps in flight (the buffered results and the one the consumer holds)."""
+    import multiprocessing
+    from multiprocessing import shared_memory
+
+    context = multiprocessing.get_context("forkserver")
+    nbytes = int(np.prod(TRANSPORT_SHAPE)) * 4
+    blocks: dict[str, shared_memory.SharedMemory] = {}
+    conns, workers = [], []
+    for _ in range(2):
+        names = []
+        for _ in range(3):
+            block = shared_memory.SharedMemory(create=True, size=nbytes)
+            blocks[block.name] = block
+            names.append(block.name)
+        parent_end, child_end = context.Pipe()
+        worker = context.Process(target=bare_transport_worker, args=(child_end, names))
+        worker.start()
+        conns.append(parent_end)
+        workers.append(worker)
+
+    def take(i: int) -> float:
+        conn = conns[i % 2]
+        name = conn.recv()
+        value = _touch_pages(np.ndarray(TRANSPORT_SHAPE, np.float32, buffer=blocks[name].buf))
+        conn.send(name)
+        return value
+
+    take(0)
+    take(1)
+
+    def run() -> None:
+        total = sum(take(i) for i in range(TRANSPORT_BATCHES))
+        if total != TRANSPORT_BATCHES * 1024:
+            raise AssertionError(f"checksum {total}")
+
+    def close() -> None:
+        for conn in conns:
+            conn.send(None)
+        for worker in workers:
+            worker.join()
+        for block in blocks.values():
+            block.close()
+            block.unlink()
+
+    run.close = close  # type: ignore[attr-defined]
+    return run
+
+
+@mp_shm_transport.baseline("bare pipe + shared memory, 2 processes")
+def _() -> Callable[[], None]:
+    # The floor under any cross-process transport here: what is left between it and the
+    # numpy copy is the hardware's, not the library's.
+    return _bare_transport_pass()
 
 
 @mp_shm_transport.baseline("grain 2 workers", requires="grain")
