@@ -82,14 +82,24 @@ def test_assigned_positions_name_the_parent_index_of_an_error() -> None:
     assert "Raised while reading index 7 of" in "\n".join(info.value.__notes__)
 
 
+def _fail_on_seven(x: int) -> int:
+    if x == 7:
+        raise ValueError("bad 7")
+    return x
+
+
+def test_an_error_names_the_pipeline_index_once() -> None:
+    # The worker's own reader of its assigned positions must not add its internal index.
+    ds = grain.MapDataset.range(20).map(_fail_on_seven).to_iter_dataset().mp_prefetch(_opts(2))
+    with pytest.raises(ValueError, match="bad 7") as info:
+        list(ds)
+    read_notes = [n for n in info.value.__notes__ if n.startswith("Raised while reading")]
+    assert len(read_notes) == 1 and read_notes[0].startswith("Raised while reading index 7 of")
+
+
 def test_position_reader_goes_on_past_a_failing_position() -> None:
     # Positions of other classes queued behind a failure are still needed by the consumer.
-    def fail_on_seven(x: int) -> int:
-        if x == 7:
-            raise ValueError("bad 7")
-        return x
-
-    ds = grain.MapDataset.range(20).map(fail_on_seven).to_iter_dataset()
+    ds = grain.MapDataset.range(20).map(_fail_on_seven).to_iter_dataset()
     reader = PositionReader(ds, 0, 2, None)
     reader.assign([(1, 3, 1), (0, 4, 2)])  # positions 7, then 8 and 10
     with pytest.raises(ValueError, match="bad 7"):

@@ -47,7 +47,7 @@ from grain_core._worker import (
 )
 from grain_core.dataset.base import DatasetIterator, IterDataset, MapDataset, MultiprocessingContext
 from grain_core.dataset.options import DatasetOptions, FilterRatioChecker
-from grain_core.dataset.prefetch import PrefetchIterDataset
+from grain_core.dataset.prefetch import PrefetchIterDataset, note_read_error
 from grain_core.dataset.stats import attach_worker_stages
 
 __all__ = [
@@ -144,7 +144,7 @@ class AssignedPositionsMapDataset(MapDataset[Any]):
         try:
             return self._parents[0][position]
         except Exception as e:
-            e.add_note(f"Raised while reading index {position} of {self._parents[0]!r}.")
+            note_read_error(e, position, self._parents[0])
             raise
 
     def _getitems(self, indices: Any) -> list[Any]:

@@ -20,6 +20,7 @@ __all__ = [
     "ReadConcurrency",
     "ThreadPrefetchDatasetIterator",
     "ThreadPrefetchIterDataset",
+    "note_read_error",
 ]
 
 # Blocks of indices read with one ``_getitems`` call adapt to the cost of an element: they start
@@ -38,6 +39,15 @@ _WINDOW_BLOCKS = 4
 _WINDOW_S = 0.02
 _PROBE_GAIN = 1.2
 _MAX_PROBE_WAIT = 64
+
+
+def note_read_error(error: BaseException, index: int, ds: MapDataset[Any]) -> None:
+    """Notes on ``error`` that reading index ``index`` of ``ds`` raised it, unless a reader
+    nearer the user's data already named its index (a worker reading its assigned positions
+    names the pipeline's index, not its own)."""
+    if getattr(error, "_grain_core_read_index", None) is None:
+        setattr(error, "_grain_core_read_index", index)  # noqa: B010 - exceptions take attributes
+        error.add_note(f"Raised while reading index {index} of {ds!r}.")
 
 
 class PrefetchIterDataset(IterDataset[Any]):
@@ -173,7 +183,7 @@ class PrefetchDatasetIterator(DatasetIterator[Any]):
             try:
                 out.append(self._map_ds[i])
             except Exception as e:
-                e.add_note(f"Raised while reading index {i} of {self._map_ds!r}.")
+                note_read_error(e, i, self._map_ds)
                 out.append(_Raise(e))
                 break
         return out
