@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import collections
+import collections.abc
 import errno
 import gc
 import os
@@ -166,6 +167,88 @@ def test_transport_keeps_arrays_inline_when_dev_shm_is_full(dev_shm_full: None) 
         encoded, names = _shm.copy_to_shm(tree, min_size=0)
     assert len(record) == 1  # once per process, not once per array
     assert names == [] and encoded["x"] is tree["x"] and encoded["y"] is tree["y"]
+
+
+@pytest.mark.parametrize("code", [errno.EOPNOTSUPP, errno.EINVAL])
+def test_a_filesystem_without_fallocate_still_gets_blocks(
+    code: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Some shared-memory filesystems cannot reserve pages ahead: map the block as before.
+    def fallocate(fd: int, offset: int, size: int) -> None:
+        raise OSError(code, os.strerror(code))
+
+    monkeypatch.setattr(os, "posix_fallocate", fallocate)
+    arr = SharedMemoryArray((1024,), np.float32)
+    arr[:] = 3.0
+    assert float(arr.sum()) == 3072.0
+    arr.metadata.close_and_unlink_shm()
+
+
+def test_other_fallocate_errors_propagate_and_leave_no_block(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    def fallocate(fd: int, offset: int, size: int) -> None:
+        raise OSError(errno.EIO, "Input/output error")
+
+    monkeypatch.setattr(os, "posix_fallocate", fallocate)
+    before = set(os.listdir("/dev/shm"))
+    with pytest.raises(OSError, match="Input/output error"):
+        SharedMemoryArray((1024,), np.float32)
+    assert set(os.listdir("/dev/shm")) == before
+
+
+@pytest.fixture
+def block_pool(monkeypatch: pytest.MonkeyPatch) -> collections.abc.Iterator[None]:
+    """This process recycles blocks as a worker does, keeping at most 2 free of a size."""
+    monkeypatch.setattr(_shm, "_pool", None)
+    _shm.enable_block_pool(2)
+    yield
+    _shm.unlink_pool()
+
+
+def test_block_pool_reuses_the_last_block_given_back(block_pool: None) -> None:
+    names = [_shm.create_block(4096)[0] for _ in range(4)]
+    assert len(set(names)) == 4
+    _shm.release_blocks(names[:3])
+    # Two are kept (the cap); the third is unlinked and reported once, so the parent forgets it.
+    assert _shm.take_dropped() == [names[2]] and _shm.take_dropped() == []
+    assert not _exists(names[2]) and _exists(names[0]) and _exists(names[1])
+    assert _shm.create_block(4096)[0] == names[1]  # most recently freed: likeliest in cache
+    assert _shm.create_block(8192)[0] not in names  # another size: a new block
+    _shm.release_blocks(["/never-taken"])  # unknown names are ignored
+    _shm.unlink_pool()
+    assert not any(_exists(name) for name in names)
+
+
+def test_block_pool_loses_no_block_to_concurrent_takers(block_pool: None) -> None:
+    # Read threads take blocks (batches stacked into shared memory) while the worker's main
+    # thread gives blocks back.
+    import queue
+    import threading
+
+    given: queue.Queue[str] = queue.Queue()
+    taken: list[str] = []
+
+    def take() -> None:
+        for _ in range(300):
+            name = _shm.create_block(4096)[0]
+            taken.append(name)
+            given.put(name)
+
+    threads = [threading.Thread(target=take) for _ in range(3)]
+    for thread in threads:
+        thread.start()
+    returned = 0
+    while returned < 900:
+        _shm.release_blocks([given.get()])
+        returned += 1
+    for thread in threads:
+        thread.join()
+    free = {name for blocks in _shm._pool._free.values() for name, _ in blocks}
+    dropped = set(_shm.take_dropped())
+    assert not _shm._pool._used
+    assert len(free) <= 2 and free | dropped == set(taken) and not free & dropped
+    assert all(_exists(name) for name in free) and not any(_exists(name) for name in dropped)
 
 
 def test_unlink_shm_frees_unopened_elements() -> None:
