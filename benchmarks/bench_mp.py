@@ -12,7 +12,8 @@
   touches every page of each; baselines: a plain NumPy copy of the same bytes in the parent into
   one reused buffer (the physical limit, cache-resident) and into as many rotating buffers as the
   transport keeps in flight (memory-bound), the bare mechanism (two processes copying into
-  shared-memory blocks mapped once, block names over a pipe, no pipeline: the ceiling of any
+  shared-memory blocks mapped once, block names over a pipe, no pipeline) with glibc's usual
+  copies and with the streaming stores grain_core's workers use (the ceiling of a
   cross-process transport here), and Grain with 2 workers. The workers hand out a
   ready 4 MiB array, so only the transport is measured (copy into shared memory, message,
   mapping in the parent). batches/s × 4 MiB = GB/s.
@@ -349,15 +350,16 @@ def bare_transport_worker(conn: Any, names: list[str]) -> None:
             block.close()
 
 
-def _bare_transport_pass() -> Callable[[], None]:
+def _bare_transport_pass(glibc_tunables: str | None = None) -> Callable[[], None]:
     """The mechanism alone: 2 processes copy the batch into shared-memory blocks mapped once,
     a pipe carries block names both ways, the parent reads in rotation and hands each block
     back once read. Each worker has ``per_worker_buffer_size + 1`` blocks, what grain_core
-    keeps in flight (the buffered results and the one the consumer holds)."""
+    keeps in flight (the buffered results and the one the consumer holds). The processes are
+    spawned with ``GLIBC_TUNABLES=glibc_tunables`` when given."""
     import multiprocessing
     from multiprocessing import shared_memory
 
-    context = multiprocessing.get_context("forkserver")
+    context = multiprocessing.get_context("spawn")
     nbytes = int(np.prod(TRANSPORT_SHAPE)) * 4
     blocks: dict[str, shared_memory.SharedMemory] = {}
     conns, workers = [], []
@@ -369,7 +371,16 @@ def _bare_transport_pass() -> Callable[[], None]:
             names.append(block.name)
         parent_end, child_end = context.Pipe()
         worker = context.Process(target=bare_transport_worker, args=(child_end, names))
-        worker.start()
+        inherited = os.environ.get("GLIBC_TUNABLES")
+        if glibc_tunables is not None:
+            os.environ["GLIBC_TUNABLES"] = glibc_tunables
+        try:
+            worker.start()
+        finally:
+            if inherited is None:
+                os.environ.pop("GLIBC_TUNABLES", None)
+            else:
+                os.environ["GLIBC_TUNABLES"] = inherited
         conns.append(parent_end)
         workers.append(worker)
 
@@ -403,9 +414,22 @@ def _bare_transport_pass() -> Callable[[], None]:
 
 @mp_shm_transport.baseline("bare pipe + shared memory, 2 processes")
 def _() -> Callable[[], None]:
-    # The floor under any cross-process transport here: what is left between it and the
-    # numpy copy is the hardware's, not the library's.
+    # The mechanism with glibc's copies as they come.
     return _bare_transport_pass()
+
+
+@mp_shm_transport.baseline("bare pipe + shared memory, streaming stores")
+def _() -> Callable[[], None]:
+    # The same copies as grain_core's workers make (streaming stores from 2 MiB): the ceiling
+    # of a cross-process transport here; what is left between it and the cache-resident numpy
+    # copy is the hardware's, not the library's.
+    from grain_core._worker import worker_glibc_tunables
+    from grain_core.config import config
+
+    inherited = os.environ.get("GLIBC_TUNABLES")
+    return _bare_transport_pass(
+        worker_glibc_tunables(inherited, config.py_mp_worker_streaming_copy_bytes)
+    )
 
 
 @mp_shm_transport.baseline("grain 2 workers", requires="grain")

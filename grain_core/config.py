@@ -21,7 +21,14 @@ _DEFAULTS: dict[str, Any] = {
     # grain_core's own: mp_prefetch over to_iter_dataset() hands positions to free workers
     # (grain_core.dataset.mp_dispatch). False: each worker computes its fixed strided share.
     "py_mp_prefetch_dispatch": True,
+    # grain_core's own: worker processes copy arrays of at least this many bytes with
+    # streaming (non-temporal) stores (glibc on x86); 0 leaves glibc's choice. Read when the
+    # workers' forkserver starts (grain_core._worker).
+    "py_mp_worker_streaming_copy_bytes": 2 * 1024 * 1024,
 }
+
+#: The smallest threshold glibc accepts for ``x86_non_temporal_threshold``.
+_MIN_STREAMING_COPY_BYTES = 0x4040
 
 
 def _from_env(name: str, default: Any) -> Any:
@@ -30,7 +37,29 @@ def _from_env(name: str, default: Any) -> Any:
         return default
     if isinstance(default, bool):
         return raw.strip().lower() in ("1", "true", "yes", "on")
+    if isinstance(default, int):
+        return _checked(name, int(raw))
     return raw
+
+
+def _checked(name: str, value: Any) -> Any:
+    """``value`` for option ``name``, validated.
+
+    Raises:
+      ValueError: If ``value`` is not valid for ``name``.
+    """
+    if name == "py_traceback_filtering" and value not in _TRACEBACK_MODES:
+        raise ValueError(f"py_traceback_filtering must be one of {_TRACEBACK_MODES}.")
+    if name == "py_mp_worker_streaming_copy_bytes" and (
+        not isinstance(value, int)
+        or isinstance(value, bool)
+        or not (value == 0 or value >= _MIN_STREAMING_COPY_BYTES)
+    ):
+        raise ValueError(
+            f"py_mp_worker_streaming_copy_bytes must be 0 (glibc's own threshold) or an int of "
+            f"at least {_MIN_STREAMING_COPY_BYTES} bytes, got {value!r}."
+        )
+    return value
 
 
 class Config:
@@ -60,9 +89,7 @@ class Config:
         values = object.__getattribute__(self, "_values")
         if name not in values:
             raise ValueError(f"Unrecognized config option: {name}. Known: {sorted(values)}.")
-        if name == "py_traceback_filtering" and value not in _TRACEBACK_MODES:
-            raise ValueError(f"py_traceback_filtering must be one of {_TRACEBACK_MODES}.")
-        values[name] = value
+        values[name] = _checked(name, value)
 
     def get_or_default(self, name: str) -> Any:
         """Returns the option's value (there are no unparsed flags in grain_core)."""

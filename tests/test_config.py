@@ -34,3 +34,16 @@ def test_protocol_lookups_get_attribute_error() -> None:
     assert not hasattr(config, "__wrapped__")
     with pytest.raises(ValueError, match="Unrecognized config option"):
         config.not_an_option  # noqa: B018
+
+
+def test_streaming_copy_threshold_is_validated(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("GRAIN_PY_MP_WORKER_STREAMING_COPY_BYTES", "0")
+    cfg = Config()
+    assert cfg.py_mp_worker_streaming_copy_bytes == 0
+    cfg.update("py_mp_worker_streaming_copy_bytes", 4 << 20)
+    for bad in (100, -1, 2.5, True, "2MiB"):
+        with pytest.raises(ValueError, match="py_mp_worker_streaming_copy_bytes must be 0"):
+            cfg.update("py_mp_worker_streaming_copy_bytes", bad)
+    monkeypatch.setenv("GRAIN_PY_MP_WORKER_STREAMING_COPY_BYTES", "12")
+    with pytest.raises(ValueError, match="at least 16448 bytes, got 12"):
+        Config()

@@ -459,6 +459,49 @@ def test_worker_init_fn_and_cpu_only_jax() -> None:
     assert len(out) == 8 and set(out) <= {("0/2", "cpu"), ("1/2", "cpu")}
 
 
+def _glibc_tunables(_: Any) -> str | None:
+    return os.environ.get("GLIBC_TUNABLES")
+
+
+def test_workers_copy_large_arrays_with_streaming_stores() -> None:
+    from grain_core._worker import worker_glibc_tunables
+
+    if "x86_non_temporal_threshold" in os.environ.get("GLIBC_TUNABLES", ""):
+        pytest.skip("the environment sets the threshold itself")
+    ds = grain.MapDataset.range(2).map(_glibc_tunables).to_iter_dataset().mp_prefetch(_opts(2))
+    threshold = f"glibc.cpu.x86_non_temporal_threshold={2 * 1024 * 1024:#x}"
+    assert all(threshold in (tunables or "") for tunables in ds)
+    assert threshold not in os.environ.get("GLIBC_TUNABLES", "")  # the parent's is unchanged
+    # The user's own tunables are kept, their threshold wins, 0 leaves glibc's choice.
+    assert worker_glibc_tunables(None, 0x4040) == "glibc.cpu.x86_non_temporal_threshold=0x4040"
+    assert worker_glibc_tunables("glibc.malloc.arena_max=2", 0x4040) == (
+        "glibc.malloc.arena_max=2:glibc.cpu.x86_non_temporal_threshold=0x4040"
+    )
+    own = "glibc.cpu.x86_non_temporal_threshold=0x10000"
+    assert worker_glibc_tunables(own, 0x4040) == own
+    assert worker_glibc_tunables(None, 0) is None
+
+
+def test_the_streaming_threshold_is_read_when_the_forkserver_starts(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from grain_core._worker import _WorkerForkServer
+
+    monkeypatch.delenv("GLIBC_TUNABLES", raising=False)
+    grain.config.update("py_mp_worker_streaming_copy_bytes", 0x300000)
+    server = _WorkerForkServer()
+    try:
+        server.ensure_running()
+        pid = server._forkserver_pid  # type: ignore[attr-defined]
+        with open(f"/proc/{pid}/environ", "rb") as f:
+            environ = f.read().split(b"\0")
+        assert b"GLIBC_TUNABLES=glibc.cpu.x86_non_temporal_threshold=0x300000" in environ
+        assert "GLIBC_TUNABLES" not in os.environ
+    finally:
+        grain.config.update("py_mp_worker_streaming_copy_bytes", 2 * 1024 * 1024)
+        server._stop()  # type: ignore[attr-defined]
+
+
 def test_closed_iterator_and_gc_release_everything(no_shm_leak: None) -> None:
     ds = grain.MapDataset.range(50).map(_big).to_iter_dataset().mp_prefetch(_opts(2, buffer=3))
     it = iter(ds)
