@@ -102,6 +102,11 @@ def worker_glibc_tunables(inherited: str | None, streaming_copy_bytes: int) -> s
 class _WorkerForkServer(forkserver.ForkServer):
     """The forkserver of grain_core's workers; it starts with ``worker_glibc_tunables``."""
 
+    def __init__(self) -> None:
+        super().__init__()
+        # Two threads starting worker pools at once must not restore each other's variable.
+        self._start_lock = threading.Lock()
+
     def ensure_running(self) -> None:
         if getattr(self, "_forkserver_pid", None) is not None:
             # Running. One that died restarts with the parent's environment as it is: only
@@ -110,20 +115,21 @@ class _WorkerForkServer(forkserver.ForkServer):
             return
         from grain_core.config import config
 
-        inherited = os.environ.get(_GLIBC_TUNABLES)
-        tunables = worker_glibc_tunables(inherited, config.py_mp_worker_streaming_copy_bytes)
-        if tunables is None or tunables == inherited:
-            super().ensure_running()
-            return
-        # The server process inherits the environment at its start; workers fork from it.
-        os.environ[_GLIBC_TUNABLES] = tunables
-        try:
-            super().ensure_running()
-        finally:
-            if inherited is None:
-                del os.environ[_GLIBC_TUNABLES]
-            else:
-                os.environ[_GLIBC_TUNABLES] = inherited
+        with self._start_lock:
+            inherited = os.environ.get(_GLIBC_TUNABLES)
+            tunables = worker_glibc_tunables(inherited, config.py_mp_worker_streaming_copy_bytes)
+            if tunables is None or tunables == inherited:
+                super().ensure_running()
+                return
+            # The server process inherits the environment at its start; workers fork from it.
+            os.environ[_GLIBC_TUNABLES] = tunables
+            try:
+                super().ensure_running()
+            finally:
+                if inherited is None:
+                    del os.environ[_GLIBC_TUNABLES]
+                else:
+                    os.environ[_GLIBC_TUNABLES] = inherited
 
 
 _FORKSERVER = _WorkerForkServer()

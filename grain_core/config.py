@@ -38,7 +38,13 @@ def _from_env(name: str, default: Any) -> Any:
     if isinstance(default, bool):
         return raw.strip().lower() in ("1", "true", "yes", "on")
     if isinstance(default, int):
-        return _checked(name, int(raw))
+        try:
+            value = int(raw)
+        except ValueError:
+            raise ValueError(
+                f"Environment variable GRAIN_{name.upper()}={raw!r} must be an integer."
+            ) from None
+        return _checked(name, value)
     return raw
 
 

@@ -47,3 +47,6 @@ def test_streaming_copy_threshold_is_validated(monkeypatch: pytest.MonkeyPatch) 
     monkeypatch.setenv("GRAIN_PY_MP_WORKER_STREAMING_COPY_BYTES", "12")
     with pytest.raises(ValueError, match="at least 16448 bytes, got 12"):
         Config()
+    monkeypatch.setenv("GRAIN_PY_MP_WORKER_STREAMING_COPY_BYTES", "2MiB")
+    with pytest.raises(ValueError, match="GRAIN_PY_MP_WORKER_STREAMING_COPY_BYTES='2MiB' must"):
+        Config()
