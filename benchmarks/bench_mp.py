@@ -6,7 +6,8 @@
   with 0 and 2 workers, and the same batches from a bare ``multiprocessing.Pool(2)`` (how two
   processes scale here now); passes alternate between the implementations.
 * ``mp_cpu_heavy_slow_core``: the same with each worker pinned to its own core and a busy
-  process sharing core 1 (a noisy neighbour on one virtual CPU), against strict rotation and
+  process sharing core 1 (a noisy neighbour on one virtual CPU), against the batch made after
+  ``to_iter_dataset`` (each worker batches its share; dispatched as well), strict rotation and
   a pool pinned alike.
 * ``mp_shm_transport``: 4 MiB float32 batches from 2 running workers to the parent, which
   touches every page of each; baselines: a plain NumPy copy of the same bytes in the parent into
@@ -89,8 +90,15 @@ def same(x: Any) -> Any:
     return x
 
 
-def _heavy_ds(grain: Any, workers: int, rotation: bool = False, **mp_kwargs: Any) -> Any:
-    ds = grain.MapDataset.range(HEAVY_ELEMENTS).map(heavy).batch(HEAVY_BATCH).to_iter_dataset()
+def _heavy_ds(
+    grain: Any, workers: int, rotation: bool = False, batch_after: bool = False, **mp_kwargs: Any
+) -> Any:
+    ds = grain.MapDataset.range(HEAVY_ELEMENTS).map(heavy)
+    if batch_after:
+        # Each worker batches its strided share (as Grain's workers do): dispatched too.
+        ds = ds.to_iter_dataset().batch(HEAVY_BATCH)
+    else:
+        ds = ds.batch(HEAVY_BATCH).to_iter_dataset()
     if rotation:
         # An IterDataset step after the slice point: workers run strided shares in rotation.
         ds = ds.map(same)
@@ -100,6 +108,8 @@ def _heavy_ds(grain: Any, workers: int, rotation: bool = False, **mp_kwargs: Any
 
 
 HEAVY_OUT = -(-HEAVY_ELEMENTS // HEAVY_BATCH)
+# Batched after to_iter_dataset by 2 workers: each worker's share ends in a partial batch.
+HEAVY_OUT_BATCH_AFTER = sum(-(-len(range(w, HEAVY_ELEMENTS, 2)) // HEAVY_BATCH) for w in range(2))
 
 
 @workload(
@@ -233,6 +243,13 @@ if hasattr(os, "sched_setaffinity") and len(os.sched_getaffinity(0)) >= 2:
 
         ds = _heavy_ds(grain, 2, worker_init_fn=pin_worker_to_core)
         return _with_core_1_busy(_drain(ds, HEAVY_OUT))
+
+    @mp_cpu_heavy_slow_core.baseline("grain_core 2 workers, batch after to_iter_dataset")
+    def _() -> Callable[[], None]:
+        import grain_core as grain
+
+        ds = _heavy_ds(grain, 2, batch_after=True, worker_init_fn=pin_worker_to_core)
+        return _with_core_1_busy(_drain(ds, HEAVY_OUT_BATCH_AFTER))
 
     @mp_cpu_heavy_slow_core.baseline("grain_core 2 workers, strict rotation")
     def _() -> Callable[[], None]:

@@ -19,6 +19,7 @@ import grain_core as grain
 from grain_core.dataset import mp_dispatch
 from grain_core.dataset.mp_dispatch import (
     AssignedPositionsMapDataset,
+    ClassBatchesMapDataset,
     PositionDispatcher,
     PositionReader,
 )
@@ -115,7 +116,7 @@ def test_output_and_states_equal_strict_rotation(
 ) -> None:
     ds = _filtered().mp_prefetch(_opts(workers))
     dispatched = _run(ds, 26)
-    monkeypatch.setattr(mp_dispatch, "dispatchable", lambda ds, sequential: False)
+    monkeypatch.setattr(mp_dispatch, "dispatchable", lambda *_: False)
     assert _run(ds, 26) == dispatched
     assert sorted(dispatched[0]) == [x for x in range(40) if x % 3]
 
@@ -128,7 +129,7 @@ def test_checkpoints_move_between_the_engines(monkeypatch: pytest.MonkeyPatch) -
         state = it.get_state()
         rest = list(it)
     with monkeypatch.context() as m:
-        m.setattr(mp_dispatch, "dispatchable", lambda ds, sequential: False)
+        m.setattr(mp_dispatch, "dispatchable", lambda *_: False)
         with iter(ds) as it:
             it.set_state(state)
             assert list(it) == rest
@@ -140,6 +141,110 @@ def test_checkpoints_move_between_the_engines(monkeypatch: pytest.MonkeyPatch) -
     with iter(ds) as it:
         it.set_state(rotating_state)
         assert list(it) == rotating_rest
+
+
+def _row(x: int) -> np.ndarray:
+    return np.full(3, x, np.int64)
+
+
+def _batched(length: int, batch: int, drop: bool) -> grain.IterDataset:
+    """A batch after ``to_iter_dataset``: each worker batches its strided share."""
+    ds = grain.MapDataset.range(length).map(_row).to_iter_dataset()
+    return ds.batch(batch, drop_remainder=drop)
+
+
+def _batch_firsts(elements: list[Any]) -> list[list[int]]:
+    return [batch[:, 0].tolist() for batch in elements]
+
+
+@pytest.mark.parametrize(
+    ("length", "batch", "drop", "workers"),
+    [(23, 4, False, 2), (23, 4, True, 2), (23, 4, True, 3), (10, 2, True, 3), (11, 3, False, 3)],
+)
+def test_batches_after_to_iter_dataset_are_dispatched_as_rotation_makes_them(
+    length: int, batch: int, drop: bool, workers: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    ds = _batched(length, batch, drop).mp_prefetch(_opts(workers))
+    assert mp_dispatch.dispatchable(ds.parents[0], workers, False)
+    steps = sum(1 for _ in ds)
+    elements, states = _run(ds, steps)
+    with iter(ds) as it:  # the state once every worker's share has ended
+        assert list(it)
+        ended = it.get_state()
+    monkeypatch.setattr(mp_dispatch, "dispatchable", lambda *_: False)
+    rotating, rotating_states = _run(ds, steps)
+    with iter(ds) as it:
+        assert list(it)
+        assert it.get_state() == ended
+    assert _batch_firsts(elements) == _batch_firsts(rotating) and states == rotating_states
+    # Worker w batches its share w, w + N, ...: the first batch of worker 1 starts at 1.
+    assert _batch_firsts(elements)[1][:2] == [1, 1 + workers]
+
+
+def test_batch_checkpoints_move_between_the_engines(monkeypatch: pytest.MonkeyPatch) -> None:
+    ds = _batched(40, 3, True).mp_prefetch(_opts(3))
+    with monkeypatch.context() as m:
+        m.setattr(mp_dispatch, "dispatchable", lambda *_: False)
+        with iter(ds) as it:
+            for _ in range(5):
+                next(it)
+            rotating_state = it.get_state()
+            rotating_rest = _batch_firsts(list(it))
+    with iter(ds) as it:
+        it.set_state(rotating_state)
+        assert _batch_firsts([next(it), next(it)]) == rotating_rest[:2]
+        it.set_state(rotating_state)  # results in flight are dropped
+        assert _batch_firsts(list(it)) == rotating_rest
+
+
+def test_batch_state_not_at_a_batch_start_is_a_clear_error() -> None:
+    ds = _batched(20, 4, False).mp_prefetch(_opts(2))
+    with iter(ds) as it:
+        state = it.get_state()
+        state["iterators_in_use_states"] = [{"next_index": 4}, {"next_index": 3}]
+        with pytest.raises(IndexError, match="next_index` 3 is not where a batch of 4 starts"):
+            it.set_state(state)
+
+
+def test_batches_after_filters_or_other_steps_rotate() -> None:
+    filtered = _filtered().batch(2)
+    assert mp_dispatch.dispatch_view(filtered, 2) is None
+    mapped = grain.MapDataset.range(10).to_iter_dataset().map(_row).batch(2)
+    assert mp_dispatch.dispatch_view(mapped, 2) is None
+    # The output is what the rotating engine gives (filters make the classes drift).
+    with iter(filtered.mp_prefetch(_opts(2))) as it:
+        assert [b.tolist() for b in it][:3] == [[2, 4], [1, 5], [8, 10]]
+
+
+def test_class_batches_name_the_element_that_fails_and_refuse_nones() -> None:
+    def fail_on_seven(x: int) -> int:
+        if x == 7:
+            raise ValueError("bad 7")
+        return x
+
+    batches = ClassBatchesMapDataset(
+        grain.MapDataset.range(10).map(fail_on_seven),
+        2,
+        2,
+        drop_remainder=False,
+        batch_fn=list,
+        allow_nones=False,
+    )
+    assert len(batches) == 6 and batches[0] == [0, 2] and batches[1] == [1, 3]
+    assert batches[4] == [8] and batches[5] == [9]  # shares of 5: a last batch of one
+    with pytest.raises(ValueError, match="bad 7") as info:
+        batches[3]  # share 1's second batch: elements 5 and 7
+    assert "Raised while reading index 7 of MapMapDataset" in "\n".join(info.value.__notes__)
+    nones = ClassBatchesMapDataset(
+        grain.MapDataset.range(6).map(lambda x: None if x == 2 else x),
+        2,
+        2,
+        drop_remainder=True,
+        batch_fn=list,
+        allow_nones=False,
+    )
+    with pytest.raises(ValueError, match='Element 2 of .* is None.*"py_mp_prefetch_dispatch"'):
+        nones[0]
 
 
 def test_checkpoint_conformance_with_filters() -> None:
@@ -334,7 +439,7 @@ def test_any_filter_and_restore_point_match_strict_rotation(
     ds = grain.MapDataset.range(30).filter(_KeepOnly(kept)).to_iter_dataset()
     ds = ds.mp_prefetch(_opts(workers))
     original = mp_dispatch.dispatchable
-    mp_dispatch.dispatchable = lambda ds, sequential: False
+    mp_dispatch.dispatchable = lambda *_: False
     try:
         with iter(ds) as it:
             states = [it.get_state()]
@@ -349,4 +454,35 @@ def test_any_filter_and_restore_point_match_strict_rotation(
     with iter(ds) as it:
         it.set_state(states[stop])
         assert list(it) == elements[stop:]
+        assert it.get_state() == states[-1]
+
+
+@settings(max_examples=8, deadline=None)
+@given(
+    length=st.integers(1, 30),
+    batch=st.integers(1, 5),
+    drop=st.booleans(),
+    workers=st.sampled_from([2, 3]),
+    stop=st.integers(0, 30),
+)
+def test_any_batching_and_restore_point_match_strict_rotation(
+    length: int, batch: int, drop: bool, workers: int, stop: int
+) -> None:
+    ds = _batched(length, batch, drop).mp_prefetch(_opts(workers))
+    original = mp_dispatch.dispatchable
+    mp_dispatch.dispatchable = lambda *_: False
+    try:
+        with iter(ds) as it:
+            states = [it.get_state()]
+            elements = []
+            for x in it:
+                elements.append(x[:, 0].tolist())
+                states.append(it.get_state())
+            states.append(it.get_state())  # exhausted
+    finally:
+        mp_dispatch.dispatchable = original
+    stop = min(stop, len(elements))
+    with iter(ds) as it:
+        it.set_state(states[stop])
+        assert _batch_firsts(list(it)) == elements[stop:]
         assert it.get_state() == states[-1]

@@ -10,7 +10,7 @@ import numpy as np
 from grain_core import _tree
 from grain_core.dataset.base import INFINITE, DatasetIterator, Indices, IterDataset, MapDataset
 
-__all__ = ["BatchIterDataset", "BatchMapDataset", "make_batch"]
+__all__ = ["BatchIterDataset", "BatchMapDataset", "has_holes_upstream", "make_batch"]
 
 
 def _stack_leaves(*leaves: Any) -> np.ndarray:
@@ -84,7 +84,9 @@ def _check_batch_size(batch_size: int) -> None:
         raise ValueError(f"batch_size must be a positive integer, got {batch_size!r}.")
 
 
-def _has_holes_upstream(ds: MapDataset[Any]) -> str | None:
+def has_holes_upstream(ds: MapDataset[Any]) -> str | None:
+    """The type name of a node above ``ds`` that leaves holes (``None``) in the index space,
+    or None."""
     stack: list[Any] = [ds]
     while stack:
         node = stack.pop()
@@ -107,7 +109,7 @@ class BatchMapDataset(MapDataset[Any]):
     ) -> None:
         super().__init__(parent)
         _check_batch_size(batch_size)
-        holes = _has_holes_upstream(parent)
+        holes = has_holes_upstream(parent)
         if holes is not None:
             raise ValueError(
                 f"`MapDataset.batch` cannot follow `{holes}`, which leaves holes in the index "

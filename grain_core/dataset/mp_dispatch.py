@@ -3,13 +3,17 @@
 When the pipeline given to ``mp_prefetch`` is a MapDataset read by ``to_iter_dataset`` (the
 usual ``….map(f).batch(n).to_iter_dataset().mp_prefetch(…)``, and the DataLoader's Map/Batch
 pipelines), every element is a function of its index alone, so any worker can compute any
-element. Strict rotation, with worker ``w`` reading ``map_parent[w::N]``, runs every worker at
-the slowest one's pace (a core shared with another process, a worker the host deschedules);
-here the parent keeps that output and its state, and hands out the positions instead:
+element. So is every batch of ``….to_iter_dataset().batch(n)`` without filters: worker ``w``
+batches its share ``map_parent[w::N]``, and ``ClassBatchesMapDataset`` lays those batches out
+as the elements of a MapDataset (``dispatch_view``). Strict rotation, with worker ``w`` reading
+``map_parent[w::N]``, runs every worker at the slowest one's pace (a core shared with another
+process, a worker the host deschedules); here the parent keeps that output and its state, and
+hands out the positions instead:
 
 * The output is the same rotation over ``N`` strided *classes* (class ``c`` holds the indices
-  ``c, c + N, …``), and each class's state is the ``{"next_index": j}`` its worker would report,
-  so checkpoints are interchangeable with the rotating engine and across worker counts.
+  ``c, c + N, …``), and each class's state is the ``{"next_index": j}`` its worker would report
+  (for batches, the elements of its share read), so checkpoints are interchangeable with the
+  rotating engine and, for elements, across worker counts.
 * Workers get *runs* ``(class, first slice index, count)``, compute them in order with their
   read threads (``PositionReader``) and send each result with the CPU time an element cost;
   the parent files results by position, no tags needed.
@@ -30,7 +34,7 @@ from __future__ import annotations
 
 import collections
 import weakref
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -46,15 +50,18 @@ from grain_core._worker import (
     WorkerSpec,
 )
 from grain_core.dataset.base import DatasetIterator, IterDataset, MapDataset, MultiprocessingContext
+from grain_core.dataset.batch import BatchIterDataset, has_holes_upstream
 from grain_core.dataset.options import DatasetOptions, FilterRatioChecker
 from grain_core.dataset.prefetch import PrefetchIterDataset, note_read_error
 from grain_core.dataset.stats import attach_worker_stages
 
 __all__ = [
     "AssignedPositionsMapDataset",
+    "ClassBatchesMapDataset",
     "DispatchedClassIterator",
     "PositionDispatcher",
     "PositionReader",
+    "dispatch_view",
     "dispatchable",
 ]
 
@@ -71,19 +78,154 @@ _FILTER_CHECK_EVERY = 256
 _TIME_WEIGHT = 0.3
 
 
-def dispatchable(ds: IterDataset[Any], sequential_slice: bool) -> bool:
-    """Whether ``mp_prefetch`` over ``ds`` dispatches positions: ``ds`` reads a MapDataset
-    (``to_iter_dataset``), the workers take strided shares, and
+def dispatchable(ds: IterDataset[Any], count: int, sequential_slice: bool) -> bool:
+    """Whether ``mp_prefetch`` over ``ds`` with ``count`` workers dispatches positions: ``ds``
+    has a ``dispatch_view``, the workers take strided shares, and
     ``grain_core.config.py_mp_prefetch_dispatch`` is on (off, each worker computes its own
     strided share: for transformations whose result depends on state a ``worker_init_fn``
     set up, which would otherwise depend on which worker was free)."""
     from grain_core.config import config
 
     return (
-        type(ds) is PrefetchIterDataset
-        and not sequential_slice
+        not sequential_slice
         and bool(config.py_mp_prefetch_dispatch)
+        and dispatch_view(ds, count) is not None
     )
+
+
+def dispatch_view(ds: IterDataset[Any], count: int) -> PrefetchIterDataset | None:
+    """The ``to_iter_dataset`` reader whose positions the workers compute for pipeline ``ds``
+    (element ``c + j * count`` of its MapDataset is element ``j`` of worker ``c``'s share under
+    strict rotation), or None when ``ds`` has none.
+
+    * ``….to_iter_dataset()``: the reader itself.
+    * ``….to_iter_dataset().batch(…)`` over a MapDataset without filters: a reader of the
+      batches each worker makes of its share (``ClassBatchesMapDataset``). With a filter the
+      batches depend on which elements of a share were dropped before, so they are not.
+    """
+    if type(ds) is PrefetchIterDataset:
+        return ds
+    if type(ds) is BatchIterDataset and type(ds.parents[0]) is PrefetchIterDataset:
+        reader: PrefetchIterDataset = ds.parents[0]  # type: ignore[assignment]
+        if has_holes_upstream(reader.map_parent) is not None:
+            return None
+        batches = ClassBatchesMapDataset(
+            reader.map_parent,
+            count,
+            ds.batch_size,
+            drop_remainder=ds.drop_remainder,
+            batch_fn=ds.batch_fn,
+            allow_nones=reader.allow_nones,
+        )
+        return PrefetchIterDataset(batches, read_options=reader.read_options)
+    return None
+
+
+class ClassBatchesMapDataset(MapDataset[Any]):
+    """The batches strict rotation makes of ``to_iter_dataset().batch(…)``: worker ``c`` of
+    ``count`` batches its share ``parent[c::count]``. Index ``c + j * count`` is worker ``c``'s
+    batch ``j``, laid out as the shares of elements are, so any worker can compute any batch.
+
+    Args:
+      parent: The MapDataset ``to_iter_dataset`` reads.
+      count: The number of workers (shares).
+      batch_size / drop_remainder / batch_fn: Those of the batch.
+      allow_nones: Those of ``to_iter_dataset``: without, a ``None`` element (which a worker
+        reading its share in order would skip) is an error.
+    """
+
+    def __init__(
+        self,
+        parent: MapDataset[Any],
+        count: int,
+        batch_size: int,
+        *,
+        drop_remainder: bool,
+        batch_fn: Callable[[Sequence[Any]], Any],
+        allow_nones: bool,
+    ) -> None:
+        super().__init__(parent)
+        self._count = count
+        self._batch_size = batch_size
+        self._drop_remainder = drop_remainder
+        self._batch_fn = batch_fn
+        self._allow_nones = allow_nones
+        total = len(parent)
+        self._share_lengths = [len(range(c, total, count)) for c in range(count)]
+        # Shares differ by at most one element, so their batch counts by at most one: the
+        # indices c + j * count of all batches are 0 .. len - 1.
+        self._length = sum(self._batches_in(n) for n in self._share_lengths)
+
+    def _batches_in(self, elements: int) -> int:
+        if self._drop_remainder:
+            return elements // self._batch_size
+        return -(-elements // self._batch_size)
+
+    def elements_before(self, share: int, batch: int, ended: bool) -> int:
+        """Elements of share ``share`` read before its batch ``batch`` (its state under strict
+        rotation: ``{"next_index": …}`` counts elements), or all of them once the share
+        ``ended`` (a dropped remainder is read before the share ends)."""
+        length = self._share_lengths[share]
+        return length if ended else min(batch * self._batch_size, length)
+
+    def batches_before(self, share: int, elements: int) -> int:
+        """The batch of share ``share`` that starts after its first ``elements`` elements.
+
+        Raises:
+          IndexError: No batch starts there (the state belongs to another pipeline).
+        """
+        length = self._share_lengths[share]
+        if elements == length:
+            return self._batches_in(length)  # a dropped remainder was read too
+        if not 0 <= elements <= length or elements % self._batch_size:
+            raise IndexError(
+                f"Checkpoint `next_index` {elements} is not where a batch of "
+                f"{self._batch_size} starts in worker {share}'s {length} elements: the "
+                "checkpoint belongs to a different pipeline."
+            )
+        return elements // self._batch_size
+
+    def __len__(self) -> int:
+        return self._length
+
+    def __getitem__(self, index: Any) -> Any:
+        if isinstance(index, slice):
+            return self.slice(index)
+        if not 0 <= index < self._length:
+            raise IndexError(f"Index {index} is out of range for {self._length} batches.")
+        share, batch = index % self._count, index // self._count
+        first = batch * self._batch_size
+        stop = min(first + self._batch_size, self._share_lengths[share])
+        positions = range(share + first * self._count, share + stop * self._count, self._count)
+        parent = self._parents[0]
+        try:
+            values = parent._getitems(positions)
+        except Exception:  # noqa: BLE001 - read one by one to name the element that fails
+            values = [self._read(parent, p) for p in positions]
+        if not self._allow_nones:
+            for p, value in zip(positions, values, strict=True):
+                if value is None:
+                    raise ValueError(
+                        f"Element {p} of {parent!r} is None (filtered), which a worker reading "
+                        "its share in order skips but one computing a batch of it cannot. "
+                        'Use grain.config.update("py_mp_prefetch_dispatch", False), or filter '
+                        "with `filter` before `to_iter_dataset()`."
+                    )
+        return self._batch_fn(values)
+
+    @staticmethod
+    def _read(parent: MapDataset[Any], position: int) -> Any:
+        try:
+            return parent[position]
+        except Exception as e:
+            note_read_error(e, position, parent)
+            raise
+
+    def __repr__(self) -> str:
+        return (
+            f"ClassBatchesMapDataset(workers={self._count}, batch_size={self._batch_size}, "
+            f"drop_remainder={self._drop_remainder})"
+        )
 
 
 # ------------------------------------------------------------------------------ worker side
@@ -182,16 +324,17 @@ class PositionReader:
 
     def __init__(
         self,
-        ds: PrefetchIterDataset,
+        ds: IterDataset[Any],
         index: int,
         count: int,
         options: DatasetOptions | None,
     ) -> None:
         from grain_core.dataset.mp_prefetch import with_shared_memory_output
 
-        ds = with_shared_memory_output(ds)  # type: ignore[assignment]
-        self._source = ds.map_parent
-        self._read_options = ds.read_options
+        view = dispatch_view(with_shared_memory_output(ds), count)
+        assert view is not None, "the parent dispatches only pipelines with a view"
+        self._source = view.map_parent
+        self._read_options = view.read_options
         self._context = MultiprocessingContext(index, count)
         self._count = count
         self._options = options
@@ -248,9 +391,13 @@ class PositionDispatcher:
     """
 
     def __init__(self, mp_ds: Any) -> None:
-        ds: PrefetchIterDataset = mp_ds._parents[0]
         self._mp_ds = mp_ds
         self._count = n = mp_ds.num_workers
+        ds = dispatch_view(mp_ds._parents[0], n)
+        assert ds is not None, "mp_prefetch dispatches only pipelines with a view"
+        self._view = ds
+        # Batches of each worker's share: states count elements, as under strict rotation.
+        self._batches = ds.map_parent if type(ds.map_parent) is ClassBatchesMapDataset else None
         total = len(ds.map_parent)
         self.lengths = [len(range(c, total, n)) for c in range(n)]
         self._allow_nones = ds.allow_nones
@@ -260,6 +407,7 @@ class PositionDispatcher:
         self._min_run = max(2, self._buffer)
         self._max_run = max(self._min_run, ds.read_options.prefetch_buffer_size)
         self.frontier = [0] * n  # per class: next slice index for the consumer
+        self._ended = [False] * n  # per class: the consumer was told it ended
         self._assigned = [0] * n  # per class: next slice index not yet assigned
         self._held: dict[tuple[int, int], tuple[int, int, Any, list[str]]] = {}
         self._runs: list[collections.deque[list[int]]] = [collections.deque() for _ in range(n)]
@@ -356,6 +504,7 @@ class PositionDispatcher:
         while True:
             j = self.frontier[cls]
             if j >= self.lengths[cls]:
+                self._ended[cls] = True
                 raise StopIteration
             result = held.get((cls, j))
             if result is None:
@@ -381,8 +530,15 @@ class PositionDispatcher:
                     continue
             return _shm.open_from_shm(value, self._recycled[worker]) if names else value
 
+    def state_index(self, cls: int) -> int:
+        """Class ``cls``'s ``next_index`` as its worker reports it under strict rotation."""
+        j = self.frontier[cls]
+        if self._batches is None:
+            return j
+        return self._batches.elements_before(cls, j, self._ended[cls])
+
     def restore(self, cls: int, next_index: int) -> None:
-        """Class ``cls`` continues at slice index ``next_index``.
+        """Class ``cls`` continues at ``next_index`` (as ``state_index`` reports it).
 
         Raises:
           IndexError: ``next_index`` is outside the class.
@@ -390,11 +546,17 @@ class PositionDispatcher:
         """
         if isinstance(self.error, WorkerDiedError):
             raise self.error
+        self._ended[cls] = False
+        if self._batches is not None:
+            elements = next_index
+            next_index = self._batches.batches_before(cls, elements)
+            # Restored where its worker had read every element: the share has ended.
+            self._ended[cls] = elements == self._batches.elements_before(cls, next_index, True)
         length = self.lengths[cls]
         if not 0 <= next_index <= length:
             raise IndexError(
                 f"Checkpoint `next_index` {next_index} is out of range [0, {length}] for "
-                f"worker {cls} of {self._count} of {self._mp_ds._parents[0].map_parent!r}: the "
+                f"worker {cls} of {self._count} of {self._view.map_parent!r}: the "
                 "checkpoint belongs to a different pipeline."
             )
         self.frontier[cls] = next_index
@@ -626,7 +788,7 @@ class DispatchedClassIterator(DatasetIterator[Any]):
             self._dispatcher.start(self._ctx.dataset_options)
 
     def get_state(self) -> dict[str, Any]:
-        return {"next_index": self._dispatcher.frontier[self._index]}
+        return {"next_index": self._dispatcher.state_index(self._index)}
 
     def set_state(self, state: dict[str, Any]) -> None:
         self._dispatcher.restore(self._index, int(state["next_index"]))

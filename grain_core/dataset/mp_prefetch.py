@@ -201,7 +201,7 @@ class MultiprocessPrefetchIterDataset(IterDataset[Any]):
         from grain_core.dataset import mp_dispatch
 
         make: Callable[[int], DatasetIterator[Any]]
-        if mp_dispatch.dispatchable(self._parents[0], self.sequential_slice):
+        if mp_dispatch.dispatchable(self._parents[0], self.num_workers, self.sequential_slice):
             make = functools.partial(
                 mp_dispatch.DispatchedClassIterator, mp_dispatch.PositionDispatcher(self)
             )
