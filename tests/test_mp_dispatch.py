@@ -398,6 +398,23 @@ def test_large_elements_through_dispatched_workers() -> None:
             assert arr.shape == (256, 256) and float(arr[0, 0]) == x
 
 
+def _big_row(x: int) -> np.ndarray:
+    return np.full(4096, x, np.float32)  # 16 KiB: batches of 8 go through shared memory
+
+
+def test_large_batches_made_after_to_iter_dataset_arrive_through_shared_memory() -> None:
+    import mmap
+
+    ds = grain.MapDataset.range(30).map(_big_row).to_iter_dataset().batch(8)
+    with iter(ds.mp_prefetch(_opts(2, 2))) as it:
+        batches = list(it)
+    assert [b[:, 0].tolist() for b in batches[:2]] == [[0, 2, 4, 6, 8, 10, 12, 14]] + [
+        [1, 3, 5, 7, 9, 11, 13, 15]
+    ]
+    assert [len(b) for b in batches] == [8, 8, 7, 7]
+    assert all(isinstance(b.base, mmap.mmap) for b in batches)
+
+
 _IN_FLIGHT = [0, 0]  # per worker process: reads running now, most at once
 
 
