@@ -22,6 +22,7 @@ from grain_core.dataset.mp_dispatch import (
     ClassBatchesMapDataset,
     PositionDispatcher,
     PositionReader,
+    ShareElementsMapDataset,
 )
 from grain_core.options import MultiprocessingOptions
 from grain_core.testing import check_iterator_conformance
@@ -147,6 +148,14 @@ def _row(x: int) -> np.ndarray:
     return np.full(3, x, np.int64)
 
 
+def _double(x: Any) -> Any:
+    return x * 2
+
+
+def _none_on_ten(x: int) -> int | None:
+    return None if x == 10 else x
+
+
 def _batched(length: int, batch: int, drop: bool) -> grain.IterDataset:
     """A batch after ``to_iter_dataset``: each worker batches its strided share."""
     ds = grain.MapDataset.range(length).map(_row).to_iter_dataset()
@@ -206,45 +215,58 @@ def test_batch_state_not_at_a_batch_start_is_a_clear_error() -> None:
             it.set_state(state)
 
 
-def test_batches_after_filters_or_other_steps_rotate() -> None:
+@pytest.mark.parametrize("batch", [None, 2])
+def test_maps_after_to_iter_dataset_are_dispatched_as_rotation_makes_them(
+    batch: int | None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # An IterDataset map's None is an element; a None of the MapDataset would be skipped.
+    ds = grain.MapDataset.range(13).to_iter_dataset().map(_double).map(_none_on_ten)
+    if batch is not None:
+        ds = ds.map(repr).batch(batch)
+    assert mp_dispatch.dispatchable(ds, 3, False)
+    dispatched = _run(ds.mp_prefetch(_opts(3)), 7 if batch else 13)
+    monkeypatch.setattr(mp_dispatch, "dispatchable", lambda *_: False)
+    rotating = _run(ds.mp_prefetch(_opts(3)), 7 if batch else 13)
+    if batch is None:
+        assert dispatched == rotating and None in dispatched[0]
+    else:
+        assert [b.tolist() for b in dispatched[0]] == [b.tolist() for b in rotating[0]]
+        assert dispatched[1] == rotating[1]
+
+
+def test_steps_after_filters_or_other_steps_rotate() -> None:
     filtered = _filtered().batch(2)
     assert mp_dispatch.dispatch_view(filtered, 2) is None
-    mapped = grain.MapDataset.range(10).to_iter_dataset().map(_row).batch(2)
-    assert mp_dispatch.dispatch_view(mapped, 2) is None
+    assert mp_dispatch.dispatch_view(_filtered().map(_double), 2) is None
+    indexed = grain.MapDataset.range(10).to_iter_dataset().map_with_index(lambda i, x: x)
+    assert mp_dispatch.dispatch_view(indexed.batch(2), 2) is None
+    mapped_after_batch = grain.MapDataset.range(10).to_iter_dataset().batch(2).map(_double)
+    assert mp_dispatch.dispatch_view(mapped_after_batch, 2) is None
     # The output is what the rotating engine gives (filters make the classes drift).
     with iter(filtered.mp_prefetch(_opts(2))) as it:
         assert [b.tolist() for b in it][:3] == [[2, 4], [1, 5], [8, 10]]
 
 
-def test_class_batches_name_the_element_that_fails_and_refuse_nones() -> None:
+def test_views_name_the_element_that_fails_and_refuse_nones() -> None:
     def fail_on_seven(x: int) -> int:
         if x == 7:
             raise ValueError("bad 7")
         return x
 
-    batches = ClassBatchesMapDataset(
-        grain.MapDataset.range(10).map(fail_on_seven),
-        2,
-        2,
-        drop_remainder=False,
-        batch_fn=list,
-        allow_nones=False,
+    elements = ShareElementsMapDataset(
+        grain.MapDataset.range(10).map(fail_on_seven), [_double], allow_nones=False
     )
-    assert len(batches) == 6 and batches[0] == [0, 2] and batches[1] == [1, 3]
-    assert batches[4] == [8] and batches[5] == [9]  # shares of 5: a last batch of one
+    batches = ClassBatchesMapDataset(elements, 2, 2, drop_remainder=False, batch_fn=list)
+    assert len(batches) == 6 and batches[0] == [0, 4] and batches[1] == [2, 6]
+    assert batches[4] == [16] and batches[5] == [18]  # shares of 5: a last batch of one
     with pytest.raises(ValueError, match="bad 7") as info:
         batches[3]  # share 1's second batch: elements 5 and 7
     assert "Raised while reading index 7 of MapMapDataset" in "\n".join(info.value.__notes__)
-    nones = ClassBatchesMapDataset(
-        grain.MapDataset.range(6).map(lambda x: None if x == 2 else x),
-        2,
-        2,
-        drop_remainder=True,
-        batch_fn=list,
-        allow_nones=False,
-    )
+    holes = grain.MapDataset.range(6).map(lambda x: None if x == 2 else x)
     with pytest.raises(ValueError, match='Element 2 of .* is None.*"py_mp_prefetch_dispatch"'):
-        nones[0]
+        ShareElementsMapDataset(holes, [], allow_nones=False)[2]
+    # As an IterDataset map, the steps see a None the reader lets through.
+    assert ShareElementsMapDataset(holes, [repr], allow_nones=True)[2] == "None"
 
 
 def test_checkpoint_conformance_with_filters() -> None:

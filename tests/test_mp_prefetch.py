@@ -20,6 +20,7 @@ import pytest
 
 import grain_core as grain
 from grain_core import _shm
+from grain_core.dataset import mp_dispatch
 from grain_core.dataset import mp_prefetch as mp_prefetch_module
 from grain_core.dataset.mp_prefetch import MultiprocessPrefetchIterDataset, slice_for_worker
 from grain_core.dataset.stats import get_execution_summary
@@ -200,9 +201,14 @@ def _produced_once_idle(path: Any, at_least: int) -> int:
 
 
 @pytest.mark.parametrize("buffer", [1, 2, 5])
-def test_worker_stays_within_its_buffer_ahead(buffer: int, tmp_path: Any) -> None:
-    # Credits go back in batches of half the buffer: the worker ends up more than half of its
-    # buffer ahead of the consumer, and never further than all of it.
+def test_worker_stays_within_its_buffer_ahead(
+    buffer: int, tmp_path: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Strict rotation: the steps after the slice point run on credit. Credits go back in
+    # batches of half the buffer: the worker ends up more than half of its buffer ahead of the
+    # consumer, and never further than all of it. (Dispatching workers compute their assigned
+    # positions ahead and send on credit: test_mp_dispatch.)
+    monkeypatch.setattr(mp_dispatch, "dispatchable", lambda *_: False)
     log = tmp_path / "produced.txt"
     ds = grain.MapDataset.range(100).to_iter_dataset().map(_LogProduced(str(log)))
     with iter(ds.mp_prefetch(_opts(1, buffer))) as it:
@@ -448,15 +454,15 @@ def _read_env(_: Any) -> tuple[str | None, str | None]:
     return os.environ.get("TEST_WORKER_ID"), os.environ.get("JAX_PLATFORMS")
 
 
-def test_worker_init_fn_and_cpu_only_jax() -> None:
-    # A map after the slice point runs in the worker of its strided share.
-    rotating = grain.MapDataset.range(4).to_iter_dataset().map(_read_env)
-    out = list(rotating.mp_prefetch(_opts(2), worker_init_fn=_init_env))
-    assert out == [("0/2", "cpu"), ("1/2", "cpu")] * 2
-    # A MapDataset's positions go to whichever worker is free.
+def test_worker_init_fn_and_cpu_only_jax(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Positions go to whichever worker is free.
     dispatched = grain.MapDataset.range(8).map(_read_env).to_iter_dataset()
     out = list(dispatched.mp_prefetch(_opts(2), worker_init_fn=_init_env))
     assert len(out) == 8 and set(out) <= {("0/2", "cpu"), ("1/2", "cpu")}
+    # Strict rotation: each worker computes its strided share.
+    monkeypatch.setattr(mp_dispatch, "dispatchable", lambda *_: False)
+    out = list(dispatched.mp_prefetch(_opts(2), worker_init_fn=_init_env))
+    assert out == [("0/2", "cpu"), ("1/2", "cpu")] * 4
 
 
 def _glibc_tunables(_: Any) -> str | None:

@@ -148,6 +148,11 @@ class _ElementwiseIterDataset(IterDataset[Any]):
         super().__init__(parent)
         self._transform = transform
 
+    @property
+    def transform(self) -> Any:
+        """The function or transformation object applied to each element."""
+        return self._transform
+
     def __iter__(self) -> DatasetIterator[Any]:
         return self._iterator_cls(iter(self._parents[0]), self)  # type: ignore[call-arg]
 

@@ -3,9 +3,10 @@
 When the pipeline given to ``mp_prefetch`` is a MapDataset read by ``to_iter_dataset`` (the
 usual ``….map(f).batch(n).to_iter_dataset().mp_prefetch(…)``, and the DataLoader's Map/Batch
 pipelines), every element is a function of its index alone, so any worker can compute any
-element. So is every batch of ``….to_iter_dataset().batch(n)`` without filters: worker ``w``
-batches its share ``map_parent[w::N]``, and ``ClassBatchesMapDataset`` lays those batches out
-as the elements of a MapDataset (``dispatch_view``). Strict rotation, with worker ``w`` reading
+element. So is every element of ``….to_iter_dataset().map(g).batch(n)`` without filters
+(IterDataset ``map`` steps, at most one ``batch`` at the end): worker ``w`` maps and batches its
+share ``map_parent[w::N]``, and ``ShareElementsMapDataset`` / ``ClassBatchesMapDataset`` lay
+what it makes out as the elements of a MapDataset (``dispatch_view``). Strict rotation, with worker ``w`` reading
 ``map_parent[w::N]``, runs every worker at the slowest one's pace (a core shared with another
 process, a worker the host deschedules); here the parent keeps that output and its state, and
 hands out the positions instead:
@@ -49,8 +50,16 @@ from grain_core._worker import (
     WorkerPool,
     WorkerSpec,
 )
-from grain_core.dataset.base import DatasetIterator, IterDataset, MapDataset, MultiprocessingContext
+from grain_core.dataset.base import (
+    DatasetIterator,
+    IterDataset,
+    MapDataset,
+    MultiprocessingContext,
+    _transform_fn,
+    transform_name,
+)
 from grain_core.dataset.batch import BatchIterDataset, has_holes_upstream
+from grain_core.dataset.map import MapIterDataset
 from grain_core.dataset.options import DatasetOptions, FilterRatioChecker
 from grain_core.dataset.prefetch import PrefetchIterDataset, note_read_error
 from grain_core.dataset.stats import attach_worker_stages
@@ -61,6 +70,7 @@ __all__ = [
     "DispatchedClassIterator",
     "PositionDispatcher",
     "PositionReader",
+    "ShareElementsMapDataset",
     "dispatch_view",
     "dispatchable",
 ]
@@ -99,26 +109,100 @@ def dispatch_view(ds: IterDataset[Any], count: int) -> PrefetchIterDataset | Non
     strict rotation), or None when ``ds`` has none.
 
     * ``….to_iter_dataset()``: the reader itself.
-    * ``….to_iter_dataset().batch(…)`` over a MapDataset without filters: a reader of the
-      batches each worker makes of its share (``ClassBatchesMapDataset``). With a filter the
-      batches depend on which elements of a share were dropped before, so they are not.
+    * ``….to_iter_dataset()`` followed by IterDataset ``map`` steps and at most one ``batch``
+      at the end, over a MapDataset without filters: a reader of what each worker makes of its
+      share (``ShareElementsMapDataset``, then ``ClassBatchesMapDataset``). After a filter the
+      k-th element of a share depends on which elements were dropped before it, so those
+      pipelines are not dispatched.
     """
-    if type(ds) is PrefetchIterDataset:
-        return ds
-    if type(ds) is BatchIterDataset and type(ds.parents[0]) is PrefetchIterDataset:
-        reader: PrefetchIterDataset = ds.parents[0]  # type: ignore[assignment]
-        if has_holes_upstream(reader.map_parent) is not None:
-            return None
-        batches = ClassBatchesMapDataset(
-            reader.map_parent,
-            count,
-            ds.batch_size,
-            drop_remainder=ds.drop_remainder,
-            batch_fn=ds.batch_fn,
-            allow_nones=reader.allow_nones,
-        )
-        return PrefetchIterDataset(batches, read_options=reader.read_options)
-    return None
+    batch = ds if type(ds) is BatchIterDataset else None
+    node = ds.parents[0] if batch is not None else ds
+    transforms = []
+    while type(node) is MapIterDataset:
+        transforms.append(node.transform)  # type: ignore[attr-defined]
+        node = node.parents[0]
+    if type(node) is not PrefetchIterDataset:
+        return None
+    reader: PrefetchIterDataset = node
+    if batch is None and not transforms:
+        return reader
+    if has_holes_upstream(reader.map_parent) is not None:
+        return None
+    elements = ShareElementsMapDataset(
+        reader.map_parent, transforms[::-1], allow_nones=reader.allow_nones
+    )
+    if batch is None:
+        # A map's None is an element (an IterDataset map does not filter).
+        return PrefetchIterDataset(elements, read_options=reader.read_options, allow_nones=True)
+    batches = ClassBatchesMapDataset(
+        elements,
+        count,
+        batch.batch_size,
+        drop_remainder=batch.drop_remainder,
+        batch_fn=batch.batch_fn,
+    )
+    return PrefetchIterDataset(batches, read_options=reader.read_options)
+
+
+class ShareElementsMapDataset(MapDataset[Any]):
+    """The elements the IterDataset ``map`` steps after ``to_iter_dataset`` make, by position:
+    ``parent[i]`` with ``transforms`` applied in order, to ``None`` too, as those steps do.
+
+    Args:
+      parent: The MapDataset ``to_iter_dataset`` reads.
+      transforms: The functions or ``Map`` transformations of the steps, in pipeline order.
+      allow_nones: Those of ``to_iter_dataset``: without, a ``None`` of ``parent`` (which a
+        worker reading its share in order would skip) is an error.
+    """
+
+    def __init__(
+        self, parent: MapDataset[Any], transforms: Sequence[Any], *, allow_nones: bool
+    ) -> None:
+        super().__init__(parent)
+        self._transforms = list(transforms)
+        self._fns = [_transform_fn(t, "map") for t in transforms]
+        self._allow_nones = allow_nones
+
+    def __len__(self) -> int:
+        return len(self._parents[0])
+
+    def __getitem__(self, index: Any) -> Any:
+        if isinstance(index, slice):
+            return self.slice(index)
+        return self._apply(index, self._parents[0][index])
+
+    def _getitems(self, indices: Any) -> list[Any]:
+        parent = self._parents[0]
+        try:
+            values = parent._getitems(indices)
+        except Exception:  # noqa: BLE001 - read one by one to name the element that fails
+            values = [self._read(parent, int(i)) for i in indices]
+        return [self._apply(int(i), x) for i, x in zip(indices, values, strict=True)]
+
+    @staticmethod
+    def _read(parent: MapDataset[Any], position: int) -> Any:
+        try:
+            return parent[position]
+        except Exception as e:
+            note_read_error(e, position, parent)
+            raise
+
+    def _apply(self, index: int, x: Any) -> Any:
+        if x is None and not self._allow_nones:
+            raise ValueError(
+                f"Element {index} of {self._parents[0]!r} is None (filtered), which a worker "
+                "reading its share in order skips but one computing the steps after "
+                "`to_iter_dataset()` by position cannot. Use grain.config.update("
+                '"py_mp_prefetch_dispatch", False), or filter with `filter` before '
+                "`to_iter_dataset()`."
+            )
+        for fn in self._fns:
+            x = fn(x)
+        return x
+
+    def __repr__(self) -> str:
+        names = ", ".join(transform_name(t) for t in self._transforms)
+        return f"ShareElementsMapDataset(maps=[{names}])"
 
 
 class ClassBatchesMapDataset(MapDataset[Any]):
@@ -127,11 +211,9 @@ class ClassBatchesMapDataset(MapDataset[Any]):
     batch ``j``, laid out as the shares of elements are, so any worker can compute any batch.
 
     Args:
-      parent: The MapDataset ``to_iter_dataset`` reads.
+      parent: The elements by position (``ShareElementsMapDataset``).
       count: The number of workers (shares).
       batch_size / drop_remainder / batch_fn: Those of the batch.
-      allow_nones: Those of ``to_iter_dataset``: without, a ``None`` element (which a worker
-        reading its share in order would skip) is an error.
     """
 
     def __init__(
@@ -142,14 +224,12 @@ class ClassBatchesMapDataset(MapDataset[Any]):
         *,
         drop_remainder: bool,
         batch_fn: Callable[[Sequence[Any]], Any],
-        allow_nones: bool,
     ) -> None:
         super().__init__(parent)
         self._count = count
         self._batch_size = batch_size
         self._drop_remainder = drop_remainder
         self._batch_fn = batch_fn
-        self._allow_nones = allow_nones
         total = len(parent)
         self._share_lengths = [len(range(c, total, count)) for c in range(count)]
         # Shares differ by at most one element, so their batch counts by at most one: the
@@ -197,29 +277,7 @@ class ClassBatchesMapDataset(MapDataset[Any]):
         first = batch * self._batch_size
         stop = min(first + self._batch_size, self._share_lengths[share])
         positions = range(share + first * self._count, share + stop * self._count, self._count)
-        parent = self._parents[0]
-        try:
-            values = parent._getitems(positions)
-        except Exception:  # noqa: BLE001 - read one by one to name the element that fails
-            values = [self._read(parent, p) for p in positions]
-        if not self._allow_nones:
-            for p, value in zip(positions, values, strict=True):
-                if value is None:
-                    raise ValueError(
-                        f"Element {p} of {parent!r} is None (filtered), which a worker reading "
-                        "its share in order skips but one computing a batch of it cannot. "
-                        'Use grain.config.update("py_mp_prefetch_dispatch", False), or filter '
-                        "with `filter` before `to_iter_dataset()`."
-                    )
-        return self._batch_fn(values)
-
-    @staticmethod
-    def _read(parent: MapDataset[Any], position: int) -> Any:
-        try:
-            return parent[position]
-        except Exception as e:
-            note_read_error(e, position, parent)
-            raise
+        return self._batch_fn(self._parents[0]._getitems(positions))
 
     def __repr__(self) -> str:
         return (
