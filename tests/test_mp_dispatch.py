@@ -22,7 +22,6 @@ from grain_core.dataset.mp_dispatch import (
     ClassBatchesMapDataset,
     PositionDispatcher,
     PositionReader,
-    ShareElementsMapDataset,
 )
 from grain_core.options import MultiprocessingOptions
 from grain_core.testing import check_iterator_conformance
@@ -253,20 +252,46 @@ def test_views_name_the_element_that_fails_and_refuse_nones() -> None:
             raise ValueError("bad 7")
         return x
 
-    elements = ShareElementsMapDataset(
-        grain.MapDataset.range(10).map(fail_on_seven), [_double], allow_nones=False
+    batches = ClassBatchesMapDataset(
+        grain.MapDataset.range(10).map(fail_on_seven), 2, 2, drop_remainder=False
     )
-    batches = ClassBatchesMapDataset(elements, 2, 2, drop_remainder=False, batch_fn=list)
-    assert len(batches) == 6 and batches[0] == [0, 4] and batches[1] == [2, 6]
-    assert batches[4] == [16] and batches[5] == [18]  # shares of 5: a last batch of one
+    assert len(batches) == 6 and batches[0] == [0, 2] and batches[1] == [1, 3]
+    assert batches[4] == [8] and batches[5] == [9]  # shares of 5: a last batch of one
     with pytest.raises(ValueError, match="bad 7") as info:
         batches[3]  # share 1's second batch: elements 5 and 7
     assert "Raised while reading index 7 of MapMapDataset" in "\n".join(info.value.__notes__)
-    holes = grain.MapDataset.range(6).map(lambda x: None if x == 2 else x)
-    with pytest.raises(ValueError, match='Element 2 of .* is None.*"py_mp_prefetch_dispatch"'):
-        ShareElementsMapDataset(holes, [], allow_nones=False)[2]
+    holes = grain.MapDataset.range(6).map(lambda x: None if x == 2 else x).to_iter_dataset()
+    view = mp_dispatch.dispatch_view(holes.map(_double), 2)
+    assert view is not None and view.steps is not None and view.steps(3) == 6
+    with pytest.raises(ValueError, match='element of .* is None.*"py_mp_prefetch_dispatch"'):
+        view.steps(None)
     # As an IterDataset map, the steps see a None the reader lets through.
-    assert ShareElementsMapDataset(holes, [repr], allow_nones=True)[2] == "None"
+    holes = grain.MapDataset.range(6).to_iter_dataset(allow_nones=True)
+    view = mp_dispatch.dispatch_view(holes.map(repr), 2)
+    assert view is not None and view.steps is not None and view.steps(None) == "None"
+
+
+_THREADS_IN_STEP: set[int] = set()
+
+
+def _record_thread(x: int) -> int:
+    import threading
+
+    _THREADS_IN_STEP.add(threading.get_ident())
+    return x
+
+
+def test_steps_after_to_iter_dataset_run_in_the_workers_main_thread() -> None:
+    # As under strict rotation: their functions need not be thread-safe.
+    import threading
+
+    _THREADS_IN_STEP.clear()
+    ds = grain.MapDataset.range(40).to_iter_dataset().map(_record_thread)
+    reader = PositionReader(ds, 0, 2, None)
+    reader.assign([(0, 0, 20)])
+    assert [reader.next() for _ in range(20)] == list(range(0, 40, 2))
+    reader.close()
+    assert _THREADS_IN_STEP == {threading.get_ident()}
 
 
 def test_checkpoint_conformance_with_filters() -> None:

@@ -5,8 +5,8 @@ usual ``….map(f).batch(n).to_iter_dataset().mp_prefetch(…)``, and the DataLo
 pipelines), every element is a function of its index alone, so any worker can compute any
 element. So is every element of ``….to_iter_dataset().map(g).batch(n)`` without filters
 (IterDataset ``map`` steps, at most one ``batch`` at the end): worker ``w`` maps and batches its
-share ``map_parent[w::N]``, and ``ShareElementsMapDataset`` / ``ClassBatchesMapDataset`` lay
-what it makes out as the elements of a MapDataset (``dispatch_view``). Strict rotation, with worker ``w`` reading
+share ``map_parent[w::N]``; ``ClassBatchesMapDataset`` lays the elements of those batches out
+by position, and each worker applies the steps to what it read (``dispatch_view``). Strict rotation, with worker ``w`` reading
 ``map_parent[w::N]``, runs every worker at the slowest one's pace (a core shared with another
 process, a worker the host deschedules); here the parent keeps that output and its state, and
 hands out the positions instead:
@@ -34,6 +34,7 @@ hands out the positions instead:
 from __future__ import annotations
 
 import collections
+import dataclasses
 import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -56,7 +57,6 @@ from grain_core.dataset.base import (
     MapDataset,
     MultiprocessingContext,
     _transform_fn,
-    transform_name,
 )
 from grain_core.dataset.batch import BatchIterDataset, has_holes_upstream
 from grain_core.dataset.map import MapIterDataset
@@ -67,10 +67,10 @@ from grain_core.dataset.stats import attach_worker_stages
 __all__ = [
     "AssignedPositionsMapDataset",
     "ClassBatchesMapDataset",
+    "DispatchView",
     "DispatchedClassIterator",
     "PositionDispatcher",
     "PositionReader",
-    "ShareElementsMapDataset",
     "dispatch_view",
     "dispatchable",
 ]
@@ -103,17 +103,32 @@ def dispatchable(ds: IterDataset[Any], count: int, sequential_slice: bool) -> bo
     )
 
 
-def dispatch_view(ds: IterDataset[Any], count: int) -> PrefetchIterDataset | None:
-    """The ``to_iter_dataset`` reader whose positions the workers compute for pipeline ``ds``
-    (element ``c + j * count`` of its MapDataset is element ``j`` of worker ``c``'s share under
-    strict rotation), or None when ``ds`` has none.
+@dataclasses.dataclass(frozen=True)
+class DispatchView:
+    """How dispatching workers compute a pipeline by position.
 
-    * ``….to_iter_dataset()``: the reader itself.
+    Attributes:
+      reader: A ``to_iter_dataset`` reader: position ``c + j * count`` of its MapDataset is
+        what worker ``c`` reads for its ``j``-th element under strict rotation. Read threads
+        compute it.
+      steps: The IterDataset steps after ``to_iter_dataset``, applied to each value read in the
+        worker's main thread, one at a time as strict rotation applies them (their functions
+        need not be thread-safe); None when there are none.
+    """
+
+    reader: PrefetchIterDataset
+    steps: Callable[[Any], Any] | None
+
+
+def dispatch_view(ds: IterDataset[Any], count: int) -> DispatchView | None:
+    """How workers compute pipeline ``ds`` by position, or None when they cannot.
+
+    * ``….to_iter_dataset()``: its reader.
     * ``….to_iter_dataset()`` followed by IterDataset ``map`` steps and at most one ``batch``
-      at the end, over a MapDataset without filters: a reader of what each worker makes of its
-      share (``ShareElementsMapDataset``, then ``ClassBatchesMapDataset``). After a filter the
-      k-th element of a share depends on which elements were dropped before it, so those
-      pipelines are not dispatched.
+      at the end, over a MapDataset without filters: a reader of each position's element
+      (with a batch, of the elements of each share's batch: ``ClassBatchesMapDataset``), then
+      the steps. After a filter the k-th element of a share depends on which elements were
+      dropped before it, so those pipelines are not dispatched.
     """
     batch = ds if type(ds) is BatchIterDataset else None
     node = ds.parents[0] if batch is not None else ds
@@ -125,73 +140,61 @@ def dispatch_view(ds: IterDataset[Any], count: int) -> PrefetchIterDataset | Non
         return None
     reader: PrefetchIterDataset = node
     if batch is None and not transforms:
-        return reader
-    if has_holes_upstream(reader.map_parent) is not None:
+        return DispatchView(reader, None)
+    source = reader.map_parent
+    if has_holes_upstream(source) is not None:
         return None
-    elements = ShareElementsMapDataset(
-        reader.map_parent, transforms[::-1], allow_nones=reader.allow_nones
+    steps = _StepsAfterReading(
+        source,
+        transforms[::-1],
+        batch_fn=None if batch is None else batch.batch_fn,
+        allow_nones=reader.allow_nones,
     )
-    if batch is None:
-        # A map's None is an element (an IterDataset map does not filter).
-        return PrefetchIterDataset(elements, read_options=reader.read_options, allow_nones=True)
-    batches = ClassBatchesMapDataset(
-        elements,
-        count,
-        batch.batch_size,
-        drop_remainder=batch.drop_remainder,
-        batch_fn=batch.batch_fn,
+    if batch is not None:
+        source = ClassBatchesMapDataset(
+            source, count, batch.batch_size, drop_remainder=batch.drop_remainder
+        )
+    # The steps see every value read, None included (they decide what it means).
+    return DispatchView(
+        PrefetchIterDataset(source, read_options=reader.read_options, allow_nones=True), steps
     )
-    return PrefetchIterDataset(batches, read_options=reader.read_options)
 
 
-class ShareElementsMapDataset(MapDataset[Any]):
-    """The elements the IterDataset ``map`` steps after ``to_iter_dataset`` make, by position:
-    ``parent[i]`` with ``transforms`` applied in order, to ``None`` too, as those steps do.
+class _StepsAfterReading:
+    """IterDataset ``map`` steps and a final ``batch`` applied to a value read (an element, or
+    the list of a batch's elements), as strict rotation's worker applies them.
 
     Args:
-      parent: The MapDataset ``to_iter_dataset`` reads.
+      source: The MapDataset ``to_iter_dataset`` reads (named in errors).
       transforms: The functions or ``Map`` transformations of the steps, in pipeline order.
-      allow_nones: Those of ``to_iter_dataset``: without, a ``None`` of ``parent`` (which a
+      batch_fn: The batch's function, or None without a batch.
+      allow_nones: Those of ``to_iter_dataset``: without, a ``None`` of ``source`` (which a
         worker reading its share in order would skip) is an error.
     """
 
     def __init__(
-        self, parent: MapDataset[Any], transforms: Sequence[Any], *, allow_nones: bool
+        self,
+        source: MapDataset[Any],
+        transforms: Sequence[Any],
+        *,
+        batch_fn: Callable[[Sequence[Any]], Any] | None,
+        allow_nones: bool,
     ) -> None:
-        super().__init__(parent)
-        self._transforms = list(transforms)
+        self._source = source
         self._fns = [_transform_fn(t, "map") for t in transforms]
+        self._batch_fn = batch_fn
         self._allow_nones = allow_nones
 
-    def __len__(self) -> int:
-        return len(self._parents[0])
+    def __call__(self, value: Any) -> Any:
+        if self._batch_fn is None:
+            return self._element(value)
+        return self._batch_fn([self._element(x) for x in value])
 
-    def __getitem__(self, index: Any) -> Any:
-        if isinstance(index, slice):
-            return self.slice(index)
-        return self._apply(index, self._parents[0][index])
-
-    def _getitems(self, indices: Any) -> list[Any]:
-        parent = self._parents[0]
-        try:
-            values = parent._getitems(indices)
-        except Exception:  # noqa: BLE001 - read one by one to name the element that fails
-            values = [self._read(parent, int(i)) for i in indices]
-        return [self._apply(int(i), x) for i, x in zip(indices, values, strict=True)]
-
-    @staticmethod
-    def _read(parent: MapDataset[Any], position: int) -> Any:
-        try:
-            return parent[position]
-        except Exception as e:
-            note_read_error(e, position, parent)
-            raise
-
-    def _apply(self, index: int, x: Any) -> Any:
+    def _element(self, x: Any) -> Any:
         if x is None and not self._allow_nones:
             raise ValueError(
-                f"Element {index} of {self._parents[0]!r} is None (filtered), which a worker "
-                "reading its share in order skips but one computing the steps after "
+                f"An element of {self._source!r} is None (filtered), which a worker reading "
+                "its share in order skips but one computing the steps after "
                 "`to_iter_dataset()` by position cannot. Use grain.config.update("
                 '"py_mp_prefetch_dispatch", False), or filter with `filter` before '
                 "`to_iter_dataset()`."
@@ -200,20 +203,17 @@ class ShareElementsMapDataset(MapDataset[Any]):
             x = fn(x)
         return x
 
-    def __repr__(self) -> str:
-        names = ", ".join(transform_name(t) for t in self._transforms)
-        return f"ShareElementsMapDataset(maps=[{names}])"
-
 
 class ClassBatchesMapDataset(MapDataset[Any]):
-    """The batches strict rotation makes of ``to_iter_dataset().batch(…)``: worker ``c`` of
-    ``count`` batches its share ``parent[c::count]``. Index ``c + j * count`` is worker ``c``'s
-    batch ``j``, laid out as the shares of elements are, so any worker can compute any batch.
+    """The elements of the batches strict rotation makes of ``to_iter_dataset().batch(…)``:
+    worker ``c`` of ``count`` batches its share ``parent[c::count]``. Index ``c + j * count``
+    is the list of the elements of worker ``c``'s batch ``j``, laid out as the shares of
+    elements are, so any worker can read any batch.
 
     Args:
-      parent: The elements by position (``ShareElementsMapDataset``).
+      parent: The MapDataset ``to_iter_dataset`` reads.
       count: The number of workers (shares).
-      batch_size / drop_remainder / batch_fn: Those of the batch.
+      batch_size / drop_remainder: Those of the batch.
     """
 
     def __init__(
@@ -223,13 +223,11 @@ class ClassBatchesMapDataset(MapDataset[Any]):
         batch_size: int,
         *,
         drop_remainder: bool,
-        batch_fn: Callable[[Sequence[Any]], Any],
     ) -> None:
         super().__init__(parent)
         self._count = count
         self._batch_size = batch_size
         self._drop_remainder = drop_remainder
-        self._batch_fn = batch_fn
         total = len(parent)
         self._share_lengths = [len(range(c, total, count)) for c in range(count)]
         # Shares differ by at most one element, so their batch counts by at most one: the
@@ -277,7 +275,19 @@ class ClassBatchesMapDataset(MapDataset[Any]):
         first = batch * self._batch_size
         stop = min(first + self._batch_size, self._share_lengths[share])
         positions = range(share + first * self._count, share + stop * self._count, self._count)
-        return self._batch_fn(self._parents[0]._getitems(positions))
+        parent = self._parents[0]
+        try:
+            return parent._getitems(positions)
+        except Exception:  # noqa: BLE001 - read one by one to name the element that fails
+            return [self._read(parent, p) for p in positions]
+
+    @staticmethod
+    def _read(parent: MapDataset[Any], position: int) -> Any:
+        try:
+            return parent[position]
+        except Exception as e:
+            note_read_error(e, position, parent)
+            raise
 
     def __repr__(self) -> str:
         return (
@@ -391,8 +401,9 @@ class PositionReader:
 
         view = dispatch_view(with_shared_memory_output(ds), count)
         assert view is not None, "the parent dispatches only pipelines with a view"
-        self._source = view.map_parent
-        self._read_options = view.read_options
+        self._source = view.reader.map_parent
+        self._read_options = view.reader.read_options
+        self._steps = view.steps
         self._context = MultiprocessingContext(index, count)
         self._count = count
         self._options = options
@@ -428,10 +439,11 @@ class PositionReader:
         """
         it = self.iterator
         try:
-            return next(it)
+            value = next(it)
         except Exception:
             it.set_state({"next_index": it.get_state()["next_index"] + 1})
             raise
+        return value if self._steps is None else self._steps(value)
 
     def close(self) -> None:
         self.iterator.close()
@@ -451,9 +463,9 @@ class PositionDispatcher:
     def __init__(self, mp_ds: Any) -> None:
         self._mp_ds = mp_ds
         self._count = n = mp_ds.num_workers
-        ds = dispatch_view(mp_ds._parents[0], n)
-        assert ds is not None, "mp_prefetch dispatches only pipelines with a view"
-        self._view = ds
+        view = dispatch_view(mp_ds._parents[0], n)
+        assert view is not None, "mp_prefetch dispatches only pipelines with a view"
+        self._view = ds = view.reader
         # Batches of each worker's share: states count elements, as under strict rotation.
         self._batches = ds.map_parent if type(ds.map_parent) is ClassBatchesMapDataset else None
         total = len(ds.map_parent)
