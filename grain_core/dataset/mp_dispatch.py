@@ -4,12 +4,12 @@ When the pipeline given to ``mp_prefetch`` is a MapDataset read by ``to_iter_dat
 usual ``….map(f).batch(n).to_iter_dataset().mp_prefetch(…)``, and the DataLoader's Map/Batch
 pipelines), every element is a function of its index alone, so any worker can compute any
 element. So is every element of ``….to_iter_dataset().map(g).batch(n)`` without filters
-(IterDataset ``map`` steps, at most one ``batch`` at the end): worker ``w`` maps and batches its
-share ``map_parent[w::N]``; ``ClassBatchesMapDataset`` lays the elements of those batches out
-by position, and each worker applies the steps to what it read (``dispatch_view``). Strict rotation, with worker ``w`` reading
-``map_parent[w::N]``, runs every worker at the slowest one's pace (a core shared with another
-process, a worker the host deschedules); here the parent keeps that output and its state, and
-hands out the positions instead:
+(IterDataset ``map`` steps, at most one ``batch`` at the end): worker ``w`` maps and batches
+its share ``map_parent[w::N]``; ``ClassBatchesMapDataset`` lays the elements of those batches
+out by position, and each worker applies the steps to what it read (``dispatch_view``).
+Strict rotation, with worker ``w`` reading ``map_parent[w::N]``, runs every worker at the
+slowest one's pace (a core shared with another process, a worker the host deschedules); here
+the parent keeps that output and its state, and hands out the positions instead:
 
 * The output is the same rotation over ``N`` strided *classes* (class ``c`` holds the indices
   ``c, c + N, …``), and each class's state is the ``{"next_index": j}`` its worker would report
@@ -61,7 +61,7 @@ from grain_core.dataset.base import (
 from grain_core.dataset.batch import BatchIterDataset, has_holes_upstream
 from grain_core.dataset.map import MapIterDataset
 from grain_core.dataset.options import DatasetOptions, FilterRatioChecker
-from grain_core.dataset.prefetch import PrefetchIterDataset, note_read_error
+from grain_core.dataset.prefetch import PrefetchIterDataset, read_index
 from grain_core.dataset.stats import attach_worker_stages
 
 __all__ = [
@@ -279,15 +279,7 @@ class ClassBatchesMapDataset(MapDataset[Any]):
         try:
             return parent._getitems(positions)
         except Exception:  # noqa: BLE001 - read one by one to name the element that fails
-            return [self._read(parent, p) for p in positions]
-
-    @staticmethod
-    def _read(parent: MapDataset[Any], position: int) -> Any:
-        try:
-            return parent[position]
-        except Exception as e:
-            note_read_error(e, position, parent)
-            raise
+            return [read_index(parent, p) for p in positions]
 
     def __repr__(self) -> str:
         return (
@@ -350,12 +342,7 @@ class AssignedPositionsMapDataset(MapDataset[Any]):
     def __getitem__(self, index: Any) -> Any:
         if isinstance(index, slice):
             return self.slice(index)
-        position = self.position(index)
-        try:
-            return self._parents[0][position]
-        except Exception as e:
-            note_read_error(e, position, self._parents[0])
-            raise
+        return read_index(self._parents[0], self.position(index))
 
     def _getitems(self, indices: Any) -> list[Any]:
         return self._parents[0]._getitems(self._positions(indices))  # type: ignore[no-any-return]
@@ -611,7 +598,8 @@ class PositionDispatcher:
         """Class ``cls`` continues at ``next_index`` (as ``state_index`` reports it).
 
         Raises:
-          IndexError: ``next_index`` is outside the class.
+          IndexError: ``next_index`` is outside the class (or, for batches, not where one
+            starts).
           WorkerDiedError: A worker process ended before.
         """
         if isinstance(self.error, WorkerDiedError):

@@ -21,6 +21,7 @@ __all__ = [
     "ThreadPrefetchDatasetIterator",
     "ThreadPrefetchIterDataset",
     "note_read_error",
+    "read_index",
 ]
 
 # Blocks of indices read with one ``_getitems`` call adapt to the cost of an element: they start
@@ -39,6 +40,16 @@ _WINDOW_BLOCKS = 4
 _WINDOW_S = 0.02
 _PROBE_GAIN = 1.2
 _MAX_PROBE_WAIT = 64
+
+
+def read_index(ds: MapDataset[Any], index: int) -> Any:
+    """``ds[index]``; an error raised notes which index of ``ds`` raised it
+    (``note_read_error``)."""
+    try:
+        return ds[index]
+    except Exception as e:
+        note_read_error(e, index, ds)
+        raise
 
 
 def note_read_error(error: BaseException, index: int, ds: MapDataset[Any]) -> None:
@@ -181,9 +192,8 @@ class PrefetchDatasetIterator(DatasetIterator[Any]):
         out: list[Any] = []
         for i in range(start, start + count):
             try:
-                out.append(self._map_ds[i])
-            except Exception as e:
-                note_read_error(e, i, self._map_ds)
+                out.append(read_index(self._map_ds, i))
+            except Exception as e:  # noqa: BLE001 - delivered in order, then raised
                 out.append(_Raise(e))
                 break
         return out
