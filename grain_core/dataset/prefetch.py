@@ -20,7 +20,6 @@ __all__ = [
     "ReadConcurrency",
     "ThreadPrefetchDatasetIterator",
     "ThreadPrefetchIterDataset",
-    "note_read_error",
     "read_index",
 ]
 
@@ -44,15 +43,15 @@ _MAX_PROBE_WAIT = 64
 
 def read_index(ds: MapDataset[Any], index: int) -> Any:
     """``ds[index]``; an error raised notes which index of ``ds`` raised it
-    (``note_read_error``)."""
+    (``_note_read_error``)."""
     try:
         return ds[index]
     except Exception as e:
-        note_read_error(e, index, ds)
+        _note_read_error(e, index, ds)
         raise
 
 
-def note_read_error(error: BaseException, index: int, ds: MapDataset[Any]) -> None:
+def _note_read_error(error: BaseException, index: int, ds: MapDataset[Any]) -> None:
     """Notes on ``error`` that reading index ``index`` of ``ds`` raised it, unless a reader
     nearer the user's data already named its index (a worker reading its assigned positions
     names the pipeline's index, not its own)."""
