@@ -174,6 +174,11 @@ def test_batches_after_to_iter_dataset_are_dispatched_as_rotation_makes_them(
 ) -> None:
     ds = _batched(length, batch, drop).mp_prefetch(_opts(workers))
     assert mp_dispatch.dispatchable(ds.parents[0], workers, False)
+    # Batches are read as far ahead as the elements they hold would be (500 by default).
+    view = mp_dispatch.dispatch_view(ds.parents[0], workers)
+    assert view is not None and view.reader.read_options == grain.ReadOptions(
+        num_threads=16, prefetch_buffer_size=-(-500 // batch)
+    )
     steps = sum(1 for _ in ds)
     elements, states = _run(ds, steps)
     with iter(ds) as it:  # the state once every worker's share has ended

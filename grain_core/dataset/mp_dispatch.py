@@ -63,6 +63,7 @@ from grain_core.dataset.map import MapIterDataset
 from grain_core.dataset.options import DatasetOptions, FilterRatioChecker
 from grain_core.dataset.prefetch import PrefetchIterDataset, read_index
 from grain_core.dataset.stats import attach_worker_stages
+from grain_core.options import ReadOptions
 
 __all__ = [
     "AssignedPositionsMapDataset",
@@ -150,14 +151,25 @@ def dispatch_view(ds: IterDataset[Any], count: int) -> DispatchView | None:
         batch_fn=None if batch is None else batch.batch_fn,
         allow_nones=reader.allow_nones,
     )
+    read_options = reader.read_options
     if batch is not None:
         source = ClassBatchesMapDataset(
             source, count, batch.batch_size, drop_remainder=batch.drop_remainder
         )
+        read_options = _in_batches(read_options, batch.batch_size)
     # The steps see every value read, None included (they decide what it means).
     return DispatchView(
-        PrefetchIterDataset(source, read_options=reader.read_options, allow_nones=True), steps
+        PrefetchIterDataset(source, read_options=read_options, allow_nones=True), steps
     )
+
+
+def _in_batches(options: ReadOptions, batch_size: int) -> ReadOptions:
+    """``options`` reading batches of ``batch_size`` elements ahead instead of elements: the
+    same memory read ahead as a worker that reads its share element by element."""
+    if options.prefetch_buffer_size == 0:
+        return options
+    batches = -(-options.prefetch_buffer_size // batch_size)
+    return ReadOptions(num_threads=min(options.num_threads, batches), prefetch_buffer_size=batches)
 
 
 class _StepsAfterReading:
