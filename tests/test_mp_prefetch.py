@@ -499,8 +499,13 @@ def test_the_streaming_threshold_is_read_when_the_forkserver_starts(
     try:
         server.ensure_running()
         pid = server._forkserver_pid  # type: ignore[attr-defined]
-        with open(f"/proc/{pid}/environ", "rb") as f:
-            environ = f.read().split(b"\0")
+        # The file reads empty until the new program's environment is set up in exec.
+        deadline = time.monotonic() + 10
+        environ = [b""]
+        while environ == [b""] and time.monotonic() < deadline:
+            with open(f"/proc/{pid}/environ", "rb") as f:
+                environ = f.read().split(b"\0")
+            time.sleep(0.01)
         assert b"GLIBC_TUNABLES=glibc.cpu.x86_non_temporal_threshold=0x300000" in environ
         assert "GLIBC_TUNABLES" not in os.environ
     finally:
