@@ -42,22 +42,16 @@ _MAX_PROBE_WAIT = 64
 
 
 def read_index(ds: MapDataset[Any], index: int) -> Any:
-    """``ds[index]``; an error raised notes which index of ``ds`` raised it
-    (``_note_read_error``)."""
+    """``ds[index]``. An error raised notes which index of ``ds`` raised it, unless a reader
+    nearer the user's data already named its index (a worker reading its assigned positions
+    names the pipeline's index, not its own)."""
     try:
         return ds[index]
     except Exception as e:
-        _note_read_error(e, index, ds)
+        if getattr(e, "_grain_core_read_index", None) is None:
+            setattr(e, "_grain_core_read_index", index)  # noqa: B010 - exceptions take attributes
+            e.add_note(f"Raised while reading index {index} of {ds!r}.")
         raise
-
-
-def _note_read_error(error: BaseException, index: int, ds: MapDataset[Any]) -> None:
-    """Notes on ``error`` that reading index ``index`` of ``ds`` raised it, unless a reader
-    nearer the user's data already named its index (a worker reading its assigned positions
-    names the pipeline's index, not its own)."""
-    if getattr(error, "_grain_core_read_index", None) is None:
-        setattr(error, "_grain_core_read_index", index)  # noqa: B010 - exceptions take attributes
-        error.add_note(f"Raised while reading index {index} of {ds!r}.")
 
 
 class PrefetchIterDataset(IterDataset[Any]):
