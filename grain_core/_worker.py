@@ -23,7 +23,8 @@ Protocol, one pair of pipes per worker (no polling anywhere):
   so far instead of a state: the parent knows which position each result is.
 * statistics (worker → parent, only when the pipeline tracks ``STAGE_TIMING``):
   ``(STATS_GENERATION, STATS, snapshot, None, (), ())`` with the first element, then at most
-  every ``STATS_INTERVAL_S`` and before ``END``/``ERROR``. They take no credit, and their
+  every ``STATS_INTERVAL_S``, before ``END``/``ERROR``, and when the worker waits for the parent
+  with elements not reported (after ``STATS_WAITING_INTERVAL_S`` without a message). They take no credit, and their
   generation never matches, so the parent's element path does not look at them.
 
 The parent waits on the output pipe together with the process sentinel, so a worker that dies is
@@ -59,6 +60,7 @@ __all__ = [
     "STATS",
     "STATS_GENERATION",
     "STATS_INTERVAL_S",
+    "STATS_WAITING_INTERVAL_S",
     "WorkerPool",
     "WorkerSpec",
     "worker_glibc_tunables",
@@ -69,6 +71,8 @@ ELEMENT, END, ERROR, STATS = 0, 1, 2, 3
 STATS_GENERATION = -1
 #: Seconds between two statistics messages of a worker while it produces elements.
 STATS_INTERVAL_S = 1.0
+#: Seconds since the last statistics message after which a worker about to wait sends one.
+STATS_WAITING_INTERVAL_S = 0.02
 
 #: Environment variable a worker gets for ``JAX_PLATFORMS`` unless the parent sets
 #: ``GRAIN_CORE_WORKER_JAX_PLATFORMS``: workers never claim an accelerator by default.
@@ -282,6 +286,7 @@ class _WorkerLoop:
         self._min_shm_size = _shm.DEFAULT_MIN_SHM_SIZE
         self._tracking = False
         self._next_report = 0.0
+        self._unreported = False  # elements were sent since the last statistics message
         self._control_ready = _readiness_check(control)
 
     def run(self) -> None:
@@ -289,6 +294,8 @@ class _WorkerLoop:
             self._build()
             while True:
                 if not self._can_produce():
+                    if self._tracking:
+                        self._report_before_waiting()
                     if not self._handle(pickle.loads(self._control.recv_bytes())):
                         return
                     continue
@@ -392,6 +399,7 @@ class _WorkerLoop:
             self._send_error(error)
             return False
         self._output.send_bytes(data)
+        self._unreported = True
         return True
 
     def _produce(self) -> None:
@@ -422,6 +430,17 @@ class _WorkerLoop:
         if not self._finished and time.monotonic() >= self._next_report:
             self._report_stats()
 
+    def _report_before_waiting(self) -> None:
+        # Waiting for credits or work may last (a dispatching worker never ends, and the last
+        # elements of an epoch are followed by no request): elements not reported yet are, once
+        # STATS_WAITING_INTERVAL_S passed since the last report and no message came meanwhile.
+        if not self._unreported:
+            return
+        wait = self._next_report - STATS_INTERVAL_S + STATS_WAITING_INTERVAL_S - time.monotonic()
+        if wait > 0 and self._control.poll(wait):
+            return  # the worker goes on
+        self._report_stats()
+
     def _report_stats(self) -> None:
         """Sends the pipeline's stage statistics, if it tracks them (before END and ERROR)."""
         if not self._tracking:
@@ -430,6 +449,7 @@ class _WorkerLoop:
 
         self._send((STATS_GENERATION, STATS, worker_stage_snapshot(self._pipeline()), None, (), ()))
         self._next_report = time.monotonic() + STATS_INTERVAL_S
+        self._unreported = False
 
 
 class _DispatchWorkerLoop(_WorkerLoop):
@@ -463,7 +483,7 @@ class _DispatchWorkerLoop(_WorkerLoop):
         self._cpu_start = time.process_time()  # start-up is not the cost of an element
 
     def _pipeline(self) -> Any:
-        return None if self._reader is None else self._reader.iterator
+        return None if self._reader is None else self._reader.pipeline
 
     def _can_produce(self) -> bool:
         return self._pending > 0 and self._credits > 0

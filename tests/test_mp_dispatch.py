@@ -238,6 +238,30 @@ def test_maps_after_to_iter_dataset_are_dispatched_as_rotation_makes_them(
         assert dispatched[1] == rotating[1]
 
 
+def _sleepy(x: int) -> int:
+    time.sleep(0.002)  # sleeping: the stage's time does not depend on CPU contention
+    return x
+
+
+def test_steps_and_their_time_reach_the_execution_summary() -> None:
+    from grain_core.dataset.stats import get_execution_summary
+
+    timing = grain.experimental.DatasetOptions(
+        execution_tracking_mode=grain.experimental.ExecutionTrackingMode.STAGE_TIMING
+    )
+    ds = grain.MapDataset.range(60).to_iter_dataset().map(_sleepy).mp_prefetch(_opts(2))
+    with iter(grain.experimental.WithOptionsIterDataset(ds, timing)) as it:
+        for _ in range(50):
+            next(it)
+            time.sleep(0.002)  # a slow consumer: the workers wait for credits
+        summary = get_execution_summary(it)
+    assert summary.stages[1].name == "DispatchedClass"
+    step = next(s for s in summary.stages if s.in_workers and "_sleepy" in s.name)
+    assert step.name.startswith("Map(_sleepy") and step.self_time_ns >= 20 * 2_000_000
+    # Workers waiting for credits report what they produced (not once a second).
+    assert step.num_produced_elements >= 25
+
+
 def test_steps_after_filters_or_other_steps_rotate() -> None:
     filtered = _filtered().batch(2)
     assert mp_dispatch.dispatch_view(filtered, 2) is None

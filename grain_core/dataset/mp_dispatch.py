@@ -57,6 +57,7 @@ from grain_core.dataset.base import (
     MapDataset,
     MultiprocessingContext,
     _transform_fn,
+    transform_name,
 )
 from grain_core.dataset.batch import BatchIterDataset, has_holes_upstream
 from grain_core.dataset.map import MapIterDataset
@@ -118,7 +119,7 @@ class DispatchView:
     """
 
     reader: PrefetchIterDataset
-    steps: Callable[[Any], Any] | None
+    steps: _StepsAfterReading | None
 
 
 def dispatch_view(ds: IterDataset[Any], count: int) -> DispatchView | None:
@@ -196,6 +197,9 @@ class _StepsAfterReading:
         self._fns = [_transform_fn(t, "map") for t in transforms]
         self._batch_fn = batch_fn
         self._allow_nones = allow_nones
+        names = [f"Map({transform_name(t)})" for t in transforms]
+        #: The steps as the execution summary names them.
+        self.label = " > ".join([*names, "Batch"] if batch_fn is not None else names)
 
     def __call__(self, value: Any) -> Any:
         if self._batch_fn is None:
@@ -413,11 +417,15 @@ class PositionReader:
         reader = PrefetchIterDataset(
             self._positions, read_options=self._read_options, allow_nones=True
         )
-        it = iter(reader)
-        it._ctx.mp_context = self._context
+        self.iterator = it = iter(reader)
+        #: What ``next`` reads from: the reader, then the steps (a stage of their own).
+        self.pipeline: DatasetIterator[Any] = (
+            it if self._steps is None else _StepsIterator(it, self._steps)
+        )
+        # One context for the whole pipeline, set once it is built.
+        self.pipeline._ctx.mp_context = self._context
         if self._options is not None:
-            it._merge_dataset_options(self._options)
-        self.iterator = it
+            self.pipeline._merge_dataset_options(self._options)
 
     def assign(self, runs: Sequence[tuple[int, int, int]]) -> None:
         """Appends runs ``(class, first slice index, count)`` and starts reading them."""
@@ -427,7 +435,7 @@ class PositionReader:
 
     def reset(self) -> None:
         """Drops every position not yet returned (the parent restored a state)."""
-        self.iterator.close()
+        self.pipeline.close()
         self._open()
 
     def next(self) -> Any:
@@ -437,15 +445,35 @@ class PositionReader:
           Exception: What computing it raised; the position is then skipped.
         """
         it = self.iterator
+        before = it.get_state()["next_index"]
         try:
-            value = next(it)
+            return next(self.pipeline)
         except Exception:
-            it.set_state({"next_index": it.get_state()["next_index"] + 1})
+            if it.get_state()["next_index"] == before:  # reading it failed: skip it
+                it.set_state({"next_index": before + 1})
             raise
-        return value if self._steps is None else self._steps(value)
 
     def close(self) -> None:
-        self.iterator.close()
+        self.pipeline.close()
+
+
+class _StepsIterator(DatasetIterator[Any]):
+    """A dispatching worker's steps after ``to_iter_dataset`` applied to the values its reader
+    reads, in its main thread; one stage in the execution summary."""
+
+    def __init__(self, reader: DatasetIterator[Any], steps: _StepsAfterReading) -> None:
+        super().__init__(reader)
+        self._steps = steps
+        self._stage_label = steps.label
+
+    def __next__(self) -> Any:
+        return self._steps(next(self._parents[0]))
+
+    def get_state(self) -> dict[str, Any]:
+        return self._parents[0].get_state()  # type: ignore[no-any-return]
+
+    def set_state(self, state: dict[str, Any]) -> None:
+        self._parents[0].set_state(state)
 
 
 # ------------------------------------------------------------------------------ parent side
