@@ -249,8 +249,12 @@ def test_steps_and_their_time_reach_the_execution_summary() -> None:
     timing = grain.experimental.DatasetOptions(
         execution_tracking_mode=grain.experimental.ExecutionTrackingMode.STAGE_TIMING
     )
-    ds = grain.MapDataset.range(60).to_iter_dataset().map(_sleepy).mp_prefetch(_opts(2))
-    with iter(grain.experimental.WithOptionsIterDataset(ds, timing)) as it:
+    # Options set in the pipeline do not stop dispatch: they reach the workers with the
+    # parent's.
+    ds = grain.MapDataset.range(60).to_iter_dataset().map(_sleepy)
+    ds = grain.experimental.WithOptionsIterDataset(ds, timing).mp_prefetch(_opts(2))
+    assert mp_dispatch.dispatchable(ds.parents[0], 2, False)
+    with iter(ds) as it:
         for _ in range(50):
             next(it)
             time.sleep(0.002)  # a slow consumer: the workers wait for credits

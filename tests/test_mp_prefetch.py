@@ -609,7 +609,11 @@ def _slow_map_pipeline() -> grain.IterDataset:
     return grain.MapDataset.range(24).map(_slow).to_iter_dataset(grain.ReadOptions(num_threads=0))
 
 
-def test_worker_stages_reach_the_parent_summary(no_shm_leak: None) -> None:
+def test_worker_stages_reach_the_parent_summary(
+    no_shm_leak: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Strict rotation (dispatching workers: test_mp_dispatch).
+    monkeypatch.setattr(mp_dispatch, "dispatchable", lambda *_: False)
     ds = WithOptionsIterDataset(_slow_map_pipeline().map(_times_ten), TIMING)
     with iter(ds.mp_prefetch(_opts(2))) as it:
         it.start_prefetch()  # worker start-up is not part of any next()

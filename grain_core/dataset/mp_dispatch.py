@@ -64,6 +64,7 @@ from grain_core.dataset.map import MapIterDataset
 from grain_core.dataset.options import DatasetOptions, FilterRatioChecker
 from grain_core.dataset.prefetch import PrefetchIterDataset, read_index
 from grain_core.dataset.stats import attach_worker_stages
+from grain_core.dataset.with_options import WithOptionsIterDataset
 from grain_core.options import ReadOptions
 
 __all__ = [
@@ -132,12 +133,14 @@ def dispatch_view(ds: IterDataset[Any], count: int) -> DispatchView | None:
       the steps. After a filter the k-th element of a share depends on which elements were
       dropped before it, so those pipelines are not dispatched.
     """
-    batch = ds if type(ds) is BatchIterDataset else None
-    node = ds.parents[0] if batch is not None else ds
+    node = _past_options(ds)
+    batch = node if type(node) is BatchIterDataset else None
+    if batch is not None:
+        node = _past_options(batch.parents[0])
     transforms = []
     while type(node) is MapIterDataset:
         transforms.append(node.transform)  # type: ignore[attr-defined]
-        node = node.parents[0]
+        node = _past_options(node.parents[0])
     if type(node) is not PrefetchIterDataset:
         return None
     reader: PrefetchIterDataset = node
@@ -171,6 +174,14 @@ def _in_batches(options: ReadOptions, batch_size: int) -> ReadOptions:
         return options
     batches = -(-options.prefetch_buffer_size // batch_size)
     return ReadOptions(num_threads=min(options.num_threads, batches), prefetch_buffer_size=batches)
+
+
+def _past_options(ds: IterDataset[Any]) -> IterDataset[Any]:
+    """The first node at or above ``ds`` that is not ``WithOptionsIterDataset``: options set in
+    the pipeline reach the workers with the parent's (``mp_prefetch`` collects them)."""
+    while type(ds) is WithOptionsIterDataset:
+        ds = ds.parents[0]
+    return ds
 
 
 class _StepsAfterReading:
