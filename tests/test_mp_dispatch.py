@@ -524,6 +524,32 @@ class _KeepOnly:
         return x in self.kept
 
 
+def _check_restores_like_strict_rotation(
+    ds: grain.IterDataset, stop: int, convert: Any = None
+) -> None:
+    """Runs ``ds`` by strict rotation, then restores its state after ``stop`` elements with
+    dispatch: the rest of the stream and the final state are the same. ``convert`` makes
+    elements comparable."""
+    convert = convert or (lambda x: x)
+    original = mp_dispatch.dispatchable
+    mp_dispatch.dispatchable = lambda *_: False  # hypothesis tests cannot take monkeypatch
+    try:
+        with iter(ds) as it:
+            states = [it.get_state()]
+            elements = []
+            for x in it:
+                elements.append(convert(x))
+                states.append(it.get_state())
+            states.append(it.get_state())  # exhausted
+    finally:
+        mp_dispatch.dispatchable = original
+    stop = min(stop, len(elements))
+    with iter(ds) as it:
+        it.set_state(states[stop])
+        assert [convert(x) for x in it] == elements[stop:]
+        assert it.get_state() == states[-1]
+
+
 @settings(max_examples=8, deadline=None)
 @given(
     kept=st.frozensets(st.integers(0, 29)),
@@ -534,24 +560,7 @@ def test_any_filter_and_restore_point_match_strict_rotation(
     kept: frozenset[int], workers: int, stop: int
 ) -> None:
     ds = grain.MapDataset.range(30).filter(_KeepOnly(kept)).to_iter_dataset()
-    ds = ds.mp_prefetch(_opts(workers))
-    original = mp_dispatch.dispatchable
-    mp_dispatch.dispatchable = lambda *_: False
-    try:
-        with iter(ds) as it:
-            states = [it.get_state()]
-            elements = []
-            for x in it:
-                elements.append(x)
-                states.append(it.get_state())
-            states.append(it.get_state())  # exhausted
-    finally:
-        mp_dispatch.dispatchable = original
-    stop = min(stop, len(elements))
-    with iter(ds) as it:
-        it.set_state(states[stop])
-        assert list(it) == elements[stop:]
-        assert it.get_state() == states[-1]
+    _check_restores_like_strict_rotation(ds.mp_prefetch(_opts(workers)), stop)
 
 
 @settings(max_examples=8, deadline=None)
@@ -566,20 +575,4 @@ def test_any_batching_and_restore_point_match_strict_rotation(
     length: int, batch: int, drop: bool, workers: int, stop: int
 ) -> None:
     ds = _batched(length, batch, drop).mp_prefetch(_opts(workers))
-    original = mp_dispatch.dispatchable
-    mp_dispatch.dispatchable = lambda *_: False
-    try:
-        with iter(ds) as it:
-            states = [it.get_state()]
-            elements = []
-            for x in it:
-                elements.append(x[:, 0].tolist())
-                states.append(it.get_state())
-            states.append(it.get_state())  # exhausted
-    finally:
-        mp_dispatch.dispatchable = original
-    stop = min(stop, len(elements))
-    with iter(ds) as it:
-        it.set_state(states[stop])
-        assert _batch_firsts(list(it)) == elements[stop:]
-        assert it.get_state() == states[-1]
+    _check_restores_like_strict_rotation(ds, stop, lambda b: b[:, 0].tolist())
