@@ -24,8 +24,9 @@ Protocol, one pair of pipes per worker (no polling anywhere):
 * statistics (worker → parent, only when the pipeline tracks ``STAGE_TIMING``):
   ``(STATS_GENERATION, STATS, snapshot, None, (), ())`` with the first element, then at most
   every ``STATS_INTERVAL_S``, before ``END``/``ERROR``, and when the worker waits for the parent
-  with elements not reported (after ``STATS_WAITING_INTERVAL_S`` without a message). They take no credit, and their
-  generation never matches, so the parent's element path does not look at them.
+  with elements not reported (after ``STATS_WAITING_INTERVAL_S`` without a message). They take
+  no credit, and their generation never matches, so the parent's element path does not look at
+  them.
 
 The parent waits on the output pipe together with the process sentinel, so a worker that dies is
 noticed at once. The worker waits on its control pipe and watches the parent's sentinel in a

@@ -179,6 +179,11 @@ def test_batches_after_to_iter_dataset_are_dispatched_as_rotation_makes_them(
     assert view is not None and view.reader.read_options == grain.ReadOptions(
         num_threads=16, prefetch_buffer_size=-(-500 // batch)
     )
+    unbuffered = grain.MapDataset.range(length).to_iter_dataset(
+        grain.ReadOptions(num_threads=0, prefetch_buffer_size=0)
+    )
+    view = mp_dispatch.dispatch_view(unbuffered.batch(batch), workers)
+    assert view is not None and view.reader.read_options.prefetch_buffer_size == 0
     steps = sum(1 for _ in ds)
     elements, states = _run(ds, steps)
     with iter(ds) as it:  # the state once every worker's share has ended
@@ -280,13 +285,8 @@ def test_steps_after_filters_or_other_steps_rotate() -> None:
 
 
 def test_views_name_the_element_that_fails_and_refuse_nones() -> None:
-    def fail_on_seven(x: int) -> int:
-        if x == 7:
-            raise ValueError("bad 7")
-        return x
-
     batches = ClassBatchesMapDataset(
-        grain.MapDataset.range(10).map(fail_on_seven), 2, 2, drop_remainder=False
+        grain.MapDataset.range(10).map(_fail_on_seven), 2, 2, drop_remainder=False
     )
     assert len(batches) == 6 and batches[0] == [0, 2] and batches[1] == [1, 3]
     assert batches[4] == [8] and batches[5] == [9]  # shares of 5: a last batch of one
