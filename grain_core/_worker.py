@@ -557,6 +557,44 @@ def _min_shm_size(it: Any) -> int:
 
 
 # ------------------------------------------------------------------------------ parent side
+class _WorkersPoller:
+    """One ``poll`` over every worker's output pipe and process sentinel.
+
+    The dispatching parent asks which workers sent something a few times per element; one
+    system call registered once answers for all of them (a check per worker and message cost
+    the parent as much CPU as mapping the element's pages).
+    """
+
+    def __init__(self, outputs: Sequence[Any], sentinels: Sequence[int]) -> None:
+        self._outputs = list(outputs)
+        self._sentinels = list(sentinels)
+        self._workers: dict[int, tuple[int, bool]] = {}
+        self._poller = select.poll() if hasattr(select, "poll") else None
+        for index, (conn, sentinel) in enumerate(zip(outputs, sentinels, strict=True)):
+            self._workers[conn.fileno()] = (index, True)
+            self._workers[sentinel] = (index, False)
+            if self._poller is not None:
+                self._poller.register(conn.fileno(), select.POLLIN)
+                self._poller.register(sentinel, select.POLLIN)
+
+    def poll(self, timeout: float | None) -> tuple[list[int], list[int]]:
+        """Workers with output to read (data or its end) and workers that ended, each in index
+        order, after waiting up to ``timeout`` seconds (None: forever) for either."""
+        if self._poller is None:
+            waitables = [*self._outputs, *self._sentinels]
+            fired = multiprocessing.connection.wait(waitables, timeout)
+            fds = [x if isinstance(x, int) else x.fileno() for x in fired]
+        else:
+            ms = None if timeout is None else int(timeout * 1000)
+            fds = [fd for fd, _ in self._poller.poll(ms)]
+        ready: list[int] = []
+        ended: list[int] = []
+        for fd in fds:
+            index, is_output = self._workers[fd]
+            (ready if is_output else ended).append(index)
+        return sorted(ready), sorted(ended)
+
+
 #: What a worker killed by a signal most likely ran into, and what to do about it.
 _SIGNAL_HINTS = {
     signal.SIGKILL: (
@@ -612,6 +650,7 @@ class WorkerPool:
         except BaseException:
             self.shutdown()
             raise
+        self._poller = _WorkersPoller(self._outputs, [proc.sentinel for proc in self._procs])
 
     @staticmethod
     def new_prefix(index: int) -> str:
@@ -626,26 +665,37 @@ class WorkerPool:
         except (BrokenPipeError, ConnectionResetError, OSError):
             pass
 
-    def ready(self, index: int) -> bool:
-        """Whether worker ``index`` has a message waiting (never blocks)."""
-        return bool(self._output_ready[index]())
+    def ready_workers(self, timeout: float | None = 0.0) -> list[int]:
+        """The workers with a message waiting, in index order; waits up to ``timeout`` seconds
+        (None: until there is one) when there is none.
 
-    def wait_any(self) -> list[int]:
-        """Waits until some worker has a message or has ended; returns those workers' indices."""
-        waitables: dict[Any, int] = {}
-        for index, (conn, proc) in enumerate(zip(self._outputs, self._procs, strict=True)):
-            waitables[conn] = waitables[proc.sentinel] = index
-        return sorted({waitables[x] for x in multiprocessing.connection.wait(list(waitables))})
+        Raises:
+          WorkerDiedError: A worker ended with no message left to read.
+        """
+        ready, ended = self._poller.poll(timeout)
+        for index in ended:
+            if index not in ready:
+                raise self._died(index)
+        return ready
 
-    def recv(self, index: int) -> tuple[Any, ...]:
+    def recv(self, index: int, ready: bool = False) -> tuple[Any, ...]:
         """Returns the next message of worker ``index``, waiting for it.
+
+        Args:
+          index: The worker.
+          ready: ``ready_workers`` just listed the worker: a message (or the end of the pipe)
+            is there, no need to check.
 
         Raises:
           WorkerDiedError: If the worker process ended.
         """
         conn = self._outputs[index]
-        if not self._output_ready[index]():
+        if not ready and not self._output_ready[index]():
             multiprocessing.connection.wait([conn, self._procs[index].sentinel])
+            if not self._output_ready[index]():
+                # Ended with nothing left to read; no end of file comes while a process the
+                # worker started holds its end of the pipe.
+                raise self._died(index)
         try:
             data = conn.recv_bytes()
         except (EOFError, OSError):

@@ -449,6 +449,21 @@ def test_a_waiting_consumer_always_gets_its_position_sent() -> None:
     assert d._assigned[1] == 13 and d._outstanding[1] == 4
 
 
+def test_dropped_blocks_go_back_with_the_next_credits() -> None:
+    # One message per element: a block the consumer dropped waits for the worker's next
+    # credit (a worker writes into a block only once it has one).
+    d = _dispatcher(buffer=2)
+    d._pool = pool = _RecordingPool()  # type: ignore[assignment]
+    d._outstanding = [2, 2]  # both committed: no runs to give
+    d._granted = [2, 2]  # and allowed to send as far as the buffer goes
+    d._recycled[1].released.append("block")
+    d._assign()
+    assert pool.sent == []
+    d._consumed[1] = 1
+    d._assign()
+    assert pool.sent == [(1, ("assign", 0, [], 1, ["block"]))]
+
+
 def _quarter_mib(x: int) -> np.ndarray:
     return np.full(64 * 1024, x, np.float32)
 

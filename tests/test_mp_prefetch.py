@@ -332,6 +332,47 @@ def test_killed_worker_is_reported_quickly(no_shm_leak: None) -> None:
     it.close()
 
 
+class _ForkThenKillSelfOnThree:
+    """At element 3: forks a child that keeps every descriptor of the worker open (the end of
+    its output pipe included, as a helper process started by a map would), writes the child's
+    pid to ``pid_file``, then kills its own process."""
+
+    def __init__(self, pid_file: str) -> None:
+        self.pid_file = pid_file
+
+    def __call__(self, x: int) -> int:
+        if x == 3:
+            pid = os.fork()
+            if pid == 0:
+                time.sleep(60)
+                os._exit(0)
+            with open(self.pid_file, "w") as f:
+                f.write(str(pid))
+            os.kill(os.getpid(), signal.SIGKILL)
+        return x
+
+
+@pytest.mark.parametrize("dispatch", [True, False])
+def test_killed_worker_is_reported_while_its_pipe_stays_open(
+    no_shm_leak: None, tmp_path: Any, monkeypatch: pytest.MonkeyPatch, dispatch: bool
+) -> None:
+    # No end of file ever comes on the dead worker's pipe: the parent must watch the process.
+    if not dispatch:
+        monkeypatch.setattr(mp_dispatch, "dispatchable", lambda *_: False)
+    pid_file = tmp_path / "child"
+    ds = grain.MapDataset.range(8).map(_ForkThenKillSelfOnThree(str(pid_file))).to_iter_dataset()
+    it = iter(ds.mp_prefetch(_opts(2)))
+    start = time.monotonic()
+    try:
+        with pytest.raises(RuntimeError, match=r"Worker process [01] of 2 .* \(SIGKILL\)"):
+            list(it)
+        assert time.monotonic() - start < 5
+    finally:
+        it.close()
+        if pid_file.exists():
+            os.kill(int(pid_file.read_text()), signal.SIGKILL)
+
+
 def test_bus_error_in_a_worker_points_at_shared_memory(no_shm_leak: None) -> None:
     ds = grain.MapDataset.range(8).map(_SignalSelfOnThree(signal.SIGBUS)).to_iter_dataset()
     with iter(ds.mp_prefetch(_opts(2))) as it:

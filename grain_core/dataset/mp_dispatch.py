@@ -685,17 +685,17 @@ class PositionDispatcher:
         assert pool is not None
         if self._restarted:
             self._restart_runs()
-        ready = [w for w in range(self._count) if pool.ready(w)]
-        if not ready and block:
-            self._assign()
-            if needed is not None:
-                self._unblock(*needed)
-            ready = pool.wait_any()
         try:
+            ready = pool.ready_workers()
+            if not ready and block:
+                self._assign()
+                if needed is not None:
+                    self._unblock(*needed)
+                ready = pool.ready_workers(timeout=None)
+            # One message per worker that sent something: what came meanwhile is read by the
+            # next pump (a check per message would cost a system call each).
             for w in ready:
                 self._receive(w)
-                while pool.ready(w):
-                    self._receive(w)
         except WorkerDiedError as e:
             self.error = e
             raise
@@ -754,7 +754,7 @@ class PositionDispatcher:
 
     def _receive(self, worker: int) -> None:
         assert self._pool is not None
-        generation, kind, value, cpu_total, names, dropped = self._pool.recv(worker)
+        generation, kind, value, cpu_total, names, dropped = self._pool.recv(worker, ready=True)
         recycled = self._recycled[worker]
         recycled.forget(dropped)
         if generation != self._generation:
@@ -855,7 +855,9 @@ class PositionDispatcher:
             credits = self._consumed[worker] + ahead - self._granted[worker]
             if credits < self._credit_batch:
                 credits = 0
-            if runs[worker] or credits or every_worker or self._recycled[worker].released:
+            # Blocks the consumer dropped go back with the next runs or credits: a worker
+            # writes into a block only once it has a credit to send what it wrote.
+            if runs[worker] or credits or every_worker:
                 released = self._recycled[worker].take_released()
                 message = ("assign", self._generation, runs[worker], credits, released)
                 pool.send(worker, message)
