@@ -113,11 +113,14 @@ class _WorkerForkServer(forkserver.ForkServer):
         self._start_lock = threading.Lock()
 
     def ensure_running(self) -> None:
-        if getattr(self, "_forkserver_pid", None) is not None:
-            # Running. One that died restarts with the parent's environment as it is: only
-            # the speed of large copies differs.
-            super().ensure_running()
+        pid = getattr(self, "_forkserver_pid", None)
+        if pid is not None and (
+            not hasattr(os, "waitid")  # no glibc there: the base class restarts it as it is
+            or os.waitid(os.P_PID, pid, os.WEXITED | os.WNOHANG | os.WNOWAIT) is None
+        ):
+            super().ensure_running()  # running (the check above does not reap it)
             return
+        # Not started yet, or it died: it starts with the tunable either way.
         from grain_core.config import config
 
         with self._start_lock:

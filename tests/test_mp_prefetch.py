@@ -537,8 +537,8 @@ def test_the_streaming_threshold_is_read_when_the_forkserver_starts(
     monkeypatch.delenv("GLIBC_TUNABLES", raising=False)
     grain.config.update("py_mp_worker_streaming_copy_bytes", 0x300000)
     server = _WorkerForkServer()
-    try:
-        server.ensure_running()
+
+    def server_environ() -> list[bytes]:
         pid = server._forkserver_pid  # type: ignore[attr-defined]
         # The file reads empty until the new program's environment is set up in exec.
         deadline = time.monotonic() + 10
@@ -547,7 +547,21 @@ def test_the_streaming_threshold_is_read_when_the_forkserver_starts(
             with open(f"/proc/{pid}/environ", "rb") as f:
                 environ = f.read().split(b"\0")
             time.sleep(0.01)
-        assert b"GLIBC_TUNABLES=glibc.cpu.x86_non_temporal_threshold=0x300000" in environ
+        return environ
+
+    try:
+        server.ensure_running()
+        first = server._forkserver_pid  # type: ignore[attr-defined]
+        assert b"GLIBC_TUNABLES=glibc.cpu.x86_non_temporal_threshold=0x300000" in server_environ()
+        assert "GLIBC_TUNABLES" not in os.environ
+        server.ensure_running()
+        assert server._forkserver_pid == first  # type: ignore[attr-defined]
+        # A server that died restarts with the threshold too.
+        os.kill(first, signal.SIGKILL)
+        os.waitid(os.P_PID, first, os.WEXITED | os.WNOWAIT)
+        server.ensure_running()
+        assert server._forkserver_pid != first  # type: ignore[attr-defined]
+        assert b"GLIBC_TUNABLES=glibc.cpu.x86_non_temporal_threshold=0x300000" in server_environ()
         assert "GLIBC_TUNABLES" not in os.environ
     finally:
         grain.config.update("py_mp_worker_streaming_copy_bytes", 2 * 1024 * 1024)
