@@ -22,6 +22,7 @@ import grain_core as grain
 from grain_core import _shm
 from grain_core.dataset import mp_dispatch
 from grain_core.dataset import mp_prefetch as mp_prefetch_module
+from grain_core.dataset.batch import make_batch
 from grain_core.dataset.mp_prefetch import MultiprocessPrefetchIterDataset, slice_for_worker
 from grain_core.dataset.stats import get_execution_summary
 from grain_core.experimental import DatasetOptions, ExecutionTrackingMode, WithOptionsIterDataset
@@ -129,6 +130,33 @@ def test_map_dataset_batch_stacks_into_shared_memory_in_a_worker(
     out = list(ds_strings.mp_prefetch(_opts(2)))
     assert_trees_equal(out, list(ds_strings))
     assert out[0]["s"].dtype == np.dtype("<U2")  # strings are not truncated
+
+
+def test_batches_stacked_into_shared_memory_equal_make_batch(
+    no_shm_leak: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(_shm, "_pool", _shm._BlockPool(4))  # as in a worker
+    rng = np.random.default_rng(0)
+    try:
+        for values in (
+            [rng.random((64, 4, 8)) for _ in range(5)],  # leaves end to end: one copy
+            [np.array(float(i)) for i in range(9000)],  # 0-d leaves
+        ):
+            batch = mp_prefetch_module.make_batch_in_shared_memory(values)
+            assert isinstance(batch, _shm.SharedMemoryArray)
+            assert_trees_equal(batch, make_batch(values))
+            del batch
+        # Leaves that differ in dtype are promoted as make_batch does, not cast.
+        mixed = [np.ones((128, 64), np.float32), np.full((128, 64), 0.1, np.float64)]
+        assert_trees_equal(
+            mp_prefetch_module.make_batch_in_shared_memory(mixed),
+            make_batch(mixed),
+        )
+        # Rows that add up to the same length but differ in shape are an error, as in make_batch.
+        with pytest.raises(ValueError, match="same structure and leaf shapes"):
+            mp_prefetch_module.make_batch_in_shared_memory([np.ones((1, 8192)), np.ones((3, 8192))])
+    finally:
+        _shm.unlink_pool()
 
 
 def test_sequential_slice_goldens() -> None:
