@@ -462,6 +462,9 @@ def test_dropped_blocks_go_back_with_the_next_credits() -> None:
     d._consumed[1] = 1
     d._assign()
     assert pool.sent == [(1, ("assign", 0, [], 1, ["block"]))]
+    d._recycled[0].released.append("other")  # credits sent to reach a waiting consumer too
+    d._grant_through(0, 3, [])
+    assert pool.sent[1] == (0, ("assign", 0, [], 1, ["other"]))
 
 
 def _quarter_mib(x: int) -> np.ndarray:

@@ -727,7 +727,8 @@ class PositionDispatcher:
         credits = max(0, sends - (self._granted[worker] - self._received[worker]))
         if credits or runs:
             assert self._pool is not None
-            self._pool.send(worker, ("assign", self._generation, runs, credits, []))
+            released = self._recycled[worker].take_released()
+            self._pool.send(worker, ("assign", self._generation, runs, credits, released))
             self._granted[worker] += credits
 
     def _restart_runs(self) -> None:
