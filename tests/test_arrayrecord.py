@@ -13,6 +13,7 @@ import os
 import pickle
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -135,22 +136,43 @@ def test_getitems_returns_records_in_request_order(
     assert source.__getitems__(np.asarray(keys, dtype=np.int32)) == [records[k] for k in keys]
 
 
+class _RecordingReader:
+    """Passes reads on to an ArrayRecord reader and records how each was made."""
+
+    def __init__(self, reader: Any) -> None:
+        self._reader = reader
+        self.reads: list[str] = []
+
+    def num_records(self) -> int:
+        return int(self._reader.num_records())
+
+    def read(self, *args: Any) -> Any:
+        self.reads.append(
+            "indexed" if isinstance(args[0], list) else f"range of {args[1] - args[0]}"
+        )
+        return self._reader.read(*args)
+
+
 @pytest.mark.parametrize(
-    "keys",
+    ("keys", "reads"),
     [
-        [3],  # one record: a range read
-        [900, 12, 1499, 12],  # a small share of a big file: one range read per record
-        list(range(200, 260)),  # consecutive: one range read
-        [5, 1400, 700, 2, 2, 1000] * 10,  # a large share: one indexed read
+        ([3], ["range of 1"]),
+        # A small share of the file: record by record (an indexed read costs more below 1/16).
+        ([900, 12, 1499, 12], ["range of 1"] * 4),
+        (list(range(200, 260)), ["range of 60"]),  # consecutive
+        ([5, 1400, 700, 2, 2, 1000] * 16, ["indexed"]),  # 96 of the file's 1,500 records
     ],
     ids=["single", "per-record", "consecutive", "indexed"],
 )
 def test_each_read_plan_returns_the_same_records(
-    files: tuple[list[Path], list[bytes]], keys: list[int]
+    files: tuple[list[Path], list[bytes]], keys: list[int], reads: list[str]
 ) -> None:
     paths, records = files
     source = ArrayRecordDataSource(paths[0])
+    reader = _RecordingReader(source._reader(str(paths[0])))
+    source._readers[str(paths[0])] = reader
     assert source.__getitems__(keys) == [records[k] for k in keys]
+    assert reader.reads == reads
 
 
 def test_read_instructions_globs_and_file_instructions(

@@ -1,16 +1,24 @@
 """``ArrayRecordDataSource``: random access to the records of ArrayRecord files.
 
-How reads are planned (measured with array_record 0.8.6, 1 KiB records, group_size 1):
+How reads are planned (measured with array_record 0.8.6, 1 KiB records, zstd, 50,000 records
+per file, page cache warm, 2 cores):
 
-* A block of indices is split by file with one numpy sort; each file's share is read with
-  ONE ``ArrayRecordReader.read(positions)`` call, which decompresses the records in parallel
-  in C++ with the GIL released, and the records are put back in request order.
-* That indexed read costs about 12 ns per record *of the file* on every call (array_record
-  sets up per-chunk bookkeeping for the whole file: 0.6 ms per call on a 50,000-record file),
-  whereas a one-record range read ``read(p, p + 1)`` costs about 10 µs whatever the file
-  size. So a share smaller than ``records_in_file / 1024`` is read record by record with range
-  reads (this is also the single-record ``__getitem__`` path), and a share of consecutive
-  positions is read with one range read.
+* A block of indices is split by file with one numpy sort, and the records are put back in
+  request order.
+* A file's share is read record by record with one-record range reads ``read(p, p + 1)``:
+  about 6 µs of CPU per record whatever the share (group_size 1; ~10 µs with group_size 16,
+  which decompresses the record's group every time).
+* Only a share of at least ``records_in_file / 16`` positions is read with ONE indexed
+  ``read(positions)``, which decompresses in parallel on array_record's thread pool with the
+  GIL released. That read sets up per-chunk bookkeeping for the whole file on every call and
+  its pool threads spin while they wait for work, so below that share it costs more CPU (and
+  below about 1/200 of the file more time too): per record at shares of 64 / 1,024 / 4,096 /
+  16,384, group_size 1, indexed 15.8 / 4.9 / 3.2 / 2.8 µs wall and 27 / 8.3 / 5.8 / 5.0 µs
+  CPU against 6.6 / 5.8 / 4.5 / 5.3 µs of both record by record (group_size 16: indexed
+  12.4 / 6.1 / 3.8 / 1.9 µs wall, record by record ~10.5). With worker processes every core
+  is busy and CPU time is the throughput: a DataLoader with 2 workers reading shuffled
+  batches of 256 over 4 such files went from 43–48 k to 96–118 k records/s when shares of 64
+  stopped using the indexed read. A share of consecutive positions is one range read.
 * Readers are shared by all threads without a lock: both reads are const in C++ and release
   the GIL. Measured on 2 cores, 8 threads reading batches of 256: shared readers 30,200
   records/s, one reader per thread 23,900 (the per-thread readers only add file handles and
@@ -40,7 +48,7 @@ __all__ = ["ArrayRecordDataSource"]
 
 # A file's share of a block is read with one indexed read only when it holds at least
 # records_in_file / _INDEXED_READ_MIN_FRACTION positions (see the module docstring).
-_INDEXED_READ_MIN_FRACTION = 1024
+_INDEXED_READ_MIN_FRACTION = 16
 # Random access reads one chunk at a time: no readahead, and a buffer near the chunk size
 # instead of riegeli's 1 MiB default.
 _READER_DEFAULTS = {"readahead_buffer_size": "0"}
