@@ -20,7 +20,9 @@ Protocol, one pair of pipes per worker (no polling anywhere):
 * dispatching workers (``grain_core.dataset.mp_dispatch``) take ``("assign", generation,
   runs, credits, names)`` instead of credits and ``set_state``, and send
   ``(generation, kind, element, cpu_total, shm_names, dropped)`` with the worker's CPU seconds
-  so far instead of a state: the parent knows which position each result is.
+  so far instead of a state: the parent knows which position each result is. Results already
+  read that need no shared memory go several to a message: kind ``ELEMENTS`` with a list of
+  elements (one message, one system call each way, instead of one per element).
 * statistics (worker → parent, only when the pipeline tracks ``STAGE_TIMING``):
   ``(STATS_GENERATION, STATS, snapshot, None, (), ())`` with the first element, then at most
   every ``STATS_INTERVAL_S``, before ``END``/``ERROR``, and when the worker waits for the parent
@@ -67,7 +69,7 @@ __all__ = [
     "worker_glibc_tunables",
 ]
 
-ELEMENT, END, ERROR, STATS = 0, 1, 2, 3
+ELEMENT, END, ERROR, STATS, ELEMENTS = 0, 1, 2, 3, 4
 #: Generation of statistics messages: no ``set_state`` generation (they count up from 0).
 STATS_GENERATION = -1
 #: Seconds between two statistics messages of a worker while it produces elements.
@@ -372,9 +374,11 @@ class _WorkerLoop:
     def _send(self, message: tuple[Any, ...]) -> None:
         self._output.send_bytes(pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL))
 
-    def _send_error(self, error: BaseException) -> None:
+    def _send_error(self, error: BaseException, dropped: Sequence[str] = ()) -> None:
+        """Sends ``error``, and ``dropped``: blocks freed that a message which could not be
+        sent was to name (the parent forgets them with any message)."""
         self._report_stats()
-        self._send((self._generation, ERROR, _error_message(error), None, (), ()))
+        self._send((self._generation, ERROR, _error_message(error), None, (), dropped))
 
     def _finish_with_error(self) -> None:
         # The stream stops at its error; the parent re-raises it until the next set_state.
@@ -388,10 +392,20 @@ class _WorkerLoop:
           False if the element could not be pickled: that was sent as an error instead.
         """
         tree, names = _shm.copy_to_shm(element, self._min_shm_size)
+        return self._send_encoded(ELEMENT, tree, state, names)
+
+    def _send_encoded(
+        self, kind: int, value: Any, state: Any, names: list[str], dropped: Sequence[str] = ()
+    ) -> bool:
+        """Sends ``value``, an element whose arrays are in blocks ``names``, with the blocks
+        this worker freed (``dropped`` and those since the last message).
+
+        Returns:
+          False if it could not be pickled: that was sent as an error instead.
+        """
+        dropped = [*dropped, *_shm.take_dropped()]
         try:
-            data = _dumps_element(
-                (self._generation, ELEMENT, tree, state, names, _shm.take_dropped())
-            )
+            data = _dumps_element((self._generation, kind, value, state, names, dropped))
         except Exception as e:  # noqa: BLE001 - an element that cannot travel is an error
             _shm.release_blocks(names)
             error = TypeError(
@@ -400,7 +414,7 @@ class _WorkerLoop:
                 "Convert it to NumPy arrays / plain Python values in the pipeline."
             )
             error.__cause__ = e
-            self._send_error(error)
+            self._send_error(error, dropped)
             return False
         self._output.send_bytes(data)
         self._unreported = True
@@ -454,6 +468,10 @@ class _WorkerLoop:
         self._send((STATS_GENERATION, STATS, worker_stage_snapshot(self._pipeline()), None, (), ()))
         self._next_report = time.monotonic() + STATS_INTERVAL_S
         self._unreported = False
+
+
+#: Seconds a dispatching worker may spend gathering elements already read into one message.
+_GROUP_S = 0.0005
 
 
 class _DispatchWorkerLoop(_WorkerLoop):
@@ -510,19 +528,63 @@ class _DispatchWorkerLoop(_WorkerLoop):
         return True
 
     def _produce(self) -> None:
-        self._pending -= 1
-        self._credits -= 1
         if self._build_error is not None:
+            self._pending -= 1
+            self._credits -= 1
             self._send_error(self._build_error)
             return
-        try:
-            element = self._reader.next()
-        except Exception as e:  # noqa: BLE001 - re-raised in the parent at its position
-            self._send_error(e)
-            return
+        # Elements the read threads have read already, that need no shared memory, go
+        # together (for _GROUP_S at most): small elements cost the parent a message each.
+        group: list[Any] = []
+        deadline = time.perf_counter() + _GROUP_S
+        while True:
+            self._pending -= 1
+            self._credits -= 1
+            try:
+                element = self._reader.next()
+            except Exception as e:  # noqa: BLE001 - re-raised in the parent at its position
+                self._send_group(group)
+                self._send_error(e)
+                return
+            tree, names = _shm.copy_to_shm(element, self._min_shm_size)
+            if names:
+                self._send_group(group)
+                self._send_encoded(ELEMENT, tree, self._cpu_seconds(), names)
+                return
+            group.append(tree)
+            if not (
+                self._pending > 0
+                and self._credits > 0
+                and self._reader.ready()
+                and time.perf_counter() < deadline
+            ):
+                self._send_group(group)
+                return
+
+    def _cpu_seconds(self) -> float:
         # The process's CPU time so far, read threads included: what the parent sizes this
         # worker's commitments by.
-        self._send_element(element, time.process_time() - self._cpu_start)
+        return time.process_time() - self._cpu_start
+
+    def _send_group(self, group: list[Any]) -> None:
+        """Sends the elements of ``group`` (none in shared memory) in one message, or one
+        message each when one of them cannot be pickled (that one is sent as its error)."""
+        if not group:
+            return
+        cpu_seconds = self._cpu_seconds()
+        dropped: Sequence[str] = _shm.take_dropped()
+        if len(group) > 1:
+            try:
+                data = _dumps_element((self._generation, ELEMENTS, group, cpu_seconds, [], dropped))
+            except Exception:  # noqa: BLE001 - each goes alone, the bad one as its error
+                pass
+            else:
+                self._output.send_bytes(data)
+                self._unreported = True
+                return
+        for element in group:
+            self._send_encoded(ELEMENT, element, cpu_seconds, [], dropped)
+            dropped = ()
 
 
 def _readiness_check(conn: Any) -> Any:

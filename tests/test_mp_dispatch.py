@@ -6,6 +6,7 @@ from __future__ import annotations
 import copy
 import os
 import sys
+import threading
 import time
 from typing import Any
 
@@ -16,6 +17,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import grain_core as grain
+from grain_core._worker import ELEMENTS, WorkerPool
 from grain_core.dataset import mp_dispatch
 from grain_core.dataset.mp_dispatch import (
     AssignedPositionsMapDataset,
@@ -308,16 +310,12 @@ _THREADS_IN_STEP: set[int] = set()
 
 
 def _record_thread(x: int) -> int:
-    import threading
-
     _THREADS_IN_STEP.add(threading.get_ident())
     return x
 
 
 def test_steps_after_to_iter_dataset_run_in_the_workers_main_thread() -> None:
     # As under strict rotation: their functions need not be thread-safe.
-    import threading
-
     _THREADS_IN_STEP.clear()
     ds = grain.MapDataset.range(40).to_iter_dataset().map(_record_thread)
     reader = PositionReader(ds, 0, 2, None)
@@ -402,6 +400,34 @@ def test_a_slow_worker_does_not_hold_back_the_fast_one() -> None:
     assert [x for x, _ in out] == list(range(60))
     by_fast = sum(1 for _, who in out if who == "fast")
     assert by_fast >= 40, f"the fast worker computed only {by_fast} of 60 elements"
+
+
+def _lock_at_25(x: int) -> Any:
+    return threading.Lock() if x == 25 else x
+
+
+def test_small_elements_read_already_travel_several_to_a_message(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    kinds: list[int] = []
+    recv = WorkerPool.recv
+
+    def recording_recv(self: WorkerPool, index: int, ready: bool = False) -> tuple[Any, ...]:
+        message = recv(self, index, ready)
+        kinds.append(message[1])
+        return message
+
+    monkeypatch.setattr(WorkerPool, "recv", recording_recv)
+    ds = grain.MapDataset.range(2000).to_iter_dataset()
+    assert list(ds.mp_prefetch(_opts(2, buffer=16))) == list(range(2000))
+    assert ELEMENTS in kinds and len(kinds) < 2000
+    # One element of a group cannot be pickled: the ones before it arrive, then its error
+    # (at its own position, not at the first of its group).
+    ds = grain.MapDataset.range(60).map(_lock_at_25).to_iter_dataset()
+    with iter(ds.mp_prefetch(_opts(2, buffer=16))) as it:
+        assert [next(it) for _ in range(25)] == list(range(25))
+        with pytest.raises(TypeError, match="cannot be pickled"):
+            next(it)
 
 
 # ------------------------------------------------------------------------------ commitments

@@ -44,6 +44,7 @@ import numpy as np
 from grain_core import _shm
 from grain_core._worker import (
     ELEMENT,
+    ELEMENTS,
     ERROR,
     STATS,
     STATS_GENERATION,
@@ -449,6 +450,10 @@ class PositionReader:
         self.pipeline.close()
         self._open()
 
+    def ready(self) -> bool:
+        """Whether the read threads have read the next assigned position already."""
+        return self.iterator.buffered()
+
     def next(self) -> Any:
         """The element at the next assigned position.
 
@@ -767,26 +772,35 @@ class PositionDispatcher:
             else:
                 recycled.released.extend(names)
             return
+        if kind == ERROR:
+            from grain_core.dataset.mp_prefetch import remote_error
+
+            error = remote_error(value, worker, self._count)
+            self._held[self._next_position(worker)] = (worker, ERROR, error, [])
+            return
+        if kind == ELEMENTS:
+            for element in value:
+                self._held[self._next_position(worker)] = (worker, ELEMENT, element, [])
+        else:
+            self._held[self._next_position(worker)] = (worker, ELEMENT, value, names)
+        self._since_learned[worker] += len(value) if kind == ELEMENTS else 1
+        spent = cpu_total - self._cpu_mark[worker]
+        if spent >= _RUN_TARGET_S or self._since_learned[worker] >= _LEARN_EVERY:
+            self._learn(worker, spent / self._since_learned[worker])
+            self._cpu_mark[worker] = cpu_total
+            self._since_learned[worker] = 0
+
+    def _next_position(self, worker: int) -> tuple[int, int]:
+        """The position ``worker``'s next result is for (it computes its runs in order)."""
         run = self._runs[worker][0]
-        cls, j = run[0], run[1]
+        position = (run[0], run[1])
         run[1] += 1
         run[2] -= 1
         if run[2] == 0:
             self._runs[worker].popleft()
         self._outstanding[worker] -= 1
         self._received[worker] += 1
-        if kind == ELEMENT:
-            self._held[(cls, j)] = (worker, ELEMENT, value, names)
-            self._since_learned[worker] += 1
-            spent = cpu_total - self._cpu_mark[worker]
-            if spent >= _RUN_TARGET_S or self._since_learned[worker] >= _LEARN_EVERY:
-                self._learn(worker, spent / self._since_learned[worker])
-                self._cpu_mark[worker] = cpu_total
-                self._since_learned[worker] = 0
-        else:
-            from grain_core.dataset.mp_prefetch import remote_error
-
-            self._held[(cls, j)] = (worker, ERROR, remote_error(value, worker, self._count), [])
+        return position
 
     def _learn(self, worker: int, cpu_seconds: float) -> None:
         """Sets ``worker``'s commitment from the CPU time its elements cost (all its threads):

@@ -209,6 +209,12 @@ class PrefetchDatasetIterator(DatasetIterator[Any]):
                 raise StopIteration
             self._load_chunk()
 
+    def buffered(self) -> bool:
+        """Whether ``next`` has an element read already (a hole skipped counts as one)."""
+        if self._chunk_pos < len(self._chunk):
+            return True
+        return bool(self._pending) and self._pending[0][2].done()
+
     def get_state(self) -> dict[str, Any]:
         return {"next_index": self._next_index}
 
