@@ -21,9 +21,10 @@
 * ``mp_batch_transport``: the usual end of a pipeline, ``.batch(256).to_iter_dataset()``, with
   256 ready 16 KiB rows per 4 MiB batch, batched inside 2 workers (the batch is written
   straight into shared memory); baselines: the same pipeline in one process, Grain 2 workers.
-* ``mp_small_elements``: Python ints through 2 running workers, one message each (no batch
-  before ``mp_prefetch``), steady state: the per-element cost of the transport; baselines: the
-  same pipeline in one process, and Grain with 2 workers.
+* ``mp_small_elements``: Python ints through 2 running workers, one element per ``next`` (no
+  batch before ``mp_prefetch``; workers send the elements they have read already several to
+  a message), steady state: the per-element cost of the transport; baselines: the same
+  pipeline in one process, and Grain with 2 workers.
 * ``first_batch_mp_prefetch`` / ``first_batch_dataloader``: seconds from ``iter()`` to the first
   batch with 2 workers, cold (grain_core's forkserver is stopped after every pass, so each pass
   pays for starting it). elements/s = 1 / seconds.
@@ -496,7 +497,7 @@ def _small_elements_pass(grain: Any, workers: int) -> Callable[[], None]:
 _workers_workload(
     "mp_small_elements",
     SMALL_ELEMENTS,
-    "ints one message each, mp_prefetch 2 workers, buffer 16, steady state",
+    "ints, no batch, mp_prefetch 2 workers, buffer 16, steady state",
     _small_elements_pass,
 )
 
