@@ -16,8 +16,9 @@ the parent keeps that output and its state, and hands out the positions instead:
   (for batches, the elements of its share read), so checkpoints are interchangeable with the
   rotating engine and, for elements, across worker counts.
 * Workers get *runs* ``(class, first slice index, count)``, compute them in order with their
-  read threads (``PositionReader``) and send each result with the CPU time an element cost;
-  the parent files results by position, no tags needed.
+  read threads (``PositionReader``) and send the results with the CPU time they cost (small
+  results already read several to a message); the parent files results by position, no tags
+  needed.
 * A worker is committed to about ``_RUN_TARGET_S`` of CPU work, at least
   ``per_worker_buffer_size`` positions and at most the read-ahead
   (``ReadOptions.prefetch_buffer_size``): elements that wait on storage cost no CPU and get
