@@ -49,10 +49,10 @@ __all__ = ["ArrayRecordDataSource"]
 # A file's share of a block is read with one indexed read only when it holds at least
 # records_in_file / _INDEXED_READ_MIN_FRACTION positions (see the module docstring).
 _INDEXED_READ_MIN_FRACTION = 16
-# Random access reads one chunk at a time: no readahead, and a buffer near the chunk size
-# instead of riegeli's 1 MiB default.
+# Random access reads one chunk at a time: no readahead. The file buffer stays array_record's
+# own: a fixed 32 KiB one cost 6.96 us of CPU per 1 KiB record read at random against 5.33
+# (medians of 5 passes of 30,000 reads; 16 KiB and 256 KiB records no slower).
 _READER_DEFAULTS = {"readahead_buffer_size": "0"}
-_FILE_BUFFER_BYTES = 32 * 1024
 _GROUP_SIZE_RE = re.compile(r"(?:^|,)group_size:(\d+)(?:,|$)")
 
 
@@ -187,9 +187,7 @@ class ArrayRecordDataSource:
     def _open(self, path: str) -> Any:
         reason: str | None
         try:
-            reader = array_record_module.ArrayRecordReader(
-                path, self._reader_options, file_reader_buffer_size=_FILE_BUFFER_BYTES
-            )
+            reader = array_record_module.ArrayRecordReader(path, self._reader_options)
         except ValueError as err:
             raise ValueError(
                 f"Invalid ArrayRecord reader_options {self._reader_options!r} for {path!r}: {err}"
