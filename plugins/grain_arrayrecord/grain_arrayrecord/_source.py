@@ -1,7 +1,8 @@
 """``ArrayRecordDataSource``: random access to the records of ArrayRecord files.
 
 How reads are planned (measured with array_record 0.8.6, 1 KiB records, zstd, 50,000 records
-per file, page cache warm, 2 cores):
+per file, page cache warm, 2 cores; the per-read figures with a 32 KiB file buffer, which
+makes range reads about 25% dearer than array_record's own buffer, used now):
 
 * A block of indices is split by file with one numpy sort, and the records are put back in
   request order.
