@@ -402,6 +402,37 @@ def test_a_slow_worker_does_not_hold_back_the_fast_one() -> None:
     assert by_fast >= 40, f"the fast worker computed only {by_fast} of 60 elements"
 
 
+@pytest.mark.parametrize("with_poll", [True, False], ids=["poll", "connection.wait"])
+def test_workers_poller_tells_output_from_ended_workers(
+    monkeypatch: pytest.MonkeyPatch, with_poll: bool
+) -> None:
+    import multiprocessing
+    import select
+
+    from grain_core._worker import _WorkersPoller
+
+    if not with_poll:
+        monkeypatch.delattr(select, "poll")
+    pipes = [multiprocessing.Pipe(duplex=False) for _ in range(2)]
+    # Read ends that become readable when their write end closes, as a process sentinel does
+    # when the process ends.
+    sentinels = [os.pipe() for _ in range(2)]
+    try:
+        poller = _WorkersPoller([r for r, _ in pipes], [r for r, _ in sentinels])
+        assert poller.poll(0) == ([], [])
+        pipes[1][1].send_bytes(b"x")
+        assert poller.poll(None) == ([1], [])
+        os.close(sentinels[0][1])
+        assert poller.poll(0) == ([1], [0])
+    finally:
+        for r, w in pipes:
+            r.close()
+            w.close()
+        os.close(sentinels[0][0])
+        os.close(sentinels[1][0])
+        os.close(sentinels[1][1])
+
+
 def _lock_at_25(x: int) -> Any:
     return threading.Lock() if x == 25 else x
 
