@@ -404,21 +404,28 @@ class _WorkerLoop:
           False if it could not be pickled: that was sent as an error instead.
         """
         dropped = [*dropped, *_shm.take_dropped()]
+        failure = self._try_send((self._generation, kind, value, state, names, dropped))
+        if failure is None:
+            return True
+        _shm.release_blocks(names)
+        error = TypeError(
+            f"Worker {self._spec.index} produced an element that cannot be pickled and "
+            f"therefore cannot be sent to the main process: {type(failure).__name__}: "
+            f"{failure}. Convert it to NumPy arrays / plain Python values in the pipeline."
+        )
+        error.__cause__ = failure
+        self._send_error(error, dropped)
+        return False
+
+    def _try_send(self, message: tuple[Any, ...]) -> Exception | None:
+        """Sends an element message; returns why it could not be pickled instead, if so."""
         try:
-            data = _dumps_element((self._generation, kind, value, state, names, dropped))
-        except Exception as e:  # noqa: BLE001 - an element that cannot travel is an error
-            _shm.release_blocks(names)
-            error = TypeError(
-                f"Worker {self._spec.index} produced an element that cannot be pickled and "
-                f"therefore cannot be sent to the main process: {type(e).__name__}: {e}. "
-                "Convert it to NumPy arrays / plain Python values in the pipeline."
-            )
-            error.__cause__ = e
-            self._send_error(error, dropped)
-            return False
+            data = _dumps_element(message)
+        except Exception as e:  # noqa: BLE001 - the caller decides what the failure means
+            return e
         self._output.send_bytes(data)
         self._unreported = True
-        return True
+        return None
 
     def _produce(self) -> None:
         if self._build_error is not None:
@@ -573,16 +580,10 @@ class _DispatchWorkerLoop(_WorkerLoop):
             return
         cpu_seconds = self._cpu_seconds()
         dropped: Sequence[str] = _shm.take_dropped()
-        if len(group) > 1:
-            try:
-                data = _dumps_element((self._generation, ELEMENTS, group, cpu_seconds, [], dropped))
-            except Exception:  # noqa: BLE001 - each goes alone, the bad one as its error
-                pass
-            else:
-                self._output.send_bytes(data)
-                self._unreported = True
-                return
-        for element in group:
+        message: tuple[Any, ...] = (self._generation, ELEMENTS, group, cpu_seconds, [], dropped)
+        if len(group) > 1 and self._try_send(message) is None:
+            return
+        for element in group:  # one, or one of them cannot be pickled: each alone
             self._send_encoded(ELEMENT, element, cpu_seconds, [], dropped)
             dropped = ()
 

@@ -17,7 +17,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import grain_core as grain
-from grain_core._worker import ELEMENTS, WorkerPool
+from grain_core._worker import ELEMENT, ELEMENTS, WorkerPool
 from grain_core.dataset import mp_dispatch
 from grain_core.dataset.mp_dispatch import (
     AssignedPositionsMapDataset,
@@ -431,6 +431,51 @@ def test_workers_poller_tells_output_from_ended_workers(
         os.close(sentinels[0][0])
         os.close(sentinels[1][0])
         os.close(sentinels[1][1])
+
+
+def test_blocks_freed_before_a_message_that_cannot_be_pickled_reach_the_parent(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # The parent forgets its mappings of the blocks a worker freed from the names each message
+    # carries: those taken for a message that could not be pickled go with its error.
+    import multiprocessing
+    import pickle
+
+    from grain_core import _shm
+    from grain_core._worker import ERROR, WorkerSpec, _DispatchWorkerLoop
+
+    pool = _shm._BlockPool(1)
+    pool.dropped.append("freed-block")
+    monkeypatch.setattr(_shm, "_pool", pool)
+    spec = WorkerSpec(
+        index=0,
+        count=1,
+        init_fn=None,
+        dataset=b"",
+        sequential_slice=False,
+        state=None,
+        plugins=None,
+        options=None,
+        shm_prefix="unused",
+        pool_size=1,
+        dispatch=True,
+    )
+    control_r, control_w = multiprocessing.Pipe(duplex=False)
+    output_r, output_w = multiprocessing.Pipe(duplex=False)
+    try:
+        loop = _DispatchWorkerLoop(spec, control_r, output_w)
+        loop._send_group([1, threading.Lock()])
+        messages = [pickle.loads(output_r.recv_bytes()) for _ in range(2)]
+        assert messages[0][1:3] == (ELEMENT, 1) and messages[0][5] == ["freed-block"]
+        assert messages[1][1] == ERROR and "cannot be pickled" in str(messages[1][2])
+        pool.dropped.append("freed-later")
+        loop._send_group([threading.Lock()])  # alone: its error carries them
+        error = pickle.loads(output_r.recv_bytes())
+        assert error[1] == ERROR and error[5] == ["freed-later"]
+        assert not output_r.poll()
+    finally:
+        for conn in (control_r, control_w, output_r, output_w):
+            conn.close()
 
 
 def _lock_at_25(x: int) -> Any:
