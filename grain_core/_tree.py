@@ -14,10 +14,10 @@ semantics JAX users already see:
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+import abc
+import operator
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
-
-import numpy as np
 
 __all__ = ["flatten", "map_structure", "spec_str", "unflatten"]
 
@@ -78,41 +78,68 @@ def map_structure(fn: Callable[..., Any], *trees: Any) -> Any:
     Raises:
       ValueError: if the trees differ in structure; the message shows both structures.
     """
+    global _kinds_token
+    token = abc.get_cache_token()
+    if token != _kinds_token or len(_kinds) > _KINDS_MAX:
+        # A class registered with an ABC since (``Mapping.register``) may have changed kind.
+        _kinds.clear()
+        _kinds_token = token
+    return _map(fn, trees)
+
+
+def _map(fn: Callable[..., Any], trees: Sequence[Any]) -> Any:
+    # Runs once per node per batch: the per-tree checks are C-level passes (set, map, zip,
+    # itemgetter) and the kind of a class is looked up once per distinct class, so batching
+    # many small elements does not pay an ABC isinstance check per leaf.
     first = trees[0]
-    kind = type(first)
-    # Exact-type checks first: this runs once per node per batch, and ABC isinstance checks
-    # would dominate batching small elements.
-    if kind is dict or (kind not in _LEAF_TYPES and isinstance(first, Mapping)):
-        keys = first.keys()
-        for t in trees[1:]:
-            if t is None or t.__class__ not in _MAPPING_TYPES and not isinstance(t, Mapping):
-                raise _mismatch(trees)
-            if t.keys() != keys:
-                raise _mismatch(trees)
-        return {k: map_structure(fn, *[t[k] for t in trees]) for k in _sorted_keys(first)}
-    if kind is list or kind is tuple or (kind not in _LEAF_TYPES and isinstance(first, tuple)):
-        n = len(first)
-        for t in trees[1:]:
-            if type(t) is not kind or len(t) != n:
-                raise _mismatch(trees)
-        children = [map_structure(fn, *[t[i] for t in trees]) for i in range(n)]
-        if _is_namedtuple(first):
-            return kind(*children)
-        return kind(children)
-    if first is None:
-        for t in trees[1:]:
-            if t is not None:
-                raise _mismatch(trees)
+    kind = _kind(type(first))
+    classes = set(map(type, trees))
+    if any(_kind(cls) != kind for cls in classes):
+        raise _mismatch(trees)
+    if kind == _LEAF:
+        return fn(*trees)
+    if kind == _NONE:
         return None
-    for t in trees[1:]:
-        if t is None or (t.__class__ not in _LEAF_TYPES and isinstance(t, _CONTAINERS)):
-            raise _mismatch(trees)
-    return fn(*trees)
+    n = len(first)
+    if len(set(map(len, trees))) > 1:
+        raise _mismatch(trees)
+    if kind == _MAPPING:
+        keys = _sorted_keys(first)
+        if n == 0:
+            return {}
+        try:
+            values = list(map(operator.itemgetter(*keys), trees))
+        except KeyError:
+            raise _mismatch(trees) from None
+        columns = [values] if n == 1 else zip(*values, strict=True)
+        return {k: _map(fn, column) for k, column in zip(keys, columns, strict=True)}
+    if len(classes) > 1:  # a list and a tuple, or two tuple types
+        raise _mismatch(trees)
+    children = [_map(fn, column) for column in zip(*trees, strict=True)]
+    cls = type(first)
+    return cls(*children) if _is_namedtuple(first) else cls(children)
 
 
-_LEAF_TYPES = frozenset({np.ndarray, int, float, bool, str, bytes, complex})
-_MAPPING_TYPES = frozenset({dict})
-_CONTAINERS = (Mapping, list, tuple)
+_LEAF, _MAPPING, _SEQUENCE, _NONE = range(4)
+_kinds: dict[type, int] = {}
+_kinds_token = abc.get_cache_token()
+# Classes made on the fly (local classes in a loop) must not pile up in the cache.
+_KINDS_MAX = 1024
+
+
+def _kind(cls: type) -> int:
+    kind = _kinds.get(cls)
+    if kind is None:
+        if cls is type(None):
+            kind = _NONE
+        elif issubclass(cls, Mapping):
+            kind = _MAPPING
+        elif issubclass(cls, (list, tuple)):
+            kind = _SEQUENCE
+        else:
+            kind = _LEAF
+        _kinds[cls] = kind
+    return kind
 
 
 def spec_str(tree: Any) -> str:
@@ -134,6 +161,6 @@ def spec_str(tree: Any) -> str:
     return type(tree).__name__
 
 
-def _mismatch(trees: tuple[Any, ...]) -> ValueError:
+def _mismatch(trees: Sequence[Any]) -> ValueError:
     shown = "\n".join(f"  element {i}: {spec_str(t)}" for i, t in enumerate(trees[:4]))
     return ValueError(f"Expected all input elements to have the same structure, got:\n{shown}")

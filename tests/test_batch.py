@@ -25,6 +25,28 @@ def test_make_batch_keeps_strings_untruncated():
     out = make_batch([np.array("a"), np.array("abcdef")])
     assert out.tolist() == ["a", "abcdef"]
     assert make_batch([b"x", b"yyy"]).tolist() == [b"x", b"yyy"]
+    # NumPy string scalars have a dtype each: the first one's must not be imposed.
+    assert make_batch([np.str_("a"), np.str_("abcdef")]).tolist() == ["a", "abcdef"]
+    assert make_batch([np.bytes_(b"x"), np.bytes_(b"yyy")]).tolist() == [b"x", b"yyy"]
+
+
+@pytest.mark.parametrize(
+    "kind", [np.int8, np.uint16, np.float16, np.float32, np.bool_, np.complex64]
+)
+def test_make_batch_of_numpy_scalars_keeps_their_dtype(kind):
+    values = [kind(1), kind(0), kind(1)]
+    for batch in (make_batch(values), make_batch([{"x": v} for v in values])["x"]):
+        assert batch.dtype == np.dtype(kind) and batch.tolist() == [kind(1), kind(0), kind(1)]
+
+
+def test_make_batch_of_datetimes_keeps_every_unit():
+    values = [np.datetime64("2026-01-01", "D"), np.datetime64("2026-01-01T00:00:01", "s")]
+    assert make_batch(values).tolist() == [np.datetime64(v, "s").item() for v in values]
+
+
+def test_make_batch_of_arrays_with_different_dtypes_promotes():
+    out = make_batch([np.zeros(2, np.int8), np.full(2, 0.5, np.float64)])
+    assert out.dtype == np.float64 and out.tolist() == [[0, 0], [0.5, 0.5]]
 
 
 @pytest.mark.parametrize(

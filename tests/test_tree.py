@@ -1,9 +1,12 @@
 from __future__ import annotations
 
 import collections
+import collections.abc
 
+import hypothesis
 import numpy as np
 import pytest
+from hypothesis import strategies as st
 
 from grain_core import _tree
 
@@ -59,3 +62,130 @@ def test_uncomparable_keys_are_a_clear_error():
 
 def test_spec_str_describes_arrays():
     assert _tree.spec_str({"a": np.zeros((2, 3), np.float32)}) == "{'a': ndarray[float32[2, 3]]}"
+
+
+def _reference_map(fn, *trees):
+    """What map_structure must compute, written plainly: the model the fast walk is checked
+    against."""
+    first = trees[0]
+    if isinstance(first, collections.abc.Mapping):
+        if not all(
+            isinstance(t, collections.abc.Mapping) and t.keys() == first.keys() for t in trees
+        ):
+            raise ValueError("same structure")
+        return {k: _reference_map(fn, *[t[k] for t in trees]) for k in sorted(first)}
+    if isinstance(first, (list, tuple)):
+        if not all(type(t) is type(first) and len(t) == len(first) for t in trees):
+            raise ValueError("same structure")
+        children = [_reference_map(fn, *[t[i] for t in trees]) for i in range(len(first))]
+        return type(first)(*children) if hasattr(first, "_fields") else type(first)(children)
+    if first is None:
+        if any(t is not None for t in trees):
+            raise ValueError("same structure")
+        return None
+    if any(t is None or isinstance(t, (collections.abc.Mapping, list, tuple)) for t in trees):
+        raise ValueError("same structure")
+    return fn(*trees)
+
+
+class _FrozenMapping(collections.abc.Mapping):
+    def __init__(self, data):
+        self._data = dict(data)
+
+    def __getitem__(self, key):
+        return self._data[key]
+
+    def __iter__(self):
+        return iter(self._data)
+
+    def __len__(self):
+        return len(self._data)
+
+
+_leaves = st.one_of(
+    st.integers(-5, 5),
+    st.integers(-5, 5).map(np.int64),
+    st.floats(-1, 1).map(np.float32),
+    st.text(max_size=3),
+    st.integers(0, 3).map(lambda n: np.arange(n, dtype=np.float32)),
+)
+_trees = st.recursive(
+    st.one_of(_leaves, st.none()),
+    lambda children: st.one_of(
+        st.lists(children, max_size=3),
+        st.lists(children, max_size=3).map(tuple),
+        st.tuples(children, children).map(lambda xy: Point(*xy)),
+        st.dictionaries(st.sampled_from("abcd"), children, max_size=3),
+        st.dictionaries(st.sampled_from("abcd"), children, max_size=3).map(_FrozenMapping),
+    ),
+    max_leaves=8,
+)
+
+
+def _mutations(tree):
+    """Trees differing from ``tree`` in structure somewhere (none when it has no node)."""
+    yield [tree]
+    if isinstance(tree, collections.abc.Mapping):
+        for k in tree:
+            rest = {key: tree[key] for key in tree if key != k}
+            yield rest
+            for changed in _mutations(tree[k]):
+                yield {**rest, k: changed}
+    elif isinstance(tree, (list, tuple)):
+        yield list(tree) if isinstance(tree, tuple) else tuple(tree)
+        yield [*tree, 1] if isinstance(tree, list) else None
+    elif tree is None:
+        yield 1
+    else:
+        yield None
+
+
+@hypothesis.settings(max_examples=300, deadline=None)
+@hypothesis.given(_trees, st.integers(1, 4), st.data())
+def test_map_structure_agrees_with_the_plain_walk(tree, copies, data):
+    # Every leaf becomes its own marker: the same tree several times, leaf by leaf.
+    trees = [tree] * copies
+    expected = _reference_map(lambda *xs: len(xs), *trees)
+    assert _tree.map_structure(lambda *xs: len(xs), *trees) == expected
+    other = data.draw(st.sampled_from(list(_mutations(tree))))
+    position = data.draw(st.integers(0, copies))
+    mixed = [*trees[:position], other, *trees[position:]]
+    try:
+        expected = _reference_map(lambda *xs: None, *mixed)
+    except ValueError:
+        with pytest.raises(ValueError, match="same structure"):
+            _tree.map_structure(lambda *xs: None, *mixed)
+    else:
+        assert _tree.map_structure(lambda *xs: None, *mixed) == expected
+
+
+def test_a_class_registered_as_a_mapping_later_is_walked_as_one():
+    class Record:
+        def __init__(self, **fields):
+            self._fields = fields
+
+        def __getitem__(self, key):
+            return self._fields[key]
+
+        def __iter__(self):
+            return iter(self._fields)
+
+        def __len__(self):
+            return len(self._fields)
+
+        def keys(self):
+            return self._fields.keys()
+
+    records = [Record(a=1, b=2), Record(a=10, b=20)]
+    assert _tree.map_structure(lambda *xs: len(xs), *records) == 2  # a leaf
+    collections.abc.Mapping.register(Record)
+    assert _tree.map_structure(lambda *xs: sum(xs), *records) == {"a": 11, "b": 22}
+
+
+def test_list_subclasses_are_containers_as_in_flatten():
+    class Row(list):
+        pass
+
+    out = _tree.map_structure(lambda a, b: a + b, Row([1, 2]), Row([10, 20]))
+    assert type(out) is Row and out == [11, 22]
+    assert _tree.flatten(Row([1, 2])) == [1, 2]

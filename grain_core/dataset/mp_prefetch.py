@@ -24,6 +24,7 @@ from __future__ import annotations
 import copy
 import functools
 import io
+import itertools
 import pickle
 import sys
 import warnings
@@ -309,10 +310,8 @@ def _stack_into_shared_memory(*leaves: Any) -> Any:
         and isinstance(first, np.ndarray)
         and first.dtype.kind not in "OUSV"
         and first.nbytes * len(leaves) >= _shm.DEFAULT_MIN_SHM_SIZE
-        and all(
-            isinstance(x, np.ndarray) and x.shape == first.shape and x.dtype == first.dtype
-            for x in leaves
-        )
+        and all(map(isinstance, leaves, itertools.repeat(np.ndarray)))
+        and len({(x.shape, x.dtype) for x in leaves}) == 1
     ):
         try:
             out = _shm.SharedMemoryArray((len(leaves), *first.shape), first.dtype)
