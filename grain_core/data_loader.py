@@ -133,12 +133,17 @@ class _SamplerMapDataset(MapDataset[Any]):
     def __len__(self) -> int:
         return self._len
 
+    @property
+    def reads_columns(self) -> bool:
+        """Whether reads give the source's values alone, as a ``ColumnBlock`` when asked."""
+        return not self._with_metadata and hasattr(self._source, "read_columns")
+
     def __getitem__(self, index: Any) -> Any:
         if isinstance(index, slice):
             return self.slice(index)
         return self._getitems([index])[0]
 
-    def _getitems(self, indices: Indices) -> list[Any]:
+    def _getitems(self, indices: Indices) -> Sequence[Any]:
         if self._len == 0:
             raise IndexError("The sampler yields no records for this shard.")
         local = np.asarray(indices, dtype=np.int64) % self._len

@@ -11,7 +11,9 @@ import operator
 from multiprocessing import shared_memory
 from typing import Any, Protocol, SupportsIndex, TypeVar, runtime_checkable
 
-__all__ = ["RandomAccessDataSource", "RangeDataSource", "SharedMemoryDataSource"]
+from grain_core.dataset.source import ColumnBlock
+
+__all__ = ["ColumnBlock", "RandomAccessDataSource", "RangeDataSource", "SharedMemoryDataSource"]
 
 T_co = TypeVar("T_co", covariant=True)
 
@@ -21,7 +23,10 @@ class RandomAccessDataSource(Protocol[T_co]):
     """Anything with a length and thread-safe, deterministic ``__getitem__`` for ``0 <= i < len``.
 
     A source may also offer ``__getitems__(indices)`` to read many records in one call; the
-    pipeline then reads whole blocks at once. Give it a stable ``__repr__`` (it identifies the
+    pipeline then reads whole blocks at once. A source of dict rows stored column-wise may
+    further offer ``read_columns(indices) -> ColumnBlock`` (the same rows as columns): a
+    default ``batch`` over it, with only shuffles, slices and repeats between, then stacks
+    whole columns instead of building and unpacking a dict per row. Give it a stable ``__repr__`` (it identifies the
     source in DataLoader checkpoints) and make it picklable (workers receive it).
     """
 

@@ -124,6 +124,10 @@ class MapDataset(_Node, Generic[T], abc.ABC):
     ``None`` at an index means "no element here" (a hole made by ``filter``).
     """
 
+    #: ``_getitems`` returns its one parent's values (for other indices) unchanged: a batch
+    #: above a chain of such nodes may have the source read whole columns.
+    passes_values: bool = False
+
     def __init__(self, parents: MapDataset[Any] | Sequence[MapDataset[Any]] = ()) -> None:
         self._parents = _parents_tuple(parents)
 
@@ -139,8 +143,11 @@ class MapDataset(_Node, Generic[T], abc.ABC):
     @abc.abstractmethod
     def __getitem__(self, index: Any) -> Any: ...
 
-    def _getitems(self, indices: Indices) -> list[Any]:
-        """Reads many indices at once. Nodes override this to pass the block down in one call."""
+    def _getitems(self, indices: Indices) -> Sequence[Any]:
+        """Reads many indices at once. Nodes override this to pass the block down in one call.
+
+        A list, or what a pass-through node's parent returned (a ``ColumnBlock`` under
+        ``columns_wanted()``)."""
         return [self[int(i)] for i in indices]
 
     def __iter__(self) -> Iterator[T]:
@@ -272,6 +279,8 @@ class MapDataset(_Node, Generic[T], abc.ABC):
 class _WithSeedMapDataset(MapDataset[T]):
     """Pass-through node carrying the seed set by ``.seed()``."""
 
+    passes_values = True
+
     def __init__(self, parent: MapDataset[T], seed: int) -> None:
         super().__init__(parent)
         self._seed_value = _random.validate_seed(seed, "`seed`")
@@ -285,7 +294,7 @@ class _WithSeedMapDataset(MapDataset[T]):
             return self.slice(index)
         return self._parent[index]
 
-    def _getitems(self, indices: Indices) -> list[Any]:
+    def _getitems(self, indices: Indices) -> Sequence[Any]:
         return self._parent._getitems(indices)
 
     def __repr__(self) -> str:
@@ -548,6 +557,8 @@ class IterDataset(_Node, Iterable[T], Generic[T], abc.ABC):
 
 class _WithSeedIterDataset(IterDataset[T]):
     """Pass-through node carrying the seed set by ``.seed()``."""
+
+    passes_values = True
 
     def __init__(self, parent: IterDataset[T], seed: int) -> None:
         super().__init__(parent)

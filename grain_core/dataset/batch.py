@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import operator
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -10,6 +11,7 @@ import numpy as np
 
 from grain_core import _tree
 from grain_core.dataset.base import INFINITE, DatasetIterator, Indices, IterDataset, MapDataset
+from grain_core.dataset.source import ColumnBlock, columns_wanted
 
 __all__ = ["BatchIterDataset", "BatchMapDataset", "has_holes_upstream", "make_batch"]
 
@@ -62,6 +64,8 @@ def make_batch(values: Sequence[Any]) -> Any:
     """
     if len(values) == 0:
         raise ValueError("Cannot batch 0 values: make_batch needs at least one element.")
+    if isinstance(values, ColumnBlock):
+        return _stack_columns(values)
     first = values[0]
     if isinstance(first, (int, float, np.generic)):
         return _stack_leaves(*values)
@@ -71,6 +75,33 @@ def make_batch(values: Sequence[Any]) -> Any:
         return _tree.map_structure(_stack_leaves, *values)
     except ValueError as e:
         raise ValueError(_describe_batch_error(values, e)) from e
+
+
+#: A batch function that takes a ``ColumnBlock`` as well as a list of elements has this
+#: attribute set: a batch over a columnar source then has the source read whole columns.
+STACKS_COLUMN_BLOCKS = "stacks_column_blocks"
+setattr(make_batch, STACKS_COLUMN_BLOCKS, True)
+
+
+def _stack_columns(block: ColumnBlock) -> Any:
+    """``make_batch(list(block))``, stacked a whole column at a time."""
+    if len(block) < 2:
+        return make_batch(list(block))
+    batch = {}
+    try:
+        for name, column in sorted(zip(block.names, block.columns, strict=True), key=_first):
+            if column.dtype.kind in "biufc":
+                # Rows hold this column's scalars (or equally shaped arrays): stacking them
+                # gives the column back.
+                batch[name] = column if column.flags.writeable else column.copy()
+            else:
+                batch[name] = make_batch(list(column))
+    except (TypeError, ValueError):
+        return make_batch(list(block))  # the row path describes the error
+    return batch
+
+
+_first = operator.itemgetter(0)
 
 
 def _describe_batch_error(values: Sequence[Any], error: ValueError) -> str:
@@ -93,6 +124,13 @@ def _resolve_batch_fn(batch_fn: Callable[[Sequence[Any]], Any] | None) -> Callab
 def _check_batch_size(batch_size: int) -> None:
     if not isinstance(batch_size, (int, np.integer)) or batch_size <= 0:
         raise ValueError(f"batch_size must be a positive integer, got {batch_size!r}.")
+
+
+def _source_reads_columns(ds: MapDataset[Any]) -> bool:
+    """Whether ``ds`` is a source reading whole columns, under nodes that pass values through."""
+    while ds.passes_values:
+        ds = ds.parents[0]
+    return bool(getattr(ds, "reads_columns", False))
 
 
 def has_holes_upstream(ds: MapDataset[Any]) -> str | None:
@@ -131,6 +169,9 @@ class BatchMapDataset(MapDataset[Any]):
         self._batch_size = int(batch_size)
         self._drop_remainder = drop_remainder
         self._batch_fn = _resolve_batch_fn(batch_fn)
+        self._reads_columns = getattr(self._batch_fn, STACKS_COLUMN_BLOCKS, False) and (
+            _source_reads_columns(parent)
+        )
         n = len(parent)
         self._parent_len = n
         if n >= INFINITE:
@@ -152,7 +193,11 @@ class BatchMapDataset(MapDataset[Any]):
         stop = min(self._parent_len, start + self._batch_size)
         return range(base + start, base + stop)
 
-    def _make(self, values: list[Any]) -> Any:
+    def _read(self, indices: Indices) -> Sequence[Any]:
+        with columns_wanted() if self._reads_columns else contextlib.nullcontext():
+            return self._parent._getitems(indices)
+
+    def _make(self, values: Sequence[Any]) -> Any:
         try:
             return self._batch_fn(values)
         except Exception as e:
@@ -165,12 +210,12 @@ class BatchMapDataset(MapDataset[Any]):
     def __getitem__(self, index: Any) -> Any:
         if isinstance(index, slice):
             return self.slice(index)
-        return self._make(self._parent._getitems(self._parent_range(index)))
+        return self._make(self._read(self._parent_range(index)))
 
     def _getitems(self, indices: Indices) -> list[Any]:
         ranges = [self._parent_range(int(i)) for i in indices]
         flat = np.concatenate([np.arange(r.start, r.stop, dtype=np.int64) for r in ranges])
-        values = self._parent._getitems(flat)
+        values = self._read(flat)
         out = []
         pos = 0
         for r in ranges:

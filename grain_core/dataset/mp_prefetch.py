@@ -51,7 +51,12 @@ from grain_core.dataset.base import (
     MultiprocessingContext,
     _WithSeedMapDataset,
 )
-from grain_core.dataset.batch import BatchIterDataset, BatchMapDataset, make_batch
+from grain_core.dataset.batch import (
+    STACKS_COLUMN_BLOCKS,
+    BatchIterDataset,
+    BatchMapDataset,
+    make_batch,
+)
 from grain_core.dataset.interleave import InterleaveIterDataset
 from grain_core.dataset.map import (
     FilterMapDataset,
@@ -61,7 +66,7 @@ from grain_core.dataset.map import (
 )
 from grain_core.dataset.options import DatasetOptions
 from grain_core.dataset.prefetch import PrefetchIterDataset
-from grain_core.dataset.source import RangeMapDataset, SourceMapDataset
+from grain_core.dataset.source import ColumnBlock, RangeMapDataset, SourceMapDataset
 from grain_core.dataset.stats import attach_worker_stages
 from grain_core.dataset.with_options import WithOptionsIterDataset
 from grain_core.options import MultiprocessingOptions
@@ -295,12 +300,19 @@ def make_batch_in_shared_memory(values: Sequence[Any]) -> Any:
     Raises:
       ValueError: As ``make_batch``.
     """
-    if len(values) < 2 or not isinstance(values[0], (dict, list, tuple, np.ndarray)):
+    if (
+        len(values) < 2
+        or isinstance(values, ColumnBlock)  # columns: the transport moves the large ones
+        or not isinstance(values[0], (dict, list, tuple, np.ndarray))
+    ):
         return make_batch(values)
     try:
         return _tree.map_structure(_stack_into_shared_memory, *values)
     except ValueError:
         return make_batch(values)  # raises the same error, described for the user
+
+
+setattr(make_batch_in_shared_memory, STACKS_COLUMN_BLOCKS, True)
 
 
 def _stack_into_shared_memory(*leaves: Any) -> Any:

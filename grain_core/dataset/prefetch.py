@@ -8,6 +8,7 @@ import copy
 import queue
 import threading
 import time
+from collections.abc import Sequence
 from typing import Any
 
 from grain_core.dataset.base import DatasetIterator, IterDataset, MapDataset
@@ -127,7 +128,7 @@ class PrefetchDatasetIterator(DatasetIterator[Any]):
         self._read_index += count
         return start, count
 
-    def _read(self, start: int, count: int) -> list[Any]:
+    def _read(self, start: int, count: int) -> Sequence[Any]:
         # Thread CPU time, not wall time: with several read threads, waiting for the GIL
         # would otherwise look like expensive elements and shrink the blocks.
         began_cpu, began_wall = time.thread_time(), time.perf_counter()

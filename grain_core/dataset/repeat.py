@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -17,6 +18,8 @@ class RepeatMapDataset(MapDataset[Any]):
     With ``reseed_each_epoch=False`` the index is reduced modulo ``n`` so every epoch reads the
     parent's first epoch and random transforms repeat exactly.
     """
+
+    passes_values = True
 
     def __init__(
         self,
@@ -55,7 +58,7 @@ class RepeatMapDataset(MapDataset[Any]):
             index %= self._parent_len
         return self._parent[index]
 
-    def _getitems(self, indices: Indices) -> list[Any]:
+    def _getitems(self, indices: Indices) -> Sequence[Any]:
         if not self._reseed:
             indices = np.asarray(indices, dtype=np.int64) % self._parent_len
         return self._parent._getitems(indices)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -20,6 +21,8 @@ class ShuffleMapDataset(MapDataset[Any]):
     O(1) memory and random access; every epoch uses a different permutation. Blocks of indices
     are permuted with one vectorised call.
     """
+
+    passes_values = True
 
     def __init__(self, parent: MapDataset[Any], *, seed: int | None = None) -> None:
         super().__init__(parent)
@@ -40,7 +43,7 @@ class ShuffleMapDataset(MapDataset[Any]):
         seed = (self._seed + epoch) % _SEED_MODULUS
         return self._parent[_random.index_shuffle(j, n - 1, seed) + epoch * n]
 
-    def _getitems(self, indices: Indices) -> list[Any]:
+    def _getitems(self, indices: Indices) -> Sequence[Any]:
         n = self._len
         if n == 0:
             raise IndexError("Cannot read from an empty dataset.")

@@ -15,6 +15,8 @@ __all__ = ["ReindexMapDataset", "SliceMapDataset"]
 class SliceMapDataset(MapDataset[Any]):
     """``ds[i] = parent[start + (i % len) * step + (i // len) * n]``."""
 
+    passes_values = True
+
     def __init__(self, parent: MapDataset[Any], sl: slice) -> None:
         super().__init__(parent)
         if not isinstance(sl, slice):
@@ -35,7 +37,7 @@ class SliceMapDataset(MapDataset[Any]):
         epoch, j = divmod(index, self._len)
         return self._parent[self._start + j * self._step + epoch * self._parent_len]
 
-    def _getitems(self, indices: Indices) -> list[Any]:
+    def _getitems(self, indices: Indices) -> Sequence[Any]:
         if self._len == 0:
             raise IndexError("Cannot read from an empty slice.")
         epoch, j = np.divmod(np.asarray(indices, dtype=np.int64), self._len)
@@ -66,7 +68,7 @@ class ReindexMapDataset(MapDataset[Any]):
         epoch, j = divmod(index, self._len)
         return self._parent[int(self._indices[j]) + epoch * self._parent_len]
 
-    def _getitems(self, indices: Indices) -> list[Any]:
+    def _getitems(self, indices: Indices) -> Sequence[Any]:
         if self._len == 0:
             raise IndexError("Cannot read from an empty dataset.")
         epoch, j = np.divmod(np.asarray(indices, dtype=np.int64), self._len)

@@ -15,6 +15,7 @@ import copy
 import itertools
 import operator
 import threading
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -69,6 +70,8 @@ class WindowShuffleMapDataset(MapDataset[Any]):
       ValueError: ``window_size <= 0``, or no seed given and none set upstream.
     """
 
+    passes_values = True
+
     def __init__(
         self, parent: MapDataset[Any], *, window_size: int, seed: int | None = None
     ) -> None:
@@ -108,7 +111,7 @@ class WindowShuffleMapDataset(MapDataset[Any]):
         source = self._source_indices(np.array([operator.index(index)], dtype=np.int64))
         return self._parent[int(source[0])]
 
-    def _getitems(self, indices: Indices) -> list[Any]:
+    def _getitems(self, indices: Indices) -> Sequence[Any]:
         idx = np.asarray(indices, dtype=np.int64)
         if idx.size == 0:
             return []

@@ -22,6 +22,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from grain_core.sources import ColumnBlock
 from grain_parquet._files import (
     ParquetPath,
     PathLike,
@@ -187,6 +188,22 @@ class ParquetDataSource:
           IndexError: If an index is outside ``[0, len(self))``.
           ValueError: If a row group cannot be decoded (naming the file and row group).
         """
+        columns = self._read_rows(record_keys)
+        return rows_from_columns(self._names, columns) if columns else []
+
+    def read_columns(self, record_keys: Sequence[SupportsIndex]) -> Sequence[dict[str, Any]]:
+        """The rows ``__getitems__`` reads, kept as columns (a ``ColumnBlock``): a batch of them
+        is whole columns, with no dict built per row.
+
+        Raises:
+          IndexError: If an index is outside ``[0, len(self))``.
+          ValueError: If a row group cannot be decoded (naming the file and row group).
+        """
+        columns = self._read_rows(record_keys)
+        return ColumnBlock(self._names, columns) if columns else []
+
+    def _read_rows(self, record_keys: Sequence[SupportsIndex]) -> list[np.ndarray]:
+        """The values of ``record_keys`` in each column (none for no keys)."""
         keys = np.asarray(record_keys)
         if keys.dtype.kind not in "iu":  # floats, objects: each must be a real index
             keys = np.asarray([operator.index(k) for k in record_keys], dtype=np.int64)
@@ -211,7 +228,7 @@ class ParquetDataSource:
             # Concatenation promotes where row groups differ (an int column with nulls in one
             # row group converts to float there).
             columns = [np.concatenate(same)[inverse] for same in zip(*parts, strict=True)]
-        return rows_from_columns(self._names, columns)
+        return columns
 
     def _index_message(self, index: int) -> str:
         files = self.paths
