@@ -13,6 +13,10 @@ float32. The file is written once per run in a temporary directory.
   against a window shuffle over row groups and a sequential read of the same source.
 * ``parquet_global_shuffle_small_cache``: what a global shuffle costs when the row-group cache
   cannot hold the dataset (2 of 8 row groups), against a window shuffle with the same cache.
+* ``parquet_dataloader_batches``: a ``DataLoader`` with ``Batch(256)`` over ``ParquetDataSource``
+  (batches read as whole columns), against the same with 2 workers, the row path (the source
+  without ``read_columns``: a dict per row, then batched) and Grain's DataLoader over the same
+  source.
 """
 
 from __future__ import annotations
@@ -221,3 +225,64 @@ def parquet_global_shuffle_small_cache() -> Callable[[], None]:
 @parquet_global_shuffle_small_cache.baseline("window shuffle, same cache")
 def _() -> Callable[[], None]:
     return _shuffled(window=True, cache_bytes=_two_row_groups(), batches=SMALL_CACHE_BATCHES)
+
+
+# ------------------------------------------------------------------- DataLoader
+class RowsOnly:
+    """A source's rows without its columnar read (``read_columns``): the row path."""
+
+    def __init__(self, source: Any) -> None:
+        self._source = source
+
+    def __len__(self) -> int:
+        return len(self._source)
+
+    def __getitem__(self, index: int) -> Any:
+        return self._source[index]
+
+    def __getitems__(self, keys: Any) -> Any:
+        return self._source.__getitems__(keys)
+
+
+def _dataloader_pass(grain: Any, source: Any, workers: int) -> Callable[[], None]:
+    loader = grain.DataLoader(
+        data_source=source,
+        sampler=grain.samplers.SequentialSampler(ROWS, grain.sharding.NoSharding()),
+        operations=[grain.transforms.Batch(SHUFFLE_BATCH)],
+        worker_count=workers,
+    )
+    return lambda: _count(ROWS, loader, _batch_rows)
+
+
+def _grain_core_dataloader(workers: int, columnar: bool = True) -> Callable[[], None]:
+    import grain_core as grain
+    from grain_core.experimental import ParquetDataSource
+
+    source = ParquetDataSource(_data_file())
+    return _dataloader_pass(grain, source if columnar else RowsOnly(source), workers)
+
+
+@workload(
+    "parquet_dataloader_batches",
+    elements=ROWS,
+    description=f"DataLoader over ParquetDataSource, sequential, Batch({SHUFFLE_BATCH}), 0 workers",
+)
+def parquet_dataloader_batches() -> Callable[[], None]:
+    return _grain_core_dataloader(0)
+
+
+@parquet_dataloader_batches.baseline("same, 2 workers")
+def _() -> Callable[[], None]:
+    return _grain_core_dataloader(2)
+
+
+@parquet_dataloader_batches.baseline("row path: a dict per row, batched (no read_columns)")
+def _() -> Callable[[], None]:
+    return _grain_core_dataloader(0, columnar=False)
+
+
+@parquet_dataloader_batches.baseline("grain DataLoader over the same source", requires="grain")
+def _() -> Callable[[], None]:
+    from grain_core.experimental import ParquetDataSource
+
+    return _dataloader_pass(import_google_grain(), ParquetDataSource(_data_file()), 0)

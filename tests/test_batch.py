@@ -2,11 +2,15 @@ from __future__ import annotations
 
 import collections
 
+import hypothesis
 import numpy as np
 import pytest
+from hypothesis import strategies as st
 
 import grain_core as grain
+from grain_core import _tree
 from grain_core.dataset.batch import make_batch
+from grain_core.sources import ColumnBlock
 from grain_core.testing import check_iterator_conformance
 
 MD = grain.MapDataset
@@ -132,3 +136,64 @@ def test_infinite_batch_length():
     import sys
 
     assert len(MD.range(4).repeat().batch(3)) == sys.maxsize // 3
+
+
+def _object_column(values: list) -> np.ndarray:
+    column = np.empty(len(values), object)
+    column[:] = values
+    return column
+
+
+def _read_only(column: np.ndarray) -> np.ndarray:
+    column.flags.writeable = False  # as a zero-copy view of Arrow memory is
+    return column
+
+
+_column_kinds = {
+    "int": lambda n, draw: np.arange(n, dtype=np.int16) * draw(st.integers(-3, 3)),
+    "float": lambda n, draw: np.linspace(0, 1, n, dtype=np.float32),
+    "bool": lambda n, draw: np.arange(n) % 2 == 0,
+    "read_only": lambda n, draw: _read_only(np.arange(n, dtype=np.uint8)),
+    "matrix": lambda n, draw: np.arange(n * 6, dtype=np.float64).reshape(n, 2, 3),
+    "datetime": lambda n, draw: np.arange(n).astype("datetime64[ms]"),
+    # The longest value first: outside the block, which starts at row 1.
+    "fixed_str": lambda n, draw: np.array(
+        ["abcdef", *(draw(st.text("ab", max_size=4)) for _ in range(n - 1))]
+    ),
+    "str": lambda n, draw: _object_column([draw(st.text("xy", max_size=5)) for _ in range(n)]),
+    "maybe_str": lambda n, draw: _object_column(
+        [draw(st.one_of(st.none(), st.text("z", max_size=2))) for _ in range(n)]
+    ),
+    "struct": lambda n, draw: _object_column([{"b": i, "a": float(i)} for i in range(n)]),
+    "ragged": lambda n, draw: _object_column(
+        [np.arange(draw(st.integers(1, 2)), dtype=np.int32) for _ in range(n)]
+    ),
+}
+
+
+@hypothesis.settings(max_examples=150, deadline=None)
+@hypothesis.given(
+    st.lists(st.sampled_from(sorted(_column_kinds)), min_size=1, max_size=4, unique=True),
+    st.integers(1, 6),
+    st.data(),
+)
+def test_make_batch_of_a_column_block_equals_make_batch_of_its_rows(kinds, n, data):
+    names = [f"{kind}_{i}" for i, kind in enumerate(reversed(kinds))]
+    # A slice of longer columns, as a batch is of a read: the column's dtype may be wider
+    # than its rows need (fixed-size strings).
+    columns = [_column_kinds[kind](n + 2, data.draw) for kind in reversed(kinds)]
+    block = ColumnBlock(names, columns)[1 : n + 1]
+    try:
+        want = make_batch(list(block))
+    except ValueError as error:
+        with pytest.raises(ValueError) as got:
+            make_batch(block)
+        assert str(got.value) == str(error)
+        return
+    got = make_batch(block)
+    assert list(got) == list(want)
+    flat_got, flat_want = _tree.flatten(got), _tree.flatten(want)
+    assert _tree.spec_str(got) == _tree.spec_str(want)
+    for g, w in zip(flat_got, flat_want, strict=True):
+        assert g.dtype == w.dtype and g.shape == w.shape and g.tolist() == w.tolist()
+        assert g.flags.writeable

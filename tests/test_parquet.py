@@ -29,6 +29,7 @@ from grain_core.experimental import (  # noqa: E402
     get_next_index,
     set_next_index,
 )
+from grain_core.sources import ColumnBlock  # noqa: E402
 from grain_core.testing import (  # noqa: E402
     assert_equal_output_after_checkpoint,
     assert_trees_equal,
@@ -409,6 +410,113 @@ def test_getitems_reads_each_row_group_once(one_file: str, monkeypatch: pytest.M
     cached.__getitems__([0, 1])
     cached.__getitems__([2, 3, 4, 7])
     assert reads == [0, 1]
+
+
+class _RowsOnly:
+    """The same source without its columnar read: what every batch would get without it."""
+
+    def __init__(self, source: ParquetDataSource) -> None:
+        self._source = source
+
+    def __len__(self) -> int:
+        return len(self._source)
+
+    def __getitem__(self, index: int) -> dict[str, Any]:
+        return self._source[index]
+
+    def __getitems__(self, keys: Sequence[int]) -> list[dict[str, Any]]:
+        return self._source.__getitems__(keys)
+
+    def __repr__(self) -> str:
+        return repr(self._source)
+
+
+class _CountingColumns(ParquetDataSource):
+    column_reads = 0
+
+    def read_columns(self, record_keys: Sequence[Any]) -> Sequence[dict[str, Any]]:
+        type(self).column_reads += 1
+        return super().read_columns(record_keys)
+
+
+def test_read_columns_are_the_rows_of_getitems(three_files: list[str]) -> None:
+    source = ParquetDataSource(three_files)
+    keys = [29, 0, 12, 12, 5, 17, 3]  # across files and row groups, unordered, repeated
+    block = source.read_columns(keys)
+    assert isinstance(block, ColumnBlock) and len(block) == len(keys)
+    assert_trees_equal(list(block), source.__getitems__(keys))
+    assert source.read_columns([]) == []
+    with pytest.raises(IndexError, match="out of range"):
+        source.read_columns([30])
+
+
+def _batches(ds: Any) -> list[Any]:
+    return list(ds.to_iter_dataset()) if isinstance(ds, grain.MapDataset) else list(ds)
+
+
+def test_batches_read_columns_and_equal_the_row_path(three_files: list[str]) -> None:
+    counting = _CountingColumns(three_files)
+    rows_only = _RowsOnly(ParquetDataSource(three_files))
+
+    def pipelines(source: Any) -> list[Any]:
+        base = grain.MapDataset.source(source).seed(5)
+        return [
+            base.batch(4),
+            base.shuffle().repeat(2).batch(7, drop_remainder=True),
+            WindowShuffleMapDataset(base, window_size=5).batch(3),
+            grain.DataLoader(
+                data_source=source,
+                sampler=grain.samplers.IndexSampler(
+                    len(source), shuffle=True, seed=2, num_epochs=1
+                ),
+                operations=[grain.transforms.Batch(4)],
+            ),
+        ]
+
+    for ds, twin in zip(pipelines(counting), pipelines(rows_only), strict=True):
+        before = _CountingColumns.column_reads
+        assert_trees_equal(_batches(ds), _batches(twin))
+        assert _CountingColumns.column_reads > before
+
+
+@pytest.mark.parametrize("workers", [1, 2])
+def test_dataloader_batches_in_workers_equal_the_row_path(
+    three_files: list[str], workers: int
+) -> None:
+    def loader(source: Any, worker_count: int) -> grain.DataLoader:
+        return grain.DataLoader(
+            data_source=source,
+            sampler=grain.samplers.IndexSampler(len(source), shuffle=True, seed=4, num_epochs=1),
+            operations=[grain.transforms.Batch(4)],
+            worker_count=worker_count,
+        )
+
+    expected = list(loader(_RowsOnly(ParquetDataSource(three_files)), 0))
+    assert_trees_equal(list(loader(ParquetDataSource(three_files), workers)), expected)
+
+
+def test_batches_of_columns_with_nulls_equal_the_row_path(tmp_path: Path) -> None:
+    path = tmp_path / "nulls.parquet"
+    table = pa.table(
+        {
+            "n": pa.array([1, 2, None, 4, 5, 6]),  # a float column with NaN in NumPy
+            "s": pa.array(["a", "b", "c", None, "e", "f"]),
+            "tags": pa.array([[1], [2, 3], [], [4], None, [5]]),
+        }
+    )
+    pq.write_table(table, path, row_group_size=4)
+    source, rows_only = ParquetDataSource(str(path)), _RowsOnly(ParquetDataSource(str(path)))
+    for size in (1, 2, 3):
+        ds, twin = (grain.MapDataset.source(s).batch(size) for s in (source, rows_only))
+        for i in range(len(ds)):
+            try:
+                want = twin[i]
+            except ValueError as error:
+                with pytest.raises(ValueError) as got:
+                    ds[i]
+                assert str(got.value) == str(error)
+            else:
+                assert_trees_equal(ds[i], want)
 
 
 def test_cache_is_bounded_and_least_recently_used_goes_first(one_file: str) -> None:

@@ -4,6 +4,8 @@ import numpy as np
 import pytest
 
 import grain_core as grain
+from grain_core.dataset.source import batched_read, columns_wanted
+from grain_core.sources import ColumnBlock
 
 MD = grain.MapDataset
 
@@ -76,3 +78,130 @@ def test_range_reads_synchronously_by_default():
     assert not it._threaded
     assert it._chunk_cap > 1  # values are read in blocks, not one call per element
     assert repr(MD.range(1, 4)) == "RangeMapDataset(start=1, stop=4, step=1)"
+
+
+# ----------------------------------------------------------------- columnar reads
+class RowSource:
+    """Dict rows stored as NumPy columns, read one dict per row; counts its reads."""
+
+    def __init__(self, columns: dict[str, np.ndarray]) -> None:
+        self.columns = columns
+        self.names = list(columns)
+        self.column_reads = 0
+
+    def __len__(self) -> int:
+        return len(next(iter(self.columns.values())))
+
+    def __getitem__(self, i: int) -> dict:
+        return self.__getitems__([i])[0]
+
+    def __getitems__(self, keys: list[int]) -> list[dict]:
+        return list(self._block(keys))
+
+    def _block(self, keys: list[int]) -> ColumnBlock:
+        return ColumnBlock(self.names, [c[keys] for c in self.columns.values()])
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(len={len(self)})"
+
+
+class ColumnarSource(RowSource):
+    """The same rows, with the columnar read."""
+
+    def read_columns(self, keys: list[int]) -> ColumnBlock:
+        self.column_reads += 1
+        return self._block(keys)
+
+
+def _columns(n: int) -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(0)
+    text = np.empty(n, object)
+    text[:] = [f"row {i}" * (i % 3) for i in range(n)]
+    return {
+        "z_id": np.arange(n, dtype=np.int64),
+        "score": rng.random(n, dtype=np.float32),
+        "text": text,
+        "vec": rng.random((n, 3), dtype=np.float32),
+        "when": np.arange(n).astype("datetime64[s]"),
+    }
+
+
+def test_column_block_is_the_sequence_of_its_rows():
+    columns = _columns(5)
+    block = ColumnBlock(list(columns), list(columns.values()))
+    rows = [{name: column[i] for name, column in columns.items()} for i in range(5)]
+    assert len(block) == 5
+    for got, want in zip([*block, *(block[i] for i in range(5))], rows * 2, strict=True):
+        assert list(got) == list(want)
+        assert all(np.array_equal(got[k], want[k]) for k in want)
+    part = block[1:4]
+    assert isinstance(part, ColumnBlock) and [r["z_id"] for r in part] == [1, 2, 3]
+    with pytest.raises(ValueError, match="differ in length"):
+        ColumnBlock(["a", "b"], [np.zeros(2), np.zeros(3)])
+    with pytest.raises(ValueError, match="one column per name"):
+        ColumnBlock(["a"], [])
+
+
+def _assert_same_batches(got: list, want: list) -> None:
+    assert len(got) == len(want)
+    for g, w in zip(got, want, strict=True):
+        assert list(g) == list(w)  # sorted keys, as make_batch builds them
+        for k in w:
+            assert g[k].dtype == w[k].dtype and g[k].shape == w[k].shape, k
+            assert g[k].tolist() == w[k].tolist(), k
+
+
+def _pipelines(source: object) -> list:
+    base = MD.source(source)
+    return [
+        base.batch(4),
+        base.seed(3).shuffle().repeat(2)[3:].batch(5, drop_remainder=True),
+        base.batch(1),
+        base.map(lambda row: row).batch(4),  # a map between: rows, not columns
+    ]
+
+
+def test_batches_over_a_columnar_source_equal_the_row_path():
+    n = 23
+    columnar, rows_only = ColumnarSource(_columns(n)), RowSource(_columns(n))
+    pipelines = zip(_pipelines(columnar), _pipelines(rows_only), strict=True)
+    for position, (ds, twin) in enumerate(pipelines):
+        before = columnar.column_reads
+        _assert_same_batches(list(ds), list(twin))
+        _assert_same_batches([ds[i] for i in range(3)], [twin[i] for i in range(3)])
+        # Columns are read unless a node other than seed/shuffle/slice/repeat is in between.
+        assert (columnar.column_reads > before) == (position < 3)
+
+
+def test_a_custom_batch_fn_gets_a_list_of_rows():
+    seen = []
+
+    def batch_fn(values):
+        seen.append(type(values))
+        return len(values)
+
+    source = ColumnarSource(_columns(8))
+    assert list(MD.source(source).batch(4, batch_fn=batch_fn)) == [4, 4]
+    assert seen == [list, list] and source.column_reads == 0
+
+
+def test_an_unstackable_column_raises_the_row_path_error():
+    text = np.empty(4, object)
+    text[:] = ["a", None, "c", "d"]
+    columns = {"text": text}
+    columnar, rows_only = ColumnarSource(columns), RowSource(columns)
+    with pytest.raises(ValueError) as from_columns:
+        MD.source(columnar).batch(4)[0]
+    with pytest.raises(ValueError) as from_rows:
+        MD.source(rows_only).batch(4)[0]
+    assert str(from_columns.value) == str(from_rows.value)
+    assert columnar.column_reads == 1
+
+
+def test_batched_read_reads_columns_only_when_asked():
+    source = ColumnarSource(_columns(4))
+    assert isinstance(batched_read(source, [0, 1]), list)
+    with columns_wanted():
+        assert isinstance(batched_read(source, [0, 1]), ColumnBlock)
+        assert isinstance(batched_read(CountingSource(3), [0, 1]), list)
+    assert isinstance(batched_read(source, [2]), list)
