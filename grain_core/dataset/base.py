@@ -558,8 +558,6 @@ class IterDataset(_Node, Iterable[T], Generic[T], abc.ABC):
 class _WithSeedIterDataset(IterDataset[T]):
     """Pass-through node carrying the seed set by ``.seed()``."""
 
-    passes_values = True
-
     def __init__(self, parent: IterDataset[T], seed: int) -> None:
         super().__init__(parent)
         self._seed_value = _random.validate_seed(seed, "`seed`")
