@@ -107,6 +107,10 @@ def _map(fn: Callable[..., Any], trees: Sequence[Any]) -> Any:
         keys = _sorted_keys(first)
         if n == 0:
             return {}
+        # A missing key raises KeyError from a plain dict; other mappings (defaultdict's
+        # __missing__) might answer it, so their keys are compared.
+        if classes != {dict} and any(t.keys() != first.keys() for t in trees):
+            raise _mismatch(trees)
         try:
             values = list(map(operator.itemgetter(*keys), trees))
         except KeyError:

@@ -185,3 +185,10 @@ def test_list_subclasses_are_containers_as_in_flatten():
     out = _tree.map_structure(lambda a, b: a + b, Row([1, 2]), Row([10, 20]))
     assert type(out) is Row and out == [11, 22]
     assert _tree.flatten(Row([1, 2])) == [1, 2]
+
+
+def test_a_mapping_answering_missing_keys_is_still_a_mismatch():
+    other = collections.defaultdict(int, {"b": 1})
+    with pytest.raises(ValueError, match="same structure"):
+        _tree.map_structure(lambda *xs: xs, {"a": 1}, other)
+    assert dict(other) == {"b": 1}  # not filled in by the walk
