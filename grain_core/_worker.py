@@ -29,6 +29,11 @@ Protocol, one pair of pipes per worker (no polling anywhere):
   with elements not reported (after ``STATS_WAITING_INTERVAL_S`` without a message). They take
   no credit, and their generation never matches, so the parent's element path does not look at
   them.
+* warnings (worker → parent): ``(STATS_GENERATION, WARNING, (category, text, filename,
+  lineno), None, (), ())`` for each warning the worker's filters let through, sent before the
+  worker's next message or before it waits; the parent issues it again under its own filters
+  (``pytest.warns``, ``-W error``, ``logging.captureWarnings`` see it) instead of the worker
+  printing it to stderr.
 
 The parent waits on the output pipe together with the process sentinel, so a worker that dies is
 noticed at once. The worker waits on its control pipe and watches the parent's sentinel in a
@@ -37,6 +42,7 @@ thread, so it exits as soon as the parent dies.
 
 from __future__ import annotations
 
+import collections
 import faulthandler
 import io
 import multiprocessing
@@ -49,6 +55,7 @@ import signal
 import threading
 import time
 import traceback
+import warnings
 from collections.abc import Sequence
 from multiprocessing import context as mp_context
 from multiprocessing import forkserver, popen_forkserver, reduction, spawn, util
@@ -69,7 +76,7 @@ __all__ = [
     "worker_glibc_tunables",
 ]
 
-ELEMENT, END, ERROR, STATS, ELEMENTS = 0, 1, 2, 3, 4
+ELEMENT, END, ERROR, STATS, ELEMENTS, WARNING = 0, 1, 2, 3, 4, 5
 #: Generation of statistics messages: no ``set_state`` generation (they count up from 0).
 STATS_GENERATION = -1
 #: Seconds between two statistics messages of a worker while it produces elements.
@@ -294,12 +301,17 @@ class _WorkerLoop:
         self._next_report = 0.0
         self._unreported = False  # elements were sent since the last statistics message
         self._control_ready = _readiness_check(control)
+        # Warnings from any thread of the worker, sent by the main thread (the only writer).
+        self._warnings: collections.deque[tuple[Any, ...]] = collections.deque()
+        warnings.showwarning = self._queue_warning
 
     def run(self) -> None:
         try:
             self._build()
             while True:
                 if not self._can_produce():
+                    if self._warnings:
+                        self._send_warnings()
                     if self._tracking:
                         self._report_before_waiting()
                     if not self._handle(pickle.loads(self._control.recv_bytes())):
@@ -372,7 +384,34 @@ class _WorkerLoop:
         return True
 
     def _send(self, message: tuple[Any, ...]) -> None:
-        self._output.send_bytes(pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL))
+        self._write(pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL))
+
+    def _write(self, data: bytes) -> None:
+        if self._warnings:
+            self._send_warnings()
+        self._output.send_bytes(data)
+
+    def _queue_warning(
+        self,
+        message: Warning | str,
+        category: type[Warning],
+        filename: str,
+        lineno: int,
+        file: Any = None,
+        line: str | None = None,
+    ) -> None:
+        self._warnings.append((category, str(message), filename, lineno))
+
+    def _send_warnings(self) -> None:
+        while self._warnings:
+            warning = self._warnings.popleft()
+            try:
+                data = _dumps_element((STATS_GENERATION, WARNING, warning, None, (), ()))
+            except Exception:  # noqa: BLE001 - a category that cannot travel: its name does
+                category, text, filename, lineno = warning
+                fallback = (RuntimeWarning, f"{category.__name__}: {text}", filename, lineno)
+                data = _dumps_element((STATS_GENERATION, WARNING, fallback, None, (), ()))
+            self._output.send_bytes(data)
 
     def _send_error(self, error: BaseException, dropped: Sequence[str] = ()) -> None:
         """Sends ``error``, and ``dropped``: blocks freed that a message which could not be
@@ -423,7 +462,7 @@ class _WorkerLoop:
             data = _dumps_element(message)
         except Exception as e:  # noqa: BLE001 - the caller decides what the failure means
             return e
-        self._output.send_bytes(data)
+        self._write(data)
         self._unreported = True
         return None
 

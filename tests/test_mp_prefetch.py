@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import gc
 import multiprocessing
 import os
@@ -12,6 +13,7 @@ import sys
 import textwrap
 import threading
 import time
+import warnings
 from typing import Any
 
 import cloudpickle
@@ -473,8 +475,63 @@ def test_arrays_travel_pickled_when_dev_shm_is_full(no_shm_leak: None) -> None:
     ds = grain.MapDataset.range(12).map(_big).to_iter_dataset()
     for pipeline in (ds, ds.batch(3)):
         expected = list(pipeline.mp_prefetch(_opts(2)))
-        got = list(pipeline.mp_prefetch(_opts(2), worker_init_fn=_no_room_in_dev_shm))
+        # Each worker warns once, in the parent (where filters and pytest see it).
+        with pytest.warns(RuntimeWarning, match="travel pickled") as record:
+            got = list(pipeline.mp_prefetch(_opts(2), worker_init_fn=_no_room_in_dev_shm))
         assert_trees_equal(got, expected)
+        assert len([w for w in record if "travel pickled" in str(w.message)]) == 2
+
+
+def _warns_on_odd(x: int, where: str = "map") -> int:
+    if x % 2:
+        warnings.warn(f"{where}: element {x} is odd", UserWarning, stacklevel=1)
+    return x
+
+
+@pytest.mark.parametrize("dispatch", [True, False])
+def test_warnings_in_workers_are_issued_in_the_parent(
+    dispatch: bool, capfd: pytest.CaptureFixture[str]
+) -> None:
+    # A MapDataset map runs in the workers' read threads, an IterDataset map in their main
+    # thread: both reach the parent, each once.
+    ds = grain.MapDataset.range(8).map(functools.partial(_warns_on_odd, where="read"))
+    ds = ds.to_iter_dataset().map(functools.partial(_warns_on_odd, where="main"))
+    grain.config.update("py_mp_prefetch_dispatch", dispatch)
+    try:
+        with pytest.warns(UserWarning, match="is odd") as record:
+            assert list(ds.mp_prefetch(_opts(2))) == list(range(8))
+    finally:
+        grain.config.update("py_mp_prefetch_dispatch", True)
+    messages = sorted(str(w.message) for w in record)
+    assert messages == sorted(
+        f"{w}: element {x} is odd" for x in (1, 3, 5, 7) for w in ("read", "main")
+    )
+    assert "is odd" not in capfd.readouterr().err  # not printed by the workers as well
+
+
+def _warns_with_a_category_that_cannot_travel(x: int) -> int:
+    lock = threading.Lock()
+
+    class LockedWarning(UserWarning):
+        held = lock  # the class cannot be pickled
+
+    warnings.warn(f"element {x}", LockedWarning, stacklevel=1)
+    return x
+
+
+def test_a_warning_whose_category_cannot_travel_arrives_by_name() -> None:
+    ds = grain.MapDataset.range(2).map(_warns_with_a_category_that_cannot_travel)
+    with pytest.warns(RuntimeWarning, match=r"LockedWarning: element \d") as record:
+        assert list(ds.to_iter_dataset().mp_prefetch(_opts(2))) == [0, 1]
+    assert len(record) == 2
+
+
+def test_a_warning_filter_in_the_parent_applies_to_workers() -> None:
+    ds = grain.MapDataset.range(4).map(_warns_on_odd).to_iter_dataset()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)
+        with pytest.raises(UserWarning, match="map: element 1 is odd"):
+            list(ds.mp_prefetch(_opts(2)))
 
 
 def _unpicklable_element(x: int) -> Any:

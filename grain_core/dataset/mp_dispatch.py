@@ -49,6 +49,7 @@ from grain_core._worker import (
     ERROR,
     STATS,
     STATS_GENERATION,
+    WARNING,
     WorkerDiedError,
     WorkerPool,
     WorkerSpec,
@@ -543,6 +544,7 @@ class PositionDispatcher:
             FilterRatioChecker(f"to_iter_dataset over {ds.map_parent!r}") for _ in range(n)
         ]
         self._recycled = [_shm.RecycledBlocks() for _ in range(n)]
+        self._warning_registry: dict[Any, Any] = {}
         self._slots: list[Any] = [None] * n
         self._generation = 0
         self._restarted = False
@@ -770,6 +772,10 @@ class PositionDispatcher:
                 iterator = None if slot is None else slot()
                 if iterator is not None:
                     attach_worker_stages(iterator, value)
+            elif generation == STATS_GENERATION and kind == WARNING:
+                from grain_core.dataset.mp_prefetch import reissue_warning
+
+                reissue_warning(value, self._warning_registry)
             else:
                 recycled.released.extend(names)
             return

@@ -40,6 +40,7 @@ from grain_core._worker import (
     END,
     STATS,
     STATS_GENERATION,
+    WARNING,
     WorkerDiedError,
     WorkerPool,
     WorkerSpec,
@@ -456,6 +457,13 @@ def loaded_plugin_names() -> list[str] | None:
     ]
 
 
+def reissue_warning(payload: tuple[Any, ...], registry: dict[Any, Any]) -> None:
+    """Issues a warning a worker sent again in this process, under its filters; ``registry``
+    (one per iterator) shows a warning at one place once across all workers."""
+    category, text, filename, lineno = payload
+    warnings.warn_explicit(text, category, filename, lineno, registry=registry)
+
+
 def remote_error(payload: tuple[Any, ...], index: int, count: int) -> BaseException:
     """The exception a worker sent (``_worker._error_message``), noted with its traceback."""
     exc_bytes, type_name, message, tb = payload
@@ -514,6 +522,7 @@ class _ProcessPrefetchIterator(DatasetIterator[Any]):
         self._error: BaseException | None = None
         # Blocks of elements the consumer has dropped go back with the next credit.
         self._recycled = _shm.RecycledBlocks()
+        self._warning_registry: dict[Any, Any] = {}
 
     def _start(self) -> None:
         mp_ds = self._mp_ds
@@ -568,6 +577,9 @@ class _ProcessPrefetchIterator(DatasetIterator[Any]):
                 break
             if generation == STATS_GENERATION and kind == STATS:
                 attach_worker_stages(self, element)
+                continue
+            if generation == STATS_GENERATION and kind == WARNING:
+                reissue_warning(element, self._warning_registry)
                 continue
             self._recycled.released.extend(names)  # produced before the last set_state
         self._outstanding -= 1
