@@ -25,6 +25,9 @@
   batch before ``mp_prefetch``; workers send the elements they have read already several to
   a message), steady state: the per-element cost of the transport; baselines: the same
   pipeline in one process, and Grain with 2 workers.
+* ``mp_small_elements_rotation``: the same ints through a ``filter`` after ``to_iter_dataset``
+  (workers stream their shares in strict rotation), default ``per_worker_buffer_size``: small
+  elements run ahead of the buffer instead of waiting for the parent after each.
 * ``first_batch_mp_prefetch`` / ``first_batch_dataloader``: seconds from ``iter()`` to the first
   batch with 2 workers, cold (grain_core's forkserver is stopped after every pass, so each pass
   pays for starting it). elements/s = 1 / seconds.
@@ -499,6 +502,27 @@ _workers_workload(
     SMALL_ELEMENTS,
     "ints, no batch, mp_prefetch 2 workers, buffer 16, steady state",
     _small_elements_pass,
+)
+
+
+def keep(x: int) -> bool:
+    return True
+
+
+def _rotation_small_elements_pass(grain: Any, workers: int) -> Callable[[], None]:
+    # A filter after to_iter_dataset: no positions to hand out, so each worker streams its
+    # share in strict rotation; the default per_worker_buffer_size (1).
+    ds = grain.MapDataset.range(10**9).to_iter_dataset().filter(keep).map(plus_one)
+    if workers:
+        ds = ds.mp_prefetch(grain.MultiprocessingOptions(num_workers=workers))
+    return steady_pass(lambda: iter(ds), SMALL_ELEMENTS)
+
+
+_workers_workload(
+    "mp_small_elements_rotation",
+    SMALL_ELEMENTS,
+    "ints through a filter (strict rotation), 2 workers, default buffer, steady state",
+    _rotation_small_elements_pass,
 )
 
 

@@ -11,7 +11,12 @@ Protocol, one pair of pipes per worker (no polling anywhere):
 * control (parent → worker): ``("credit", k, names)`` allows ``k`` more elements and hands back
   shared-memory blocks the parent no longer uses (the worker reuses them); ``("set_state",
   generation, state, credits)`` restores the worker pipeline without restarting the process;
-  ``("stop",)``.
+  ``("stop",)``. The parent grants ``per_worker_buffer_size + SMALL_AHEAD`` credits and
+  returns them as it receives elements, so each credit after the first grant also says that
+  the oldest element in flight arrived: the worker keeps at most ``per_worker_buffer_size``
+  *large* elements in flight (in shared memory, or over ``SMALL_MESSAGE_BYTES`` pickled) and
+  holds a large one back until one has arrived, while small ones run ``SMALL_AHEAD`` further
+  ahead instead of waiting for the parent's wake-up after each.
 * output (worker → parent): ``(generation, kind, element, state, shm_names, dropped)`` where
   ``kind`` is ``ELEMENT``, ``END`` or ``ERROR`` and ``dropped`` names blocks the worker freed
   (the parent forgets its mappings of them); ``state`` is the worker pipeline's state right after producing
@@ -77,6 +82,10 @@ __all__ = [
 ]
 
 ELEMENT, END, ERROR, STATS, ELEMENTS, WARNING = 0, 1, 2, 3, 4, 5
+#: Elements a rotation worker may send beyond ``per_worker_buffer_size`` while they are small.
+SMALL_AHEAD = 64
+#: Pickled size up to which an element (with no shared memory) is small.
+SMALL_MESSAGE_BYTES = 16 * 1024
 #: Generation of statistics messages: no ``set_state`` generation (they count up from 0).
 STATS_GENERATION = -1
 #: Seconds between two statistics messages of a worker while it produces elements.
@@ -207,6 +216,7 @@ class WorkerSpec:
       pool_size: Free blocks of one size the worker keeps for reuse.
       dispatch: The worker computes the positions the parent assigns (``mp_dispatch``)
         instead of running its strided share of the pipeline.
+      buffer_size: Large elements the worker may have in flight (``per_worker_buffer_size``).
     """
 
     def __init__(
@@ -223,6 +233,7 @@ class WorkerSpec:
         shm_prefix: str,
         pool_size: int,
         dispatch: bool = False,
+        buffer_size: int = 1,
     ) -> None:
         self.index = index
         self.count = count
@@ -235,6 +246,7 @@ class WorkerSpec:
         self.shm_prefix = shm_prefix
         self.pool_size = pool_size
         self.dispatch = dispatch
+        self.buffer_size = buffer_size
         self.jax_platforms = os.environ.get(_WORKER_JAX_PLATFORMS_ENV, "cpu")
 
 
@@ -304,6 +316,11 @@ class _WorkerLoop:
         # Warnings from any thread of the worker, sent by the main thread (the only writer).
         self._warnings: collections.deque[tuple[Any, ...]] = collections.deque()
         warnings.showwarning = self._queue_warning
+        # Whether each element in flight (sent, not yet known to have arrived) is large, oldest
+        # first, and a large element waiting for one of them to arrive (its message).
+        self._in_flight: collections.deque[bool] = collections.deque()
+        self._large_in_flight = 0
+        self._held: bytes | None = None
 
     def run(self) -> None:
         try:
@@ -359,7 +376,7 @@ class _WorkerLoop:
             self._it.set_state(spec.state)
 
     def _can_produce(self) -> bool:
-        return self._credits > 0 and not self._finished
+        return self._credits > 0 and self._held is None and not self._finished
 
     def _pipeline(self) -> Any:
         """The iterator whose stage statistics are reported."""
@@ -370,7 +387,13 @@ class _WorkerLoop:
         if kind == "credit":
             self._credits += message[1]
             _shm.release_blocks(message[2])
+            self._arrived(message[1])
         elif kind == "set_state":
+            if self._held is not None:  # the parent discards it; its blocks come back
+                self._write(self._held)
+                self._held = None
+            self._in_flight.clear()
+            self._large_in_flight = 0
             _, self._generation, state, self._credits = message
             self._finished = False
             if self._it is not None:
@@ -382,6 +405,20 @@ class _WorkerLoop:
         elif kind == "stop":
             return False
         return True
+
+    def _arrived(self, count: int) -> None:
+        """``count`` more of the elements in flight reached the parent (oldest first)."""
+        for _ in range(min(count, len(self._in_flight))):
+            self._large_in_flight -= self._in_flight.popleft()
+        if self._held is not None and self._large_in_flight < self._spec.buffer_size:
+            held, self._held = self._held, None
+            self._send_in_flight(held, large=True)
+
+    def _send_in_flight(self, data: bytes, large: bool) -> None:
+        self._write(data)
+        self._unreported = True
+        self._in_flight.append(large)
+        self._large_in_flight += large
 
     def _send(self, message: tuple[Any, ...]) -> None:
         self._write(pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL))
@@ -425,13 +462,22 @@ class _WorkerLoop:
         self._credits = max(self._credits - 1, 0)
 
     def _send_element(self, element: Any, state: Any) -> bool:
-        """Sends one element (through shared memory where it qualifies).
+        """Sends one element (through shared memory where it qualifies), or holds it back
+        while ``buffer_size`` large elements are in flight.
 
         Returns:
           False if the element could not be pickled: that was sent as an error instead.
         """
         tree, names = _shm.copy_to_shm(element, self._min_shm_size)
-        return self._send_encoded(ELEMENT, tree, state, names)
+        data = self._encode(ELEMENT, tree, state, names)
+        if data is None:
+            return False
+        large = bool(names) or len(data) > SMALL_MESSAGE_BYTES
+        if large and self._large_in_flight >= self._spec.buffer_size:
+            self._held = data
+        else:
+            self._send_in_flight(data, large)
+        return True
 
     def _send_encoded(
         self, kind: int, value: Any, state: Any, names: list[str], dropped: Sequence[str] = ()
@@ -442,19 +488,32 @@ class _WorkerLoop:
         Returns:
           False if it could not be pickled: that was sent as an error instead.
         """
+        data = self._encode(kind, value, state, names, dropped)
+        if data is None:
+            return False
+        self._write(data)
+        self._unreported = True
+        return True
+
+    def _encode(
+        self, kind: int, value: Any, state: Any, names: list[str], dropped: Sequence[str] = ()
+    ) -> bytes | None:
+        """The message ``_send_encoded`` sends, or None when ``value`` could not be pickled:
+        that was sent as an error instead."""
         dropped = [*dropped, *_shm.take_dropped()]
-        failure = self._try_send((self._generation, kind, value, state, names, dropped))
-        if failure is None:
-            return True
-        _shm.release_blocks(names)
-        error = TypeError(
-            f"Worker {self._spec.index} produced an element that cannot be pickled and "
-            f"therefore cannot be sent to the main process: {type(failure).__name__}: "
-            f"{failure}. Convert it to NumPy arrays / plain Python values in the pipeline."
-        )
-        error.__cause__ = failure
-        self._send_error(error, dropped)
-        return False
+        message = (self._generation, kind, value, state, names, dropped)
+        try:
+            return _dumps_element(message)
+        except Exception as failure:  # noqa: BLE001 - sent as the element's error
+            _shm.release_blocks(names)
+            error = TypeError(
+                f"Worker {self._spec.index} produced an element that cannot be pickled and "
+                f"therefore cannot be sent to the main process: {type(failure).__name__}: "
+                f"{failure}. Convert it to NumPy arrays / plain Python values in the pipeline."
+            )
+            error.__cause__ = failure
+            self._send_error(error, dropped)
+            return None
 
     def _try_send(self, message: tuple[Any, ...]) -> Exception | None:
         """Sends an element message; returns why it could not be pickled instead, if so."""
@@ -734,6 +793,9 @@ class WorkerPool:
         self._output_ready: list[Any] = []
         self._prefixes = [spec.shm_prefix for spec in specs]
         self._labels = [f"{spec.index} of {spec.count}" for spec in specs]
+        #: Size of the last message ``recv`` read (the parent tells small elements from large
+        #: ones as the worker did).
+        self.last_message_bytes = 0
         process_cls = _process_class()
         try:
             for spec in specs:
@@ -805,6 +867,7 @@ class WorkerPool:
             data = conn.recv_bytes()
         except (EOFError, OSError):
             raise self._died(index) from None
+        self.last_message_bytes = len(data)
         return pickle.loads(data)  # type: ignore[no-any-return]
 
     def _died(self, index: int) -> WorkerDiedError:

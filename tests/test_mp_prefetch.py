@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import gc
 import multiprocessing
@@ -21,7 +22,7 @@ import numpy as np
 import pytest
 
 import grain_core as grain
-from grain_core import _shm
+from grain_core import _shm, _worker
 from grain_core.dataset import mp_dispatch
 from grain_core.dataset import mp_prefetch as mp_prefetch_module
 from grain_core.dataset.batch import make_batch
@@ -230,25 +231,77 @@ def _produced_once_idle(path: Any, at_least: int) -> int:
     raise AssertionError(f"{last} elements produced, expected at least {at_least} and then none")
 
 
+def _large_bytes(x: int) -> bytes:
+    return x.to_bytes(4, "little") * 8192  # 32 KiB, pickled (not an array)
+
+
+def _first_of(element: Any) -> int:
+    if isinstance(element, dict):
+        return int(element["a"])
+    return int.from_bytes(element[:4], "little") if isinstance(element, bytes) else element
+
+
+@contextlib.contextmanager
+def _fails_after(seconds: int) -> Any:
+    """Turns a hang (a worker and the parent each waiting for the other) into a failure."""
+
+    def fail(*_: Any) -> None:
+        raise TimeoutError(
+            f"no progress in {seconds} s: the worker and the parent wait on each other"
+        )
+
+    previous = signal.signal(signal.SIGALRM, fail)
+    signal.alarm(seconds)
+    try:
+        yield
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, previous)
+
+
+@pytest.mark.parametrize("size", ["small", "shared_memory", "pickled_large"])
 @pytest.mark.parametrize("buffer", [1, 2, 5])
 def test_worker_stays_within_its_buffer_ahead(
-    buffer: int, tmp_path: Any, monkeypatch: pytest.MonkeyPatch
+    buffer: int, size: str, tmp_path: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    # Strict rotation: the steps after the slice point run on credit. Credits go back in
-    # batches of half the buffer: the worker ends up more than half of its buffer ahead of the
-    # consumer, and never further than all of it. (Dispatching workers compute their assigned
+    # Strict rotation: the steps after the slice point run on credit. Large elements (in
+    # shared memory, or over SMALL_MESSAGE_BYTES pickled) stay within the buffer, plus the one
+    # the worker made and holds back; small ones run up to SMALL_AHEAD further instead of
+    # waiting for the parent after each. (Dispatching workers compute their assigned
     # positions ahead and send on credit: test_mp_dispatch.)
     monkeypatch.setattr(mp_dispatch, "dispatchable", lambda *_: False)
     log = tmp_path / "produced.txt"
-    ds = grain.MapDataset.range(100).to_iter_dataset().map(_LogProduced(str(log)))
-    with iter(ds.mp_prefetch(_opts(1, buffer))) as it:
+    ds = grain.MapDataset.range(200).to_iter_dataset().map(_LogProduced(str(log)))
+    if size != "small":
+        ds = ds.map(_big if size == "shared_memory" else _large_bytes)
+    limit = buffer + _worker.SMALL_AHEAD if size == "small" else buffer + 1
+    with _fails_after(60), iter(ds.mp_prefetch(_opts(1, buffer))) as it:
         consumed = 0
-        for target in (1, 4, 9, 10):
+        for target in (1, 9, 80):
             while consumed < target:
-                assert next(it) == consumed
+                assert _first_of(next(it)) == consumed
                 consumed += 1
-            ahead = _produced_once_idle(log, consumed + buffer // 2 + 1) - consumed
-            assert ahead <= buffer
+            # The pipe itself holds only two 32 KiB messages.
+            least = 1 if size == "pickled_large" else buffer // 2 + 1
+            ahead = _produced_once_idle(log, consumed + least) - consumed
+            assert ahead <= limit
+            if size == "small":
+                assert ahead > buffer
+
+
+@pytest.mark.parametrize("size", ["small", "shared_memory"])
+def test_a_buffer_of_zero_produces_on_request_only(
+    size: str, tmp_path: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(mp_dispatch, "dispatchable", lambda *_: False)
+    log = tmp_path / "produced.txt"
+    ds = grain.MapDataset.range(20).to_iter_dataset().map(_LogProduced(str(log)))
+    if size != "small":
+        ds = ds.map(_big)
+    with _fails_after(60), iter(ds.mp_prefetch(_opts(1, 0))) as it:
+        for consumed in range(1, 4):
+            assert _first_of(next(it)) == consumed - 1
+            assert _produced_once_idle(log, consumed) == consumed
 
 
 # -------------------------------------------------------------------------- checkpoints

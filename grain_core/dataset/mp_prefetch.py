@@ -38,6 +38,8 @@ from grain_core import _shm, _tree
 from grain_core._worker import (
     ELEMENT,
     END,
+    SMALL_AHEAD,
+    SMALL_MESSAGE_BYTES,
     STATS,
     STATS_GENERATION,
     WARNING,
@@ -508,11 +510,15 @@ class _ProcessPrefetchIterator(DatasetIterator[Any]):
         self._index = index
         self._count = mp_ds.num_workers
         self._buffer = mp_ds.options.per_worker_buffer_size
-        # Credits go back once half the buffer is owed, not per element: one control message
-        # (a pickle and a system call that wakes the worker) per element halved the parent's
-        # throughput of small elements. The worker stays between half and all of its buffer
-        # ahead.
-        self._grant_batch = max(1, self._buffer // 2)
+        # The worker keeps at most the buffer's worth of large elements in flight and lets
+        # small ones run SMALL_AHEAD further (``_worker``): a worker that waits for a credit
+        # after each element costs the parent a wake-up (tens of microseconds) per element.
+        # A buffer of 0 asks for no read-ahead at all: one credit per request.
+        self._window = self._buffer + SMALL_AHEAD if self._buffer else 0
+        # Credits go back once half the window is owed, or at once after a large element (the
+        # worker may be holding the next one back until it hears of it): one control message
+        # per element halved the parent's throughput of small elements.
+        self._grant_batch = max(1, self._window // 2)
         self._pool: WorkerPool | None = None
         self._finalizer: weakref.finalize | None = None
         self._state: Any = None
@@ -538,11 +544,12 @@ class _ProcessPrefetchIterator(DatasetIterator[Any]):
             options=self._ctx.dataset_options,
             shm_prefix=WorkerPool.new_prefix(self._index),
             pool_size=2 * self._buffer + 2,
+            buffer_size=max(1, self._buffer),
         )
         self._pool = pool = WorkerPool([spec])
         self._finalizer = weakref.finalize(self, pool.shutdown)
         if not self._exhausted:
-            self._grant(self._buffer)
+            self._grant(self._window)
 
     def _grant(self, credits: int) -> None:
         if credits > 0:
@@ -585,8 +592,8 @@ class _ProcessPrefetchIterator(DatasetIterator[Any]):
         self._outstanding -= 1
         if kind == ELEMENT:
             self._state = state
-            owed = self._buffer - self._outstanding
-            if owed >= self._grant_batch:
+            owed = self._window - self._outstanding
+            if owed >= self._grant_batch or names or pool.last_message_bytes > SMALL_MESSAGE_BYTES:
                 self._grant(owed)
             return _shm.open_from_shm(element, self._recycled) if names else element
         if kind == END:
@@ -618,8 +625,8 @@ class _ProcessPrefetchIterator(DatasetIterator[Any]):
         if self._pool is None:
             return
         self._generation += 1
-        self._pool.send(0, ("set_state", self._generation, self._state, self._buffer))
-        self._outstanding = self._buffer
+        self._pool.send(0, ("set_state", self._generation, self._state, self._window))
+        self._outstanding = self._window
 
     def close(self) -> None:
         if self._closed:
