@@ -262,13 +262,14 @@ def _fails_after(seconds: int) -> Any:
 @pytest.mark.parametrize("size", ["small", "shared_memory", "pickled_large"])
 @pytest.mark.parametrize("buffer", [1, 2, 5])
 def test_worker_stays_within_its_buffer_ahead(
-    buffer: int, size: str, tmp_path: Any, monkeypatch: pytest.MonkeyPatch
+    buffer: int, size: str, tmp_path: Any, monkeypatch: pytest.MonkeyPatch, no_shm_leak: None
 ) -> None:
     # Strict rotation: the steps after the slice point run on credit. Large elements (in
     # shared memory, or over SMALL_MESSAGE_BYTES pickled) stay within the buffer, plus the one
     # the worker made and holds back; small ones run up to SMALL_AHEAD further instead of
     # waiting for the parent after each. (Dispatching workers compute their assigned
-    # positions ahead and send on credit: test_mp_dispatch.)
+    # positions ahead and send on credit: test_mp_dispatch.) Closing while the worker holds
+    # an element back leaves no shared memory behind.
     monkeypatch.setattr(mp_dispatch, "dispatchable", lambda *_: False)
     log = tmp_path / "produced.txt"
     ds = grain.MapDataset.range(200).to_iter_dataset().map(_LogProduced(str(log)))
