@@ -415,8 +415,7 @@ class _WorkerLoop:
             self._send_in_flight(held, large=True)
 
     def _send_in_flight(self, data: bytes, large: bool) -> None:
-        self._write(data)
-        self._unreported = True
+        self._write_element(data)
         self._in_flight.append(large)
         self._large_in_flight += large
 
@@ -427,6 +426,10 @@ class _WorkerLoop:
         if self._warnings:
             self._send_warnings()
         self._output.send_bytes(data)
+
+    def _write_element(self, data: bytes) -> None:
+        self._write(data)
+        self._unreported = True  # statistics are due before the worker next waits
 
     def _queue_warning(
         self,
@@ -491,8 +494,7 @@ class _WorkerLoop:
         data = self._encode(kind, value, state, names, dropped)
         if data is None:
             return False
-        self._write(data)
-        self._unreported = True
+        self._write_element(data)
         return True
 
     def _encode(
@@ -521,8 +523,7 @@ class _WorkerLoop:
             data = _dumps_element(message)
         except Exception as e:  # noqa: BLE001 - the caller decides what the failure means
             return e
-        self._write(data)
-        self._unreported = True
+        self._write_element(data)
         return None
 
     def _produce(self) -> None:
