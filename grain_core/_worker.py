@@ -48,6 +48,7 @@ thread, so it exits as soon as the parent dies.
 from __future__ import annotations
 
 import collections
+import copyreg
 import faulthandler
 import io
 import multiprocessing
@@ -293,9 +294,31 @@ def worker_main(spec: WorkerSpec, control: Any, output: Any) -> None:
         plugins.reset()
     _shm.set_name_prefix(spec.shm_prefix)
     _shm.enable_block_pool(spec.pool_size)
+    register_numpy_scalar_reducers()
     _watch_parent()
     loop = _DispatchWorkerLoop if spec.dispatch else _WorkerLoop
     loop(spec, control, output).run()
+
+
+def register_numpy_scalar_reducers() -> None:
+    """Pickles NumPy number scalars as their type and Python value in this process.
+
+    NumPy's own reduction pickles the scalar's dtype object with it: 5.8 us to pickle and 3.3
+    to unpickle an ``np.int64`` in a message, against 2.0 and 2.2 this way (elements are often
+    scalars, a label or an id). The value round-trips exactly (``item()`` is lossless for these
+    types; ``longdouble`` is left out, it has no lossless Python value).
+    """
+    import numpy as np
+
+    for cls in (
+        np.bool_, np.int8, np.int16, np.int32, np.int64, np.uint8, np.uint16, np.uint32,
+        np.uint64, np.float16, np.float32, np.float64, np.complex64, np.complex128,
+    ):  # fmt: skip
+        copyreg.pickle(cls, _reduce_numpy_scalar)
+
+
+def _reduce_numpy_scalar(value: Any) -> tuple[Any, tuple[Any]]:
+    return type(value), (value.item(),)
 
 
 class _WorkerLoop:

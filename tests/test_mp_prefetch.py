@@ -7,6 +7,7 @@ import functools
 import gc
 import multiprocessing
 import os
+import pickle
 import re
 import signal
 import subprocess
@@ -303,6 +304,36 @@ def test_a_buffer_of_zero_produces_on_request_only(
         for consumed in range(1, 4):
             assert _first_of(next(it)) == consumed - 1
             assert _produced_once_idle(log, consumed) == consumed
+
+
+_SCALARS = [
+    np.bool_(True), np.int8(-3), np.uint16(7), np.int32(-9), np.int64(2**62 + 1), np.uint64(2**63 + 5),
+    np.float16(0.1), np.float32(1 / 3), np.float64(1e300), np.complex64(1 + 2j),
+    np.complex128(-1 - 1e-300j), np.longdouble(1) / 3, np.datetime64("2026-12-03"),
+]  # fmt: skip
+
+
+def _scalar_and_its_pickle_size(i: int) -> tuple[Any, int]:
+    value = _SCALARS[i % len(_SCALARS)]
+    return value, len(pickle.dumps(value, protocol=pickle.HIGHEST_PROTOCOL))
+
+
+@pytest.mark.parametrize("dispatch", [True, False])
+def test_numpy_scalars_travel_exactly_and_without_their_dtype(dispatch: bool) -> None:
+    ds = grain.MapDataset.range(len(_SCALARS)).map(_scalar_and_its_pickle_size).to_iter_dataset()
+    grain.config.update("py_mp_prefetch_dispatch", dispatch)
+    try:
+        out = list(ds.mp_prefetch(_opts(2)))
+    finally:
+        grain.config.update("py_mp_prefetch_dispatch", True)
+    for (value, size_in_worker), expected in zip(out, _SCALARS, strict=True):
+        assert type(value) is type(expected) and value == expected
+        size_here = len(pickle.dumps(expected, protocol=pickle.HIGHEST_PROTOCOL))
+        # Numbers go as type and value (no dtype); longdouble and datetime64 as NumPy does.
+        if expected.dtype.kind in "biufc" and not isinstance(expected, np.longdouble):
+            assert size_in_worker < size_here
+        else:
+            assert size_in_worker == size_here
 
 
 # -------------------------------------------------------------------------- checkpoints
