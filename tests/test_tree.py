@@ -192,3 +192,11 @@ def test_a_mapping_answering_missing_keys_is_still_a_mismatch():
     with pytest.raises(ValueError, match="same structure"):
         _tree.map_structure(lambda *xs: xs, {"a": 1}, other)
     assert dict(other) == {"b": 1}  # not filled in by the walk
+
+
+def test_the_cache_of_class_kinds_stays_bounded():
+    # Classes made on the fly (one per call here) must not pile up in the cache.
+    for i in range(_tree._KINDS_MAX + 10):
+        leaf = type(f"Leaf{i}", (), {})()
+        assert _tree.map_structure(lambda x: x, leaf) is leaf
+    assert len(_tree._kinds) <= _tree._KINDS_MAX + 1
