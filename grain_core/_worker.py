@@ -71,14 +71,20 @@ from grain_core import _shm
 
 __all__ = [
     "ELEMENT",
+    "ELEMENTS",
     "END",
     "ERROR",
+    "SMALL_AHEAD",
+    "SMALL_MESSAGE_BYTES",
     "STATS",
     "STATS_GENERATION",
     "STATS_INTERVAL_S",
     "STATS_WAITING_INTERVAL_S",
+    "WARNING",
+    "WorkerDiedError",
     "WorkerPool",
     "WorkerSpec",
+    "is_large",
     "worker_glibc_tunables",
 ]
 
@@ -87,6 +93,14 @@ ELEMENT, END, ERROR, STATS, ELEMENTS, WARNING = 0, 1, 2, 3, 4, 5
 SMALL_AHEAD = 64
 #: Pickled size up to which an element (with no shared memory) is small.
 SMALL_MESSAGE_BYTES = 16 * 1024
+
+
+def is_large(shm_names: Sequence[str], message_bytes: int) -> bool:
+    """Whether an element message counts against ``per_worker_buffer_size`` (the worker and
+    the parent decide alike): its arrays are in shared memory or it is big pickled."""
+    return bool(shm_names) or message_bytes > SMALL_MESSAGE_BYTES
+
+
 #: Generation of statistics messages: no ``set_state`` generation (they count up from 0).
 STATS_GENERATION = -1
 #: Seconds between two statistics messages of a worker while it produces elements.
@@ -294,13 +308,13 @@ def worker_main(spec: WorkerSpec, control: Any, output: Any) -> None:
         plugins.reset()
     _shm.set_name_prefix(spec.shm_prefix)
     _shm.enable_block_pool(spec.pool_size)
-    register_numpy_scalar_reducers()
+    _register_numpy_scalar_reducers()
     _watch_parent()
     loop = _DispatchWorkerLoop if spec.dispatch else _WorkerLoop
     loop(spec, control, output).run()
 
 
-def register_numpy_scalar_reducers() -> None:
+def _register_numpy_scalar_reducers() -> None:
     """Pickles NumPy number scalars as their type and Python value in this process.
 
     NumPy's own reduction pickles the scalar's dtype object with it: 5.8 us to pickle and 3.3
@@ -498,7 +512,7 @@ class _WorkerLoop:
         data = self._encode(ELEMENT, tree, state, names)
         if data is None:
             return False
-        large = bool(names) or len(data) > SMALL_MESSAGE_BYTES
+        large = is_large(names, len(data))
         if large and self._large_in_flight >= self._spec.buffer_size:
             self._held = data
         else:

@@ -47,9 +47,7 @@ from grain_core._worker import (
     ELEMENT,
     ELEMENTS,
     ERROR,
-    STATS,
     STATS_GENERATION,
-    WARNING,
     WorkerDiedError,
     WorkerPool,
     WorkerSpec,
@@ -66,7 +64,6 @@ from grain_core.dataset.batch import BatchIterDataset, has_holes_upstream
 from grain_core.dataset.map import MapIterDataset
 from grain_core.dataset.options import DatasetOptions, FilterRatioChecker
 from grain_core.dataset.prefetch import PrefetchIterDataset, read_index
-from grain_core.dataset.stats import attach_worker_stages
 from grain_core.dataset.with_options import WithOptionsIterDataset
 from grain_core.options import ReadOptions
 
@@ -767,15 +764,12 @@ class PositionDispatcher:
         recycled = self._recycled[worker]
         recycled.forget(dropped)
         if generation != self._generation:
-            if generation == STATS_GENERATION and kind == STATS:
+            if generation == STATS_GENERATION:
+                from grain_core.dataset.mp_prefetch import receive_side_message
+
                 slot = self._slots[worker]
                 iterator = None if slot is None else slot()
-                if iterator is not None:
-                    attach_worker_stages(iterator, value)
-            elif generation == STATS_GENERATION and kind == WARNING:
-                from grain_core.dataset.mp_prefetch import reissue_warning
-
-                reissue_warning(value, self._warning_registry)
+                receive_side_message(kind, value, iterator, self._warning_registry)
             else:
                 recycled.released.extend(names)
             return

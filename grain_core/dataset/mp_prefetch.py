@@ -39,13 +39,13 @@ from grain_core._worker import (
     ELEMENT,
     END,
     SMALL_AHEAD,
-    SMALL_MESSAGE_BYTES,
     STATS,
     STATS_GENERATION,
     WARNING,
     WorkerDiedError,
     WorkerPool,
     WorkerSpec,
+    is_large,
 )
 from grain_core.dataset.base import (
     DatasetIterator,
@@ -459,11 +459,19 @@ def loaded_plugin_names() -> list[str] | None:
     ]
 
 
-def reissue_warning(payload: tuple[Any, ...], registry: dict[Any, Any]) -> None:
-    """Issues a warning a worker sent again in this process, under its filters; ``registry``
-    (one per iterator) shows a warning at one place once across all workers."""
-    category, text, filename, lineno = payload
-    warnings.warn_explicit(text, category, filename, lineno, registry=registry)
+def receive_side_message(
+    kind: int, value: Any, iterator: DatasetIterator[Any] | None, registry: dict[Any, Any]
+) -> None:
+    """Takes a worker's message from outside the element stream (``STATS_GENERATION``):
+    statistics go to ``iterator`` (if it is still there), a warning is issued again in this
+    process under its filters, ``registry`` (one per iterator) showing a warning at one place
+    once across all workers."""
+    if kind == STATS:
+        if iterator is not None:
+            attach_worker_stages(iterator, value)
+    elif kind == WARNING:
+        category, text, filename, lineno = value
+        warnings.warn_explicit(text, category, filename, lineno, registry=registry)
 
 
 def remote_error(payload: tuple[Any, ...], index: int, count: int) -> BaseException:
@@ -582,18 +590,15 @@ class _ProcessPrefetchIterator(DatasetIterator[Any]):
             self._recycled.forget(dropped)
             if generation == self._generation:
                 break
-            if generation == STATS_GENERATION and kind == STATS:
-                attach_worker_stages(self, element)
-                continue
-            if generation == STATS_GENERATION and kind == WARNING:
-                reissue_warning(element, self._warning_registry)
+            if generation == STATS_GENERATION:
+                receive_side_message(kind, element, self, self._warning_registry)
                 continue
             self._recycled.released.extend(names)  # produced before the last set_state
         self._outstanding -= 1
         if kind == ELEMENT:
             self._state = state
             owed = self._window - self._outstanding
-            if owed >= self._grant_batch or names or pool.last_message_bytes > SMALL_MESSAGE_BYTES:
+            if owed >= self._grant_batch or is_large(names, pool.last_message_bytes):
                 self._grant(owed)
             return _shm.open_from_shm(element, self._recycled) if names else element
         if kind == END:
