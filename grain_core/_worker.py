@@ -309,6 +309,9 @@ def worker_main(spec: WorkerSpec, control: Any, output: Any) -> None:
     _shm.set_name_prefix(spec.shm_prefix)
     _shm.enable_block_pool(spec.pool_size)
     _register_numpy_scalar_reducers()
+    from grain_core.dataset.prefetch import read_inline_while_cpu_bound
+
+    read_inline_while_cpu_bound()
     _watch_parent()
     loop = _DispatchWorkerLoop if spec.dispatch else _WorkerLoop
     loop(spec, control, output).run()

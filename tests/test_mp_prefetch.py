@@ -336,6 +336,24 @@ def test_numpy_scalars_travel_exactly_and_without_their_dtype(dispatch: bool) ->
             assert size_in_worker == size_here
 
 
+def _reading_thread(x: int) -> str:
+    sum(range(300))  # a few microseconds of work holding the GIL
+    return threading.current_thread().name
+
+
+@pytest.mark.parametrize("dispatch", [True, False])
+def test_workers_read_cpu_bound_elements_in_their_main_thread(dispatch: bool) -> None:
+    # Read threads would give such reads no parallelism in a process per core, only hand-offs.
+    ds = grain.MapDataset.range(20_000).map(_reading_thread).to_iter_dataset()
+    grain.config.update("py_mp_prefetch_dispatch", dispatch)
+    try:
+        names = list(ds.mp_prefetch(_opts(2)))
+    finally:
+        grain.config.update("py_mp_prefetch_dispatch", True)
+    # A probe (a window read on threads) may follow a moment of a worker being descheduled.
+    assert names.count("MainThread") > 0.75 * len(names)
+
+
 # -------------------------------------------------------------------------- checkpoints
 def test_checkpoint_conformance_with_workers(no_shm_leak: None) -> None:
     ds = grain.MapDataset.range(11).map(_times_ten).to_iter_dataset().batch(2)

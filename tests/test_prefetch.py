@@ -11,6 +11,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import grain_core as grain
+from grain_core.dataset import prefetch
 from grain_core.dataset.options import DatasetOptions
 from grain_core.dataset.prefetch import (
     ReadConcurrency,
@@ -273,8 +274,8 @@ def _feed(controller, rate, cpu_share, windows, clock):
         controller.block_done(100, cpu_share, clock[0])
 
 
-def _controller(max_value):
-    controller, clock = ReadConcurrency(max_value), [0.0]
+def _controller(max_value, min_value=1):
+    controller, clock = ReadConcurrency(max_value, min_value), [0.0]
     controller.block_done(10, 1.0, clock[0])
     return controller, clock
 
@@ -312,15 +313,68 @@ def test_read_concurrency_shrinks_when_reads_load_the_cpu():
     assert controller.value == grown // 2
 
 
+def test_read_concurrency_from_the_consumer_thread_probes_two_threads_and_comes_back():
+    controller, clock = _controller(8, min_value=0)
+    assert controller.value == 0
+    _feed(controller, 1000, 1.0, 4, clock)
+    assert controller.value == 0  # CPU-bound reads stay in the consumer's thread
+    _feed(controller, 1000, 0.1, 1, clock)
+    assert controller.value == 2  # reads waiting: two blocks side by side
+    _feed(controller, 1000, 0.1, 1, clock)
+    assert controller.value == 0  # no faster: back to the consumer's thread
+    _feed(controller, 1000, 0.1, 1, clock)
+    assert controller.value == 0  # the next probe waits twice as long
+    _feed(controller, 1000, 0.1, 1, clock)
+    assert controller.value == 2
+    _feed(controller, 2000, 0.1, 1, clock)
+    _feed(controller, 2000, 1.0, 1, clock)
+    assert controller.value == 1  # kept, then the reads loaded the CPU
+    _feed(controller, 2000, 1.0, 1, clock)
+    assert controller.value == 0
+
+
 @given(
     st.lists(
         st.tuples(st.integers(1, 100), st.floats(0.0, 1.0), st.floats(1e-4, 0.1)), max_size=200
     ),
     st.integers(1, 16),
+    st.integers(0, 1),
 )
-def test_read_concurrency_stays_within_bounds(blocks, max_value):
-    controller, now = ReadConcurrency(max_value), 0.0
+def test_read_concurrency_stays_within_bounds(blocks, max_value, min_value):
+    controller, now = ReadConcurrency(max_value, min_value), 0.0
     for elements, share, dt in blocks:
         now += dt
         controller.block_done(elements, share, now)
-        assert 1 <= controller.value <= max_value
+        assert min_value <= controller.value <= max_value
+
+
+@pytest.fixture
+def inline_reads(monkeypatch):
+    """This process reads as an ``mp_prefetch`` worker does."""
+    monkeypatch.setattr(prefetch, "_inline_while_cpu_bound", True)
+
+
+def _reading_thread(x):
+    sum(range(300))  # a few microseconds of work holding the GIL
+    return threading.current_thread().name
+
+
+def test_cpu_bound_reads_stay_in_the_consumer_thread(inline_reads):
+    names = list(MD.range(20_000).map(_reading_thread).to_iter_dataset(grain.ReadOptions(4, 64)))
+    # A probe (a window read on threads) may follow a moment of this thread being descheduled.
+    assert names.count(threading.current_thread().name) > 0.75 * len(names)
+
+
+def test_reads_waiting_on_io_move_to_threads(inline_reads):
+    def io_like(x):
+        time.sleep(0.002)
+        return x
+
+    with iter(MD.range(300).map(io_like).to_iter_dataset(grain.ReadOptions(8, 64))) as it:
+        assert [next(it) for _ in range(200)] == list(range(200))
+        assert it._concurrency.value >= 2
+
+
+@pytest.mark.parametrize("options", READ_OPTIONS)
+def test_order_and_state_never_depend_on_reading_inline(options, inline_reads):
+    test_order_and_state_never_depend_on_threads(options)

@@ -40,6 +40,23 @@ _WINDOW_BLOCKS = 4
 _WINDOW_S = 0.02
 _PROBE_GAIN = 1.2
 _MAX_PROBE_WAIT = 64
+# Whether threaded readers of this process start reading in the consumer's thread (see
+# read_inline_while_cpu_bound).
+_inline_while_cpu_bound = False
+
+
+def read_inline_while_cpu_bound() -> None:
+    """Makes the threaded ``to_iter_dataset`` readers of this process read in the consumer's
+    thread, and hand reads to their threads only while that raises the delivery rate (reads
+    that wait on I/O).
+
+    Called by ``mp_prefetch`` workers: their processes already use every core, so a read
+    thread gives CPU-bound reads no parallelism, only a hand-off per block (measured: a
+    quarter of a worker's CPU on 256-row Parquet batches). A parent keeps its threads: they
+    overlap reading with the consumer's own work.
+    """
+    global _inline_while_cpu_bound
+    _inline_while_cpu_bound = True
 
 
 def read_index(ds: MapDataset[Any], index: int) -> Any:
@@ -115,7 +132,9 @@ class PrefetchDatasetIterator(DatasetIterator[Any]):
             collections.deque()
         )
         self._in_flight = 0
-        self._concurrency = ReadConcurrency(self._num_threads)
+        self._concurrency = ReadConcurrency(
+            self._num_threads, min_value=0 if _inline_while_cpu_bound else 1
+        )
         self._cpu_share = 1.0
 
     def _next_chunk_range(self, limit: int) -> tuple[int, int]:
@@ -124,7 +143,7 @@ class PrefetchDatasetIterator(DatasetIterator[Any]):
         if self._threaded:
             # The read-ahead is shared by the blocks that may be in flight: one block alone
             # may take all of it (large batched reads amortise a source's per-call cost).
-            count = min(count, max(1, self._buffer_size // self._concurrency.value))
+            count = min(count, max(1, self._buffer_size // max(1, self._concurrency.value)))
         self._read_index += count
         return start, count
 
@@ -143,15 +162,15 @@ class PrefetchDatasetIterator(DatasetIterator[Any]):
         return values
 
     def _fill(self) -> None:
-        if self._executor is None:
-            self._executor = concurrent.futures.ThreadPoolExecutor(
-                self._num_threads, thread_name_prefix="grain_core-read"
-            )
         while (
             self._read_index < self._len
             and self._in_flight < self._buffer_size
             and len(self._pending) < self._concurrency.value
         ):
+            if self._executor is None:
+                self._executor = concurrent.futures.ThreadPoolExecutor(
+                    self._num_threads, thread_name_prefix="grain_core-read"
+                )
             start, count = self._next_chunk_range(self._buffer_size - self._in_flight)
             self._pending.append((start, count, self._executor.submit(self._read, start, count)))
             self._in_flight += count
@@ -159,20 +178,22 @@ class PrefetchDatasetIterator(DatasetIterator[Any]):
     def _load_chunk(self) -> None:
         if self._threaded:
             self._fill()
+        if self._pending:
             start, count, future = self._pending.popleft()
             self._in_flight -= count
             try:
                 chunk = future.result()
             except Exception:
                 chunk = self._read_one_by_one(start, count)
-            self._concurrency.block_done(len(chunk), self._cpu_share, time.perf_counter())
-            self._fill()
-        else:
+        else:  # no read threads, or none in use now (blocks read in flight come first)
             start, count = self._next_chunk_range(self._chunk_cap)
             try:
                 chunk = self._read(start, count)
             except Exception:
                 chunk = self._read_one_by_one(start, count)
+        if self._threaded:
+            self._concurrency.block_done(len(chunk), self._cpu_share, time.perf_counter())
+            self._fill()
         if not self._allow_nones:
             self._checker.record(
                 len(chunk), sum(x is None for x in chunk), self._ctx.dataset_options
@@ -272,19 +293,24 @@ class ReadConcurrency:
     the delivery rate rises by ``_PROBE_GAIN`` over the next window, else undone, with the
     next probe waiting twice as many windows. A load above ``_CPU_BOUND_LOAD`` (reads busy on
     the CPU or contending for the GIL) halves the blocks in flight. One block in flight still
-    overlaps reading with the consumer.
+    overlaps reading with the consumer; none (a ``min_value`` of 0) means the consumer's thread
+    reads, and a probe from there tries two blocks on threads (one alone reads no faster than
+    the consumer's thread; reads waiting on I/O gain from running side by side).
 
     Args:
       max_value: The most blocks in flight (``ReadOptions.num_threads``).
+      min_value: The fewest, and the start.
     """
 
-    def __init__(self, max_value: int) -> None:
-        self.value = 1
+    def __init__(self, max_value: int, min_value: int = 1) -> None:
+        self.value = min_value
+        self._min = min_value
         self._max = max_value
         self._window_start = -1.0
         self._window_elements = 0
         self._window_blocks = 0
         self._rate_before_probe = 0.0  # > 0 while a probe runs
+        self._value_before_probe = min_value
         self._probe_wait = 1
         self._windows_since_probe = 0
 
@@ -308,15 +334,15 @@ class ReadConcurrency:
         self._window_start, self._window_elements, self._window_blocks = now, 0, 0
         if self._rate_before_probe > 0:
             if rate < self._rate_before_probe * _PROBE_GAIN:
-                self.value //= 2
+                self.value = self._value_before_probe
                 self._probe_wait = min(self._probe_wait * 2, _MAX_PROBE_WAIT)
             else:
                 self._probe_wait = 1
             self._rate_before_probe = 0.0
             self._windows_since_probe = 0
             return
-        load = cpu_share * self.value
-        if load > _CPU_BOUND_LOAD and self.value > 1:
+        load = cpu_share * max(1, self.value)
+        if load > _CPU_BOUND_LOAD and self.value > self._min:
             self.value //= 2
             return
         self._windows_since_probe += 1
@@ -325,8 +351,8 @@ class ReadConcurrency:
             and self.value < self._max
             and self._windows_since_probe >= self._probe_wait
         ):
-            self._rate_before_probe = rate
-            self.value = min(self.value * 2, self._max)
+            self._rate_before_probe, self._value_before_probe = rate, self.value
+            self.value = min(max(2, self.value * 2), self._max)
 
 
 class _Raise:
