@@ -20,8 +20,11 @@ Protocol, one pair of pipes per worker (no polling anywhere):
 * output (worker → parent): ``(generation, kind, element, state, shm_names, dropped)`` where
   ``kind`` is ``ELEMENT``, ``END`` or ``ERROR`` and ``dropped`` names blocks the worker freed
   (the parent forgets its mappings of them); ``state`` is the worker pipeline's state right after producing
-  the element, so the parent never has to ask for it. Messages of an older generation (produced
-  before a ``set_state``) are discarded by the parent, their shared memory freed.
+  the element, so the parent never has to ask for it. Elements that need no shared memory go
+  as ``PICKLED_ELEMENTS``, a list of ``(element, state)`` pairs pickled one by one: small ones
+  several to a message while the next is expected within ``_GROUP_S``, one over
+  ``SMALL_MESSAGE_BYTES`` (known from its own pickle) alone. Messages of an older generation
+  (produced before a ``set_state``) are discarded by the parent, their shared memory freed.
 * dispatching workers (``grain_core.dataset.mp_dispatch``) take ``("assign", generation,
   runs, credits, names)`` instead of credits and ``set_state``, and send
   ``(generation, kind, element, cpu_total, shm_names, dropped)`` with the worker's CPU seconds
@@ -51,6 +54,7 @@ import collections
 import copyreg
 import faulthandler
 import io
+import itertools
 import multiprocessing
 import multiprocessing.connection
 import os
@@ -74,6 +78,7 @@ __all__ = [
     "ELEMENTS",
     "END",
     "ERROR",
+    "PICKLED_ELEMENTS",
     "SMALL_AHEAD",
     "SMALL_MESSAGE_BYTES",
     "STATS",
@@ -88,11 +93,14 @@ __all__ = [
     "worker_glibc_tunables",
 ]
 
-ELEMENT, END, ERROR, STATS, ELEMENTS, WARNING = 0, 1, 2, 3, 4, 5
+ELEMENT, END, ERROR, STATS, ELEMENTS, WARNING, PICKLED_ELEMENTS = 0, 1, 2, 3, 4, 5, 6
 #: Elements a rotation worker may send beyond ``per_worker_buffer_size`` while they are small.
 SMALL_AHEAD = 64
 #: Pickled size up to which an element (with no shared memory) is small.
 SMALL_MESSAGE_BYTES = 16 * 1024
+#: Seconds a worker may spend gathering elements that need no shared memory into one message
+#: (the first of them waits that long for the others at most).
+_GROUP_S = 0.0005
 
 
 def is_large(shm_names: Sequence[str], message_bytes: int) -> bool:
@@ -357,7 +365,8 @@ class _WorkerLoop:
         self._warnings: collections.deque[tuple[Any, ...]] = collections.deque()
         warnings.showwarning = self._queue_warning
         # Whether each element in flight (sent, not yet known to have arrived) is large, oldest
-        # first, and a large element waiting for one of them to arrive (its message).
+        # first, and a large element waiting for one of them to arrive (its message; a large
+        # element always travels alone).
         self._in_flight: collections.deque[bool] = collections.deque()
         self._large_in_flight = 0
         self._held: bytes | None = None
@@ -367,6 +376,8 @@ class _WorkerLoop:
             self._build()
             while True:
                 if not self._can_produce():
+                    if not self._control_ready() and self._read_ahead():
+                        continue
                     if self._warnings:
                         self._send_warnings()
                     if self._tracking:
@@ -418,6 +429,11 @@ class _WorkerLoop:
     def _can_produce(self) -> bool:
         return self._credits > 0 and self._held is None and not self._finished
 
+    def _read_ahead(self) -> bool:
+        """Computes ahead while it may not send; returns whether it did (the pipeline's own
+        read-ahead does it here)."""
+        return False
+
     def _pipeline(self) -> Any:
         """The iterator whose stage statistics are reported."""
         return self._it
@@ -452,10 +468,19 @@ class _WorkerLoop:
             self._large_in_flight -= self._in_flight.popleft()
         if self._held is not None and self._large_in_flight < self._spec.buffer_size:
             held, self._held = self._held, None
-            self._send_in_flight(held, large=True)
+            self._send_in_flight(held, 1, large=True)
 
-    def _send_in_flight(self, data: bytes, large: bool) -> None:
+    def _send_elements(self, data: bytes, count: int, large: bool) -> None:
+        """Sends a message of ``count`` elements, or holds a large one (always alone) back
+        while ``buffer_size`` large ones are in flight."""
+        if large and self._large_in_flight >= self._spec.buffer_size:
+            self._held = data
+        else:
+            self._send_in_flight(data, count, large)
+
+    def _send_in_flight(self, data: bytes, count: int, large: bool) -> None:
         self._write_element(data)
+        self._in_flight.extend(itertools.repeat(False, count - 1))
         self._in_flight.append(large)
         self._large_in_flight += large
 
@@ -503,24 +528,6 @@ class _WorkerLoop:
         # The stream stops at its error; the parent re-raises it until the next set_state.
         self._finished = True
         self._credits = max(self._credits - 1, 0)
-
-    def _send_element(self, element: Any, state: Any) -> bool:
-        """Sends one element (through shared memory where it qualifies), or holds it back
-        while ``buffer_size`` large elements are in flight.
-
-        Returns:
-          False if the element could not be pickled: that was sent as an error instead.
-        """
-        tree, names = _shm.copy_to_shm(element, self._min_shm_size)
-        data = self._encode(ELEMENT, tree, state, names)
-        if data is None:
-            return False
-        large = is_large(names, len(data))
-        if large and self._large_in_flight >= self._spec.buffer_size:
-            self._held = data
-        else:
-            self._send_in_flight(data, large)
-        return True
 
     def _send_encoded(
         self, kind: int, value: Any, state: Any, names: list[str], dropped: Sequence[str] = ()
@@ -572,22 +579,71 @@ class _WorkerLoop:
             self._finish_with_error()
             return
         it = self._it
-        try:
-            element = next(it)
-        except StopIteration:
-            self._report_stats()
-            self._send((self._generation, END, None, it.get_state(), (), ()))
-            self._finished = True
+        # Elements that need no shared memory go several to a message while the next one is
+        # expected within _GROUP_S of the first (the last one's time foretells it): a message
+        # costs both sides a system call, and often a wake-up, per element. Each is pickled
+        # alone, so one over SMALL_MESSAGE_BYTES is known to be large and goes alone.
+        blobs: list[bytes] = []
+        deadline = time.perf_counter() + _GROUP_S
+        while True:
+            began = time.perf_counter()
+            try:
+                element = next(it)
+            except StopIteration:
+                self._send_blobs(blobs)
+                self._report_stats()
+                self._send((self._generation, END, None, it.get_state(), (), ()))
+                self._finished = True
+                self._credits -= 1
+                return
+            except Exception as e:  # noqa: BLE001 - re-raised in the parent
+                self._send_blobs(blobs)
+                self._send_error(e)
+                self._finish_with_error()
+                return
+            state = it.get_state()
+            tree, names = _shm.copy_to_shm(element, self._min_shm_size)
+            if names:
+                self._send_blobs(blobs)
+                data = self._encode(ELEMENT, tree, state, names)
+                if data is None:
+                    self._finish_with_error()
+                    return
+                self._send_elements(data, 1, large=True)
+                self._credits -= 1
+                return
+            try:
+                blob = _dumps_element((tree, state))
+            except Exception:  # noqa: BLE001 - sent as the element's error, in its place
+                self._send_blobs(blobs)
+                self._encode(ELEMENT, tree, state, [])
+                self._finish_with_error()
+                return
             self._credits -= 1
-            return
-        except Exception as e:  # noqa: BLE001 - re-raised in the parent
-            self._send_error(e)
-            self._finish_with_error()
-            return
-        if self._send_element(element, it.get_state()):
-            self._credits -= 1
-        else:
-            self._finish_with_error()
+            if is_large((), len(blob)):
+                self._send_blobs(blobs)
+                self._send_blobs([blob])
+                return
+            blobs.append(blob)
+            now = time.perf_counter()
+            if self._credits == 0 or 2 * now - began >= deadline:
+                self._send_blobs(blobs)
+                return
+
+    def _send_blobs(self, blobs: list[bytes]) -> None:
+        """Sends pickled ``(element, state)`` pairs (one large one alone, or small ones) in one
+        message, and the blocks this worker freed."""
+        if blobs:
+            message: tuple[Any, ...] = (
+                self._generation,
+                PICKLED_ELEMENTS,
+                blobs,
+                None,
+                [],
+                _shm.take_dropped(),
+            )
+            data = pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
+            self._send_elements(data, len(blobs), is_large((), len(blobs[-1])))
 
     def _produce_and_report(self) -> None:
         type(self)._produce(self)
@@ -614,10 +670,6 @@ class _WorkerLoop:
         self._send((STATS_GENERATION, STATS, worker_stage_snapshot(self._pipeline()), None, (), ()))
         self._next_report = time.monotonic() + STATS_INTERVAL_S
         self._unreported = False
-
-
-#: Seconds a dispatching worker may spend gathering elements already read into one message.
-_GROUP_S = 0.0005
 
 
 class _DispatchWorkerLoop(_WorkerLoop):
@@ -655,6 +707,10 @@ class _DispatchWorkerLoop(_WorkerLoop):
 
     def _can_produce(self) -> bool:
         return self._pending > 0 and self._credits > 0
+
+    def _read_ahead(self) -> bool:
+        # Positions assigned, no credit to send them: compute them now, as read threads would.
+        return self._pending > 0 and self._reader is not None and self._reader.read_ahead()
 
     def _handle(self, message: tuple[Any, ...]) -> bool:
         if message[0] != "assign":

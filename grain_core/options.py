@@ -13,8 +13,10 @@ class ReadOptions:
     """How ``MapDataset.to_iter_dataset`` reads elements in one process.
 
     Attributes:
-      num_threads: threads reading elements in parallel (0: read in the consumer thread). Order
-        never depends on this value.
+      num_threads: the most threads reading elements in parallel (0: read in the consumer
+        thread); how many read adapts to what raises the delivery rate. In ``mp_prefetch``
+        workers reads start in the consumer thread and move to threads only while they wait on
+        I/O. Order never depends on this value.
       prefetch_buffer_size: elements read ahead of the consumer (0: no read-ahead).
 
     Raises:

@@ -636,6 +636,74 @@ def test_reads_that_wait_overlap_in_each_worker() -> None:
     assert max(most for _, most in out) > 1
 
 
+class _LogComputed:
+    """Appends each position it computes to a file (the pipeline travels as a copy)."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+
+    def __call__(self, x: int) -> int:
+        with open(self.path, "a") as f:
+            f.write(f"{x}\n")
+        return x
+
+
+def test_a_worker_computes_its_assigned_positions_while_it_has_no_credit(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Any
+) -> None:
+    # Reading in its main thread (CPU-bound reads), the worker still computes what it was
+    # assigned, up to the read-ahead, while the parent holds back its credits (as read threads
+    # would): the parent then finds results ready. The worker loop runs here, in a thread.
+    import multiprocessing
+    import pickle
+    import warnings
+
+    from grain_core._worker import WorkerSpec, _DispatchWorkerLoop
+    from grain_core.dataset import prefetch
+
+    monkeypatch.setattr(prefetch, "_inline_while_cpu_bound", True)
+    monkeypatch.setattr(warnings, "showwarning", warnings.showwarning)  # the loop takes it
+    log = tmp_path / "computed.txt"
+    read_options = grain.ReadOptions(num_threads=4, prefetch_buffer_size=8)
+    ds = grain.MapDataset.range(100).map(_LogComputed(str(log))).to_iter_dataset(read_options)
+    spec = WorkerSpec(
+        index=0,
+        count=1,
+        init_fn=None,
+        dataset=cloudpickle.dumps(ds),
+        sequential_slice=False,
+        state=None,
+        plugins=None,
+        options=None,
+        shm_prefix=f"gc{os.getpid():x}t",
+        pool_size=1,
+        dispatch=True,
+    )
+    control_r, control_w = multiprocessing.Pipe(duplex=False)
+    output_r, output_w = multiprocessing.Pipe(duplex=False)
+    loop = _DispatchWorkerLoop(spec, control_r, output_w)
+    thread = threading.Thread(target=loop.run)
+    thread.start()
+    try:
+        control_w.send_bytes(pickle.dumps(("assign", 0, [(0, 0, 20)], 0, [])))
+        deadline = time.monotonic() + 10
+        while not (log.exists() and len(log.read_text().split()) >= 8):
+            assert time.monotonic() < deadline, "the worker computed nothing without credits"
+            time.sleep(0.01)
+        time.sleep(0.1)
+        assert log.read_text().split() == [str(x) for x in range(8)]  # the read-ahead only
+        assert not output_r.poll()  # nothing sent without a credit
+        control_w.send_bytes(pickle.dumps(("assign", 0, [], 3, [])))
+        sent = [pickle.loads(output_r.recv_bytes()) for _ in range(1)]
+        assert sent[0][2] in (0, [0, 1, 2])  # what it computed ahead goes out at once
+    finally:
+        control_w.send_bytes(pickle.dumps(("stop",)))
+        thread.join(10)
+        for conn in (control_r, control_w, output_r, output_w):
+            conn.close()
+    assert not thread.is_alive()
+
+
 class _KeepOnly:
     def __init__(self, kept: frozenset[int]) -> None:
         self.kept = kept

@@ -354,6 +354,84 @@ def test_workers_read_cpu_bound_elements_in_their_main_thread(dispatch: bool) ->
     assert names.count("MainThread") > 0.75 * len(names)
 
 
+def _varied_size(x: int) -> Any:
+    """Mostly ints; every 7th element 3 KiB of bytes, every 50th 20 KiB (large pickled)."""
+    if x % 50 == 0:
+        return x.to_bytes(4, "little") * 5120
+    if x % 7 == 0:
+        return x.to_bytes(4, "little") * 768
+    return x
+
+
+@pytest.fixture
+def strict_rotation(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(mp_dispatch, "dispatchable", lambda *_: False)
+
+
+def test_rotation_sends_small_elements_several_to_a_message(
+    strict_rotation: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    messages: list[list[int]] = []  # per element message: the pickled size of each element
+    recv = _worker.WorkerPool.recv
+
+    def recording_recv(pool: Any, index: int, ready: bool = False) -> tuple[Any, ...]:
+        message = recv(pool, index, ready)
+        if message[1] == _worker.PICKLED_ELEMENTS:
+            messages.append([len(blob) for blob in message[2]])
+        return message
+
+    monkeypatch.setattr(_worker.WorkerPool, "recv", recording_recv)
+    ds = grain.MapDataset.range(3000).to_iter_dataset().map(_varied_size)
+    assert list(ds.mp_prefetch(_opts(2, buffer=2))) == list(ds)
+    assert sum(map(len, messages)) == 3000
+    assert len(messages) < 3000 / 4
+    # An element over SMALL_MESSAGE_BYTES goes alone: it counts against the buffer.
+    large = [sizes for sizes in messages if max(sizes) > _worker.SMALL_MESSAGE_BYTES]
+    assert len(large) == 3000 // 50 and all(len(sizes) == 1 for sizes in large)
+
+
+def _filter_sevens(x: int) -> bool:
+    return x % 7 != 3
+
+
+def test_rotation_checkpoints_are_exact_within_a_message(strict_rotation: None) -> None:
+    ds = grain.MapDataset.range(400).to_iter_dataset().map(_times_ten).filter(_filter_sevens)
+    check_iterator_conformance(
+        lambda: ds.mp_prefetch(_opts(2, buffer=2)), positions=[0, 1, 2, 5, 33, 64, 65, 200, 341]
+    )
+
+
+def _unpicklable_at_13(x: int) -> Any:
+    return threading.Lock() if x == 13 else x
+
+
+def test_rotation_unpicklable_element_ends_the_stream_after_the_ones_before(
+    strict_rotation: None, no_shm_leak: None
+) -> None:
+    # The elements before it may share its message: they arrive, then its error.
+    ds = grain.MapDataset.range(40).to_iter_dataset().map(_unpicklable_at_13)
+    with iter(ds.mp_prefetch(_opts(1, buffer=2))) as it:
+        got = []
+        with pytest.raises(TypeError, match="cannot be pickled"):
+            for x in it:
+                got.append(x)
+        assert got == list(range(13))
+        with pytest.raises(TypeError, match="cannot be pickled"):
+            next(it)
+
+
+def test_rotation_error_after_small_elements_arrives_after_them(
+    strict_rotation: None, no_shm_leak: None
+) -> None:
+    ds = grain.MapDataset.range(10).to_iter_dataset().map(_fail_on_five)
+    with iter(ds.mp_prefetch(_opts(1, buffer=2))) as it:
+        got = []
+        with pytest.raises(CustomError, match="bad element 5"):
+            for x in it:
+                got.append(x)
+        assert got == [0, 1, 2, 3, 4]
+
+
 # -------------------------------------------------------------------------- checkpoints
 def test_checkpoint_conformance_with_workers(no_shm_leak: None) -> None:
     ds = grain.MapDataset.range(11).map(_times_ten).to_iter_dataset().batch(2)

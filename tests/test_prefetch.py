@@ -375,6 +375,37 @@ def test_reads_waiting_on_io_move_to_threads(inline_reads):
         assert it._concurrency.value >= 2
 
 
+def test_reading_ahead_inline_reads_blocks_without_consuming(inline_reads):
+    read = []
+
+    def recorded(x):
+        if x == 5:
+            raise ValueError("bad 5")
+        read.append(x)
+        return x
+
+    with iter(MD.range(100).map(recorded).to_iter_dataset(grain.ReadOptions(4, 8))) as it:
+        assert it.read_ahead()
+        while it.read_ahead():
+            pass
+        assert read[:5] == [0, 1, 2, 3, 4] and it.get_state() == {"next_index": 0}
+        assert [next(it) for _ in range(5)] == [0, 1, 2, 3, 4]
+        with pytest.raises(ValueError, match="bad 5"):
+            next(it)  # a block that failed ahead raises at its element's turn
+
+
+def test_reading_ahead_inline_waits_for_room_and_leaves_threads_alone(inline_reads):
+    with iter(MD.range(100).to_iter_dataset(grain.ReadOptions(4, 8))) as it:
+        while it.read_ahead():
+            pass
+        assert it._in_flight == 8  # the read-ahead is full
+        next(it)
+        assert it._in_flight == 8 - len(it._chunk)  # the first block was taken
+    with iter(MD.range(100).to_iter_dataset(grain.ReadOptions(4, 8))) as threaded:
+        threaded._concurrency.value = 2  # read threads in use: they read ahead
+        assert not threaded.read_ahead()
+
+
 @pytest.mark.parametrize("options", READ_OPTIONS)
 def test_order_and_state_never_depend_on_reading_inline(options, inline_reads):
     test_order_and_state_never_depend_on_threads(options)

@@ -453,6 +453,11 @@ class PositionReader:
         """Whether the read threads have read the next assigned position already."""
         return self.iterator.buffered()
 
+    def read_ahead(self) -> bool:
+        """Reads assigned positions ahead in this thread when no read thread does (see
+        ``PrefetchDatasetIterator.read_ahead``); returns whether it read any."""
+        return self.iterator.read_ahead()
+
     def next(self) -> Any:
         """The element at the next assigned position.
 

@@ -21,6 +21,7 @@ its worker's state right after producing it, so ``get_state`` never talks to the
 
 from __future__ import annotations
 
+import collections
 import copy
 import functools
 import io
@@ -38,6 +39,7 @@ from grain_core import _shm, _tree
 from grain_core._worker import (
     ELEMENT,
     END,
+    PICKLED_ELEMENTS,
     SMALL_AHEAD,
     STATS,
     STATS_GENERATION,
@@ -537,6 +539,8 @@ class _ProcessPrefetchIterator(DatasetIterator[Any]):
         # Blocks of elements the consumer has dropped go back with the next credit.
         self._recycled = _shm.RecycledBlocks()
         self._warning_registry: dict[Any, Any] = {}
+        # Elements received, not handed out yet, each pickled with its state.
+        self._received: collections.deque[bytes] = collections.deque()
 
     def _start(self) -> None:
         mp_ds = self._mp_ds
@@ -575,6 +579,8 @@ class _ProcessPrefetchIterator(DatasetIterator[Any]):
             raise self._error
         if self._exhausted:
             raise StopIteration
+        if self._received:
+            return self._hand_out_pickled()
         if self._pool is None:
             self._start()
         if self._outstanding == 0:
@@ -594,19 +600,33 @@ class _ProcessPrefetchIterator(DatasetIterator[Any]):
                 receive_side_message(kind, element, self, self._warning_registry)
                 continue
             self._recycled.released.extend(names)  # produced before the last set_state
-        self._outstanding -= 1
+        if kind == PICKLED_ELEMENTS:
+            self._received.extend(element)
+            return self._hand_out_pickled()
         if kind == ELEMENT:
-            self._state = state
-            owed = self._window - self._outstanding
-            if owed >= self._grant_batch or is_large(names, pool.last_message_bytes):
-                self._grant(owed)
+            self._handed_out(state, is_large(names, pool.last_message_bytes))
             return _shm.open_from_shm(element, self._recycled) if names else element
+        self._outstanding -= 1
         if kind == END:
             self._state = state
             self._exhausted = True
             raise StopIteration
         self._error = remote_error(element, self._index, self._count)
         raise self._error
+
+    def _hand_out_pickled(self) -> Any:
+        blob = self._received.popleft()
+        element, state = pickle.loads(blob)
+        self._handed_out(state, is_large((), len(blob)))
+        return element
+
+    def _handed_out(self, state: Any, large: bool) -> None:
+        """An element goes to the consumer; ``state`` is the worker's after it."""
+        self._state = state
+        self._outstanding -= 1
+        owed = self._window - self._outstanding
+        if owed >= self._grant_batch or large:
+            self._grant(owed)
 
     def get_state(self) -> dict[str, Any]:
         if self._state is None:
@@ -627,6 +647,7 @@ class _ProcessPrefetchIterator(DatasetIterator[Any]):
         self._state = copy.deepcopy(state)
         self._exhausted = False
         self._error = None
+        self._received.clear()
         if self._pool is None:
             return
         self._generation += 1

@@ -231,6 +231,25 @@ class PrefetchDatasetIterator(DatasetIterator[Any]):
                 raise StopIteration
             self._load_chunk()
 
+    def read_ahead(self) -> bool:
+        """Reads the next block in the calling thread, unless read threads are in use or the
+        read-ahead is full; returns whether it did. (An ``mp_prefetch`` worker reading inline
+        calls it while it waits for the parent, as a read thread would read on.)"""
+        if self._closed or (self._threaded and self._concurrency.value > 0):
+            return False
+        room = self._buffer_size - self._in_flight
+        if self._read_index >= self._len or room <= 0:
+            return False
+        start, count = self._next_chunk_range(min(self._chunk_cap, room))
+        block: concurrent.futures.Future[Sequence[Any]] = concurrent.futures.Future()
+        try:
+            block.set_result(self._read(start, count))
+        except Exception as e:  # noqa: BLE001 - re-read one by one when its turn comes
+            block.set_exception(e)
+        self._pending.append((start, count, block))
+        self._in_flight += count
+        return True
+
     def buffered(self) -> bool:
         """Whether ``next`` has an element read already (a hole skipped counts as one)."""
         if self._chunk_pos < len(self._chunk):
