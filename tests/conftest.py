@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import os
+import sys
 
+import cloudpickle
 from hypothesis import HealthCheck, settings
 
 settings.register_profile(
@@ -13,3 +15,19 @@ settings.register_profile(
 # log, never a coin toss that blocks a merge); local runs keep exploring new examples.
 settings.register_profile("ci", parent=settings.get_profile("grain_core"), derandomize=True)
 settings.load_profile("ci" if os.environ.get("CI") else "grain_core")
+
+# Worker processes receive this module's helpers by value (they cannot import conftest).
+cloudpickle.register_pickle_by_value(sys.modules[__name__])
+
+
+class LogProduced:
+    """A map that appends each element it passes to a file: what a worker has produced so far
+    (the pipeline reaches a worker as a copy, so a list would stay empty here)."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+
+    def __call__(self, x: int) -> int:
+        with open(self.path, "a") as f:
+            f.write(f"{x}\n")
+        return x

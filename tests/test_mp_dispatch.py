@@ -13,6 +13,7 @@ from typing import Any
 import cloudpickle
 import numpy as np
 import pytest
+from conftest import LogProduced
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -636,18 +637,6 @@ def test_reads_that_wait_overlap_in_each_worker() -> None:
     assert max(most for _, most in out) > 1
 
 
-class _LogComputed:
-    """Appends each position it computes to a file (the pipeline travels as a copy)."""
-
-    def __init__(self, path: str) -> None:
-        self.path = path
-
-    def __call__(self, x: int) -> int:
-        with open(self.path, "a") as f:
-            f.write(f"{x}\n")
-        return x
-
-
 def test_a_worker_computes_its_assigned_positions_while_it_has_no_credit(
     monkeypatch: pytest.MonkeyPatch, tmp_path: Any
 ) -> None:
@@ -665,7 +654,7 @@ def test_a_worker_computes_its_assigned_positions_while_it_has_no_credit(
     monkeypatch.setattr(warnings, "showwarning", warnings.showwarning)  # the loop takes it
     log = tmp_path / "computed.txt"
     read_options = grain.ReadOptions(num_threads=4, prefetch_buffer_size=8)
-    ds = grain.MapDataset.range(100).map(_LogComputed(str(log))).to_iter_dataset(read_options)
+    ds = grain.MapDataset.range(100).map(LogProduced(str(log))).to_iter_dataset(read_options)
     spec = WorkerSpec(
         index=0,
         count=1,

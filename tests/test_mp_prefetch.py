@@ -21,6 +21,7 @@ from typing import Any
 import cloudpickle
 import numpy as np
 import pytest
+from conftest import LogProduced
 
 import grain_core as grain
 from grain_core import _shm, _worker
@@ -206,18 +207,6 @@ def test_zero_workers_returns_the_dataset() -> None:
     assert ds.mp_prefetch(_opts(0)) is ds
 
 
-class _LogProduced:
-    """Appends each element it passes to a file: what a worker has produced so far."""
-
-    def __init__(self, path: str) -> None:
-        self.path = path
-
-    def __call__(self, x: int) -> int:
-        with open(self.path, "a") as f:
-            f.write(f"{x}\n")
-        return x
-
-
 def _produced_once_idle(path: Any, at_least: int) -> int:
     """Elements logged once there are ``at_least`` and no more come for 0.3 s (the worker
     has used its credit)."""
@@ -273,7 +262,7 @@ def test_worker_stays_within_its_buffer_ahead(
     # an element back leaves no shared memory behind.
     monkeypatch.setattr(mp_dispatch, "dispatchable", lambda *_: False)
     log = tmp_path / "produced.txt"
-    ds = grain.MapDataset.range(200).to_iter_dataset().map(_LogProduced(str(log)))
+    ds = grain.MapDataset.range(200).to_iter_dataset().map(LogProduced(str(log)))
     if size != "small":
         ds = ds.map(_big if size == "shared_memory" else _large_bytes)
     limit = buffer + _worker.SMALL_AHEAD if size == "small" else buffer + 1
@@ -297,7 +286,7 @@ def test_a_buffer_of_zero_produces_on_request_only(
 ) -> None:
     monkeypatch.setattr(mp_dispatch, "dispatchable", lambda *_: False)
     log = tmp_path / "produced.txt"
-    ds = grain.MapDataset.range(20).to_iter_dataset().map(_LogProduced(str(log)))
+    ds = grain.MapDataset.range(20).to_iter_dataset().map(LogProduced(str(log)))
     if size != "small":
         ds = ds.map(_big)
     with _fails_after(60), iter(ds.mp_prefetch(_opts(1, 0))) as it:
@@ -401,37 +390,6 @@ def test_rotation_checkpoints_are_exact_within_a_message(strict_rotation: None) 
     )
 
 
-def _unpicklable_at_13(x: int) -> Any:
-    return threading.Lock() if x == 13 else x
-
-
-def test_rotation_unpicklable_element_ends_the_stream_after_the_ones_before(
-    strict_rotation: None, no_shm_leak: None
-) -> None:
-    # The elements before it may share its message: they arrive, then its error.
-    ds = grain.MapDataset.range(40).to_iter_dataset().map(_unpicklable_at_13)
-    with iter(ds.mp_prefetch(_opts(1, buffer=2))) as it:
-        got = []
-        with pytest.raises(TypeError, match="cannot be pickled"):
-            for x in it:
-                got.append(x)
-        assert got == list(range(13))
-        with pytest.raises(TypeError, match="cannot be pickled"):
-            next(it)
-
-
-def test_rotation_error_after_small_elements_arrives_after_them(
-    strict_rotation: None, no_shm_leak: None
-) -> None:
-    ds = grain.MapDataset.range(10).to_iter_dataset().map(_fail_on_five)
-    with iter(ds.mp_prefetch(_opts(1, buffer=2))) as it:
-        got = []
-        with pytest.raises(CustomError, match="bad element 5"):
-            for x in it:
-                got.append(x)
-        assert got == [0, 1, 2, 3, 4]
-
-
 # -------------------------------------------------------------------------- checkpoints
 def test_checkpoint_conformance_with_workers(no_shm_leak: None) -> None:
     ds = grain.MapDataset.range(11).map(_times_ten).to_iter_dataset().batch(2)
@@ -501,6 +459,31 @@ def _fail_on_five(x: int) -> int:
     if x == 5:
         raise CustomError(f"bad element {x}")
     return x
+
+
+def _unpicklable_at_13(x: int) -> Any:
+    return threading.Lock() if x == 13 else x
+
+
+@pytest.mark.parametrize(
+    ("fn", "error", "before"),
+    [(_unpicklable_at_13, TypeError, 13), (_fail_on_five, CustomError, 5)],
+    ids=["unpicklable", "raised"],
+)
+def test_rotation_error_ends_the_stream_after_the_elements_before_it(
+    fn: Any, error: type[Exception], before: int, strict_rotation: None, no_shm_leak: None
+) -> None:
+    # The elements before it may share its message: they arrive, then the error, again on
+    # every request.
+    ds = grain.MapDataset.range(40).to_iter_dataset().map(fn)
+    with iter(ds.mp_prefetch(_opts(1, buffer=2))) as it:
+        got = []
+        with pytest.raises(error):
+            for x in it:
+                got.append(x)
+        assert got == list(range(before))
+        with pytest.raises(error):
+            next(it)
 
 
 def test_worker_exception_keeps_type_and_traceback(no_shm_leak: None) -> None:
