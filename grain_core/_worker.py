@@ -680,9 +680,10 @@ class _DispatchWorkerLoop(_WorkerLoop):
     error is sent for its position and the worker goes on with the next one: another class's
     positions queued behind it are still needed.
 
-    Its read threads compute the positions assigned ahead (``PositionReader``); results are
-    sent while it has credits, so the shared memory in flight stays bounded however long the
-    runs.
+    It computes the positions assigned ahead (``PositionReader``: in its main thread while
+    reads are CPU-bound, also while it waits for credits; on read threads while they wait on
+    I/O); results are sent while it has credits, so the shared memory in flight stays bounded
+    however long the runs.
 
     Control: ``("assign", generation, runs, credits, names)`` adds runs ``(class, first slice
     index, count)`` and credits and hands back blocks; a new generation first drops the runs
@@ -735,8 +736,9 @@ class _DispatchWorkerLoop(_WorkerLoop):
             self._credits -= 1
             self._send_error(self._build_error)
             return
-        # Elements the read threads have read already, that need no shared memory, go
-        # together (for _GROUP_S at most): small elements cost the parent a message each.
+        # Elements read already (ahead, or in the block of the last one), that need no shared
+        # memory, go together (for _GROUP_S at most): small elements cost the parent a message
+        # each.
         group: list[Any] = []
         deadline = time.perf_counter() + _GROUP_S
         while True:

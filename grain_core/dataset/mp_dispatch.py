@@ -15,10 +15,10 @@ the parent keeps that output and its state, and hands out the positions instead:
   ``c, c + N, …``), and each class's state is the ``{"next_index": j}`` its worker would report
   (for batches, the elements of its share read), so checkpoints are interchangeable with the
   rotating engine and, for elements, across worker counts.
-* Workers get *runs* ``(class, first slice index, count)``, compute them in order with their
-  read threads (``PositionReader``) and send the results with the CPU time they cost (small
-  results already read several to a message); the parent files results by position, no tags
-  needed.
+* Workers get *runs* ``(class, first slice index, count)``, compute them in order
+  (``PositionReader``, ahead of their credits) and send the results with the CPU time they
+  cost (small results already read several to a message); the parent files results by
+  position, no tags needed.
 * A worker is committed to about ``_RUN_TARGET_S`` of CPU work, at least
   ``per_worker_buffer_size`` positions and at most the read-ahead
   (``ReadOptions.prefetch_buffer_size``): elements that wait on storage cost no CPU and get
@@ -395,8 +395,8 @@ class AssignedPositionsMapDataset(MapDataset[Any]):
 
 class PositionReader:
     """A worker's reader of its assigned positions of ``ds`` (a ``to_iter_dataset`` reader),
-    in order, with that reader's read threads and read-ahead, which stop at the last position
-    assigned. ``None`` (filtered) elements are returned: the parent skips them in order.
+    in order, with that reader's read-ahead (in this thread while reads are CPU-bound, on
+    its read threads while they wait on I/O), which stops at the last position assigned. ``None`` (filtered) elements are returned: the parent skips them in order.
 
     Args:
       ds: The pipeline given to ``mp_prefetch``.
@@ -450,7 +450,7 @@ class PositionReader:
         self._open()
 
     def ready(self) -> bool:
-        """Whether the read threads have read the next assigned position already."""
+        """Whether the next assigned position is read already."""
         return self.iterator.buffered()
 
     def read_ahead(self) -> bool:
@@ -812,7 +812,7 @@ class PositionDispatcher:
         """Sets ``worker``'s commitment from the CPU time its elements cost (all its threads):
         about ``_RUN_TARGET_S`` of CPU work, within ``[per_worker_buffer_size, read-ahead]``.
         Waiting (I/O) costs no CPU, so elements read from slow storage get long runs that the
-        worker's read threads overlap; CPU-heavy ones go a few at a time."""
+        worker's read threads overlap (its reads move to threads when they wait); CPU-heavy ones go a few at a time."""
         average = self._cpu_seconds[worker]
         if average == 0.0:
             average = cpu_seconds
