@@ -555,14 +555,18 @@ class _WorkerLoop:
             return _dumps_element(message)
         except Exception as failure:  # noqa: BLE001 - sent as the element's error
             _shm.release_blocks(names)
-            error = TypeError(
-                f"Worker {self._spec.index} produced an element that cannot be pickled and "
-                f"therefore cannot be sent to the main process: {type(failure).__name__}: "
-                f"{failure}. Convert it to NumPy arrays / plain Python values in the pipeline."
-            )
-            error.__cause__ = failure
-            self._send_error(error, dropped)
+            self._send_unpicklable(failure, dropped)
             return None
+
+    def _send_unpicklable(self, failure: Exception, dropped: Sequence[str] = ()) -> None:
+        """Sends, in an element's place, the error that it could not be pickled."""
+        error = TypeError(
+            f"Worker {self._spec.index} produced an element that cannot be pickled and "
+            f"therefore cannot be sent to the main process: {type(failure).__name__}: "
+            f"{failure}. Convert it to NumPy arrays / plain Python values in the pipeline."
+        )
+        error.__cause__ = failure
+        self._send_error(error, dropped)
 
     def _try_send(self, message: tuple[Any, ...]) -> Exception | None:
         """Sends an element message; returns why it could not be pickled instead, if so."""
@@ -614,9 +618,9 @@ class _WorkerLoop:
                 return
             try:
                 blob = _dumps_element((tree, state))
-            except Exception:  # noqa: BLE001 - sent as the element's error, in its place
+            except Exception as failure:  # noqa: BLE001 - sent as its error, in its place
                 self._send_blobs(blobs)
-                self._encode(ELEMENT, tree, state, [])
+                self._send_unpicklable(failure)
                 self._finish_with_error()
                 return
             self._credits -= 1

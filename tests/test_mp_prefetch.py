@@ -470,22 +470,22 @@ def _unpicklable_at_13(x: int) -> Any:
 
 @pytest.mark.parametrize(
     ("fn", "error", "before"),
-    [(_unpicklable_at_13, TypeError, 13), (_fail_on_five, CustomError, 5)],
+    [(_unpicklable_at_13, "cannot be pickled", 13), (_fail_on_five, "bad element 5", 5)],
     ids=["unpicklable", "raised"],
 )
 def test_rotation_error_ends_the_stream_after_the_elements_before_it(
-    fn: Any, error: type[Exception], before: int, strict_rotation: None, no_shm_leak: None
+    fn: Any, error: str, before: int, strict_rotation: None, no_shm_leak: None
 ) -> None:
     # The elements before it may share its message: they arrive, then the error, again on
     # every request.
     ds = grain.MapDataset.range(40).to_iter_dataset().map(fn)
     with iter(ds.mp_prefetch(_opts(1, buffer=2))) as it:
         got = []
-        with pytest.raises(error):
+        with pytest.raises((TypeError, CustomError), match=error):
             for x in it:
                 got.append(x)
         assert got == list(range(before))
-        with pytest.raises(error):
+        with pytest.raises((TypeError, CustomError), match=error):
             next(it)
 
 

@@ -30,8 +30,11 @@ READ_OPTIONS = [
 ]
 
 
+@pytest.mark.parametrize("inline", [False, True], ids=["threads", "inline_while_cpu_bound"])
 @pytest.mark.parametrize("options", READ_OPTIONS)
-def test_order_and_state_never_depend_on_threads(options):
+def test_order_and_state_never_depend_on_threads(options, inline, monkeypatch):
+    monkeypatch.setattr(prefetch, "_inline_while_cpu_bound", inline)
+
     def slow_for_some(x):
         if x % 7 == 0:
             time.sleep(0.001)
@@ -405,8 +408,3 @@ def test_reading_ahead_inline_waits_for_room_and_leaves_threads_alone(inline_rea
     with iter(MD.range(100).to_iter_dataset(grain.ReadOptions(4, 8))) as threaded:
         threaded._concurrency.value = 2  # read threads in use: they read ahead
         assert not threaded.read_ahead()
-
-
-@pytest.mark.parametrize("options", READ_OPTIONS)
-def test_order_and_state_never_depend_on_reading_inline(options, inline_reads):
-    test_order_and_state_never_depend_on_threads(options)

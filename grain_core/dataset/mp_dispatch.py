@@ -396,7 +396,8 @@ class AssignedPositionsMapDataset(MapDataset[Any]):
 class PositionReader:
     """A worker's reader of its assigned positions of ``ds`` (a ``to_iter_dataset`` reader),
     in order, with that reader's read-ahead (in this thread while reads are CPU-bound, on
-    its read threads while they wait on I/O), which stops at the last position assigned. ``None`` (filtered) elements are returned: the parent skips them in order.
+    its read threads while they wait on I/O), which stops at the last position assigned.
+    ``None`` (filtered) elements are returned: the parent skips them in order.
 
     Args:
       ds: The pipeline given to ``mp_prefetch``.
@@ -812,7 +813,8 @@ class PositionDispatcher:
         """Sets ``worker``'s commitment from the CPU time its elements cost (all its threads):
         about ``_RUN_TARGET_S`` of CPU work, within ``[per_worker_buffer_size, read-ahead]``.
         Waiting (I/O) costs no CPU, so elements read from slow storage get long runs that the
-        worker's read threads overlap (its reads move to threads when they wait); CPU-heavy ones go a few at a time."""
+        worker's read threads overlap (its reads move to threads when they wait); CPU-heavy
+        ones go a few at a time."""
         average = self._cpu_seconds[worker]
         if average == 0.0:
             average = cpu_seconds

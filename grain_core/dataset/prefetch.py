@@ -178,19 +178,14 @@ class PrefetchDatasetIterator(DatasetIterator[Any]):
     def _load_chunk(self) -> None:
         if self._threaded:
             self._fill()
-        if self._pending:
-            start, count, future = self._pending.popleft()
-            self._in_flight -= count
-            try:
-                chunk = future.result()
-            except Exception:
-                chunk = self._read_one_by_one(start, count)
-        else:  # no read threads, or none in use now (blocks read in flight come first)
-            start, count = self._next_chunk_range(self._chunk_cap)
-            try:
-                chunk = self._read(start, count)
-            except Exception:
-                chunk = self._read_one_by_one(start, count)
+        if not self._pending:  # no read threads, or none in use now: read here
+            self._read_here(self._chunk_cap)
+        start, count, block = self._pending.popleft()
+        self._in_flight -= count
+        try:
+            chunk = block.result()
+        except Exception:
+            chunk = self._read_one_by_one(start, count)
         if self._threaded:
             self._concurrency.block_done(len(chunk), self._cpu_share, time.perf_counter())
             self._fill()
@@ -240,7 +235,13 @@ class PrefetchDatasetIterator(DatasetIterator[Any]):
         room = self._buffer_size - self._in_flight
         if self._read_index >= self._len or room <= 0:
             return False
-        start, count = self._next_chunk_range(min(self._chunk_cap, room))
+        self._read_here(min(self._chunk_cap, room))
+        return True
+
+    def _read_here(self, limit: int) -> None:
+        """Reads the next block (at most ``limit`` elements) in this thread and queues it as
+        the threads' blocks are: an error is raised when its turn comes."""
+        start, count = self._next_chunk_range(limit)
         block: concurrent.futures.Future[Sequence[Any]] = concurrent.futures.Future()
         try:
             block.set_result(self._read(start, count))
@@ -248,7 +249,6 @@ class PrefetchDatasetIterator(DatasetIterator[Any]):
             block.set_exception(e)
         self._pending.append((start, count, block))
         self._in_flight += count
-        return True
 
     def buffered(self) -> bool:
         """Whether ``next`` has an element read already (a hole skipped counts as one)."""
