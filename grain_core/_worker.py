@@ -30,7 +30,10 @@ Protocol, one pair of pipes per worker (no polling anywhere):
   ``(generation, kind, element, cpu_total, shm_names, dropped)`` with the worker's CPU seconds
   so far instead of a state: the parent knows which position each result is. Results already
   read that need no shared memory go several to a message: kind ``ELEMENTS`` with a list of
-  elements (one message, one system call each way, instead of one per element).
+  elements (one message, one system call each way, instead of one per element). A result
+  that needs no shared memory may go without a credit while the worker's overdraft (results
+  sent beyond its credits, which the next credits cover first) stays within ``SMALL_AHEAD``
+  results and ``OVERDRAFT_BYTES`` pickled; any other waits for a credit.
 * statistics (worker → parent, only when the pipeline tracks ``STAGE_TIMING``):
   ``(STATS_GENERATION, STATS, snapshot, None, (), ())`` with the first element, then at most
   every ``STATS_INTERVAL_S``, before ``END``/``ERROR``, and when the worker waits for the parent
@@ -98,6 +101,11 @@ ELEMENT, END, ERROR, STATS, ELEMENTS, WARNING, PICKLED_ELEMENTS = 0, 1, 2, 3, 4,
 SMALL_AHEAD = 64
 #: Pickled size up to which an element (with no shared memory) is small.
 SMALL_MESSAGE_BYTES = 16 * 1024
+#: Pickled bytes of results a dispatching worker may send beyond its credits (at most
+#: ``SMALL_AHEAD`` of them).
+OVERDRAFT_BYTES = 1024 * 1024
+#: Types whose values pickle to a few bytes: no pickle is needed to know they are small.
+_FIXED_SIZE_TYPES = frozenset({int, float, bool, complex, type(None)})
 #: Seconds a worker may spend gathering elements that need no shared memory into one message
 #: (the first of them waits that long for the others at most).
 _GROUP_S = 0.0005
@@ -687,7 +695,8 @@ class _DispatchWorkerLoop(_WorkerLoop):
     It computes the positions assigned ahead (``PositionReader``: in its main thread while
     reads are CPU-bound, also while it waits for credits; on read threads while they wait on
     I/O); results are sent while it has credits, so the shared memory in flight stays bounded
-    however long the runs.
+    however long the runs, and small ones also on overdraft (``per_worker_buffer_size`` 0:
+    never).
 
     Control: ``("assign", generation, runs, credits, names)`` adds runs ``(class, first slice
     index, count)`` and credits and hands back blocks; a new generation first drops the runs
@@ -699,6 +708,12 @@ class _DispatchWorkerLoop(_WorkerLoop):
         self._reader: Any = None
         self._pending = 0
         self._cpu_start = time.process_time()
+        # Pickled sizes of the results sent beyond the credits, oldest first (the next credits
+        # cover them first), and a result computed that no credit or overdraft could send yet
+        # (its tree and blocks).
+        self._overdraft: collections.deque[int] = collections.deque()
+        self._overdraft_bytes = 0
+        self._waiting: tuple[Any, list[str], int | None] | None = None
 
     def _build_pipeline(self, ds: Any) -> None:
         from grain_core.dataset.mp_dispatch import PositionReader
@@ -711,7 +726,40 @@ class _DispatchWorkerLoop(_WorkerLoop):
         return None if self._reader is None else self._reader.pipeline
 
     def _can_produce(self) -> bool:
-        return self._pending > 0 and self._credits > 0
+        if self._waiting is not None:
+            return self._credits > 0 or self._overdraws(self._waiting[2])
+        return self._pending > 0 and (self._credits > 0 or self._may_overdraw())
+
+    def _may_overdraw(self) -> bool:
+        """Whether another small result may go beyond the credits: small results need not
+        wait for the parent's wake-up after each (``per_worker_buffer_size`` 0 keeps meaning
+        "on request only")."""
+        return (
+            self._spec.buffer_size > 0
+            and len(self._overdraft) < SMALL_AHEAD
+            and self._overdraft_bytes < OVERDRAFT_BYTES
+        )
+
+    def _overdraws(self, size: int | None) -> bool:
+        """Whether a result of ``size`` pickled bytes (None: in shared memory, or it cannot be
+        pickled) may go beyond the credits now."""
+        return (
+            size is not None
+            and self._may_overdraw()
+            and self._overdraft_bytes + size <= OVERDRAFT_BYTES
+        )
+
+    def _take_credit(self, size: int | None) -> bool:
+        """Spends a credit on a result of ``size`` pickled bytes, or overdraws one; False: the
+        result waits for a credit."""
+        if self._credits <= 0:
+            if not self._overdraws(size):
+                return False
+            assert size is not None
+            self._overdraft.append(size)
+            self._overdraft_bytes += size
+        self._credits -= 1
+        return True
 
     def _read_ahead(self) -> bool:
         # Positions assigned, no credit to send them: compute them now, as read threads would.
@@ -724,10 +772,16 @@ class _DispatchWorkerLoop(_WorkerLoop):
         _shm.release_blocks(names)
         if generation != self._generation:
             self._generation = generation
-            self._pending = self._credits = 0
+            self._pending = self._credits = self._overdraft_bytes = 0
+            self._overdraft.clear()
+            if self._waiting is not None:
+                _shm.release_blocks(self._waiting[1])
+                self._waiting = None
             if self._reader is not None:
                 self._reader.reset()
         self._credits += credits
+        for _ in range(min(credits, len(self._overdraft))):
+            self._overdraft_bytes -= self._overdraft.popleft()
         if runs:
             self._pending += sum(run[2] for run in runs)
             if self._reader is not None:
@@ -737,7 +791,7 @@ class _DispatchWorkerLoop(_WorkerLoop):
     def _produce(self) -> None:
         if self._build_error is not None:
             self._pending -= 1
-            self._credits -= 1
+            self._take_credit(0)
             self._send_error(self._build_error)
             return
         # Elements read already (ahead, or in the block of the last one), that need no shared
@@ -745,16 +799,27 @@ class _DispatchWorkerLoop(_WorkerLoop):
         # each.
         group: list[Any] = []
         deadline = time.perf_counter() + _GROUP_S
+        waiting, self._waiting = self._waiting, None
         while True:
-            self._pending -= 1
-            self._credits -= 1
-            try:
-                element = self._reader.next()
-            except Exception as e:  # noqa: BLE001 - re-raised in the parent at its position
-                self._send_group(group)
-                self._send_error(e)
-                return
-            tree, names = _shm.copy_to_shm(element, self._min_shm_size)
+            if waiting is None:
+                self._pending -= 1
+                try:
+                    element = self._reader.next()
+                except Exception as e:  # noqa: BLE001 - re-raised in the parent at its position
+                    self._take_credit(0)
+                    self._send_group(group)
+                    self._send_error(e)
+                    return
+                tree, names = _shm.copy_to_shm(element, self._min_shm_size)
+                # Its size matters only for an overdraft.
+                size = 0 if self._credits > 0 else _pickled_size(tree, names)
+                if not self._take_credit(size):
+                    self._waiting = (tree, names, size)
+                    self._send_group(group)
+                    return
+            else:  # _can_produce found it may go now
+                (tree, names, size), waiting = waiting, None
+                self._take_credit(size)
             if names:
                 self._send_group(group)
                 self._send_encoded(ELEMENT, tree, self._cpu_seconds(), names)
@@ -762,7 +827,7 @@ class _DispatchWorkerLoop(_WorkerLoop):
             group.append(tree)
             if not (
                 self._pending > 0
-                and self._credits > 0
+                and (self._credits > 0 or self._may_overdraw())
                 and self._reader.ready()
                 and time.perf_counter() < deadline
             ):
@@ -787,6 +852,19 @@ class _DispatchWorkerLoop(_WorkerLoop):
         for element in group:  # one, or one of them cannot be pickled: each alone
             self._send_encoded(ELEMENT, element, cpu_seconds, [], dropped)
             dropped = ()
+
+
+def _pickled_size(tree: Any, names: Sequence[str]) -> int | None:
+    """The pickled size of result ``tree``; None if its arrays are in blocks ``names`` or it
+    cannot be pickled."""
+    if names:
+        return None
+    if type(tree) in _FIXED_SIZE_TYPES:
+        return 0
+    try:
+        return len(pickle.dumps(tree, protocol=pickle.HIGHEST_PROTOCOL))
+    except Exception:  # noqa: BLE001 - it is sent when a credit comes, and fails there
+        return None
 
 
 def _readiness_check(conn: Any) -> Any:

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
+import signal
 import sys
+from collections.abc import Iterator
 
 import cloudpickle
 from hypothesis import HealthCheck, settings
@@ -31,3 +34,21 @@ class LogProduced:
         with open(self.path, "a") as f:
             f.write(f"{x}\n")
         return x
+
+
+@contextlib.contextmanager
+def fails_after(seconds: int) -> Iterator[None]:
+    """Turns a hang (a worker and the parent each waiting for the other) into a failure."""
+
+    def fail(*_: object) -> None:
+        raise TimeoutError(
+            f"no progress in {seconds} s: the worker and the parent wait on each other"
+        )
+
+    previous = signal.signal(signal.SIGALRM, fail)
+    signal.alarm(seconds)
+    try:
+        yield
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, previous)

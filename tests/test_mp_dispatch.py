@@ -3,22 +3,25 @@ state of strict rotation kept (real worker processes)."""
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import os
 import sys
 import threading
 import time
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import cloudpickle
 import numpy as np
 import pytest
-from conftest import LogProduced
+from conftest import LogProduced, fails_after
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import grain_core as grain
-from grain_core._worker import ELEMENT, ELEMENTS, WorkerPool
+from grain_core import _shm
+from grain_core._worker import ELEMENT, ELEMENTS, SMALL_AHEAD, WorkerPool
 from grain_core.dataset import mp_dispatch
 from grain_core.dataset.mp_dispatch import (
     AssignedPositionsMapDataset,
@@ -523,6 +526,14 @@ def test_commitments_follow_the_cpu_cost_of_an_element() -> None:
     assert d._limits[1] == 5
     d._learn(1, 0.5)  # expensive: the buffer and at least two (one queued)
     assert d._limits[1] == 2
+    # A read-ahead of two (batches of 256 by default) bounds results in shared memory; small
+    # ones, sent beyond the credits, get runs as long as the overdraft.
+    short = _dispatcher(read_ahead=2)
+    short._learn(0, 0.0)
+    assert short._limits[0] == 2
+    short._sends_blocks[1] = False
+    short._learn(1, 0.0)
+    assert short._limits[1] == SMALL_AHEAD
 
 
 class _RecordingPool:
@@ -637,24 +648,21 @@ def test_reads_that_wait_overlap_in_each_worker() -> None:
     assert max(most for _, most in out) > 1
 
 
-def test_a_worker_computes_its_assigned_positions_while_it_has_no_credit(
-    monkeypatch: pytest.MonkeyPatch, tmp_path: Any
-) -> None:
-    # Reading in its main thread (CPU-bound reads), the worker still computes what it was
-    # assigned, up to the read-ahead, while the parent holds back its credits (as read threads
-    # would): the parent then finds results ready. The worker loop runs here, in a thread.
+@contextlib.contextmanager
+def _worker_loop_in_thread(
+    ds: grain.IterDataset, buffer_size: int, monkeypatch: pytest.MonkeyPatch
+) -> Iterator[tuple[Callable[..., None], Any]]:
+    """Runs a dispatching worker's loop over ``ds`` in a thread of this process; yields a
+    function sending it a control message and its output pipe."""
     import multiprocessing
     import pickle
     import warnings
 
     from grain_core._worker import WorkerSpec, _DispatchWorkerLoop
-    from grain_core.dataset import prefetch
 
-    monkeypatch.setattr(prefetch, "_inline_while_cpu_bound", True)
     monkeypatch.setattr(warnings, "showwarning", warnings.showwarning)  # the loop takes it
-    log = tmp_path / "computed.txt"
-    read_options = grain.ReadOptions(num_threads=4, prefetch_buffer_size=8)
-    ds = grain.MapDataset.range(100).map(LogProduced(str(log))).to_iter_dataset(read_options)
+    # A pool, as in a worker: the loop unlinks its blocks when it ends.
+    monkeypatch.setattr(_shm, "_pool", _shm._BlockPool(1))
     spec = WorkerSpec(
         index=0,
         count=1,
@@ -667,6 +675,7 @@ def test_a_worker_computes_its_assigned_positions_while_it_has_no_credit(
         shm_prefix=f"gc{os.getpid():x}t",
         pool_size=1,
         dispatch=True,
+        buffer_size=buffer_size,
     )
     control_r, control_w = multiprocessing.Pipe(duplex=False)
     output_r, output_w = multiprocessing.Pipe(duplex=False)
@@ -674,23 +683,118 @@ def test_a_worker_computes_its_assigned_positions_while_it_has_no_credit(
     thread = threading.Thread(target=loop.run)
     thread.start()
     try:
-        control_w.send_bytes(pickle.dumps(("assign", 0, [(0, 0, 20)], 0, [])))
-        deadline = time.monotonic() + 10
-        while not (log.exists() and len(log.read_text().split()) >= 8):
-            assert time.monotonic() < deadline, "the worker computed nothing without credits"
-            time.sleep(0.01)
-        time.sleep(0.1)
-        assert log.read_text().split() == [str(x) for x in range(8)]  # the read-ahead only
-        assert not output_r.poll()  # nothing sent without a credit
-        control_w.send_bytes(pickle.dumps(("assign", 0, [], 3, [])))
-        sent = [pickle.loads(output_r.recv_bytes()) for _ in range(1)]
-        assert sent[0][2] in (0, [0, 1, 2])  # what it computed ahead goes out at once
+        yield (lambda *message: control_w.send_bytes(pickle.dumps(message))), output_r
     finally:
         control_w.send_bytes(pickle.dumps(("stop",)))
         thread.join(10)
         for conn in (control_r, control_w, output_r, output_w):
             conn.close()
     assert not thread.is_alive()
+
+
+def _results_once_idle(output: Any) -> list[Any]:
+    """The results a worker sends until none comes for 0.3 s (ints; for other results, their
+    message kind)."""
+    import pickle
+
+    results: list[Any] = []
+    while output.poll(0.3):
+        _, kind, value, *_ = pickle.loads(output.recv_bytes())
+        results.extend(value if kind == ELEMENTS else [value if kind == ELEMENT else kind])
+    return results
+
+
+def test_a_worker_computes_its_assigned_positions_while_it_has_no_credit(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Any
+) -> None:
+    # Reading in its main thread (CPU-bound reads), the worker still computes what it was
+    # assigned, up to the read-ahead, while the parent holds back its credits (as read threads
+    # would): the parent then finds results ready. A buffer of 0 sends nothing beyond the
+    # credits.
+    from grain_core.dataset import prefetch
+
+    monkeypatch.setattr(prefetch, "_inline_while_cpu_bound", True)
+    log = tmp_path / "computed.txt"
+    read_options = grain.ReadOptions(num_threads=4, prefetch_buffer_size=8)
+    ds = grain.MapDataset.range(100).map(LogProduced(str(log))).to_iter_dataset(read_options)
+    with _worker_loop_in_thread(ds, 0, monkeypatch) as (control, output):
+        control("assign", 0, [(0, 0, 20)], 0, [])
+        deadline = time.monotonic() + 10
+        while not (log.exists() and len(log.read_text().split()) >= 8):
+            assert time.monotonic() < deadline, "the worker computed nothing without credits"
+            time.sleep(0.01)
+        time.sleep(0.1)
+        assert log.read_text().split() == [str(x) for x in range(8)]  # the read-ahead only
+        assert not output.poll()  # nothing sent without a credit
+        control("assign", 0, [], 3, [])
+        assert _results_once_idle(output) == [0, 1, 2]  # computed ahead: it goes out at once
+
+
+def _pickled_100_kib(x: int) -> bytes:
+    return x.to_bytes(4, "little") * 25_600
+
+
+@pytest.mark.parametrize("result", ["int", "pickled 100 KiB", "shared memory"])
+def test_small_results_go_beyond_the_credits_within_the_overdraft(
+    result: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # With no credit at all, small results go anyway (instead of waiting for the parent's
+    # wake-up after each), SMALL_AHEAD of them or OVERDRAFT_BYTES pickled at most; one in
+    # shared memory waits for a credit. Each credit covers the oldest result overdrawn, so
+    # as many more go.
+    import pickle
+
+    from grain_core._worker import OVERDRAFT_BYTES, SMALL_AHEAD
+
+    ds = grain.MapDataset.range(200)
+    if result == "int":
+        overdraft = SMALL_AHEAD
+    elif result == "pickled 100 KiB":
+        ds = ds.map(_pickled_100_kib)
+        size = len(pickle.dumps(_pickled_100_kib(0), protocol=pickle.HIGHEST_PROTOCOL))
+        overdraft = OVERDRAFT_BYTES // size
+        assert 5 < overdraft < SMALL_AHEAD
+    else:
+        ds = ds.map(_quarter_mib)
+        overdraft = 0
+    with _worker_loop_in_thread(ds.to_iter_dataset(), 1, monkeypatch) as (control, output):
+        control("assign", 0, [(0, 0, 200)], 0, [])
+        sent = _results_once_idle(output)
+        assert len(sent) == overdraft
+        control("assign", 0, [], 3, [])
+        sent += _results_once_idle(output)
+        assert len(sent) == overdraft + 3
+        if result == "int":
+            assert sent == list(range(overdraft + 3))
+
+
+def _mixed(x: int) -> Any:
+    """Small, pickled-large and shared-memory results in one stream."""
+    if x % 3 == 0:
+        return x
+    if x % 3 == 1:
+        return _pickled_100_kib(x)
+    return _quarter_mib(x)
+
+
+def _first_value(result: Any) -> int:
+    if isinstance(result, bytes):
+        return int.from_bytes(result[:4], "little")
+    return int(result if isinstance(result, int) else result[0])
+
+
+@pytest.mark.parametrize("buffer", [0, 1, 3])
+def test_overdrawn_and_waiting_results_keep_the_output_and_checkpoints(buffer: int) -> None:
+    # Results a worker overdrew and results waiting for a credit (pickled-large, in shared
+    # memory) arrive in order; a restore drops a waiting result (and frees its block).
+    def make() -> grain.IterDataset:
+        return (
+            grain.MapDataset.range(90).map(_mixed).to_iter_dataset().mp_prefetch(_opts(2, buffer))
+        )
+
+    with fails_after(120):
+        out = check_iterator_conformance(make, positions=[0, 7, 31, 60, 89])
+    assert [_first_value(r) for r in out] == list(range(90))
 
 
 class _KeepOnly:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import collections
-import contextlib
 import functools
 import gc
 import multiprocessing
@@ -22,7 +21,7 @@ from typing import Any
 import cloudpickle
 import numpy as np
 import pytest
-from conftest import LogProduced
+from conftest import LogProduced, fails_after
 
 import grain_core as grain
 from grain_core import _shm, _worker
@@ -232,24 +231,6 @@ def _first_of(element: Any) -> int:
     return int.from_bytes(element[:4], "little") if isinstance(element, bytes) else element
 
 
-@contextlib.contextmanager
-def _fails_after(seconds: int) -> Any:
-    """Turns a hang (a worker and the parent each waiting for the other) into a failure."""
-
-    def fail(*_: Any) -> None:
-        raise TimeoutError(
-            f"no progress in {seconds} s: the worker and the parent wait on each other"
-        )
-
-    previous = signal.signal(signal.SIGALRM, fail)
-    signal.alarm(seconds)
-    try:
-        yield
-    finally:
-        signal.alarm(0)
-        signal.signal(signal.SIGALRM, previous)
-
-
 @pytest.mark.parametrize("size", ["small", "shared_memory", "pickled_large"])
 @pytest.mark.parametrize("buffer", [1, 2, 5])
 def test_worker_stays_within_its_buffer_ahead(
@@ -267,7 +248,7 @@ def test_worker_stays_within_its_buffer_ahead(
     if size != "small":
         ds = ds.map(_big if size == "shared_memory" else _large_bytes)
     limit = buffer + _worker.SMALL_AHEAD if size == "small" else buffer + 1
-    with _fails_after(60), iter(ds.mp_prefetch(_opts(1, buffer))) as it:
+    with fails_after(60), iter(ds.mp_prefetch(_opts(1, buffer))) as it:
         consumed = 0
         for target in (1, 9, 80):
             while consumed < target:
@@ -290,7 +271,7 @@ def test_a_buffer_of_zero_produces_on_request_only(
     ds = grain.MapDataset.range(20).to_iter_dataset().map(LogProduced(str(log)))
     if size != "small":
         ds = ds.map(_big)
-    with _fails_after(60), iter(ds.mp_prefetch(_opts(1, 0))) as it:
+    with fails_after(60), iter(ds.mp_prefetch(_opts(1, 0))) as it:
         for consumed in range(1, 4):
             assert _first_of(next(it)) == consumed - 1
             assert _produced_once_idle(log, consumed) == consumed

@@ -21,10 +21,13 @@ the parent keeps that output and its state, and hands out the positions instead:
   position, no tags needed.
 * A worker is committed to about ``_RUN_TARGET_S`` of CPU work, at least
   ``per_worker_buffer_size`` positions and at most the read-ahead
-  (``ReadOptions.prefetch_buffer_size``): elements that wait on storage cost no CPU and get
-  long runs whose reads overlap, CPU-heavy ones go a few at a time.
+  (``ReadOptions.prefetch_buffer_size``), or ``SMALL_AHEAD`` if that is more and its results
+  need no shared memory: elements that wait on storage cost no CPU and get long runs whose
+  reads overlap, CPU-heavy ones go a few at a time.
 * Results are sent against credits, as many as the consumer has taken plus
   ``per_worker_buffer_size``, so the shared memory in flight is that of strict rotation.
+  Small results may overdraw: ``SMALL_AHEAD`` of them, ``OVERDRAFT_BYTES`` pickled at most
+  (``grain_core._worker``), so a worker need not wait for the parent's wake-up after each.
 * Cheap elements: each worker takes its own class (contiguous reads, results in the consumer's
   order). Elements that cost more than ``_HELP_MIN_CPU_S`` of CPU: free workers take the
   classes least covered ahead of the consumer, with a wider window and as many credits, so a
@@ -47,6 +50,7 @@ from grain_core._worker import (
     ELEMENT,
     ELEMENTS,
     ERROR,
+    SMALL_AHEAD,
     STATS_GENERATION,
     WorkerDiedError,
     WorkerPool,
@@ -542,6 +546,7 @@ class PositionDispatcher:
         self._cpu_mark = [0.0] * n
         self._since_learned = [0] * n
         self._limits = [self._min_run] * n
+        self._sends_blocks = [True] * n  # per worker: its last result came in shared memory
         self._filter_counts = [[0, 0] for _ in range(n)]  # per class: seen, dropped
         self._checkers = [
             FilterRatioChecker(f"to_iter_dataset over {ds.map_parent!r}") for _ in range(n)
@@ -594,6 +599,7 @@ class PositionDispatcher:
                 shm_prefix=WorkerPool.new_prefix(w),
                 pool_size=2 * self._buffer + 2,
                 dispatch=True,
+                buffer_size=mp_ds.options.per_worker_buffer_size,
             )
             for w in range(self._count)
         ]
@@ -790,6 +796,7 @@ class PositionDispatcher:
                 self._held[self._next_position(worker)] = (worker, ELEMENT, element, [])
         else:
             self._held[self._next_position(worker)] = (worker, ELEMENT, value, names)
+        self._sends_blocks[worker] = bool(names)
         self._since_learned[worker] += len(value) if kind == ELEMENTS else 1
         spent = cpu_total - self._cpu_mark[worker]
         if spent >= _RUN_TARGET_S or self._since_learned[worker] >= _LEARN_EVERY:
@@ -821,8 +828,9 @@ class PositionDispatcher:
         else:
             average += _TIME_WEIGHT * (cpu_seconds - average)
         self._cpu_seconds[worker] = average
-        fit = self._max_run if average <= 0.0 else int(_RUN_TARGET_S / average)
-        self._limits[worker] = max(self._min_run, min(self._max_run, fit))
+        longest = self._max_run if self._sends_blocks[worker] else max(self._max_run, SMALL_AHEAD)
+        fit = longest if average <= 0.0 else int(_RUN_TARGET_S / average)
+        self._limits[worker] = max(self._min_run, min(longest, fit))
 
     def _assign(self, every_worker: bool = False) -> None:
         """Hands out positions and credits.
