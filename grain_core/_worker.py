@@ -93,6 +93,7 @@ __all__ = [
     "WorkerPool",
     "WorkerSpec",
     "is_large",
+    "overdraft_room",
     "worker_glibc_tunables",
 ]
 
@@ -109,6 +110,12 @@ _FIXED_SIZE_TYPES = frozenset({int, float, bool, complex, type(None)})
 #: Seconds a worker may spend gathering elements that need no shared memory into one message
 #: (the first of them waits that long for the others at most).
 _GROUP_S = 0.0005
+
+
+def overdraft_room(result_bytes: int) -> int:
+    """How many results of ``result_bytes`` pickled bytes a dispatching worker may send beyond
+    its credits (the worker and the parent decide alike)."""
+    return min(SMALL_AHEAD, OVERDRAFT_BYTES // max(1, result_bytes))
 
 
 def is_large(shm_names: Sequence[str], message_bytes: int) -> bool:

@@ -261,9 +261,9 @@ def test_steps_and_their_time_reach_the_execution_summary() -> None:
         execution_tracking_mode=grain.experimental.ExecutionTrackingMode.STAGE_TIMING
     )
     # Options set in the pipeline do not stop dispatch: they reach the workers with the
-    # parent's.
+    # parent's. A buffer of 0: no overdraft, the workers wait for each credit.
     ds = grain.MapDataset.range(60).to_iter_dataset().map(_sleepy)
-    ds = grain.experimental.WithOptionsIterDataset(ds, timing).mp_prefetch(_opts(2))
+    ds = grain.experimental.WithOptionsIterDataset(ds, timing).mp_prefetch(_opts(2, 0))
     assert mp_dispatch.dispatchable(ds.parents[0], 2, False)
     with iter(ds) as it:
         for _ in range(50):
@@ -531,17 +531,23 @@ def test_commitments_follow_the_cpu_cost_of_an_element() -> None:
     short = _dispatcher(read_ahead=2)
     short._learn(0, 0.0)
     assert short._limits[0] == 2
-    short._sends_blocks[1] = False
+    short._overdraft_room[1] = SMALL_AHEAD
     short._learn(1, 0.0)
     assert short._limits[1] == SMALL_AHEAD
 
 
 class _RecordingPool:
-    def __init__(self) -> None:
+    def __init__(self, *received: tuple[tuple[Any, ...], int]) -> None:
         self.sent: list[tuple[int, tuple[Any, ...]]] = []
+        self._received = list(received)  # messages from the workers, with their sizes
+        self.last_message_bytes = 0
 
     def send(self, worker: int, message: tuple[Any, ...]) -> None:
         self.sent.append((worker, message))
+
+    def recv(self, worker: int, ready: bool = False) -> tuple[Any, ...]:
+        message, self.last_message_bytes = self._received.pop(0)
+        return message
 
 
 def test_a_waiting_consumer_always_gets_its_position_sent() -> None:
@@ -561,6 +567,23 @@ def test_a_waiting_consumer_always_gets_its_position_sent() -> None:
     d._unblock(1, 12)
     assert pool.sent[1] == (1, ("assign", 0, [(1, 12, 1)], 4, []))
     assert d._assigned[1] == 13 and d._outstanding[1] == 4
+
+
+def test_credits_go_in_batches_while_a_worker_may_overdraw() -> None:
+    # While its results are small the overdraft carries a worker between credits, which go a
+    # quarter of it at a time (a message per element otherwise); results in shared memory and
+    # big ones: each credit as soon as it is due.
+    d = _dispatcher(buffer=1)
+    d._pool = _RecordingPool(  # type: ignore[assignment]
+        ((0, ELEMENTS, [0, 1], 0.0, [], []), 100),
+        ((0, ELEMENT, b"x" * 500_000, 0.0, [], []), 500_020),
+        ((0, ELEMENT, "shared", 0.0, ["block"], []), 100),
+    )
+    d._runs[0].append([0, 0, 4])
+    d._outstanding[0] = 4
+    for credit_batch in (SMALL_AHEAD // 4, 1, 1):
+        d._receive(0)
+        assert d._credit_batch[0] == credit_batch
 
 
 def test_dropped_blocks_go_back_with_the_next_credits() -> None:

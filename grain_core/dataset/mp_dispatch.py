@@ -27,7 +27,8 @@ the parent keeps that output and its state, and hands out the positions instead:
 * Results are sent against credits, as many as the consumer has taken plus
   ``per_worker_buffer_size``, so the shared memory in flight is that of strict rotation.
   Small results may overdraw: ``SMALL_AHEAD`` of them, ``OVERDRAFT_BYTES`` pickled at most
-  (``grain_core._worker``), so a worker need not wait for the parent's wake-up after each.
+  (``grain_core._worker``), so a worker need not wait for the parent's wake-up after each,
+  and its credits go a quarter of its overdraft at a time instead of one per element.
 * Cheap elements: each worker takes its own class (contiguous reads, results in the consumer's
   order). Elements that cost more than ``_HELP_MIN_CPU_S`` of CPU: free workers take the
   classes least covered ahead of the consumer, with a wider window and as many credits, so a
@@ -50,11 +51,11 @@ from grain_core._worker import (
     ELEMENT,
     ELEMENTS,
     ERROR,
-    SMALL_AHEAD,
     STATS_GENERATION,
     WorkerDiedError,
     WorkerPool,
     WorkerSpec,
+    overdraft_room,
 )
 from grain_core.dataset.base import (
     DatasetIterator,
@@ -524,6 +525,7 @@ class PositionDispatcher:
         self.lengths = [len(range(c, total, n)) for c in range(n)]
         self._allow_nones = ds.allow_nones
         self._buffer = max(1, mp_ds.options.per_worker_buffer_size)
+        self._overdraft_allowed = mp_ds.options.per_worker_buffer_size > 0  # as its workers do
         # A worker always has its next position: waiting for the parent to hand one out
         # would cost it a round trip, and the parent a core, per element.
         self._min_run = max(2, self._buffer)
@@ -539,14 +541,18 @@ class PositionDispatcher:
         self._granted = [0] * n
         self._received = [0] * n
         self._consumed = [0] * n
-        self._credit_batch = max(1, self._buffer // 2)
+        # Per worker: credits go in batches of this many (larger while its results may
+        # overdraw: the overdraft carries it meanwhile).
+        self._min_credit_batch = max(1, self._buffer // 2)
+        self._credit_batch = [self._min_credit_batch] * n
         self._ahead = self._buffer  # results a worker may send beyond those consumed
         self._cpu_seconds = [0.0] * n  # per worker: average CPU seconds per element (0: unknown)
         # Per worker: its CPU time when its average was last updated, and results since.
         self._cpu_mark = [0.0] * n
         self._since_learned = [0] * n
         self._limits = [self._min_run] * n
-        self._sends_blocks = [True] * n  # per worker: its last result came in shared memory
+        # Per worker: results it may send beyond its credits, judged by its last message.
+        self._overdraft_room = [0] * n
         self._filter_counts = [[0, 0] for _ in range(n)]  # per class: seen, dropped
         self._checkers = [
             FilterRatioChecker(f"to_iter_dataset over {ds.map_parent!r}") for _ in range(n)
@@ -641,7 +647,8 @@ class PositionDispatcher:
             del held[(cls, j)]
             self.frontier[cls] = j + 1
             self._consumed[worker] += 1
-            if self._consumed[worker] + self._ahead - self._granted[worker] >= self._credit_batch:
+            due = self._consumed[worker] + self._ahead - self._granted[worker]
+            if due >= self._credit_batch[worker]:
                 self._pump(block=False)  # credits due: the worker may be waiting for them
             if not self._allow_nones:
                 counts = self._filter_counts[cls]
@@ -796,8 +803,15 @@ class PositionDispatcher:
                 self._held[self._next_position(worker)] = (worker, ELEMENT, element, [])
         else:
             self._held[self._next_position(worker)] = (worker, ELEMENT, value, names)
-        self._sends_blocks[worker] = bool(names)
-        self._since_learned[worker] += len(value) if kind == ELEMENTS else 1
+        count = len(value) if kind == ELEMENTS else 1
+        room = (
+            0
+            if names or not self._overdraft_allowed
+            else overdraft_room(self._pool.last_message_bytes // count)
+        )
+        self._overdraft_room[worker] = room
+        self._credit_batch[worker] = max(self._min_credit_batch, room // 4)
+        self._since_learned[worker] += count
         spent = cpu_total - self._cpu_mark[worker]
         if spent >= _RUN_TARGET_S or self._since_learned[worker] >= _LEARN_EVERY:
             self._learn(worker, spent / self._since_learned[worker])
@@ -828,7 +842,7 @@ class PositionDispatcher:
         else:
             average += _TIME_WEIGHT * (cpu_seconds - average)
         self._cpu_seconds[worker] = average
-        longest = self._max_run if self._sends_blocks[worker] else max(self._max_run, SMALL_AHEAD)
+        longest = max(self._max_run, self._overdraft_room[worker])
         fit = longest if average <= 0.0 else int(_RUN_TARGET_S / average)
         self._limits[worker] = max(self._min_run, min(longest, fit))
 
@@ -884,7 +898,7 @@ class PositionDispatcher:
                 free -= share - self._give(worker, cls, share, window, runs[worker])
         for worker in range(n):
             credits = self._consumed[worker] + ahead - self._granted[worker]
-            if credits < self._credit_batch:
+            if credits < self._credit_batch[worker]:
                 credits = 0
             # Blocks the consumer dropped go back with the next runs or credits: a worker
             # writes into a block only once it has a credit to send what it wrote.
