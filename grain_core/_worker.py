@@ -147,11 +147,15 @@ def worker_glibc_tunables(inherited: str | None, streaming_copy_bytes: int) -> s
 
     Why: a worker copies each large array into a shared-memory block that the parent reads
     later, from another core. Ordinary stores first read every destination line into the
-    cache and evict the pipeline's own data; once the blocks in flight outgrow the cache
-    (4 MiB batches from 2 workers here) streaming stores move the same bytes 1.4x faster
-    (``mp_shm_transport``). glibc's own threshold is a fraction of the shared cache, which
-    VMs often report as the whole host's (192 MiB here), so it never applies. Smaller copies
-    keep ordinary stores: their blocks stay in the cache. A threshold the user set wins; glibc
+    cache and evict the pipeline's own data, and leave the lines modified in the worker's
+    core, from which the parent's reads must fetch them one by one; streaming stores write
+    to memory, which the parent reads at its full speed. 4 MiB batches from 2 workers, the
+    parent copying each out (as a transfer to a device does): 1.2-1.7x the batches of
+    glibc's ordinary stores here. (The parent touching one value per page only,
+    ``mp_shm_transport``: 1.4x faster on one host, 0.8-0.9x on another.) glibc's own
+    threshold is a fraction of the shared cache, which VMs often report as the whole host's
+    (192 and 320 MiB on two hosts here), so it never applies. Smaller copies keep ordinary
+    stores: their blocks stay in the cache. A threshold the user set wins; glibc
     ignores the tunable on other CPUs. Programs a worker starts inherit the variable.
     """
     if streaming_copy_bytes == 0 or (inherited and _STREAMING_COPY_TUNABLE in inherited):
