@@ -18,6 +18,12 @@
   cross-process transport here), and Grain with 2 workers. The workers hand out a
   ready 4 MiB array, so only the transport is measured (copy into shared memory, message,
   mapping in the parent). batches/s × 4 MiB = GB/s.
+* ``mp_shm_transport_copied_out``: the same batches, each copied out by the parent into one
+  reused buffer, as a transfer to a device does (the page touch above leaves the bytes where
+  the worker wrote them); baselines: the same copy of a batch already in the parent (the
+  limit), Grain with 2 workers. grain_core's workers write with streaming stores, which this
+  consumer reads at memory speed (glibc's ordinary stores, ``GRAIN_PY_MP_WORKER_STREAMING_COPY_BYTES=0``,
+  leave them in the worker's core: 1.2-1.7x fewer batches here).
 * ``mp_batch_transport``: the usual end of a pipeline, ``.batch(256).to_iter_dataset()``, with
   256 ready 16 KiB rows per 4 MiB batch, batched inside 2 workers (the batch is written
   straight into shared memory); baselines: the same pipeline in one process, Grain 2 workers.
@@ -75,6 +81,17 @@ def ready_batch(i: int) -> np.ndarray:
 def _touch_pages(batch: np.ndarray) -> float:
     # One value per 4 KiB page: the consumer maps every page, as a device transfer would.
     return float(batch.reshape(-1)[::1024].sum())
+
+
+_STAGING: list[np.ndarray] = []
+
+
+def _copy_out(batch: np.ndarray) -> float:
+    # The consumer copies the whole batch into one reused buffer, as a transfer to a device does.
+    if not _STAGING:
+        _STAGING.append(np.empty(TRANSPORT_SHAPE, np.float32))
+    np.copyto(_STAGING[0], batch)
+    return _touch_pages(_STAGING[0])
 
 
 def _drain(ds: Any, expected: int) -> Callable[[], None]:
@@ -271,15 +288,17 @@ if hasattr(os, "sched_setaffinity") and len(os.sched_getaffinity(0)) >= 2:
         return _with_core_1_busy(_pool_pass(pin_pool_process_to_core, (counter,)))
 
 
-def _batches_pass(ds: Any) -> Callable[[], None]:
+def _batches_pass(
+    ds: Any, consume: Callable[[np.ndarray], float] = _touch_pages
+) -> Callable[[], None]:
     """Takes ``TRANSPORT_BATCHES`` 4 MiB batches of ones from one long-lived iterator, touching
-    every page of each (steady state: the workers run before the first timed pass; start-up is
-    what first_batch_mp_prefetch measures)."""
+    every page of each, or as ``consume`` does (steady state: the workers run before the first
+    timed pass; start-up is what first_batch_mp_prefetch measures)."""
     it = iter(ds)
-    _touch_pages(next(it))
+    consume(next(it))
 
     def run() -> None:
-        total = sum(_touch_pages(next(it)) for _ in range(TRANSPORT_BATCHES))
+        total = sum(consume(next(it)) for _ in range(TRANSPORT_BATCHES))
         if total != TRANSPORT_BATCHES * 1024:
             raise AssertionError(f"checksum {total}")
 
@@ -287,10 +306,12 @@ def _batches_pass(ds: Any) -> Callable[[], None]:
     return run
 
 
-def _transport_pass(grain: Any) -> Callable[[], None]:
+def _transport_pass(
+    grain: Any, consume: Callable[[np.ndarray], float] = _touch_pages
+) -> Callable[[], None]:
     ds = grain.MapDataset.range(TRANSPORT_BATCHES).repeat().map(ready_batch).to_iter_dataset()
     options = grain.MultiprocessingOptions(num_workers=2, per_worker_buffer_size=2)
-    return _batches_pass(ds.mp_prefetch(options))
+    return _batches_pass(ds.mp_prefetch(options), consume)
 
 
 def _workers_workload(
@@ -456,6 +477,34 @@ def _() -> Callable[[], None]:
 @mp_shm_transport.baseline("grain 2 workers", requires="grain")
 def _() -> Callable[[], None]:
     return _transport_pass(import_google_grain())
+
+
+@workload(
+    "mp_shm_transport_copied_out",
+    elements=TRANSPORT_BATCHES,
+    description="the same, each batch copied out by the parent (as a device transfer does)",
+)
+def mp_shm_transport_copied_out() -> Callable[[], None]:
+    import grain_core as grain
+
+    return _transport_pass(grain, _copy_out)
+
+
+@mp_shm_transport_copied_out.baseline("copy of a batch already in the parent")
+def _() -> Callable[[], None]:
+    batch = np.ones(TRANSPORT_SHAPE, np.float32)
+
+    def run() -> None:
+        total = sum(_copy_out(batch) for _ in range(TRANSPORT_BATCHES))
+        if total != TRANSPORT_BATCHES * 1024:
+            raise AssertionError(f"checksum {total}")
+
+    return run
+
+
+@mp_shm_transport_copied_out.baseline("grain 2 workers", requires="grain")
+def _() -> Callable[[], None]:
+    return _transport_pass(import_google_grain(), _copy_out)
 
 
 _READY_ROW: list[np.ndarray] = []
