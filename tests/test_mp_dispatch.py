@@ -715,15 +715,18 @@ def _worker_loop_in_thread(
     assert not thread.is_alive()
 
 
-def _results_once_idle(output: Any) -> list[Any]:
-    """The results a worker sends until none comes for 0.3 s (ints; for other results, their
-    message kind)."""
+def _results(output: Any, count: int) -> list[Any]:
+    """The next ``count`` results a worker sends (ints; for other results, their message
+    kind), after which it sends nothing for 0.3 s."""
     import pickle
 
     results: list[Any] = []
-    while output.poll(0.3):
+    deadline = time.monotonic() + 10
+    while len(results) < count:
+        assert output.poll(max(0.0, deadline - time.monotonic())), f"{results} of {count}"
         _, kind, value, *_ = pickle.loads(output.recv_bytes())
         results.extend(value if kind == ELEMENTS else [value if kind == ELEMENT else kind])
+    assert len(results) == count and not output.poll(0.3), "more results than allowed"
     return results
 
 
@@ -750,7 +753,7 @@ def test_a_worker_computes_its_assigned_positions_while_it_has_no_credit(
         assert log.read_text().split() == [str(x) for x in range(8)]  # the read-ahead only
         assert not output.poll()  # nothing sent without a credit
         control("assign", 0, [], 3, [])
-        assert _results_once_idle(output) == [0, 1, 2]  # computed ahead: it goes out at once
+        assert _results(output, 3) == [0, 1, 2]  # computed ahead: it goes out at once
 
 
 def _pickled_100_kib(x: int) -> bytes:
@@ -782,11 +785,9 @@ def test_small_results_go_beyond_the_credits_within_the_overdraft(
         overdraft = 0
     with _worker_loop_in_thread(ds.to_iter_dataset(), 1, monkeypatch) as (control, output):
         control("assign", 0, [(0, 0, 200)], 0, [])
-        sent = _results_once_idle(output)
-        assert len(sent) == overdraft
+        sent = _results(output, overdraft)
         control("assign", 0, [], 3, [])
-        sent += _results_once_idle(output)
-        assert len(sent) == overdraft + 3
+        sent += _results(output, 3)
         if result == "int":
             assert sent == list(range(overdraft + 3))
 
