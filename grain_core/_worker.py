@@ -389,6 +389,7 @@ class _WorkerLoop:
         self._in_flight: collections.deque[bool] = collections.deque()
         self._large_in_flight = 0
         self._held: bytes | None = None
+        self._last_message_bytes = 0
 
     def run(self) -> None:
         try:
@@ -513,6 +514,7 @@ class _WorkerLoop:
 
     def _write_element(self, data: bytes) -> None:
         self._write(data)
+        self._last_message_bytes = len(data)
         self._unreported = True  # statistics are due before the worker next waits
 
     def _queue_warning(
@@ -725,6 +727,7 @@ class _DispatchWorkerLoop(_WorkerLoop):
         self._overdraft: collections.deque[int] = collections.deque()
         self._overdraft_bytes = 0
         self._waiting: tuple[Any, list[str], int | None] | None = None
+        self._result_bytes = 0  # pickled, per result of the last message
 
     def _build_pipeline(self, ds: Any) -> None:
         from grain_core.dataset.mp_dispatch import PositionReader
@@ -823,7 +826,7 @@ class _DispatchWorkerLoop(_WorkerLoop):
                     return
                 tree, names = _shm.copy_to_shm(element, self._min_shm_size)
                 # Its size matters only for an overdraft.
-                size = 0 if self._credits > 0 else _pickled_size(tree, names)
+                size = 0 if self._credits > 0 else self._size_for_overdraft(tree, names)
                 if not self._take_credit(size):
                     self._waiting = (tree, names, size)
                     self._send_group(group)
@@ -859,23 +862,25 @@ class _DispatchWorkerLoop(_WorkerLoop):
         dropped: Sequence[str] = _shm.take_dropped()
         message: tuple[Any, ...] = (self._generation, ELEMENTS, group, cpu_seconds, [], dropped)
         if len(group) > 1 and self._try_send(message) is None:
+            self._result_bytes = self._last_message_bytes // len(group)
             return
         for element in group:  # one, or one of them cannot be pickled: each alone
             self._send_encoded(ELEMENT, element, cpu_seconds, [], dropped)
             dropped = ()
+        self._result_bytes = self._last_message_bytes
 
-
-def _pickled_size(tree: Any, names: Sequence[str]) -> int | None:
-    """The pickled size of result ``tree``; None if its arrays are in blocks ``names`` or it
-    cannot be pickled."""
-    if names:
-        return None
-    if type(tree) in _FIXED_SIZE_TYPES:
-        return 0
-    try:
-        return len(pickle.dumps(tree, protocol=pickle.HIGHEST_PROTOCOL))
-    except Exception:  # noqa: BLE001 - it is sent when a credit comes, and fails there
-        return None
+    def _size_for_overdraft(self, tree: Any, names: list[str]) -> int | None:
+        """The pickled size of result ``tree``; None (it waits for a credit) if its arrays
+        are in blocks ``names``, it cannot be pickled, or the last results were too big to
+        overdraw a few (such results are not pickled twice)."""
+        if names or self._result_bytes > OVERDRAFT_BYTES // 4:
+            return None
+        if type(tree) in _FIXED_SIZE_TYPES:
+            return 0
+        try:
+            return len(pickle.dumps(tree, protocol=pickle.HIGHEST_PROTOCOL))
+        except Exception:  # noqa: BLE001 - it is sent when a credit comes, and fails there
+            return None
 
 
 def _readiness_check(conn: Any) -> Any:

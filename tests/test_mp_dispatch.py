@@ -792,6 +792,43 @@ def test_small_results_go_beyond_the_credits_within_the_overdraft(
             assert sent == list(range(overdraft + 3))
 
 
+class _LoggedPickle:
+    """600 KB pickled, no array (no shared memory); each time it is pickled, ``x`` is appended
+    to the file ``log``."""
+
+    def __init__(self, x: int, log: str) -> None:
+        self.x, self.log = x, log
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        with open(self.log, "a") as f:
+            f.write(f"{self.x}\n")
+        return (bytes, (b"x" * 600_000,))
+
+
+class _MakeLoggedPickle:
+    def __init__(self, log: str) -> None:
+        self.log = log
+
+    def __call__(self, x: int) -> _LoggedPickle:
+        return _LoggedPickle(x, self.log)
+
+
+def test_results_too_big_to_overdraw_a_few_are_pickled_once(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Any
+) -> None:
+    # A result is pickled to learn its size only while the last ones were small enough to
+    # overdraw a few: the first 600 KB result overdraws (pickled twice: measured, sent); the
+    # next ones wait for a credit without being measured, so each is pickled once.
+    log = tmp_path / "pickled.txt"
+    ds = grain.MapDataset.range(20).map(_MakeLoggedPickle(str(log))).to_iter_dataset()
+    with _worker_loop_in_thread(ds, 1, monkeypatch) as (control, output):
+        control("assign", 0, [(0, 0, 20)], 0, [])
+        _results(output, 1)
+        control("assign", 0, [], 3, [])  # the first covers the result overdrawn
+        _results(output, 2)
+    assert log.read_text().split() == ["0", "0", "1", "2"]
+
+
 def _mixed(x: int) -> Any:
     """Small, pickled-large and shared-memory results in one stream."""
     if x % 3 == 0:
