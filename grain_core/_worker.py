@@ -11,29 +11,29 @@ Protocol, one pair of pipes per worker (no polling anywhere):
 * control (parent → worker): ``("credit", k, names)`` allows ``k`` more elements and hands back
   shared-memory blocks the parent no longer uses (the worker reuses them); ``("set_state",
   generation, state, credits)`` restores the worker pipeline without restarting the process;
-  ``("stop",)``. The parent grants ``per_worker_buffer_size + SMALL_AHEAD`` credits and
-  returns them as it receives elements, so each credit after the first grant also says that
-  the oldest element in flight arrived: the worker keeps at most ``per_worker_buffer_size``
-  *large* elements in flight (in shared memory, or over ``SMALL_MESSAGE_BYTES`` pickled) and
-  holds a large one back until one has arrived, while small ones run ``SMALL_AHEAD`` further
-  ahead instead of waiting for the parent's wake-up after each.
+  ``("stop",)``. The parent grants ``per_worker_buffer_size`` credits and returns one for
+  each element it hands out. An element that needs no shared memory may also go without a
+  credit, instead of waiting for the parent's wake-up after each, while the worker's
+  *overdraft* (elements sent beyond its credits, which the next credits cover first) stays
+  within ``SMALL_AHEAD`` elements and ``OVERDRAFT_BYTES`` pickled; any other element waits
+  for a credit (a buffer of 0: every element does). As credits go back in batches, a worker
+  about to wait for one says so, once, with its credits then: ``(generation, WANTS_CREDIT,
+  credits, None, (), ())``.
 * output (worker → parent): ``(generation, kind, element, state, shm_names, dropped)`` where
   ``kind`` is ``ELEMENT``, ``END`` or ``ERROR`` and ``dropped`` names blocks the worker freed
   (the parent forgets its mappings of them); ``state`` is the worker pipeline's state right after producing
   the element, so the parent never has to ask for it. Elements that need no shared memory go
-  as ``PICKLED_ELEMENTS``, a list of ``(element, state)`` pairs pickled one by one: small ones
-  several to a message while the next is expected within ``_GROUP_S``, one over
-  ``SMALL_MESSAGE_BYTES`` (known from its own pickle) alone. Messages of an older generation
-  (produced before a ``set_state``) are discarded by the parent, their shared memory freed.
+  as ``PICKLED_ELEMENTS``, a list of ``(element, state)`` pairs pickled one by one (so each
+  one's size is known), several to a message while the next is expected within ``_GROUP_S``.
+  Messages of an older generation (produced before a ``set_state``) are discarded by the
+  parent, their shared memory freed.
 * dispatching workers (``grain_core.dataset.mp_dispatch``) take ``("assign", generation,
   runs, credits, names)`` instead of credits and ``set_state``, and send
   ``(generation, kind, element, cpu_total, shm_names, dropped)`` with the worker's CPU seconds
   so far instead of a state: the parent knows which position each result is. Results already
   read that need no shared memory go several to a message: kind ``ELEMENTS`` with a list of
-  elements (one message, one system call each way, instead of one per element). A result
-  that needs no shared memory may go without a credit while the worker's overdraft (results
-  sent beyond its credits, which the next credits cover first) stays within ``SMALL_AHEAD``
-  results and ``OVERDRAFT_BYTES`` pickled; any other waits for a credit.
+  elements (one message, one system call each way, instead of one per element); credits and
+  the overdraft as above.
 * statistics (worker → parent, only when the pipeline tracks ``STAGE_TIMING``):
   ``(STATS_GENERATION, STATS, snapshot, None, (), ())`` with the first element, then at most
   every ``STATS_INTERVAL_S``, before ``END``/``ERROR``, and when the worker waits for the parent
@@ -57,7 +57,6 @@ import collections
 import copyreg
 import faulthandler
 import io
-import itertools
 import multiprocessing
 import multiprocessing.connection
 import os
@@ -82,8 +81,8 @@ __all__ = [
     "END",
     "ERROR",
     "PICKLED_ELEMENTS",
+    "WANTS_CREDIT",
     "SMALL_AHEAD",
-    "SMALL_MESSAGE_BYTES",
     "STATS",
     "STATS_GENERATION",
     "STATS_INTERVAL_S",
@@ -92,18 +91,14 @@ __all__ = [
     "WorkerDiedError",
     "WorkerPool",
     "WorkerSpec",
-    "is_large",
     "overdraft_room",
     "worker_glibc_tunables",
 ]
 
-ELEMENT, END, ERROR, STATS, ELEMENTS, WARNING, PICKLED_ELEMENTS = 0, 1, 2, 3, 4, 5, 6
-#: Elements a rotation worker may send beyond ``per_worker_buffer_size`` while they are small.
+ELEMENT, END, ERROR, STATS, ELEMENTS, WARNING, PICKLED_ELEMENTS, WANTS_CREDIT = range(8)
+#: The overdraft: elements a worker may send beyond its credits (``per_worker_buffer_size``
+#: ahead of the consumer), at most this many and this many bytes pickled.
 SMALL_AHEAD = 64
-#: Pickled size up to which an element (with no shared memory) is small.
-SMALL_MESSAGE_BYTES = 16 * 1024
-#: Pickled bytes of results a dispatching worker may send beyond its credits (at most
-#: ``SMALL_AHEAD`` of them).
 OVERDRAFT_BYTES = 1024 * 1024
 #: Types whose values pickle to a few bytes: no pickle is needed to know they are small.
 _FIXED_SIZE_TYPES = frozenset({int, float, bool, complex, type(None)})
@@ -112,16 +107,10 @@ _FIXED_SIZE_TYPES = frozenset({int, float, bool, complex, type(None)})
 _GROUP_S = 0.0005
 
 
-def overdraft_room(result_bytes: int) -> int:
-    """How many results of ``result_bytes`` pickled bytes a dispatching worker may send beyond
-    its credits (the worker and the parent decide alike)."""
-    return min(SMALL_AHEAD, OVERDRAFT_BYTES // max(1, result_bytes))
-
-
-def is_large(shm_names: Sequence[str], message_bytes: int) -> bool:
-    """Whether an element message counts against ``per_worker_buffer_size`` (the worker and
-    the parent decide alike): its arrays are in shared memory or it is big pickled."""
-    return bool(shm_names) or message_bytes > SMALL_MESSAGE_BYTES
+def overdraft_room(element_bytes: int) -> int:
+    """How many elements of ``element_bytes`` pickled bytes a worker may send beyond its
+    credits (the worker and the parent decide alike)."""
+    return min(SMALL_AHEAD, OVERDRAFT_BYTES // max(1, element_bytes))
 
 
 #: Generation of statistics messages: no ``set_state`` generation (they count up from 0).
@@ -383,12 +372,14 @@ class _WorkerLoop:
         # Warnings from any thread of the worker, sent by the main thread (the only writer).
         self._warnings: collections.deque[tuple[Any, ...]] = collections.deque()
         warnings.showwarning = self._queue_warning
-        # Whether each element in flight (sent, not yet known to have arrived) is large, oldest
-        # first, and a large element waiting for one of them to arrive (its message; a large
-        # element always travels alone).
-        self._in_flight: collections.deque[bool] = collections.deque()
-        self._large_in_flight = 0
-        self._held: bytes | None = None
+        # The overdraft: pickled sizes of the elements sent beyond the credits, oldest first
+        # (the next credits cover them first); and an element made that neither a credit nor
+        # the overdraft could send yet: what to send, its blocks, its pickled size (None: in
+        # shared memory, or it cannot be pickled).
+        self._overdraft: collections.deque[int] = collections.deque()
+        self._overdraft_bytes = 0
+        self._waiting: tuple[Any, list[str], int | None] | None = None
+        self._asked = False  # WANTS_CREDIT sent, no credit since
         self._last_message_bytes = 0
 
     def run(self) -> None:
@@ -400,6 +391,7 @@ class _WorkerLoop:
                         continue
                     if self._warnings:
                         self._send_warnings()
+                    self._ask_for_credit()
                     if self._tracking:
                         self._report_before_waiting()
                     if not self._handle(pickle.loads(self._control.recv_bytes())):
@@ -447,7 +439,74 @@ class _WorkerLoop:
             self._it.set_state(spec.state)
 
     def _can_produce(self) -> bool:
-        return self._credits > 0 and self._held is None and not self._finished
+        if self._waiting is not None:
+            return self._credits > 0 or self._overdraws(self._waiting[2])
+        return self._has_work() and (self._credits > 0 or self._may_overdraw())
+
+    def _has_work(self) -> bool:
+        return not self._finished
+
+    def _may_overdraw(self) -> bool:
+        """Whether another small element may go beyond the credits: small elements need not
+        wait for the parent's wake-up after each (``per_worker_buffer_size`` 0 keeps meaning
+        "on request only")."""
+        return (
+            self._spec.buffer_size > 0
+            and len(self._overdraft) < SMALL_AHEAD
+            and self._overdraft_bytes < OVERDRAFT_BYTES
+        )
+
+    def _overdraws(self, size: int | None) -> bool:
+        """Whether an element of ``size`` pickled bytes (None: in shared memory, or it cannot
+        be pickled) may go beyond the credits now."""
+        return (
+            size is not None
+            and self._may_overdraw()
+            and self._overdraft_bytes + size <= OVERDRAFT_BYTES
+        )
+
+    def _take_credit(self, size: int | None) -> bool:
+        """Spends a credit on an element of ``size`` pickled bytes, or overdraws one; False:
+        the element waits for a credit."""
+        if self._credits <= 0:
+            if not self._overdraws(size):
+                return False
+            assert size is not None
+            self._overdraft.append(size)
+            self._overdraft_bytes += size
+        self._credits -= 1
+        return True
+
+    def _ask_for_credit(self) -> None:
+        """Before waiting: tells the parent, once, that only a credit lets the worker go on
+        (an element too big for the overdraft, or the overdraft full), as the parent grants
+        credits in batches."""
+        if (
+            self._credits <= 0
+            and not self._asked
+            and self._has_work()
+            and self._spec.buffer_size > 0
+        ):
+            self._send((self._generation, WANTS_CREDIT, self._credits, None, (), ()))
+            self._asked = True
+
+    def _add_credits(self, credits: int) -> None:
+        if credits > 0:
+            self._asked = False
+        self._credits += credits
+        for _ in range(min(credits, len(self._overdraft))):
+            self._overdraft_bytes -= self._overdraft.popleft()
+
+    def _reset_credits(self, credits: int) -> None:
+        """A new generation: ``credits``, no overdraft, and the element waiting is dropped
+        (its blocks go back to the pool)."""
+        self._credits = credits
+        self._asked = False
+        self._overdraft.clear()
+        self._overdraft_bytes = 0
+        if self._waiting is not None:
+            _shm.release_blocks(self._waiting[1])
+            self._waiting = None
 
     def _read_ahead(self) -> bool:
         """Computes ahead while it may not send; returns whether it did (the pipeline's own
@@ -461,16 +520,11 @@ class _WorkerLoop:
     def _handle(self, message: tuple[Any, ...]) -> bool:
         kind = message[0]
         if kind == "credit":
-            self._credits += message[1]
+            self._add_credits(message[1])
             _shm.release_blocks(message[2])
-            self._arrived(message[1])
         elif kind == "set_state":
-            if self._held is not None:  # the parent discards it; its blocks come back
-                self._write(self._held)
-                self._held = None
-            self._in_flight.clear()
-            self._large_in_flight = 0
-            _, self._generation, state, self._credits = message
+            _, self._generation, state, credits = message
+            self._reset_credits(credits)
             self._finished = False
             if self._it is not None:
                 try:
@@ -481,28 +535,6 @@ class _WorkerLoop:
         elif kind == "stop":
             return False
         return True
-
-    def _arrived(self, count: int) -> None:
-        """``count`` more of the elements in flight reached the parent (oldest first)."""
-        for _ in range(min(count, len(self._in_flight))):
-            self._large_in_flight -= self._in_flight.popleft()
-        if self._held is not None and self._large_in_flight < self._spec.buffer_size:
-            held, self._held = self._held, None
-            self._send_in_flight(held, 1, large=True)
-
-    def _send_elements(self, data: bytes, count: int, large: bool) -> None:
-        """Sends a message of ``count`` elements, or holds a large one (always alone) back
-        while ``buffer_size`` large ones are in flight."""
-        if large and self._large_in_flight >= self._spec.buffer_size:
-            self._held = data
-        else:
-            self._send_in_flight(data, count, large)
-
-    def _send_in_flight(self, data: bytes, count: int, large: bool) -> None:
-        self._write_element(data)
-        self._in_flight.extend(itertools.repeat(False, count - 1))
-        self._in_flight.append(large)
-        self._large_in_flight += large
 
     def _send(self, message: tuple[Any, ...]) -> None:
         self._write(pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL))
@@ -607,9 +639,19 @@ class _WorkerLoop:
         # Elements that need no shared memory go several to a message while the next one is
         # expected within _GROUP_S of the first (the last one's time foretells it): a message
         # costs both sides a system call, and often a wake-up, per element. Each is pickled
-        # alone, so one over SMALL_MESSAGE_BYTES is known to be large and goes alone.
+        # alone, so its size is known for the overdraft.
         blobs: list[bytes] = []
         deadline = time.perf_counter() + _GROUP_S
+        if self._waiting is not None:  # _can_produce found it may go now
+            (data, names, size), self._waiting = self._waiting, None
+            self._take_credit(size)
+            if names:  # its message
+                self._write_element(data)
+                return
+            blobs.append(data)
+            if not (self._credits > 0 or self._may_overdraw()):
+                self._send_blobs(blobs)
+                return
         while True:
             began = time.perf_counter()
             try:
@@ -633,9 +675,10 @@ class _WorkerLoop:
                 data = self._encode(ELEMENT, tree, state, names)
                 if data is None:
                     self._finish_with_error()
-                    return
-                self._send_elements(data, 1, large=True)
-                self._credits -= 1
+                elif self._take_credit(None):
+                    self._write_element(data)
+                else:
+                    self._waiting = (data, names, None)
                 return
             try:
                 blob = _dumps_element((tree, state))
@@ -644,20 +687,19 @@ class _WorkerLoop:
                 self._send_unpicklable(failure)
                 self._finish_with_error()
                 return
-            self._credits -= 1
-            if is_large((), len(blob)):
+            if not self._take_credit(len(blob)):
                 self._send_blobs(blobs)
-                self._send_blobs([blob])
+                self._waiting = (blob, [], len(blob))
                 return
             blobs.append(blob)
             now = time.perf_counter()
-            if self._credits == 0 or 2 * now - began >= deadline:
+            if not (self._credits > 0 or self._may_overdraw()) or 2 * now - began >= deadline:
                 self._send_blobs(blobs)
                 return
 
     def _send_blobs(self, blobs: list[bytes]) -> None:
-        """Sends pickled ``(element, state)`` pairs (one large one alone, or small ones) in one
-        message, and the blocks this worker freed."""
+        """Sends pickled ``(element, state)`` pairs in one message, and the blocks this worker
+        freed."""
         if blobs:
             message: tuple[Any, ...] = (
                 self._generation,
@@ -667,8 +709,7 @@ class _WorkerLoop:
                 [],
                 _shm.take_dropped(),
             )
-            data = pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
-            self._send_elements(data, len(blobs), is_large((), len(blobs[-1])))
+            self._write_element(pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL))
 
     def _produce_and_report(self) -> None:
         type(self)._produce(self)
@@ -721,12 +762,6 @@ class _DispatchWorkerLoop(_WorkerLoop):
         self._reader: Any = None
         self._pending = 0
         self._cpu_start = time.process_time()
-        # Pickled sizes of the results sent beyond the credits, oldest first (the next credits
-        # cover them first), and a result computed that no credit or overdraft could send yet
-        # (its tree and blocks).
-        self._overdraft: collections.deque[int] = collections.deque()
-        self._overdraft_bytes = 0
-        self._waiting: tuple[Any, list[str], int | None] | None = None
         self._result_bytes = 0  # pickled, per result of the last message
 
     def _build_pipeline(self, ds: Any) -> None:
@@ -739,41 +774,11 @@ class _DispatchWorkerLoop(_WorkerLoop):
     def _pipeline(self) -> Any:
         return None if self._reader is None else self._reader.pipeline
 
-    def _can_produce(self) -> bool:
-        if self._waiting is not None:
-            return self._credits > 0 or self._overdraws(self._waiting[2])
-        return self._pending > 0 and (self._credits > 0 or self._may_overdraw())
+    def _has_work(self) -> bool:
+        return self._pending > 0
 
-    def _may_overdraw(self) -> bool:
-        """Whether another small result may go beyond the credits: small results need not
-        wait for the parent's wake-up after each (``per_worker_buffer_size`` 0 keeps meaning
-        "on request only")."""
-        return (
-            self._spec.buffer_size > 0
-            and len(self._overdraft) < SMALL_AHEAD
-            and self._overdraft_bytes < OVERDRAFT_BYTES
-        )
-
-    def _overdraws(self, size: int | None) -> bool:
-        """Whether a result of ``size`` pickled bytes (None: in shared memory, or it cannot be
-        pickled) may go beyond the credits now."""
-        return (
-            size is not None
-            and self._may_overdraw()
-            and self._overdraft_bytes + size <= OVERDRAFT_BYTES
-        )
-
-    def _take_credit(self, size: int | None) -> bool:
-        """Spends a credit on a result of ``size`` pickled bytes, or overdraws one; False: the
-        result waits for a credit."""
-        if self._credits <= 0:
-            if not self._overdraws(size):
-                return False
-            assert size is not None
-            self._overdraft.append(size)
-            self._overdraft_bytes += size
-        self._credits -= 1
-        return True
+    def _ask_for_credit(self) -> None:
+        """The parent sends credits through the positions it waits for (``mp_dispatch``)."""
 
     def _read_ahead(self) -> bool:
         # Positions assigned, no credit to send them: compute them now, as read threads would.
@@ -786,16 +791,11 @@ class _DispatchWorkerLoop(_WorkerLoop):
         _shm.release_blocks(names)
         if generation != self._generation:
             self._generation = generation
-            self._pending = self._credits = self._overdraft_bytes = 0
-            self._overdraft.clear()
-            if self._waiting is not None:
-                _shm.release_blocks(self._waiting[1])
-                self._waiting = None
+            self._pending = 0
+            self._reset_credits(0)
             if self._reader is not None:
                 self._reader.reset()
-        self._credits += credits
-        for _ in range(min(credits, len(self._overdraft))):
-            self._overdraft_bytes -= self._overdraft.popleft()
+        self._add_credits(credits)
         if runs:
             self._pending += sum(run[2] for run in runs)
             if self._reader is not None:

@@ -48,11 +48,9 @@ class MultiprocessingOptions:
     Attributes:
       num_workers: worker processes (0: run in the calling process).
       per_worker_buffer_size: final elements each worker may produce ahead of the consumer.
-        Small elements, with no array in shared memory, may run further ahead (a worker
-        waiting for the consumer after each would cost a wake-up per element): 64 more of
-        under 16 KiB pickled each when workers stream their shares in strict rotation, 64 more
-        and 1 MiB pickled at most when positions are dispatched to free workers; 0 means no
-        read-ahead at all.
+        Elements with no array in shared memory may run up to 64 further ahead, 1 MiB
+        pickled at most (a worker waiting for the consumer after each would cost a wake-up
+        per element); 0 means no read-ahead at all.
       enable_profiling: accepted for API compatibility; use ``DatasetOptions`` execution
         tracking for per-stage timing.
 

@@ -21,7 +21,14 @@ from hypothesis import strategies as st
 
 import grain_core as grain
 from grain_core import _shm
-from grain_core._worker import ELEMENT, ELEMENTS, SMALL_AHEAD, WorkerPool
+from grain_core._worker import (
+    ELEMENT,
+    ELEMENTS,
+    PICKLED_ELEMENTS,
+    SMALL_AHEAD,
+    WANTS_CREDIT,
+    WorkerPool,
+)
 from grain_core.dataset import mp_dispatch
 from grain_core.dataset.mp_dispatch import (
     AssignedPositionsMapDataset,
@@ -673,15 +680,19 @@ def test_reads_that_wait_overlap_in_each_worker() -> None:
 
 @contextlib.contextmanager
 def _worker_loop_in_thread(
-    ds: grain.IterDataset, buffer_size: int, monkeypatch: pytest.MonkeyPatch
+    ds: grain.IterDataset,
+    buffer_size: int,
+    monkeypatch: pytest.MonkeyPatch,
+    dispatch: bool = True,
 ) -> Iterator[tuple[Callable[..., None], Any]]:
-    """Runs a dispatching worker's loop over ``ds`` in a thread of this process; yields a
-    function sending it a control message and its output pipe."""
+    """Runs a worker's loop over ``ds`` (dispatching, or streaming its share for strict
+    rotation) in a thread of this process; yields a function sending it a control message
+    and its output pipe."""
     import multiprocessing
     import pickle
     import warnings
 
-    from grain_core._worker import WorkerSpec, _DispatchWorkerLoop
+    from grain_core._worker import WorkerSpec, _DispatchWorkerLoop, _WorkerLoop
 
     monkeypatch.setattr(warnings, "showwarning", warnings.showwarning)  # the loop takes it
     # A pool, as in a worker: the loop unlinks its blocks when it ends.
@@ -697,12 +708,12 @@ def _worker_loop_in_thread(
         options=None,
         shm_prefix=f"gc{os.getpid():x}t",
         pool_size=1,
-        dispatch=True,
+        dispatch=dispatch,
         buffer_size=buffer_size,
     )
     control_r, control_w = multiprocessing.Pipe(duplex=False)
     output_r, output_w = multiprocessing.Pipe(duplex=False)
-    loop = _DispatchWorkerLoop(spec, control_r, output_w)
+    loop = (_DispatchWorkerLoop if dispatch else _WorkerLoop)(spec, control_r, output_w)
     thread = threading.Thread(target=loop.run)
     thread.start()
     try:
@@ -717,16 +728,21 @@ def _worker_loop_in_thread(
 
 def _results(output: Any, count: int) -> list[Any]:
     """The next ``count`` results a worker sends (ints; for other results, their message
-    kind), after which it sends nothing for 0.3 s."""
+    kind), after which it sends no result for 0.3 s."""
     import pickle
 
     results: list[Any] = []
     deadline = time.monotonic() + 10
-    while len(results) < count:
-        assert output.poll(max(0.0, deadline - time.monotonic())), f"{results} of {count}"
+    while output.poll(max(0.0, deadline - time.monotonic()) if len(results) < count else 0.3):
         _, kind, value, *_ = pickle.loads(output.recv_bytes())
-        results.extend(value if kind == ELEMENTS else [value if kind == ELEMENT else kind])
-    assert len(results) == count and not output.poll(0.3), "more results than allowed"
+        if kind == WANTS_CREDIT:  # strict rotation, about to wait: not a result
+            continue
+        if kind == PICKLED_ELEMENTS:  # strict rotation: each with its state
+            results.extend(pickle.loads(blob)[0] for blob in value)
+        else:
+            results.extend(value if kind == ELEMENTS else [value if kind == ELEMENT else kind])
+        assert len(results) <= count, "more results than allowed"
+    assert len(results) == count, f"{results} of {count}"
     return results
 
 
@@ -760,14 +776,15 @@ def _pickled_100_kib(x: int) -> bytes:
     return x.to_bytes(4, "little") * 25_600
 
 
+@pytest.mark.parametrize("engine", ["dispatch", "rotation"])
 @pytest.mark.parametrize("result", ["int", "pickled 100 KiB", "shared memory"])
 def test_small_results_go_beyond_the_credits_within_the_overdraft(
-    result: str, monkeypatch: pytest.MonkeyPatch
+    result: str, engine: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     # With no credit at all, small results go anyway (instead of waiting for the parent's
     # wake-up after each), SMALL_AHEAD of them or OVERDRAFT_BYTES pickled at most; one in
     # shared memory waits for a credit. Each credit covers the oldest result overdrawn, so
-    # as many more go.
+    # as many more go. Both engines' workers.
     import pickle
 
     from grain_core._worker import OVERDRAFT_BYTES, SMALL_AHEAD
@@ -783,10 +800,15 @@ def test_small_results_go_beyond_the_credits_within_the_overdraft(
     else:
         ds = ds.map(_quarter_mib)
         overdraft = 0
-    with _worker_loop_in_thread(ds.to_iter_dataset(), 1, monkeypatch) as (control, output):
-        control("assign", 0, [(0, 0, 200)], 0, [])
+    dispatch = engine == "dispatch"
+    with _worker_loop_in_thread(ds.to_iter_dataset(), 1, monkeypatch, dispatch) as (
+        control,
+        output,
+    ):
+        if dispatch:
+            control("assign", 0, [(0, 0, 200)], 0, [])
         sent = _results(output, overdraft)
-        control("assign", 0, [], 3, [])
+        control(*(("assign", 0, [], 3, []) if dispatch else ("credit", 3, [])))
         sent += _results(output, 3)
         if result == "int":
             assert sent == list(range(overdraft + 3))
@@ -844,10 +866,16 @@ def _first_value(result: Any) -> int:
     return int(result if isinstance(result, int) else result[0])
 
 
+@pytest.mark.parametrize("engine", ["dispatch", "rotation"])
 @pytest.mark.parametrize("buffer", [0, 1, 3])
-def test_overdrawn_and_waiting_results_keep_the_output_and_checkpoints(buffer: int) -> None:
+def test_overdrawn_and_waiting_results_keep_the_output_and_checkpoints(
+    buffer: int, engine: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
     # Results a worker overdrew and results waiting for a credit (pickled-large, in shared
     # memory) arrive in order; a restore drops a waiting result (and frees its block).
+    if engine == "rotation":
+        monkeypatch.setattr(mp_dispatch, "dispatchable", lambda *_: False)
+
     def make() -> grain.IterDataset:
         return (
             grain.MapDataset.range(90).map(_mixed).to_iter_dataset().mp_prefetch(_opts(2, buffer))

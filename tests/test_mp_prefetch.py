@@ -236,18 +236,22 @@ def _first_of(element: Any) -> int:
 def test_worker_stays_within_its_buffer_ahead(
     buffer: int, size: str, tmp_path: Any, monkeypatch: pytest.MonkeyPatch, no_shm_leak: None
 ) -> None:
-    # Strict rotation: the steps after the slice point run on credit. Large elements (in
-    # shared memory, or over SMALL_MESSAGE_BYTES pickled) stay within the buffer, plus the one
-    # the worker made and holds back; small ones run up to SMALL_AHEAD further instead of
-    # waiting for the parent after each. (Dispatching workers compute their assigned
-    # positions ahead and send on credit: test_mp_dispatch.) Closing while the worker holds
-    # an element back leaves no shared memory behind.
+    # Strict rotation: the steps after the slice point run on credit. Elements in shared
+    # memory stay within the buffer, plus the one the worker made and holds back; pickled ones
+    # also go on the overdraft (SMALL_AHEAD of them, OVERDRAFT_BYTES at most: 31 of 32 KiB)
+    # instead of waiting for the parent after each. (Dispatching workers: test_mp_dispatch.)
+    # Closing while the worker holds an element back leaves no shared memory behind.
     monkeypatch.setattr(mp_dispatch, "dispatchable", lambda *_: False)
     log = tmp_path / "produced.txt"
     ds = grain.MapDataset.range(200).to_iter_dataset().map(LogProduced(str(log)))
     if size != "small":
         ds = ds.map(_big if size == "shared_memory" else _large_bytes)
-    limit = buffer + _worker.SMALL_AHEAD if size == "small" else buffer + 1
+    if size == "shared_memory":
+        limit = buffer + 1
+    else:
+        element = 0 if size == "small" else _large_bytes(0)
+        overdraft = _worker.overdraft_room(len(pickle.dumps((element, {"state": 0}))))
+        limit = buffer + overdraft + 1
     with fails_after(60), iter(ds.mp_prefetch(_opts(1, buffer))) as it:
         consumed = 0
         for target in (1, 9, 80):
@@ -259,7 +263,7 @@ def test_worker_stays_within_its_buffer_ahead(
             ahead = _produced_once_idle(log, consumed + least) - consumed
             assert ahead <= limit
             if size == "small":
-                assert ahead > buffer
+                assert ahead > buffer + 1
 
 
 @pytest.mark.parametrize("size", ["small", "shared_memory"])
@@ -358,9 +362,6 @@ def test_rotation_sends_small_elements_several_to_a_message(
     assert list(ds.mp_prefetch(_opts(2, buffer=2))) == list(ds)
     assert sum(map(len, messages)) == 3000
     assert len(messages) < 3000 / 4
-    # An element over SMALL_MESSAGE_BYTES goes alone: it counts against the buffer.
-    large = [sizes for sizes in messages if max(sizes) > _worker.SMALL_MESSAGE_BYTES]
-    assert len(large) == 3000 // 50 and all(len(sizes) == 1 for sizes in large)
 
 
 def _filter_sevens(x: int) -> bool:

@@ -28,7 +28,9 @@ the parent keeps that output and its state, and hands out the positions instead:
   ``per_worker_buffer_size``, so the shared memory in flight is that of strict rotation.
   Small results may overdraw: ``SMALL_AHEAD`` of them, ``OVERDRAFT_BYTES`` pickled at most
   (``grain_core._worker``), so a worker need not wait for the parent's wake-up after each,
-  and its credits go a quarter of its overdraft at a time instead of one per element.
+  and its credits go a quarter of its overdraft at a time instead of one per element
+  (a rotating worker asks when it runs out, ``WANTS_CREDIT``; a dispatching one waits for
+  the consumer to need its next result, so credits come sooner).
 * Cheap elements: each worker takes its own class (contiguous reads, results in the consumer's
   order). Elements that cost more than ``_HELP_MIN_CPU_S`` of CPU: free workers take the
   classes least covered ahead of the consumer, with a wider window and as many credits, so a

@@ -40,14 +40,14 @@ from grain_core._worker import (
     ELEMENT,
     END,
     PICKLED_ELEMENTS,
-    SMALL_AHEAD,
     STATS,
     STATS_GENERATION,
+    WANTS_CREDIT,
     WARNING,
     WorkerDiedError,
     WorkerPool,
     WorkerSpec,
-    is_large,
+    overdraft_room,
 )
 from grain_core.dataset.base import (
     DatasetIterator,
@@ -519,16 +519,13 @@ class _ProcessPrefetchIterator(DatasetIterator[Any]):
         self._mp_ds = mp_ds
         self._index = index
         self._count = mp_ds.num_workers
+        # Credits: the buffer, returned as elements are handed out (a buffer of 0 asks for no
+        # read-ahead at all: one credit per request). Small elements also go beyond them, on
+        # the worker's overdraft (``_worker``), and while they do, credits go back half the
+        # overdraft at a time: one control message per element halved the parent's
+        # throughput of small elements.
         self._buffer = mp_ds.options.per_worker_buffer_size
-        # The worker keeps at most the buffer's worth of large elements in flight and lets
-        # small ones run SMALL_AHEAD further (``_worker``): a worker that waits for a credit
-        # after each element costs the parent a wake-up (tens of microseconds) per element.
-        # A buffer of 0 asks for no read-ahead at all: one credit per request.
-        self._window = self._buffer + SMALL_AHEAD if self._buffer else 0
-        # Credits go back once half the window is owed, or at once after a large element (the
-        # worker may be holding the next one back until it hears of it): one control message
-        # per element halved the parent's throughput of small elements.
-        self._grant_batch = max(1, self._window // 2)
+        self._min_grant_batch = self._grant_batch = max(1, self._buffer // 2)
         self._pool: WorkerPool | None = None
         self._finalizer: weakref.finalize | None = None
         self._state: Any = None
@@ -556,12 +553,12 @@ class _ProcessPrefetchIterator(DatasetIterator[Any]):
             options=self._ctx.dataset_options,
             shm_prefix=WorkerPool.new_prefix(self._index),
             pool_size=2 * self._buffer + 2,
-            buffer_size=max(1, self._buffer),
+            buffer_size=self._buffer,
         )
         self._pool = pool = WorkerPool([spec])
         self._finalizer = weakref.finalize(self, pool.shutdown)
         if not self._exhausted:
-            self._grant(self._window)
+            self._grant(self._buffer)
 
     def _grant(self, credits: int) -> None:
         if credits > 0:
@@ -583,10 +580,10 @@ class _ProcessPrefetchIterator(DatasetIterator[Any]):
             return self._hand_out_pickled()
         if self._pool is None:
             self._start()
-        if self._outstanding == 0:
-            self._grant(1)
         pool = self._pool
         assert pool is not None
+        if self._outstanding == 0 and not self._buffer:
+            self._grant(1)  # on request only
         while True:
             try:
                 generation, kind, element, state, names, dropped = pool.recv(0)
@@ -595,16 +592,27 @@ class _ProcessPrefetchIterator(DatasetIterator[Any]):
                 raise
             self._recycled.forget(dropped)
             if generation == self._generation:
-                break
+                if kind != WANTS_CREDIT:
+                    break
+                # Everything it sent before was handed out, so what is outstanding here is
+                # its credits now; more than it had then: credits were on their way, which
+                # let it go on (or it asks again).
+                if self._outstanding <= element:
+                    self._grant(self._buffer - self._outstanding)
+                continue
             if generation == STATS_GENERATION:
                 receive_side_message(kind, element, self, self._warning_registry)
                 continue
             self._recycled.released.extend(names)  # produced before the last set_state
         if kind == PICKLED_ELEMENTS:
             self._received.extend(element)
+            if self._buffer:
+                room = overdraft_room(max(map(len, element)))
+                self._grant_batch = max(self._min_grant_batch, room // 2)
             return self._hand_out_pickled()
-        if kind == ELEMENT:
-            self._handed_out(state, is_large(names, pool.last_message_bytes))
+        if kind == ELEMENT:  # in shared memory
+            self._grant_batch = self._min_grant_batch
+            self._handed_out(state)
             return _shm.open_from_shm(element, self._recycled) if names else element
         self._outstanding -= 1
         if kind == END:
@@ -617,15 +625,15 @@ class _ProcessPrefetchIterator(DatasetIterator[Any]):
     def _hand_out_pickled(self) -> Any:
         blob = self._received.popleft()
         element, state = pickle.loads(blob)
-        self._handed_out(state, is_large((), len(blob)))
+        self._handed_out(state)
         return element
 
-    def _handed_out(self, state: Any, large: bool) -> None:
+    def _handed_out(self, state: Any) -> None:
         """An element goes to the consumer; ``state`` is the worker's after it."""
         self._state = state
         self._outstanding -= 1
-        owed = self._window - self._outstanding
-        if owed >= self._grant_batch or large:
+        owed = self._buffer - self._outstanding
+        if owed >= self._grant_batch:
             self._grant(owed)
 
     def get_state(self) -> dict[str, Any]:
@@ -651,8 +659,8 @@ class _ProcessPrefetchIterator(DatasetIterator[Any]):
         if self._pool is None:
             return
         self._generation += 1
-        self._pool.send(0, ("set_state", self._generation, self._state, self._window))
-        self._outstanding = self._window
+        self._pool.send(0, ("set_state", self._generation, self._state, self._buffer))
+        self._outstanding = self._buffer
 
     def close(self) -> None:
         if self._closed:
