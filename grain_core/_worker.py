@@ -374,7 +374,7 @@ class _WorkerLoop:
         warnings.showwarning = self._queue_warning
         # The overdraft: pickled sizes of the elements sent beyond the credits, oldest first
         # (the next credits cover them first); and an element made that neither a credit nor
-        # the overdraft could send yet: what to send, its blocks, its pickled size (None: in
+        # the overdraft could send yet: the element, its blocks, its pickled size (None: in
         # shared memory, or it cannot be pickled).
         self._overdraft: collections.deque[int] = collections.deque()
         self._overdraft_bytes = 0
@@ -643,12 +643,13 @@ class _WorkerLoop:
         blobs: list[bytes] = []
         deadline = time.perf_counter() + _GROUP_S
         if self._waiting is not None:  # _can_produce found it may go now
-            (data, names, size), self._waiting = self._waiting, None
+            (waiting, names, size), self._waiting = self._waiting, None
             self._take_credit(size)
-            if names:  # its message
-                self._write_element(data)
+            if names:
+                tree, state = waiting
+                self._send_in_shm(tree, state, names)
                 return
-            blobs.append(data)
+            blobs.append(waiting)
             if not (self._credits > 0 or self._may_overdraw()):
                 self._send_blobs(blobs)
                 return
@@ -672,13 +673,10 @@ class _WorkerLoop:
             tree, names = _shm.copy_to_shm(element, self._min_shm_size)
             if names:
                 self._send_blobs(blobs)
-                data = self._encode(ELEMENT, tree, state, names)
-                if data is None:
-                    self._finish_with_error()
-                elif self._take_credit(None):
-                    self._write_element(data)
+                if self._take_credit(None):
+                    self._send_in_shm(tree, state, names)
                 else:
-                    self._waiting = (data, names, None)
+                    self._waiting = ((tree, state), names, None)
                 return
             try:
                 blob = _dumps_element((tree, state))
@@ -696,6 +694,15 @@ class _WorkerLoop:
             if not (self._credits > 0 or self._may_overdraw()) or 2 * now - began >= deadline:
                 self._send_blobs(blobs)
                 return
+
+    def _send_in_shm(self, tree: Any, state: Any, names: list[str]) -> None:
+        """Sends an element whose arrays are in blocks ``names`` (encoded only now, so the
+        blocks freed meanwhile go with it)."""
+        data = self._encode(ELEMENT, tree, state, names)
+        if data is None:
+            self._finish_with_error()
+        else:
+            self._write_element(data)
 
     def _send_blobs(self, blobs: list[bytes]) -> None:
         """Sends pickled ``(element, state)`` pairs in one message, and the blocks this worker
