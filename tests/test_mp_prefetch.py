@@ -364,6 +364,26 @@ def test_rotation_sends_small_elements_several_to_a_message(
     assert len(messages) < 3000 / 4
 
 
+def test_rotation_credits_go_back_in_batches_while_elements_overdraw(
+    strict_rotation: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Buffer 1, small elements: the overdraft carries the worker between credits, which go
+    # half of it at a time, not one control message per element handed out.
+    credits: list[int] = []
+    send = _worker.WorkerPool.send
+
+    def recording_send(pool: Any, index: int, message: tuple[Any, ...]) -> None:
+        if message[0] == "credit":
+            credits.append(message[1])
+        send(pool, index, message)
+
+    monkeypatch.setattr(_worker.WorkerPool, "send", recording_send)
+    ds = grain.MapDataset.range(3000).to_iter_dataset().map(_times_ten)
+    assert list(ds.mp_prefetch(_opts(2, buffer=1))) == [x * 10 for x in range(3000)]
+    assert sum(credits) >= 3000 - 2 * (1 + _worker.SMALL_AHEAD)
+    assert len(credits) < 3000 / 8
+
+
 def _filter_sevens(x: int) -> bool:
     return x % 7 != 3
 
