@@ -9,7 +9,7 @@ import os
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import cloudpickle
@@ -684,10 +684,11 @@ def _worker_loop_in_thread(
     buffer_size: int,
     monkeypatch: pytest.MonkeyPatch,
     dispatch: bool = True,
+    dropped: Sequence[str] = (),
 ) -> Iterator[tuple[Callable[..., None], Any]]:
     """Runs a worker's loop over ``ds`` (dispatching, or streaming its share for strict
-    rotation) in a thread of this process; yields a function sending it a control message
-    and its output pipe."""
+    rotation) in a thread of this process, its block pool having freed blocks ``dropped``;
+    yields a function sending it a control message and its output pipe."""
     import multiprocessing
     import pickle
     import warnings
@@ -696,7 +697,9 @@ def _worker_loop_in_thread(
 
     monkeypatch.setattr(warnings, "showwarning", warnings.showwarning)  # the loop takes it
     # A pool, as in a worker: the loop unlinks its blocks when it ends.
-    monkeypatch.setattr(_shm, "_pool", _shm._BlockPool(1))
+    pool = _shm._BlockPool(1)
+    pool.dropped.extend(dropped)
+    monkeypatch.setattr(_shm, "_pool", pool)
     spec = WorkerSpec(
         index=0,
         count=1,
@@ -812,6 +815,28 @@ def test_small_results_go_beyond_the_credits_within_the_overdraft(
         sent += _results(output, 3)
         if result == "int":
             assert sent == list(range(overdraft + 3))
+
+
+def test_a_rotating_worker_encodes_an_element_waiting_for_a_credit_when_it_sends_it(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # An element in shared memory waits for a credit; a set_state drops it. The names of
+    # blocks the pool freed go with the next message sent, not with the dropped one (the
+    # parent would keep those blocks mapped).
+    import pickle
+
+    from grain_core.dataset.mp_prefetch import slice_for_worker
+
+    ds = grain.MapDataset.range(10).map(_quarter_mib).to_iter_dataset()
+    start = iter(slice_for_worker(ds, 0, 1, False))
+    state = start.get_state()
+    start.close()
+    with _worker_loop_in_thread(ds, 1, monkeypatch, False, ["freed"]) as (control, output):
+        assert output.poll(10)
+        assert pickle.loads(output.recv_bytes())[1] == WANTS_CREDIT  # element 0 waits
+        control("set_state", 1, state, 1)
+        generation, kind, _, _, names, dropped = pickle.loads(output.recv_bytes())
+        assert (generation, kind, len(names), dropped) == (1, ELEMENT, 1, ["freed"])
 
 
 class _LoggedPickle:
