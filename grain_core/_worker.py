@@ -381,7 +381,6 @@ class _WorkerLoop:
         self._overdraft_bytes = 0
         self._waiting: tuple[Any, list[str], int | None] | None = None
         self._asked = False  # WANTS_CREDIT sent, no credit since
-        self._last_message_bytes = 0
 
     def run(self) -> None:
         try:
@@ -547,7 +546,6 @@ class _WorkerLoop:
 
     def _write_element(self, data: bytes) -> None:
         self._write(data)
-        self._last_message_bytes = len(data)
         self._unreported = True  # statistics are due before the worker next waits
 
     def _queue_warning(
@@ -583,21 +581,6 @@ class _WorkerLoop:
         self._finished = True
         self._credits = max(self._credits - 1, 0)
 
-    def _send_encoded(
-        self, kind: int, value: Any, state: Any, names: list[str], dropped: Sequence[str] = ()
-    ) -> bool:
-        """Sends ``value``, an element whose arrays are in blocks ``names``, with the blocks
-        this worker freed (``dropped`` and those since the last message).
-
-        Returns:
-          False if it could not be pickled: that was sent as an error instead.
-        """
-        data = self._encode(kind, value, state, names, dropped)
-        if data is None:
-            return False
-        self._write_element(data)
-        return True
-
     def _encode(
         self, kind: int, value: Any, state: Any, names: list[str], dropped: Sequence[str] = ()
     ) -> bytes | None:
@@ -621,15 +604,6 @@ class _WorkerLoop:
         )
         error.__cause__ = failure
         self._send_error(error, dropped)
-
-    def _try_send(self, message: tuple[Any, ...]) -> Exception | None:
-        """Sends an element message; returns why it could not be pickled instead, if so."""
-        try:
-            data = _dumps_element(message)
-        except Exception as e:  # noqa: BLE001 - the caller decides what the failure means
-            return e
-        self._write_element(data)
-        return None
 
     def _produce(self) -> None:
         if self._build_error is not None:
@@ -844,7 +818,7 @@ class _DispatchWorkerLoop(_WorkerLoop):
                 self._take_credit(size)
             if names:
                 self._send_group(group)
-                self._send_encoded(ELEMENT, tree, self._cpu_seconds(), names)
+                self._send_result(tree, self._cpu_seconds(), names)
                 return
             group.append(tree)
             if not (
@@ -868,14 +842,30 @@ class _DispatchWorkerLoop(_WorkerLoop):
             return
         cpu_seconds = self._cpu_seconds()
         dropped: Sequence[str] = _shm.take_dropped()
-        message: tuple[Any, ...] = (self._generation, ELEMENTS, group, cpu_seconds, [], dropped)
-        if len(group) > 1 and self._try_send(message) is None:
-            self._result_bytes = self._last_message_bytes // len(group)
-            return
-        for element in group:  # one, or one of them cannot be pickled: each alone
-            self._send_encoded(ELEMENT, element, cpu_seconds, [], dropped)
+        if len(group) > 1:
+            message: tuple[Any, ...] = (self._generation, ELEMENTS, group, cpu_seconds, [], dropped)
+            try:
+                data = _dumps_element(message)
+            except Exception:  # noqa: BLE001 - one of them cannot be pickled: each alone below
+                pass
+            else:
+                self._write_element(data)
+                self._result_bytes = len(data) // len(group)
+                return
+        for element in group:  # one, or one of them cannot be pickled
+            self._send_result(element, cpu_seconds, [], dropped)
             dropped = ()
-        self._result_bytes = self._last_message_bytes
+
+    def _send_result(
+        self, tree: Any, cpu_seconds: float, names: list[str], dropped: Sequence[str] = ()
+    ) -> None:
+        """Sends one result whose arrays are in blocks ``names``, with the blocks this worker
+        freed (``dropped`` and those since the last message); one that cannot be pickled is
+        sent as its error."""
+        data = self._encode(ELEMENT, tree, cpu_seconds, names, dropped)
+        if data is not None:
+            self._write_element(data)
+            self._result_bytes = len(data)
 
     def _size_for_overdraft(self, tree: Any, names: list[str]) -> int | None:
         """The pickled size of result ``tree``; None (it waits for a credit) if its arrays
