@@ -104,10 +104,13 @@ def save_coroutine(directory: Any, text: str) -> Coroutine[Any, Any, None]:
     async def _write() -> None:
         import asyncio  # here: importing it costs ~60 ms, and only Orbax saves need it
 
+        # Orbax passes a PathAwaitingCreation: not a path itself; awaiting it gives the path.
+        target = directory
         await_creation = getattr(directory, "await_creation", None)
         if await_creation is not None:
-            await await_creation()
-        await asyncio.to_thread(write_process_file, directory, text)
+            created = await await_creation()
+            target = created if created is not None else getattr(directory, "path", directory)
+        await asyncio.to_thread(write_process_file, target, text)
 
     return _write()
 

@@ -92,6 +92,62 @@ def test_orbax_v1_protocol(tmp_path: Path) -> None:
     assert asyncio.run(save_and_load()) == list(range(1, 10))
 
 
+class _PathAwaitingCreation:
+    """Orbax v1's ``PathAwaitingCreation`` protocol: not a path (no ``__fspath__``); the
+    directory exists once ``await_creation()`` returns it."""
+
+    def __init__(self, path: Path) -> None:
+        self._path = path
+
+    def __truediv__(self, other: str) -> _PathAwaitingCreation:
+        return _PathAwaitingCreation(self._path / other)
+
+    @property
+    def path(self) -> Path:
+        return self._path
+
+    async def await_creation(self) -> Path:
+        self._path.mkdir(parents=True, exist_ok=True)
+        return self._path
+
+
+@pytest.mark.parametrize("make", [_dataset_iterator, _loader_iterator])
+def test_orbax_v1_save_writes_where_the_awaited_directory_is(tmp_path: Path, make: Any) -> None:
+    async def save_and_load() -> list[int]:
+        it = make()
+        next(it)
+        await (await it.save(_PathAwaitingCreation(tmp_path) / "data"))
+        fresh = make()
+        await (await fresh.load(tmp_path / "data"))
+        return list(fresh)
+
+    assert asyncio.run(save_and_load()) == list(make())[1:]
+    assert (tmp_path / "data" / "process_0-of-1.json").is_file()
+
+
+def test_orbax_v1_save_checkpointables_with_model_params(tmp_path: Path) -> None:
+    pytest.importorskip("orbax.checkpoint")
+    np = pytest.importorskip("numpy")
+    from orbax.checkpoint.experimental import v1 as ocp_v1
+
+    loader_it, dataset_it = _loader_iterator(), _dataset_iterator()
+    for _ in range(3):
+        next(loader_it)
+        next(dataset_it)
+    params = {"w": np.arange(6.0).reshape(2, 3)}
+    directory = tmp_path / "step_3"
+    ocp_v1.save_checkpointables(
+        directory, {"params": params, "loader": loader_it, "dataset": dataset_it}
+    )
+    fresh_loader, fresh_dataset = _loader_iterator(), _dataset_iterator()
+    restored = ocp_v1.load_checkpointables(
+        directory, {"params": params, "loader": fresh_loader, "dataset": fresh_dataset}
+    )
+    np.testing.assert_array_equal(restored["params"]["w"], params["w"])
+    assert list(fresh_loader) == list(range(3, 10))
+    assert list(fresh_dataset) == [6, 8, 10, 12, 14, 16, 18]
+
+
 def test_orbax_args_absent_without_orbax() -> None:
     try:
         import orbax.checkpoint  # noqa: F401

@@ -19,7 +19,7 @@ def test_doc_has_the_expected_sections_and_blocks() -> None:
     text = DOC.read_text()
     for heading in ("## Single host", "## Many hosts", "## Checkpointing"):
         assert heading in text
-    assert len(BLOCK.findall(text)) == 4
+    assert len(BLOCK.findall(text)) == 5
     assert "jax.distributed.initialize(" in text
 
 
@@ -32,3 +32,6 @@ def test_code_blocks_run(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Non
         "process_0-of-1.json"
     ]
     assert (tmp_path / "checkpoints" / "orbax" / "10").is_dir()
+    assert (
+        tmp_path / "checkpoints" / "orbax_v1" / "11" / "loader" / "process_0-of-1.json"
+    ).is_file()
