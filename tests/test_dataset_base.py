@@ -151,3 +151,47 @@ def test_numpy_elements_round_trip_state():
     it2 = iter(ds)
     it2.set_state(state)
     assert [x.tolist() for x in it2] == rest
+
+
+class _EveryOther(grain.MapDataset):
+    """A user's dataset written as for Grain: one parent, read through ``self._parent``."""
+
+    def __init__(self, parent):
+        super().__init__(parent)
+
+    def __len__(self):
+        return len(self._parent) // 2
+
+    def __getitem__(self, index):
+        if isinstance(index, slice):
+            return self.slice(index)
+        return self._parent[2 * index]
+
+
+class _Doubled(grain.IterDataset):
+    def __init__(self, parent):
+        super().__init__(parent)
+
+    def __iter__(self):
+        return _DoubledIterator(iter(self._parent))
+
+
+class _DoubledIterator(DatasetIterator):
+    def __next__(self):
+        return 2 * next(self._parent)
+
+    def get_state(self):
+        return self._parent.get_state()
+
+    def set_state(self, state):
+        self._parent.set_state(state)
+
+
+def test_subclasses_written_for_grain_read_their_input_as_self_parent():
+    ds = _Doubled(_EveryOther(MD.range(10)).to_iter_dataset())
+    assert list(ds) == [0, 4, 8, 12, 16]
+    restored = pickle.loads(pickle.dumps(ds))
+    assert restored._parent is restored.parents[0]
+    assert list(restored.mp_prefetch(grain.MultiprocessingOptions(num_workers=2))) == [
+        0, 4, 8, 12, 16
+    ]  # fmt: skip

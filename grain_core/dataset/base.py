@@ -52,6 +52,20 @@ def _parents_tuple(parents: Any) -> tuple[Any, ...]:
     return tuple(parents)
 
 
+class _FirstParent:
+    """``dataset._parent``, the first parent, as subclasses written for Grain read their input.
+
+    Read from ``_parents`` on every access, so worker copies of a pipeline (which replace
+    ``_parents``) see their own. A non-data descriptor: grain_core's own one-input nodes set
+    ``self._parent`` once, and that instance attribute wins (no call on per-element paths).
+    """
+
+    def __get__(self, obj: Any, objtype: Any = None) -> Any:
+        if obj is None:
+            return self
+        return obj._parents[0]
+
+
 class _Node:
     """Shared DAG behaviour of MapDataset and IterDataset: parents and default seeds."""
 
@@ -61,6 +75,8 @@ class _Node:
     @property
     def parents(self) -> tuple[Any, ...]:
         return self._parents
+
+    _parent = _FirstParent()
 
     @functools.cached_property
     def _default_seed(self) -> int | None:
