@@ -86,3 +86,9 @@ def test_under_mp_prefetch_each_worker_caches_its_slice() -> None:
         2,
     )
     assert list(ds) == list(range(6)) * 2
+
+
+def test_parent_keyword_as_in_grain() -> None:
+    ds = CacheIterDataset(parent=MapDataset.range(3).to_iter_dataset())
+    assert ds.parents[0] is ds._parent
+    assert list(RepeatIterDataset(ds, 2)) == [0, 1, 2, 0, 1, 2]

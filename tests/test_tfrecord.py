@@ -155,7 +155,7 @@ def test_single_file_reads_in_order_and_checkpoints_anywhere(
     shards: tuple[list[Path], list[list[bytes]]],
 ) -> None:
     paths, contents = shards
-    ds = TFRecordIterDataset(paths[0])
+    ds = TFRecordIterDataset(path=paths[0])  # the keyword Grain's dataset has
     out = check_iterator_conformance(ds, positions=range(len(contents[0]) + 1))
     assert out == contents[0]
     assert_equal_output_after_checkpoint(ds)

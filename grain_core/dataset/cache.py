@@ -20,6 +20,9 @@ class CacheIterDataset(IterDataset[Any]):
     parent from its start.
     """
 
+    def __init__(self, parent: IterDataset[Any]) -> None:
+        super().__init__(parent)
+
     def __iter__(self) -> DatasetIterator[Any]:
         return _CacheIterator(iter(self._parents[0]))
 

@@ -26,8 +26,8 @@ class TFRecordIterDataset(IterDataset[bytes]):
     (``cycle_length=1``) hand out their records without a hop through the interleave.
 
     Args:
-      paths: A path, a sequence of paths, or a pattern (``train.tfrecord-*-of-00016``,
-        ``train.tfrecord@16``).
+      path: A path, a sequence of paths, or a pattern (``train.tfrecord-*-of-00016``,
+        ``train.tfrecord@16``). Named as in Grain, whose dataset reads one file.
       verify_crc: Check both CRCs of every record. ``False`` is unsafe: a corrupt payload is
         returned as is, and a corrupt length reads as a truncated file.
       compression: ``"GZIP"``, ``"ZLIB"`` or None to decide per file from its suffix
@@ -43,13 +43,13 @@ class TFRecordIterDataset(IterDataset[bytes]):
 
     def __init__(
         self,
-        paths: PathLike | Sequence[PathLike],
+        path: PathLike | Sequence[PathLike],
         *,
         verify_crc: bool = True,
         compression: str | None = None,
         cycle_length: int = 1,
     ) -> None:
-        files = expand_paths(paths, "TFRecordIterDataset")
+        files = expand_paths(path, "TFRecordIterDataset")
         self._init(files, verify_crc, compression, cycle_length, per_file=len(files) > 1)
 
     def _init(
@@ -107,7 +107,7 @@ class TFRecordIterDataset(IterDataset[bytes]):
         return iter(interleave)
 
     def __repr__(self) -> str:
-        return f"TFRecordIterDataset(paths={list(self._paths)!r}, verify_crc={self._verify_crc})"
+        return f"TFRecordIterDataset(path={list(self._paths)!r}, verify_crc={self._verify_crc})"
 
 
 class TFRecordFileIterator(DatasetIterator[bytes]):
