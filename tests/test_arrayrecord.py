@@ -32,6 +32,7 @@ from grain_core.testing import (  # noqa: E402
 
 ArrayRecordDataSource = grain_arrayrecord.ArrayRecordDataSource
 ArrayRecordWriter = grain_arrayrecord.ArrayRecordWriter
+RecordIndexError = grain_arrayrecord.RecordIndexError
 
 # Three files of uneven size: 1500 records is enough for the per-record read path (a small
 # share of a big file), the others exercise cross-file blocks.
@@ -408,6 +409,10 @@ def test_index_past_the_end_names_the_files(files: tuple[list[Path], list[bytes]
             source[bad]
     with pytest.raises(IndexError, match=rf"Record index {n} is out of range"):
         source.__getitems__([0, n, 1])
+    # Code written against array_record's own data source catches ValueError.
+    with pytest.raises(ValueError, match=rf"Record index {n} is out of range"):
+        source[n]
+    assert issubclass(RecordIndexError, IndexError)
     assert source.__getitems__([]) == []
 
 

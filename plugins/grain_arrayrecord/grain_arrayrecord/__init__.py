@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from grain_arrayrecord._inspect import inspect_array_record
 from grain_arrayrecord._paths import FileInstructionLike
-from grain_arrayrecord._source import ArrayRecordDataSource
+from grain_arrayrecord._source import ArrayRecordDataSource, RecordIndexError
 from grain_arrayrecord._writer import ArrayRecordWriter
 
 __version__ = "0.1.0"
@@ -18,5 +18,6 @@ __all__ = [
     "ArrayRecordDataSource",
     "ArrayRecordWriter",
     "FileInstructionLike",
+    "RecordIndexError",
     "inspect_array_record",
 ]

@@ -45,7 +45,13 @@ from array_record.python import array_record_module  # type: ignore[import-untyp
 
 from grain_arrayrecord._paths import PathsArg, parse_paths
 
-__all__ = ["ArrayRecordDataSource"]
+__all__ = ["ArrayRecordDataSource", "RecordIndexError"]
+
+
+class RecordIndexError(IndexError, ValueError):
+    """A record key outside ``[0, len)``: the ``IndexError`` of any Python sequence, and the
+    ``ValueError`` that array_record's own data source (which Grain's wraps) raises, so code
+    written against either catches it."""
 
 # A file's share of a block is read with one indexed read only when it holds at least
 # records_in_file / _INDEXED_READ_MIN_FRACTION positions (see the module docstring).
@@ -118,12 +124,12 @@ class ArrayRecordDataSource:
         """Returns record ``record_key`` (0 <= record_key < len).
 
         Raises:
-          IndexError: If the key is out of range.
+          RecordIndexError: If the key is out of range.
           ValueError: If the file cannot be read there (corrupt data).
         """
         key = operator.index(record_key)
         if not 0 <= key < self._len:
-            raise IndexError(self._out_of_range_message(key))
+            raise RecordIndexError(self._out_of_range_message(key))
         instruction = bisect.bisect_right(self._offsets_list, key) - 1
         position = key - self._offsets_list[instruction] + int(self._starts[instruction])
         return self._read(instruction, np.array([position], dtype=np.int64))[0]
@@ -132,7 +138,7 @@ class ArrayRecordDataSource:
         """Returns the records ``record_keys`` in the requested order, duplicates included.
 
         Raises:
-          IndexError: If a key is out of range.
+          RecordIndexError: If a key is out of range.
           ValueError: If a file cannot be read (corrupt data).
         """
         keys = np.asarray(record_keys, dtype=np.int64).reshape(-1)
@@ -140,7 +146,7 @@ class ArrayRecordDataSource:
             return []
         bad = np.flatnonzero((keys < 0) | (keys >= self._len))
         if bad.size:
-            raise IndexError(self._out_of_range_message(int(keys[bad[0]])))
+            raise RecordIndexError(self._out_of_range_message(int(keys[bad[0]])))
         instructions = np.searchsorted(self._offsets, keys, side="right") - 1
         positions = keys - self._offsets[instructions] + self._starts[instructions]
         first = instructions[0]
