@@ -53,6 +53,7 @@ class RecordIndexError(IndexError, ValueError):
     ``ValueError`` that array_record's own data source (which Grain's wraps) raises, so code
     written against either catches it."""
 
+
 # A file's share of a block is read with one indexed read only when it holds at least
 # records_in_file / _INDEXED_READ_MIN_FRACTION positions (see the module docstring).
 _INDEXED_READ_MIN_FRACTION = 16
