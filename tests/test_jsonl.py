@@ -6,6 +6,7 @@ Runs where nox installed ``tests/plugin_jsonl`` (tests-all); skipped elsewhere.
 from __future__ import annotations
 
 import pickle
+import re
 from pathlib import Path
 
 import numpy as np
@@ -106,3 +107,16 @@ def test_blocking_or_not_selecting_removes_it(tmp_path: Path) -> None:
             registry.format_for_path(str(path))
         with pytest.raises(AttributeError):
             registry.resolve_public_name("grain_core.sources", "JsonlDataSource")
+
+
+def test_the_plugin_guide_examples_run(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # docs/writing-a-plugin.md shows this plugin's hooks and its use; the blocks run in order.
+    guide = Path(__file__).resolve().parents[1] / "docs" / "writing-a-plugin.md"
+    blocks = re.findall(r"^```python\n(.*?)^```", guide.read_text(), re.MULTILINE | re.DOTALL)
+    assert len(blocks) == 2
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "data").mkdir()
+    namespace: dict[str, object] = {"__name__": "writing_a_plugin"}
+    for number, code in enumerate(blocks, start=1):
+        exec(compile(code, f"{guide}:block{number}", "exec"), namespace)
+    assert (tmp_path / "data" / "train.jsonl-00000-of-00002").is_file()
