@@ -744,7 +744,7 @@ class _DispatchWorkerLoop(_WorkerLoop):
         self._reader: Any = None
         self._pending = 0
         self._cpu_start = time.process_time()
-        self._result_bytes = 0  # pickled, per result of the last message
+        self._result_bytes = 0  # pickled, per result of the last message without blocks
 
     def _build_pipeline(self, ds: Any) -> None:
         from grain_core.dataset.mp_dispatch import PositionReader
@@ -865,7 +865,8 @@ class _DispatchWorkerLoop(_WorkerLoop):
         data = self._encode(ELEMENT, tree, cpu_seconds, names, dropped)
         if data is not None:
             self._write_element(data)
-            self._result_bytes = len(data)
+            if not names:
+                self._result_bytes = len(data)
 
     def _size_for_overdraft(self, tree: Any, names: list[str]) -> int | None:
         """The pickled size of result ``tree``; None (it waits for a credit) if its arrays
