@@ -53,10 +53,11 @@ def _parents_tuple(parents: Any) -> tuple[Any, ...]:
 
 
 class _FirstParent:
-    """``dataset._parent``, the first parent, as subclasses written for Grain read their input.
+    """``node._parent`` of a dataset or iterator: its first parent, as subclasses written for
+    Grain read their input.
 
     Read from ``_parents`` on every access, so worker copies of a pipeline (which replace
-    ``_parents``) see their own. A non-data descriptor: grain_core's own one-input nodes set
+    ``_parents``) see their own. A non-data descriptor: grain_core's own one-input datasets set
     ``self._parent`` once, and that instance attribute wins (no call on per-element paths).
     """
 
@@ -413,9 +414,7 @@ class DatasetIterator(Iterator[T], abc.ABC):
 
             time_stages(self)
 
-    @property
-    def _parent(self) -> Any:
-        return self._parents[0]
+    _parent = _FirstParent()
 
     def __iter__(self) -> DatasetIterator[T]:
         return self
