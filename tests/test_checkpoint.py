@@ -126,9 +126,8 @@ def test_orbax_v1_save_writes_where_the_awaited_directory_is(tmp_path: Path, mak
 
 
 def test_orbax_v1_save_checkpointables_with_model_params(tmp_path: Path) -> None:
-    pytest.importorskip("orbax.checkpoint")
+    ocp_v1 = pytest.importorskip("orbax.checkpoint.experimental.v1")
     np = pytest.importorskip("numpy")
-    from orbax.checkpoint.experimental import v1 as ocp_v1
 
     loader_it, dataset_it = _loader_iterator(), _dataset_iterator()
     for _ in range(3):
