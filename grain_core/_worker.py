@@ -581,19 +581,26 @@ class _WorkerLoop:
         self._finished = True
         self._credits = max(self._credits - 1, 0)
 
-    def _encode(
-        self, kind: int, value: Any, state: Any, names: list[str], dropped: Sequence[str] = ()
-    ) -> bytes | None:
-        """The message ``_send_encoded`` sends, or None when ``value`` could not be pickled:
-        that was sent as an error instead."""
+    def _send_element(
+        self, value: Any, state: Any, names: list[str], dropped: Sequence[str] = ()
+    ) -> int | None:
+        """Sends one element whose arrays are in blocks ``names``, with the blocks this worker
+        freed (``dropped`` and those since the last message, named only now).
+
+        Returns:
+          The message's size, or None when ``value`` could not be pickled: that was sent as
+          an error in its place.
+        """
         dropped = [*dropped, *_shm.take_dropped()]
-        message = (self._generation, kind, value, state, names, dropped)
+        message = (self._generation, ELEMENT, value, state, names, dropped)
         try:
-            return _dumps_element(message)
+            data = _dumps_element(message)
         except Exception as failure:  # noqa: BLE001 - sent as the element's error
             _shm.release_blocks(names)
             self._send_unpicklable(failure, dropped)
             return None
+        self._write_element(data)
+        return len(data)
 
     def _send_unpicklable(self, failure: Exception, dropped: Sequence[str] = ()) -> None:
         """Sends, in an element's place, the error that it could not be pickled."""
@@ -672,12 +679,9 @@ class _WorkerLoop:
 
     def _send_in_shm(self, tree: Any, state: Any, names: list[str]) -> None:
         """Sends an element whose arrays are in blocks ``names`` (encoded only now, so the
-        blocks freed meanwhile go with it)."""
-        data = self._encode(ELEMENT, tree, state, names)
-        if data is None:
+        blocks freed meanwhile go with it); the stream ends at one that cannot be pickled."""
+        if self._send_element(tree, state, names) is None:
             self._finish_with_error()
-        else:
-            self._write_element(data)
 
     def _send_blobs(self, blobs: list[bytes]) -> None:
         """Sends pickled ``(element, state)`` pairs in one message, and the blocks this worker
@@ -859,14 +863,11 @@ class _DispatchWorkerLoop(_WorkerLoop):
     def _send_result(
         self, tree: Any, cpu_seconds: float, names: list[str], dropped: Sequence[str] = ()
     ) -> None:
-        """Sends one result whose arrays are in blocks ``names``, with the blocks this worker
-        freed (``dropped`` and those since the last message); one that cannot be pickled is
-        sent as its error."""
-        data = self._encode(ELEMENT, tree, cpu_seconds, names, dropped)
-        if data is not None:
-            self._write_element(data)
-            if not names:
-                self._result_bytes = len(data)
+        """Sends one result (see ``_send_element``); one that cannot be pickled is sent as its
+        error and the worker goes on with the next position."""
+        size = self._send_element(tree, cpu_seconds, names, dropped)
+        if size is not None and not names:
+            self._result_bytes = size
 
     def _size_for_overdraft(self, tree: Any, names: list[str]) -> int | None:
         """The pickled size of result ``tree``; None (it waits for a credit) if its arrays
