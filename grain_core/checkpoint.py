@@ -109,7 +109,8 @@ def save_coroutine(directory: Any, text: str) -> Coroutine[Any, Any, None]:
         await_creation = getattr(directory, "await_creation", None)
         if await_creation is not None:
             created = await await_creation()
-            target = created if created is not None else getattr(directory, "path", directory)
+            if created is not None:
+                target = created
         await asyncio.to_thread(write_process_file, target, text)
 
     return _write()
