@@ -26,6 +26,7 @@ from typing import Any
 import numpy as np
 
 from grain_core import transforms
+from grain_core._checks import non_negative_int
 from grain_core.dataset.base import DatasetIterator, Indices, IterDataset, MapDataset
 from grain_core.dataset.source import batched_read
 from grain_core.options import MultiprocessingOptions, ReadOptions
@@ -367,10 +368,8 @@ class DataLoader:
             worker_count = os.cpu_count()
             if worker_count is None:
                 raise ValueError("os.cpu_count() is unknown: pass worker_count explicitly.")
-        if worker_count < 0:
-            raise ValueError(f"worker_count must be >= 0, got {worker_count}.")
-        if worker_buffer_size < 0:
-            raise ValueError(f"worker_buffer_size must be >= 0, got {worker_buffer_size}.")
+        non_negative_int("worker_count", worker_count)
+        non_negative_int("worker_buffer_size", worker_buffer_size)
         if shard_options is None:
             shard_options = getattr(sampler, "_shard_options", None)
             if shard_options is None:

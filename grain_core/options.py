@@ -5,6 +5,8 @@ from __future__ import annotations
 import dataclasses
 import warnings
 
+from grain_core._checks import non_negative_int
+
 __all__ = ["MultiprocessingOptions", "ReadOptions"]
 
 
@@ -27,12 +29,8 @@ class ReadOptions:
     prefetch_buffer_size: int = 500
 
     def __post_init__(self) -> None:
-        if self.num_threads < 0:
-            raise ValueError(f"ReadOptions.num_threads must be >= 0, got {self.num_threads}.")
-        if self.prefetch_buffer_size < 0:
-            raise ValueError(
-                f"ReadOptions.prefetch_buffer_size must be >= 0, got {self.prefetch_buffer_size}."
-            )
+        non_negative_int("ReadOptions.num_threads", self.num_threads)
+        non_negative_int("ReadOptions.prefetch_buffer_size", self.prefetch_buffer_size)
         if 0 < self.prefetch_buffer_size < self.num_threads:
             warnings.warn(
                 f"ReadOptions.prefetch_buffer_size={self.prefetch_buffer_size} is smaller than "
@@ -63,12 +61,7 @@ class MultiprocessingOptions:
     enable_profiling: bool = False
 
     def __post_init__(self) -> None:
-        if self.num_workers < 0:
-            raise ValueError(
-                f"MultiprocessingOptions.num_workers must be >= 0, got {self.num_workers}."
-            )
-        if self.per_worker_buffer_size < 0:
-            raise ValueError(
-                "MultiprocessingOptions.per_worker_buffer_size must be >= 0, got "
-                f"{self.per_worker_buffer_size}."
-            )
+        non_negative_int("MultiprocessingOptions.num_workers", self.num_workers)
+        non_negative_int(
+            "MultiprocessingOptions.per_worker_buffer_size", self.per_worker_buffer_size
+        )

@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import operator
+
+from grain_core._checks import as_int, non_negative_int, positive_int
 
 __all__ = ["NoSharding", "ShardByJaxProcess", "ShardOptions", "even_split"]
 
@@ -39,10 +40,8 @@ class ShardOptions:
     drop_remainder: bool = False
 
     def __post_init__(self) -> None:
-        index = _as_int("shard_index", self.shard_index)
-        count = _as_int("shard_count", self.shard_count)
-        if count <= 0:
-            raise ValueError(f"shard_count must be a positive integer, got {count}.")
+        index = as_int("shard_index", self.shard_index)
+        count = positive_int("shard_count", self.shard_count)
         if not 0 <= index < count:
             raise ValueError(
                 f"shard_index must be in [0, shard_count - 1] = [0, {count - 1}], got {index}."
@@ -119,9 +118,7 @@ def even_split(num_examples: int, options: ShardOptions) -> tuple[int, int]:
     Raises:
       ValueError: If ``num_examples`` is negative.
     """
-    n = _as_int("num_examples", num_examples)
-    if n < 0:
-        raise ValueError(f"num_examples must be non-negative, got {n}.")
+    n = non_negative_int("num_examples", num_examples)
     index, count = options.shard_index, options.shard_count
     per_shard, remainder = divmod(n, count)
     start = per_shard * index
@@ -139,14 +136,3 @@ def even_split(num_examples: int, options: ShardOptions) -> tuple[int, int]:
             start += min(index, remainder)
             end += min(index + 1, remainder)
     return start, end
-
-
-def _as_int(name: str, value: object) -> int:
-    if isinstance(value, bool):
-        raise TypeError(f"{name} must be an integer, got a bool ({value!r}).")
-    try:
-        return operator.index(value)  # type: ignore[arg-type]
-    except TypeError:
-        raise TypeError(
-            f"{name} must be an integer, got {type(value).__name__} ({value!r})."
-        ) from None

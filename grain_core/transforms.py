@@ -13,6 +13,8 @@ from typing import Any
 
 import numpy as np
 
+from grain_core._checks import positive_int
+
 __all__ = [
     "Batch",
     "DatasetSelectionMap",
@@ -80,8 +82,7 @@ class Batch:
     batch_fn: Callable[[Sequence[Any]], Any] | None = None
 
     def __post_init__(self) -> None:
-        if self.batch_size <= 0:
-            raise ValueError(f"batch_size must be a positive integer, got {self.batch_size}.")
+        positive_int("batch_size", self.batch_size)
 
 
 class DatasetSelectionMap(abc.ABC):

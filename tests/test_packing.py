@@ -368,9 +368,11 @@ def test_max_sequences_per_bin(packer):
 
 
 @pytest.mark.parametrize("packer", PACKERS)
-@pytest.mark.parametrize("bad", [0, -1, 1.5, True])
-def test_invalid_max_sequences_per_bin(packer, bad):
-    with pytest.raises(ValueError, match="max_sequences_per_bin"):
+@pytest.mark.parametrize(
+    ("bad", "error"), [(0, ValueError), (-1, ValueError), (1.5, TypeError), (True, TypeError)]
+)
+def test_invalid_max_sequences_per_bin(packer, bad, error):
+    with pytest.raises(error, match="max_sequences_per_bin"):
         packer(
             _source([{"x": [1]}]),
             length_struct={"x": 4},

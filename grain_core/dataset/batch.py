@@ -10,6 +10,7 @@ from typing import Any
 import numpy as np
 
 from grain_core import _tree
+from grain_core._checks import positive_int
 from grain_core.dataset.base import INFINITE, DatasetIterator, Indices, IterDataset, MapDataset
 from grain_core.dataset.source import ColumnBlock, columns_wanted
 
@@ -121,11 +122,6 @@ def _resolve_batch_fn(batch_fn: Callable[[Sequence[Any]], Any] | None) -> Callab
     return make_batch if batch_fn is None else batch_fn
 
 
-def _check_batch_size(batch_size: int) -> None:
-    if not isinstance(batch_size, (int, np.integer)) or batch_size <= 0:
-        raise ValueError(f"batch_size must be a positive integer, got {batch_size!r}.")
-
-
 def _source_reads_columns(ds: MapDataset[Any]) -> bool:
     """Whether ``ds`` is a source reading whole columns, under nodes that pass values through."""
     while ds.passes_values:
@@ -157,7 +153,7 @@ class BatchMapDataset(MapDataset[Any]):
         batch_fn: Callable[[Sequence[Any]], Any] | None = None,
     ) -> None:
         super().__init__(parent)
-        _check_batch_size(batch_size)
+        positive_int("batch_size", batch_size)
         holes = has_holes_upstream(parent)
         if holes is not None:
             raise ValueError(
@@ -283,7 +279,7 @@ class BatchIterDataset(IterDataset[Any]):
         batch_fn: Callable[[Sequence[Any]], Any] | None = None,
     ) -> None:
         super().__init__(parent)
-        _check_batch_size(batch_size)
+        positive_int("batch_size", batch_size)
         self._batch_size = int(batch_size)
         self._drop_remainder = drop_remainder
         self._batch_fn = _resolve_batch_fn(batch_fn)

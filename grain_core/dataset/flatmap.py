@@ -16,6 +16,7 @@ from typing import Any
 
 import numpy as np
 
+from grain_core._checks import positive_int
 from grain_core.dataset.base import (
     INFINITE,
     DatasetIterator,
@@ -43,13 +44,7 @@ def _max_fan_out(transform: Any) -> int | None:
     value = getattr(transform, "max_fan_out", None)
     if value is None:
         return None
-    try:
-        fan_out = operator.index(value)
-    except TypeError:
-        raise TypeError(f"max_fan_out must be an integer, got {value!r}.") from None
-    if fan_out <= 0:
-        raise ValueError(f"max_fan_out must be a positive integer, got {value!r}.")
-    return fan_out
+    return positive_int("max_fan_out", value)
 
 
 class _Splitter:

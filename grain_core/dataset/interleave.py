@@ -18,6 +18,7 @@ import copy
 from collections.abc import Sequence
 from typing import Any
 
+from grain_core._checks import non_negative_int, positive_int
 from grain_core.dataset.base import DatasetIterator, IteratorContext, IterDataset, MapDataset
 from grain_core.dataset.prefetch import PrefetchIterDataset, ThreadPrefetchDatasetIterator
 
@@ -55,18 +56,10 @@ class InterleaveIterDataset(IterDataset[Any]):
         else:
             super().__init__(list(datasets))
             self._lazy = False
-        if cycle_length <= 0:
-            raise ValueError(f"cycle_length must be a positive integer, got {cycle_length}.")
-        if num_make_iter_threads <= 0:
-            raise ValueError(
-                f"num_make_iter_threads must be a positive integer, got {num_make_iter_threads}."
-            )
-        if make_iter_buffer_size <= 0:
-            raise ValueError(
-                f"make_iter_buffer_size must be a positive integer, got {make_iter_buffer_size}."
-            )
-        if iter_buffer_size < 0:
-            raise ValueError(f"iter_buffer_size must be >= 0, got {iter_buffer_size}.")
+        positive_int("cycle_length", cycle_length)
+        positive_int("num_make_iter_threads", num_make_iter_threads)
+        positive_int("make_iter_buffer_size", make_iter_buffer_size)
+        non_negative_int("iter_buffer_size", iter_buffer_size)
         self.cycle_length = cycle_length
         self.num_make_iter_threads = num_make_iter_threads
         self.make_iter_buffer_size = make_iter_buffer_size

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from grain_core._checks import positive_int
 from grain_core.dataset.base import DatasetIterator, IterDataset
 
 __all__ = ["LimitIterDataset"]
@@ -18,9 +19,7 @@ class LimitIterDataset(IterDataset[Any]):
 
     def __init__(self, parent: IterDataset[Any], count: int) -> None:
         super().__init__(parent)
-        if isinstance(count, bool) or not isinstance(count, int) or count <= 0:
-            raise ValueError(f"LimitIterDataset count must be a positive integer, got {count!r}.")
-        self.count = count
+        self.count = positive_int("LimitIterDataset count", count)
 
     def __iter__(self) -> DatasetIterator[Any]:
         return _LimitIterator(iter(self._parents[0]), self.count)

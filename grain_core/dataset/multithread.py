@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 from typing import Any
 
+from grain_core._checks import non_negative_int
 from grain_core.dataset.base import IterDataset
 from grain_core.dataset.interleave import InterleaveIterDataset
 from grain_core.dataset.mp_prefetch import slice_for_worker
@@ -40,10 +41,8 @@ def multithread_prefetch(
       ValueError: for negative counts, or a pipeline with no sliceable node (when
         ``num_threads > 1``).
     """
-    if num_threads < 0:
-        raise ValueError(f"num_threads must be >= 0, got {num_threads}.")
-    if buffer_size < 0:
-        raise ValueError(f"buffer_size must be >= 0, got {buffer_size}.")
+    non_negative_int("num_threads", num_threads)
+    non_negative_int("buffer_size", buffer_size)
     if num_threads == 0:
         return ds
     shards = [

@@ -26,6 +26,7 @@ from typing import Any, Generic, TypeVar
 import numpy as np
 
 from grain_core import _tree
+from grain_core._checks import positive_int
 from grain_core.dataset.base import DatasetIterator, IterDataset
 
 __all__ = ["BestFitPackIterDataset", "FirstFitPackIterDataset", "PackAndBatchOperation"]
@@ -66,16 +67,10 @@ def _value_at(tree: Any, path: Path) -> Any:
     return tree
 
 
-def _positive_int(value: Any, what: str) -> int:
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value <= 0:
-        raise ValueError(f"{what} must be a positive integer, got {value!r}.")
-    return int(value)
-
-
 def _check_max_sequences(max_sequences_per_bin: int | None) -> int | None:
     if max_sequences_per_bin is None:
         return None
-    return _positive_int(max_sequences_per_bin, "`max_sequences_per_bin`")
+    return positive_int("`max_sequences_per_bin`", max_sequences_per_bin)
 
 
 class _Layout:
@@ -98,15 +93,15 @@ class _Layout:
         self.paths: list[Path] = [p for p, _ in pairs]
         self.names = [_path_name(p) for p in self.paths]
         self.capacities = [
-            _positive_int(t, f"Target length of feature {n!r}")
+            positive_int(f"Target length of feature {n!r}", t)
             for n, (_, t) in zip(self.names, pairs, strict=True)
         ]
         self.alignments = [
             1
             if alignment_struct is None
-            else _positive_int(
-                self._setting(alignment_struct, p, "pack_alignment_struct"),
+            else positive_int(
                 f"Alignment of feature {_path_name(p)!r}",
+                self._setting(alignment_struct, p, "pack_alignment_struct"),
             )
             for p in self.paths
         ]
@@ -375,7 +370,7 @@ class _PackIterDataset(IterDataset[dict[str, Any]]):
                 f"`meta_features` must be a sequence of feature names, got the string "
                 f"{meta_features!r}; did you mean [{meta_features!r}]?"
             )
-        self._num_bins = _positive_int(num_packing_bins, "`num_packing_bins`")
+        self._num_bins = positive_int("`num_packing_bins`", num_packing_bins)
         if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)) or seed < 0:
             raise ValueError(f"Packing `seed` must be a non-negative integer, got {seed!r}.")
         self._seed = int(seed)
@@ -642,7 +637,7 @@ class PackAndBatchOperation(Generic[T]):
     _layout: _Layout = dataclasses.field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
-        _positive_int(self.batch_size, "`batch_size`")
+        positive_int("`batch_size`", self.batch_size)
         _check_max_sequences(self.max_sequences_per_bin)
         self._layout = _Layout(self.length_struct, segmented=lambda path: True)
         _LOG.error(

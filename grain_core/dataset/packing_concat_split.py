@@ -29,6 +29,7 @@ from typing import Any
 import numpy as np
 
 from grain_core import _tree
+from grain_core._checks import positive_int
 from grain_core.dataset.base import DatasetIterator, IterDataset
 
 __all__ = ["BOSHandling", "ConcatThenSplitIterDataset"]
@@ -138,10 +139,7 @@ class ConcatThenSplitIterDataset(IterDataset[dict[str, Any]]):
                 f"{length_struct!r}."
             )
         for key, target in length_struct.items():
-            if isinstance(target, bool) or not isinstance(target, (int, np.integer)) or target <= 0:
-                raise ValueError(
-                    f"Target length of feature {key!r} must be a positive integer, got {target!r}."
-                )
+            positive_int(f"Target length of feature {key!r}", target)
         for what, names in (("meta_features", meta_features), ("bos_features", bos_features)):
             if isinstance(names, str):
                 raise ValueError(

@@ -13,6 +13,7 @@ from typing import Any
 import numpy as np
 
 from grain_core import _tree
+from grain_core._checks import positive_int
 from grain_core.dataset.base import DatasetIterator, IterDataset
 from grain_core.dataset.batch import make_batch
 
@@ -62,10 +63,7 @@ class RebatchIterDataset(IterDataset[Any]):
         self, parent: IterDataset[Any], batch_size: int, drop_remainder: bool = False
     ) -> None:
         super().__init__(parent)
-        if isinstance(batch_size, bool) or not isinstance(batch_size, (int, np.integer)):
-            raise ValueError(f"batch_size must be a positive integer, got {batch_size!r}.")
-        if batch_size <= 0:
-            raise ValueError(f"batch_size must be a positive integer, got {batch_size}.")
+        positive_int("batch_size", batch_size)
         self._batch_size = int(batch_size)
         self._drop_remainder = drop_remainder
 

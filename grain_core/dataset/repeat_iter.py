@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 from typing import Any
 
+from grain_core._checks import positive_int
 from grain_core.dataset.base import DatasetIterator, IterDataset
 
 __all__ = ["RepeatIterDataset"]
@@ -22,8 +23,8 @@ class RepeatIterDataset(IterDataset[Any]):
 
     def __init__(self, parent: IterDataset[Any], num_epochs: int | None = None) -> None:
         super().__init__(parent)
-        if num_epochs is not None and num_epochs <= 0:
-            raise ValueError(f"num_epochs must be a positive integer or None, got {num_epochs}.")
+        if num_epochs is not None:
+            num_epochs = positive_int("num_epochs", num_epochs)
         self.num_epochs = num_epochs
 
     def __iter__(self) -> DatasetIterator[Any]:

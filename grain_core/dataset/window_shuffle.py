@@ -21,6 +21,7 @@ from typing import Any
 import numpy as np
 
 from grain_core import random as _random
+from grain_core._checks import positive_int
 from grain_core.dataset.base import DatasetIterator, Indices, IterDataset, MapDataset
 
 __all__ = ["WindowShuffleIterDataset", "WindowShuffleMapDataset"]
@@ -31,16 +32,6 @@ _SEED_MODULUS = 2**32
 # others wait for the cached result, instead of all building the same table at once.
 _TABLE_WINDOW_LIMIT = 2**16
 _table_lock = threading.Lock()
-
-
-def _check_window_size(window_size: Any) -> int:
-    try:
-        size = operator.index(window_size)
-    except TypeError:
-        raise TypeError(f"window_size must be an integer, got {window_size!r}.") from None
-    if isinstance(window_size, bool) or size <= 0:
-        raise ValueError(f"window_size must be a positive integer, got {window_size!r}.")
-    return size
 
 
 def _window_seed(seed: int, window: int) -> int:
@@ -77,7 +68,7 @@ class WindowShuffleMapDataset(MapDataset[Any]):
     ) -> None:
         super().__init__(parent)
         self._parent = parent
-        self._window_size = _check_window_size(window_size)
+        self._window_size = positive_int("window_size", window_size)
         self._seed = self._resolve_seed(seed, "WindowShuffleMapDataset")
         self._len = len(parent)
         self._windows_per_epoch = -(-self._len // self._window_size)
@@ -142,7 +133,7 @@ class WindowShuffleIterDataset(IterDataset[Any]):
         self, parent: IterDataset[Any], *, window_size: int, seed: int | None = None
     ) -> None:
         super().__init__(parent)
-        self._window_size = _check_window_size(window_size)
+        self._window_size = positive_int("window_size", window_size)
         self._seed = self._resolve_seed(seed, "WindowShuffleIterDataset")
 
     def __iter__(self) -> DatasetIterator[Any]:
