@@ -577,8 +577,8 @@ def test_a_waiting_consumer_always_gets_its_position_sent() -> None:
 
 
 def test_credits_go_in_batches_while_a_worker_may_overdraw() -> None:
-    # While its results are small the overdraft carries a worker between credits, which go a
-    # quarter of it at a time (a message per element otherwise); results in shared memory and
+    # While its results are small the overdraft carries a worker between credits, which go
+    # half of it at a time (a message per element otherwise); results in shared memory and
     # big ones: each credit as soon as it is due.
     d = _dispatcher(buffer=1)
     d._pool = _RecordingPool(  # type: ignore[assignment]
@@ -588,7 +588,7 @@ def test_credits_go_in_batches_while_a_worker_may_overdraw() -> None:
     )
     d._runs[0].append([0, 0, 4])
     d._outstanding[0] = 4
-    for credit_batch in (SMALL_AHEAD // 4, 1, 1):
+    for credit_batch in (SMALL_AHEAD // 2, 1, 1):
         d._receive(0)
         assert d._credit_batch[0] == credit_batch
 

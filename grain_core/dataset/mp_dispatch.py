@@ -28,7 +28,7 @@ the parent keeps that output and its state, and hands out the positions instead:
   ``per_worker_buffer_size``, so the shared memory in flight is that of strict rotation.
   Small results may overdraw: ``SMALL_AHEAD`` of them, ``OVERDRAFT_BYTES`` pickled at most
   (``grain_core._worker``), so a worker need not wait for the parent's wake-up after each,
-  and its credits go a quarter of its overdraft at a time instead of one per element
+  and its credits go half its overdraft at a time (``credit_batch``), not one per element
   (a rotating worker asks when it runs out, ``WANTS_CREDIT``; a dispatching one waits for
   the consumer to need its next result, so credits come sooner).
 * Cheap elements: each worker takes its own class (contiguous reads, results in the consumer's
@@ -57,6 +57,7 @@ from grain_core._worker import (
     WorkerDiedError,
     WorkerPool,
     WorkerSpec,
+    credit_batch,
     overdraft_room,
 )
 from grain_core.dataset.base import (
@@ -812,7 +813,7 @@ class PositionDispatcher:
             else overdraft_room(self._pool.last_message_bytes // count)
         )
         self._overdraft_room[worker] = room
-        self._credit_batch[worker] = max(self._min_credit_batch, room // 4)
+        self._credit_batch[worker] = credit_batch(self._min_credit_batch, room)
         self._since_learned[worker] += count
         spent = cpu_total - self._cpu_mark[worker]
         if spent >= _RUN_TARGET_S or self._since_learned[worker] >= _LEARN_EVERY:

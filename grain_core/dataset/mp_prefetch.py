@@ -47,6 +47,7 @@ from grain_core._worker import (
     WorkerDiedError,
     WorkerPool,
     WorkerSpec,
+    credit_batch,
     overdraft_room,
 )
 from grain_core.dataset.base import (
@@ -521,9 +522,8 @@ class _ProcessPrefetchIterator(DatasetIterator[Any]):
         self._count = mp_ds.num_workers
         # Credits: the buffer, returned as elements are handed out (a buffer of 0 asks for no
         # read-ahead at all: one credit per request). Small elements also go beyond them, on
-        # the worker's overdraft (``_worker``), and while they do, credits go back half the
-        # overdraft at a time: one control message per element halved the parent's
-        # throughput of small elements.
+        # the worker's overdraft (``_worker``), and while they do, credits go back in
+        # batches (``credit_batch``).
         self._buffer = mp_ds.options.per_worker_buffer_size
         self._min_grant_batch = self._grant_batch = max(1, self._buffer // 2)
         self._pool: WorkerPool | None = None
@@ -608,7 +608,7 @@ class _ProcessPrefetchIterator(DatasetIterator[Any]):
             self._received.extend(element)
             if self._buffer:
                 room = overdraft_room(max(map(len, element)))
-                self._grant_batch = max(self._min_grant_batch, room // 2)
+                self._grant_batch = credit_batch(self._min_grant_batch, room)
             return self._hand_out_pickled()
         if kind == ELEMENT:  # in shared memory
             self._grant_batch = self._min_grant_batch
