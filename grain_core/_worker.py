@@ -632,54 +632,52 @@ class _WorkerLoop:
         # alone, so its size is known for the overdraft.
         blobs: list[bytes] = []
         deadline = time.perf_counter() + _GROUP_S
-        if self._waiting is not None:  # _can_produce found it may go now
-            (waiting, names, size), self._waiting = self._waiting, None
-            self._take_credit(size)
-            if names:
-                tree, state = waiting
-                self._send_in_shm(tree, state, names)
-                return
-            blobs.append(waiting)
-            if not (self._credits > 0 or self._may_overdraw()):
-                self._send_blobs(blobs)
-                return
         while True:
             began = time.perf_counter()
-            try:
-                element = next(it)
-            except StopIteration:
-                self._send_blobs(blobs)
-                self._report_stats()
-                self._send((self._generation, END, None, it.get_state(), (), ()))
-                self._finished = True
-                self._credits -= 1
-                return
-            except Exception as e:  # noqa: BLE001 - re-raised in the parent
-                self._send_blobs(blobs)
-                self._send_error(e)
-                self._finish_with_error()
-                return
-            state = it.get_state()
-            tree, names = _shm.copy_to_shm(element, self._min_shm_size)
+            if self._waiting is not None:  # _can_produce found it may go now
+                pending, self._waiting = self._waiting, None
+            else:
+                try:
+                    element = next(it)
+                except StopIteration:
+                    self._send_blobs(blobs)
+                    self._report_stats()
+                    self._send((self._generation, END, None, it.get_state(), (), ()))
+                    self._finished = True
+                    self._credits -= 1
+                    return
+                except Exception as e:  # noqa: BLE001 - re-raised in the parent
+                    self._send_blobs(blobs)
+                    self._send_error(e)
+                    self._finish_with_error()
+                    return
+                state = it.get_state()
+                tree, names = _shm.copy_to_shm(element, self._min_shm_size)
+                if names:
+                    pending = ((tree, state), names, None)
+                else:
+                    try:
+                        blob = _dumps_element((tree, state))
+                    except Exception as failure:  # noqa: BLE001 - sent as its error, in its place
+                        self._send_blobs(blobs)
+                        self._send_unpicklable(failure)
+                        self._finish_with_error()
+                        return
+                    pending = (blob, [], len(blob))
+            payload, names, size = pending
             if names:
                 self._send_blobs(blobs)
                 if self._take_credit(None):
+                    tree, state = payload
                     self._send_in_shm(tree, state, names)
                 else:
-                    self._waiting = ((tree, state), names, None)
+                    self._waiting = pending
                 return
-            try:
-                blob = _dumps_element((tree, state))
-            except Exception as failure:  # noqa: BLE001 - sent as its error, in its place
+            if not self._take_credit(size):
                 self._send_blobs(blobs)
-                self._send_unpicklable(failure)
-                self._finish_with_error()
+                self._waiting = pending
                 return
-            if not self._take_credit(len(blob)):
-                self._send_blobs(blobs)
-                self._waiting = (blob, [], len(blob))
-                return
-            blobs.append(blob)
+            blobs.append(payload)
             now = time.perf_counter()
             if not (self._credits > 0 or self._may_overdraw()) or 2 * now - began >= deadline:
                 self._send_blobs(blobs)
