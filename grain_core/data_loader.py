@@ -13,6 +13,12 @@ Built entirely on the Dataset API. Two layouts, chosen from the operations:
 ``DataLoaderIterator.get_state()`` returns Grain's version-2 JSON. Sources and samplers are
 identified by a stable fingerprint (type, length and ``repr`` when the ``repr`` is stable and
 short), never by a ``repr`` that embeds data or memory addresses.
+
+Checkpoints written by Google Grain's DataLoader restore too: the source may be named as Grain
+names it (``<class 'list'>``, its ``repr``, or what its ``checkpoint_reprs()`` lists), and
+where Grain's workers batch their own records (several workers, a ``Batch``; their positions
+then cannot be an index-layout state) the iterator continues in the stream layout, as Grain
+would, with the checkpoint's worker count.
 """
 
 from __future__ import annotations
@@ -69,6 +75,25 @@ def fingerprint(obj: Any) -> str:
         digest = hashlib.sha1(text.encode()).hexdigest()[:16]
         return f"{name}(len={length}, repr_sha1={digest})"
     return text
+
+
+def checkpoint_names(obj: Any) -> set[str]:
+    """The names a DataLoader checkpoint may give a source or sampler: its ``fingerprint``,
+    the name Google Grain's DataLoader writes (``str(type(obj))`` for lists, tuples and
+    arrays, else its ``repr`` unless that holds a memory address), and any the object lists
+    in an optional ``checkpoint_reprs()`` (a format plugin's source gives Grain's ``repr``
+    of its own source there)."""
+    names = {fingerprint(obj)}
+    if isinstance(obj, (list, tuple, np.ndarray)):
+        names.add(str(type(obj)))
+    else:
+        text = repr(obj)
+        if " at 0x" not in text:
+            names.add(text)
+    aliases = getattr(obj, "checkpoint_reprs", None)
+    if callable(aliases):
+        names.update(aliases())
+    return names
 
 
 def _sampler_length(sampler: Any) -> int:
@@ -394,7 +419,9 @@ class DataLoader:
         )
         self._records_per_element = _records_per_element(operations) if self._index_layout else 1
         self._has_flat_map = any(isinstance(op, transforms.FlatMap) for op in operations)
-        self._dataset = self._build()
+        self._dataset = self._build(self._index_layout)
+        # The stream layout of an index-layout pipeline, built when a Grain checkpoint needs it.
+        self._stream_dataset: IterDataset[Any] | None = None
 
     @property
     def multiprocessing_options(self) -> MultiprocessingOptions:
@@ -404,7 +431,14 @@ class DataLoader:
             enable_profiling=self._enable_profiling,
         )
 
-    def _build(self) -> IterDataset[Any]:
+    def _dataset_for(self, index_layout: bool) -> IterDataset[Any]:
+        if index_layout == self._index_layout:
+            return self._dataset
+        if self._stream_dataset is None:
+            self._stream_dataset = self._build(index_layout=False)
+        return self._stream_dataset
+
+    def _build(self, index_layout: bool) -> IterDataset[Any]:
         # Building a Philox generator per record costs tens of microseconds: only pipelines
         # with a random operation get them.
         with_rng = any(
@@ -413,7 +447,7 @@ class DataLoader:
         )
         # Only index and random operations look at a record's metadata; without them the
         # pipeline runs on the data alone, with no Record objects per record.
-        with_metadata = not self._index_layout or any(
+        with_metadata = not index_layout or any(
             isinstance(op, _ONE_TO_ONE) and not isinstance(op, transforms.Map)
             for op in self._operations
         )
@@ -425,7 +459,7 @@ class DataLoader:
             with_metadata=with_metadata,
         )
         shm_batch_at = _last_batch_position(self._operations) if self._worker_count else -1
-        if self._index_layout:
+        if index_layout:
             ds: Any = records
             for position, op in enumerate(self._operations):
                 if isinstance(op, transforms.Batch):
@@ -519,6 +553,7 @@ class DataLoaderIterator:
 
     def __init__(self, loader: DataLoader) -> None:
         self._loader = loader
+        self._index_layout = loader._index_layout
         self._it: DatasetIterator[Any] = iter(loader._dataset)
 
     def __iter__(self) -> DataLoaderIterator:
@@ -562,7 +597,7 @@ class DataLoaderIterator:
                 last_worker = inner["next_index_in_cycle"] - 1
             s, count = self._shard()
             slots = max(workers, 1)
-            per = loader._records_per_element
+            per = loader._records_per_element if self._index_layout else 1
             state["last_seen_indices"] = {
                 str(w): s + count * ((w + (n - 1) * slots + 1) * per - 1)
                 for w, n in enumerate(consumed)
@@ -578,11 +613,13 @@ class DataLoaderIterator:
         return json.dumps(self._state_dict(), indent=4).encode()
 
     def set_state(self, state: bytes) -> None:
-        """Restores a position from :meth:`get_state` of an equally defined DataLoader.
+        """Restores a position from :meth:`get_state` of an equally defined DataLoader, or from
+        the state of Google Grain's DataLoader over the same source, sampler and operations.
 
         Raises:
           ValueError: If the state is not valid JSON of version 2, belongs to another sampler
-            or source, or (for pipelines with Filter/FlatMap) to another worker count.
+            or source, or to another worker count where the order depends on it (Filter or
+            FlatMap operations; Grain's workers batching their own records).
         """
         try:
             data = json.loads(state)
@@ -594,28 +631,52 @@ class DataLoaderIterator:
                 f"expected version {_STATE_VERSION}."
             )
         loader = self._loader
-        for key, expected in (
-            ("sampler", fingerprint(loader._sampler)),
-            ("data_source", fingerprint(loader._data_source)),
-        ):
-            if data.get(key) != expected:
+        for key, obj in (("sampler", loader._sampler), ("data_source", loader._data_source)):
+            if data.get(key) not in checkpoint_names(obj):
                 raise ValueError(
                     f"The checkpoint was taken with {key} {data.get(key)!r} but this DataLoader "
-                    f"has {expected!r}. Restore with the same {key}; a custom one needs a stable "
-                    "__repr__ that does not embed data."
+                    f"has {fingerprint(obj)!r}. Restore with the same {key}; a custom one needs "
+                    "a stable __repr__ that does not embed data."
                 )
-        if not loader._index_layout and data.get("worker_count") != loader._worker_count:
+        index_layout = loader._index_layout and self._in_index_layout(data)
+        if not index_layout and data.get("worker_count") != loader._worker_count:
+            why = (
+                "Google Grain's workers batched their own records"
+                if loader._index_layout
+                else "with Filter or FlatMap operations the order depends on the worker count"
+            )
             raise ValueError(
                 f"The checkpoint was taken with worker_count={data.get('worker_count')} but this "
-                f"DataLoader has worker_count={loader._worker_count}. With Filter or FlatMap "
-                "operations the order depends on the worker count: restore with the same one."
+                f"DataLoader has worker_count={loader._worker_count}: {why}. Restore with the "
+                "same worker_count."
             )
+        if index_layout != self._index_layout:
+            self._it.close()
+            self._index_layout = index_layout
+            self._it = iter(loader._dataset_for(index_layout))
         if loader._has_flat_map:
             self._it.set_state(data["dataset_state"])
-        elif loader._index_layout:
+        elif index_layout:
             self._it.set_state(self._index_layout_state(data))
         else:
             self._it.set_state(self._stream_layout_state(data))
+
+    def _in_index_layout(self, data: dict[str, Any]) -> bool:
+        """Whether ``data`` holds positions of the index layout (any worker count), rather
+        than those of workers that batch their own records, as Google Grain's do. The two
+        agree without a ``Batch`` or with one worker at most; otherwise worker 0's last record
+        tells them apart (in the index layout it ends element ``k * worker_count``)."""
+        per = self._loader._records_per_element
+        workers = int(data.get("worker_count", 0))
+        if per == 1 or workers <= 1:
+            return True
+        s, count = self._shard()
+        for key, value in data["last_seen_indices"].items():
+            seen = int(value)
+            element = ((seen - s) // count + 1) // per - 1
+            if s + count * ((element + 1) * per - 1) != seen or (element - int(key)) % workers:
+                return False
+        return True
 
     def _index_layout_state(self, data: dict[str, Any]) -> dict[str, Any]:
         s, count = self._shard()

@@ -27,7 +27,9 @@ class RandomAccessDataSource(Protocol[T_co]):
     further offer ``read_columns(indices) -> ColumnBlock`` (the same rows as columns): a
     default ``batch`` over it, with only shuffles, slices and repeats between, then stacks
     whole columns instead of building and unpacking a dict per row. Give it a stable ``__repr__`` (it identifies the
-    source in DataLoader checkpoints) and make it picklable (workers receive it).
+    source in DataLoader checkpoints) and make it picklable (workers receive it); other names
+    checkpoints may give it (Google Grain's for the same data) go in an optional
+    ``checkpoint_reprs() -> list[str]``.
     """
 
     def __len__(self) -> int: ...

@@ -299,6 +299,37 @@ def test_data_loader_checkpoint_and_resume(
     assert sorted(indices.tolist()) == list(range(1500, len(records)))
 
 
+def test_data_loader_restores_a_checkpoint_written_by_grain(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Google Grain names the source by a hash of its file names (given relative, as here),
+    # and its 2 workers batch their own records (tests/data/make_grain_states.py).
+    from grain_core import samplers, transforms
+
+    class ToInt(transforms.Map):
+        def map(self, element: bytes) -> int:
+            return int(element)
+
+    written = json.loads((Path(__file__).parent / "data" / "grain_states.json").read_text())
+    case = written["array_record"]
+    monkeypatch.chdir(tmp_path)
+    for i, path in enumerate(case["paths"]):
+        with ArrayRecordWriter(path) as writer:
+            for j in range(12):
+                writer.write(b"%d" % (i * 12 + j))
+    source = ArrayRecordDataSource(case["paths"])
+    assert case["state"]["data_source"] in source.checkpoint_reprs()
+    loader = grain_core.DataLoader(
+        data_source=source,
+        sampler=samplers.IndexSampler(24, shuffle=True, num_epochs=1, seed=3),
+        operations=[ToInt(), transforms.Batch(4)],
+        worker_count=2,
+    )
+    with iter(loader) as it:
+        it.set_state(json.dumps(case["state"]).encode())
+        assert [batch.tolist() for batch in it] == case["rest"]
+
+
 # Writer and inspector.
 
 

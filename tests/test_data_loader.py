@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import sys
+from pathlib import Path
 from typing import Any
 
 import cloudpickle
@@ -12,6 +13,7 @@ import pytest
 
 import grain_core as grain
 from grain_core import transforms
+from grain_core.data_loader import checkpoint_names, fingerprint
 from grain_core.samplers import IndexSampler, SequentialSampler
 from grain_core.sharding import NoSharding, ShardOptions
 from grain_core.sources import RangeDataSource, SharedMemoryDataSource
@@ -209,8 +211,6 @@ class _UserSource:
 
 
 def test_default_repr_sources_get_a_stable_fingerprint() -> None:
-    from grain_core.data_loader import fingerprint
-
     assert fingerprint(_UserSource()) == f"{__name__}._UserSource(len=5)"
     assert "repr_sha1" in fingerprint(_LongRepr())
 
@@ -376,3 +376,120 @@ def test_orbax_v1_save_and_load_of_a_dataloader_iterator(tmp_path):
     fresh = iter(loader)
     asyncio.run(run(fresh.load(tmp_path)))
     assert list(fresh) == list(range(7, 20))
+
+
+# Checkpoints written by Google Grain's DataLoader (tests/data/make_grain_states.py ran it), and
+# the stream Grain produced after each.
+GRAIN_STATES = json.loads((Path(__file__).parent / "data" / "grain_states.json").read_text())
+
+
+class TimesTen(transforms.Map):
+    def map(self, x: Any) -> Any:
+        return x * 10
+
+
+class NotThirds(transforms.Filter):
+    def filter(self, x: Any) -> bool:
+        return bool(x % 3 != 0)
+
+
+_GRAIN_OPERATIONS: dict[str, Any] = {
+    "none": lambda: [],
+    "batch4": lambda: [transforms.Batch(4)],
+    "batch3_drop": lambda: [transforms.Batch(3, drop_remainder=True)],
+    "map_batch4": lambda: [TimesTen(), transforms.Batch(4)],
+    "filter_batch4": lambda: [NotThirds(), transforms.Batch(4)],
+}
+
+
+def _grain_case_loader(case: dict[str, Any], workers: int | None = None) -> grain.DataLoader:
+    source = list(range(40)) if case["source"] == "list" else RangeDataSource(0, 40, 1)
+    return grain.DataLoader(
+        data_source=source,
+        sampler=IndexSampler(40, NoSharding(), shuffle=True, num_epochs=1, seed=3),
+        operations=_GRAIN_OPERATIONS[case["ops"]](),
+        worker_count=case["workers"] if workers is None else workers,
+    )
+
+
+def _grain_case(**key: Any) -> dict[str, Any]:
+    (case,) = (c for c in GRAIN_STATES["cases"] if key.items() <= c.items())
+    return case  # type: ignore[no-any-return]
+
+
+def _grain_state_bytes(case: dict[str, Any]) -> bytes:
+    return json.dumps(case["state"], indent=4).encode()
+
+
+@pytest.mark.parametrize(
+    "first",
+    [c for c in GRAIN_STATES["cases"] if c["steps"] == 1],
+    ids=lambda c: f"{c['workers']}w-{c['ops']}-{c['source']}",
+)
+def test_checkpoints_written_by_grain_continue_as_grain_does(first: dict[str, Any]) -> None:
+    # Where several Grain workers batch their own records the positions are no index-layout
+    # state: the iterator goes on as Grain's would (and would skip or repeat records if it
+    # read them as one). Its own checkpoints then hold the positions Grain's would.
+    later = _grain_case(workers=first["workers"], ops=first["ops"], source=first["source"], steps=3)
+    with iter(_grain_case_loader(first)) as it:
+        it.set_state(_grain_state_bytes(first))
+        got = [np.asarray(next(it)).tolist() for _ in range(2)]
+        # The same positions as Grain's; the source under grain_core's own name for it.
+        assert json.loads(it.get_state()) == {
+            **later["state"],
+            "data_source": fingerprint(it._loader._data_source),
+        }
+        got += [np.asarray(x).tolist() for x in it]
+    assert got == first["rest"]
+    with iter(_grain_case_loader(later)) as it:
+        it.set_state(_grain_state_bytes(later))
+        assert [np.asarray(x).tolist() for x in it] == later["rest"]
+
+
+def test_a_grain_checkpoint_of_workers_batching_needs_their_worker_count() -> None:
+    case = _grain_case(workers=2, ops="batch4", source="range", steps=3)
+    with iter(_grain_case_loader(case, workers=3)) as it:
+        with pytest.raises(ValueError, match="Grain's workers batched their own records"):
+            it.set_state(_grain_state_bytes(case))
+
+
+def test_index_layout_checkpoints_after_a_grain_one() -> None:
+    # Restoring one of its own states takes an iterator restored from Grain's back to the
+    # index layout, where any worker count restores.
+    grain_case = _grain_case(workers=2, ops="batch4", source="list", steps=1)
+    own = iter(_grain_case_loader(grain_case, workers=3))
+    for _ in range(3):
+        next(own)
+    state = own.get_state()
+    expected = [np.asarray(x).tolist() for x in own]
+    with iter(_grain_case_loader(grain_case)) as it:
+        it.set_state(_grain_state_bytes(grain_case))
+        next(it)
+        it.set_state(state)
+        assert [np.asarray(x).tolist() for x in it] == expected
+
+
+class _RenamedSource(_UserSource):
+    def __repr__(self) -> str:
+        return "_RenamedSource(v2)"
+
+    def checkpoint_reprs(self) -> list[str]:
+        return ["_RenamedSource(v1)"]
+
+
+def test_sources_name_other_checkpoint_names() -> None:
+    assert checkpoint_names(list(range(3))) == {"list(len=3)", "<class 'list'>"}
+    assert checkpoint_names(_RenamedSource()) == {"_RenamedSource(v2)", "_RenamedSource(v1)"}
+    loader = grain.DataLoader(data_source=_RenamedSource(), sampler=SequentialSampler(5))
+    it = iter(loader)
+    next(it)
+    state = json.loads(it.get_state())
+    for name, first in (("_RenamedSource(v1)", 1), ("_RenamedSource(v0)", None)):
+        restored = iter(loader)
+        text = json.dumps({**state, "data_source": name}).encode()
+        if first is None:
+            with pytest.raises(ValueError, match="_RenamedSource\\(v0\\)"):
+                restored.set_state(text)
+        else:
+            restored.set_state(text)
+            assert next(restored) == first

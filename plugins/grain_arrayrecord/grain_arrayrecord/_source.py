@@ -118,6 +118,12 @@ class ArrayRecordDataSource:
         """The file of each read instruction, in record order."""
         return list(self._paths)
 
+    def checkpoint_reprs(self) -> list[str]:
+        """The name Google Grain's DataLoader gives this source in its checkpoints (a SHA-1 of
+        the file names alone), so that checkpoints Grain wrote restore here."""
+        digest = hashlib.sha1("".join(self._paths).encode()).hexdigest()
+        return [f"ArrayRecordDataSource(hash_of_paths={digest})"]
+
     def __len__(self) -> int:
         return self._len
 
