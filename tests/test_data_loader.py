@@ -406,7 +406,13 @@ def _grain_case_loader(case: dict[str, Any], workers: int | None = None) -> grai
     source = list(range(40)) if case["source"] == "list" else RangeDataSource(0, 40, 1)
     return grain.DataLoader(
         data_source=source,
-        sampler=IndexSampler(40, NoSharding(), shuffle=True, num_epochs=1, seed=3),
+        sampler=IndexSampler(
+            40,
+            ShardOptions(*case["shard"]) if case["shard"] else NoSharding(),
+            shuffle=True,
+            num_epochs=1,
+            seed=3,
+        ),
         operations=_GRAIN_OPERATIONS[case["ops"]](),
         worker_count=case["workers"] if workers is None else workers,
     )
@@ -424,13 +430,13 @@ def _grain_state_bytes(case: dict[str, Any]) -> bytes:
 @pytest.mark.parametrize(
     "first",
     [c for c in GRAIN_STATES["cases"] if c["steps"] == 1],
-    ids=lambda c: f"{c['workers']}w-{c['ops']}-{c['source']}",
+    ids=lambda c: f"{c['workers']}w-{c['ops']}-{c['source']}-shard{c['shard']}",
 )
 def test_checkpoints_written_by_grain_continue_as_grain_does(first: dict[str, Any]) -> None:
     # Where several Grain workers batch their own records the positions are no index-layout
     # state: the iterator goes on as Grain's would (and would skip or repeat records if it
     # read them as one). Its own checkpoints then hold the positions Grain's would.
-    later = _grain_case(workers=first["workers"], ops=first["ops"], source=first["source"], steps=3)
+    later = _grain_case(**{k: first[k] for k in ("workers", "ops", "source", "shard")}, steps=3)
     with iter(_grain_case_loader(first)) as it:
         it.set_state(_grain_state_bytes(first))
         got = [np.asarray(next(it)).tolist() for _ in range(2)]
@@ -447,7 +453,7 @@ def test_checkpoints_written_by_grain_continue_as_grain_does(first: dict[str, An
 
 
 def test_a_grain_checkpoint_of_workers_batching_needs_their_worker_count() -> None:
-    case = _grain_case(workers=2, ops="batch4", source="range", steps=3)
+    case = _grain_case(workers=2, ops="batch4", source="range", shard=None, steps=3)
     with iter(_grain_case_loader(case, workers=3)) as it:
         with pytest.raises(ValueError, match="Grain's workers batched their own records"):
             it.set_state(_grain_state_bytes(case))
@@ -456,7 +462,7 @@ def test_a_grain_checkpoint_of_workers_batching_needs_their_worker_count() -> No
 def test_index_layout_checkpoints_after_a_grain_one() -> None:
     # Restoring one of its own states takes an iterator restored from Grain's back to the
     # index layout, where any worker count restores.
-    grain_case = _grain_case(workers=2, ops="batch4", source="list", steps=1)
+    grain_case = _grain_case(workers=2, ops="batch4", source="list", shard=None, steps=1)
     own = iter(_grain_case_loader(grain_case, workers=3))
     for _ in range(3):
         next(own)

@@ -46,12 +46,14 @@ OPERATIONS = {
 }
 
 
-def _run(source: Any, records: int, operations: list[Any], workers: int, steps: int) -> Any:
+def _run(
+    source: Any, records: int, operations: list[Any], workers: int, steps: int, shard: Any = None
+) -> Any:
     loader = gp.DataLoader(
         data_source=source,
         sampler=gp.IndexSampler(
             num_records=records,
-            shard_options=gp.NoSharding(),
+            shard_options=gp.ShardOptions(*shard) if shard else gp.NoSharding(),
             shuffle=True,
             num_epochs=1,
             seed=3,
@@ -78,7 +80,12 @@ def main() -> None:
                     data = list(range(40)) if source == "list" else gp.RangeDataSource(0, 40, 1)
                     state, rest = _run(data, 40, make(), workers, steps)
                     case = {"workers": workers, "ops": ops, "source": source, "steps": steps}
-                    cases.append({**case, "state": state, "rest": rest})
+                    cases.append({**case, "shard": None, "state": state, "rest": rest})
+    # Shard 1 of 2 (IndexSampler's shard options), workers batching their own records.
+    for steps in (1, 3):
+        state, rest = _run(list(range(40)), 40, [gp.Batch(4)], 2, steps, shard=(1, 2))
+        case = {"workers": 2, "ops": "batch4", "source": "list", "steps": steps}
+        cases.append({**case, "shard": [1, 2], "state": state, "rest": rest})
     # ArrayRecord: Grain names the source by a hash of its file names, given relative here.
     from array_record.python.array_record_module import ArrayRecordWriter
 
