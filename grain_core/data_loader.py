@@ -18,7 +18,8 @@ Checkpoints written by Google Grain's DataLoader restore too: the source may be 
 names it (``<class 'list'>``, its ``repr``, or what its ``checkpoint_reprs()`` lists), and
 where Grain's workers batch their own records (several workers, a ``Batch``; their positions
 then cannot be an index-layout state) the iterator continues in the stream layout, as Grain
-would, with the checkpoint's worker count.
+would, with the checkpoint's worker count. With a ``FlatMap`` Grain writes the pipeline's own
+state, which restores as it is (Grain gives nothing to validate it by).
 """
 
 from __future__ import annotations
@@ -625,12 +626,17 @@ class DataLoaderIterator:
             data = json.loads(state)
         except (json.JSONDecodeError, UnicodeDecodeError) as e:
             raise ValueError(f"DataLoader state is not valid JSON ({e}); it is corrupt.") from e
+        loader = self._loader
+        if loader._has_flat_map and isinstance(data, dict) and "version" not in data:
+            # Google Grain's DataLoader writes the pipeline's own state for a FlatMap, with
+            # nothing to validate it by.
+            self._it.set_state(data)
+            return
         if not isinstance(data, dict) or data.get("version") != _STATE_VERSION:
             raise ValueError(
                 f"Unsupported DataLoader state (version {data.get('version') if isinstance(data, dict) else None}); "
                 f"expected version {_STATE_VERSION}."
             )
-        loader = self._loader
         for key, obj in (("sampler", loader._sampler), ("data_source", loader._data_source)):
             if data.get(key) not in checkpoint_names(obj):
                 raise ValueError(

@@ -200,6 +200,14 @@ def test_iter_state_after_a_finished_input_points_past_it() -> None:
     assert it.get_state() == {"parent": {"next_index": 2}, "next_index_in_buffer": 0}
 
 
+def test_iter_restores_a_used_up_input_as_grain_names_it() -> None:
+    # Google Grain's state after the last split of an input still names that input, with the
+    # offset equal to its number of splits (input 1 has one split here).
+    fresh = iter(_iter_ds())
+    fresh.set_state({"parent": {"next_index": 1}, "next_index_in_buffer": 1})
+    assert list(fresh) == [2, 2, 4, 5, 5]
+
+
 def test_iter_restores_on_fresh_iterator_recomputing_one_input() -> None:
     transform = Repeat()
     it = iter(_iter_ds(transform=transform))
@@ -245,7 +253,7 @@ def test_iter_empty_parent_and_empty_splits() -> None:
 def test_iter_inconsistent_checkpoint_raises() -> None:
     it = iter(_iter_ds())
     with pytest.raises(ValueError, match="different pipeline"):
-        it.set_state({"parent": {"next_index": 1}, "next_index_in_buffer": 5})
+        it.set_state({"parent": {"next_index": 1}, "next_index_in_buffer": 2})
 
 
 def test_iter_closed_iterator_raises() -> None:

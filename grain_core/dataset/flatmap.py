@@ -233,7 +233,9 @@ class _FlatMapIterator(DatasetIterator[Any]):
         offset = int(state["next_index_in_buffer"])
         if offset:
             self._read_input()
-            if offset >= len(self._buffer):
+            # Equal to the number of splits: the input was used up, as Google Grain's states
+            # say where this one names the next input instead.
+            if offset > len(self._buffer):
                 raise ValueError(
                     f"Checkpoint offset {offset} is past the {len(self._buffer)} splits of the "
                     "restored input: the checkpoint belongs to a different pipeline."

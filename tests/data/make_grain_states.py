@@ -32,6 +32,13 @@ class NotThirds(gp.FilterTransform):
         return bool(x % 3 != 0)
 
 
+class Twice(gp.experimental.FlatMapTransform):
+    max_fan_out = 2
+
+    def flat_map(self, x: Any) -> list[Any]:
+        return [x, x + 100]
+
+
 class ToInt(gp.MapTransform):
     def map(self, x: Any) -> Any:
         return int(x)
@@ -43,6 +50,7 @@ OPERATIONS = {
     "batch3_drop": lambda: [gp.Batch(3, drop_remainder=True)],
     "map_batch4": lambda: [TimesTen(), gp.Batch(4)],
     "filter_batch4": lambda: [NotThirds(), gp.Batch(4)],
+    "flat_map_batch3": lambda: [Twice(), gp.Batch(3)],
 }
 
 
