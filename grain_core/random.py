@@ -6,6 +6,7 @@ is defective (spec 15, rough edge 1), which is called out at the place we differ
 
 from __future__ import annotations
 
+import collections
 import ctypes
 import functools
 import operator
@@ -32,6 +33,14 @@ _INDEX_LIMIT = 2**64
 # per lookup; for them the whole permutation is computed once and looked up instead.
 _TABLE_LIMIT = 2**16
 _TABLE_CACHE_SIZE = 32
+# Larger domains get a table too, in index_shuffle_array, once the indices asked of one
+# permutation would have cost about as much as building it: walking costs ~2 us an index
+# (NumPy calls on small arrays), a table ~15 ns an entry of its block. A pass over the data
+# then gathers from the table; a few lookups never build one. Tables of the last two
+# permutations are kept (an epoch and the next, 4 MiB each at most).
+_LARGE_TABLE_LIMIT = 2**20
+_LARGE_TABLE_BREAK_EVEN = 128
+_LARGE_TABLES_KEPT = 2
 _KEY_CACHE_SIZE = 4096
 _INTEGER_TYPES = (int, np.integer)
 
@@ -224,9 +233,8 @@ def _walk_array(
     return out
 
 
-@functools.lru_cache(maxsize=_TABLE_CACHE_SIZE)
-def _permutation_table(max_index: int, seed: int, rounds: int) -> np.ndarray:
-    """Whole permutation of ``[0, max_index]`` for a small domain (read-only int64 array).
+def _build_permutation(max_index: int, seed: int, rounds: int) -> np.ndarray:
+    """Whole permutation of ``[0, max_index]`` (read-only int64 array).
 
     Encrypts the full block once, then resolves every cycle walk by pointer jumping:
     ``jump[x]`` is the first in-range value among the next ``2**i`` encryptions of ``x``
@@ -246,6 +254,46 @@ def _permutation_table(max_index: int, seed: int, rounds: int) -> np.ndarray:
     table = jump[: max_index + 1].copy()
     table.flags.writeable = False
     return table
+
+
+_permutation_table = functools.lru_cache(maxsize=_TABLE_CACHE_SIZE)(_build_permutation)
+
+
+class _LargeTables:
+    """Tables of domains below ``_LARGE_TABLE_LIMIT``, built once the indices asked of a
+    permutation reach ``1 / _LARGE_TABLE_BREAK_EVEN`` of its block (int32: half the memory)."""
+
+    def __init__(self) -> None:
+        self._tables: collections.OrderedDict[tuple[int, int, int], np.ndarray] = (
+            collections.OrderedDict()
+        )
+        self._asked: dict[tuple[int, int, int], int] = {}
+        # Reader threads ask together: one builds the table while the others wait for it.
+        self._lock = threading.Lock()
+
+    def get(self, max_index: int, seed: int, rounds: int, count: int) -> np.ndarray | None:
+        """The table of this permutation, or None while walking is still cheaper."""
+        key = (max_index, seed, rounds)
+        with self._lock:
+            table = self._tables.get(key)
+            if table is not None:
+                self._tables.move_to_end(key)
+                return table
+            asked = self._asked.get(key, 0) + count
+            if asked * _LARGE_TABLE_BREAK_EVEN < 1 << _block_bits(max_index):
+                if key not in self._asked and len(self._asked) >= 64:
+                    self._asked.clear()  # bounded: permutations asked a few times each
+                self._asked[key] = asked
+                return None
+            self._asked.pop(key, None)
+            table = _build_permutation(max_index, seed, rounds).astype(np.int32)
+            self._tables[key] = table
+            while len(self._tables) > _LARGE_TABLES_KEPT:
+                self._tables.popitem(last=False)
+            return table
+
+
+_large_tables = _LargeTables()
 
 
 def _check_rounds(rounds: int) -> None:
@@ -298,6 +346,10 @@ def index_shuffle_array(
 ) -> np.ndarray:
     """Vectorised :func:`index_shuffle`: same results, element by element.
 
+    Domains below ``2**20`` are answered from a table of the whole permutation once the
+    indices asked of it add up to 1/128 of its block (a pass over the data); before, and for
+    larger domains, each index is encrypted.
+
     Args:
       indices: integer array (any shape) of values in ``[0, max_index]``.
       max_index: largest value of the domain, in ``[0, 2**63)``.
@@ -331,6 +383,10 @@ def index_shuffle_array(
         if not max_index:
             return np.zeros(values.shape, dtype=np.int64)
         return _permutation_table(max_index, seed, rounds)[values]
+    if max_index < _LARGE_TABLE_LIMIT:
+        table = _large_tables.get(max_index, seed, rounds, values.size)
+        if table is not None:
+            return table[values].astype(np.int64)
     half_bits = _block_bits(max_index) // 2
     keys = _round_keys(seed, rounds, half_bits)
     flat = values.astype(np.uint64).ravel()

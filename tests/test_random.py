@@ -144,6 +144,34 @@ def test_scalar_equals_vectorised(max_index: int, seed: int, data: st.DataObject
     assert all(0 <= value <= max_index for value in scalar)
 
 
+@settings(max_examples=8, deadline=None)
+@given(length=st.integers(2**16 + 2, 2**20), seed=st.integers(0, 2**32 - 1))
+def test_large_domains_switch_to_a_table_of_the_same_permutation(length: int, seed: int) -> None:
+    # Batches of a pass over the data: walked until they add up to 1/128 of the block, then
+    # gathered from the table built at that point; the same permutation throughout.
+    tables = grain_random._LargeTables()
+    key = (length - 1, seed, 4)
+    block = 1 << grain_random._block_bits(length - 1)
+    saved, grain_random._large_tables = grain_random._large_tables, tables
+    try:
+        positions = np.random.default_rng(seed).permutation(length)[: 2 * block // 128 + 512]
+        out, built_after = [], None
+        for start in range(0, len(positions), 256):
+            out.append(index_shuffle_array(positions[start : start + 256], length - 1, seed))
+            if built_after is None and key in tables._tables:
+                built_after = start + 256
+    finally:
+        grain_random._large_tables = saved
+    assert built_after is not None and built_after * 128 >= block
+    assert built_after * 128 < block + 256 * 128
+    got = np.concatenate(out)
+    assert got.dtype == np.int64
+    sample = range(0, len(positions), 97)
+    assert [int(got[i]) for i in sample] == [
+        index_shuffle(int(positions[i]), length - 1, seed) for i in sample
+    ]
+
+
 def test_index_shuffle_array_keeps_shape_and_accepts_unsigned() -> None:
     grid = np.arange(12, dtype=np.uint16).reshape(3, 4)
     out = index_shuffle_array(grid, 11, 5)
