@@ -287,6 +287,7 @@ class _LargeTables:
                 return None
             self._asked.pop(key, None)
             table = _build_permutation(max_index, seed, rounds).astype(np.int32)
+            table.flags.writeable = False
             self._tables[key] = table
             while len(self._tables) > _LARGE_TABLES_KEPT:
                 self._tables.popitem(last=False)
