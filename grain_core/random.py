@@ -312,7 +312,8 @@ def index_shuffle(index: int, max_index: int, seed: int, rounds: int = 4) -> int
 
     Bit-exact with Grain's ``index_shuffle`` wherever Grain's map is a bijection (see
     ``_block_bits`` for the one family of domains where we differ). Small domains
-    (``max_index < 2**16``) are answered from a cached permutation table.
+    (``max_index < 2**16``) are answered from a cached permutation table, domains below
+    ``2**20`` once enough of them was asked (as in :func:`index_shuffle_array`).
 
     Args:
       index: value to permute, in ``[0, max_index]``.
@@ -333,6 +334,10 @@ def index_shuffle(index: int, max_index: int, seed: int, rounds: int = 4) -> int
         raise ValueError(f"index must be in [0, max_index] = [0, {max_index}], got {index}.")
     if max_index < _TABLE_LIMIT:
         return _permutation_table(max_index, seed, rounds).item(index) if max_index else 0
+    if max_index < _LARGE_TABLE_LIMIT:
+        table = _large_tables.get(max_index, seed, rounds, 1)
+        if table is not None:
+            return table.item(index)  # type: ignore[no-any-return]
     _check_max_index(max_index, _INDEX_LIMIT)
     half_bits = _block_bits(max_index) // 2
     keys = _round_keys(seed, rounds, half_bits)

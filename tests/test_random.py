@@ -172,6 +172,25 @@ def test_large_domains_switch_to_a_table_of_the_same_permutation(length: int, se
     ]
 
 
+def test_scalar_lookups_switch_to_the_table_too() -> None:
+    # ds[i] one element at a time over a shuffled source: walked until the lookups add up to
+    # 1/128 of the block, then read from the same table the batched reads use.
+    max_index, seed = 199_999, 17
+    half_bits = grain_random._block_bits(max_index) // 2
+    keys = grain_random._round_keys(seed, 4, half_bits)
+    positions = np.arange(0, max_index + 1, 97, dtype=np.uint64)
+    expected = grain_random._walk_array(positions, max_index, half_bits, keys).tolist()
+    tables = grain_random._LargeTables()
+    saved, grain_random._large_tables = grain_random._large_tables, tables
+    try:
+        got = [index_shuffle(i, max_index, seed) for i in range(0, max_index + 1, 97)]
+        built = (max_index, seed, 4) in tables._tables
+    finally:
+        grain_random._large_tables = saved
+    assert built and len(got) * 128 >= 1 << grain_random._block_bits(max_index)
+    assert got == expected
+
+
 def test_index_shuffle_array_keeps_shape_and_accepts_unsigned() -> None:
     grid = np.arange(12, dtype=np.uint16).reshape(3, 4)
     out = index_shuffle_array(grid, 11, 5)
