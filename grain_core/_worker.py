@@ -114,12 +114,14 @@ def overdraft_room(element_bytes: int) -> int:
     return min(SMALL_AHEAD, OVERDRAFT_BYTES // max(1, element_bytes))
 
 
-def credit_batch(least: int, room: int) -> int:
-    """How many credits a parent returns in one message to a worker whose elements may
-    overdraw by ``room`` (``overdraft_room``), at least ``least``: half the overdraft, which
-    carries the worker meanwhile. (A message per element halved the parent's rate of small
-    elements; a quarter of the overdraft at a time cost both engines 15-20%.)"""
-    return max(least, room // 2)
+def credit_batch(buffer_size: int, room: int = 0) -> int:
+    """How many credits a parent returns in one message to a worker with
+    ``per_worker_buffer_size`` ``buffer_size`` whose elements may overdraw by ``room``
+    (``overdraft_room``; 0 for elements in shared memory): half the buffer, or half the
+    overdraft, which carries the worker meanwhile, and at least one. (A message per element
+    halved the parent's rate of small elements; a quarter of the overdraft at a time cost
+    both engines 15-20%.)"""
+    return max(1, buffer_size // 2, room // 2)
 
 
 #: Generation of statistics messages: no ``set_state`` generation (they count up from 0).

@@ -13,6 +13,7 @@ from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
 
+from grain_core._checks import positive_int
 from grain_core.record import RecordMetadata
 from grain_core.sharding import NoSharding, ShardOptions, even_split
 
@@ -166,8 +167,8 @@ class IndexSampler:
 
         self._num_records = _check_num_records(num_records)
         self._shard_options = shard_options if shard_options is not None else NoSharding()
-        if num_epochs is not None and num_epochs <= 0:
-            raise ValueError(f"num_epochs must be positive or None, got {num_epochs}.")
+        if num_epochs is not None:
+            num_epochs = positive_int("num_epochs", num_epochs)
         if shuffle and seed is None:
             raise ValueError("Shuffling requires specifying a seed.")
         self._seed = _check_seed(seed)

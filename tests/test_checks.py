@@ -52,6 +52,8 @@ def test_bounds_are_inclusive() -> None:
         (lambda v: grain.ReadOptions(num_threads=v), "ReadOptions.num_threads"),
         (lambda v: grain.MultiprocessingOptions(num_workers=v), "num_workers"),
         (lambda v: grain.sharding.ShardOptions(0, v), "shard_count"),
+        (lambda v: grain.MapDataset.range(3).repeat(v), "num_epochs"),
+        (lambda v: grain.samplers.IndexSampler(3, num_epochs=v), "num_epochs"),
         (
             lambda v: RebatchIterDataset(grain.MapDataset.range(4).to_iter_dataset(), v),
             "batch_size",

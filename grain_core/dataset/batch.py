@@ -153,7 +153,7 @@ class BatchMapDataset(MapDataset[Any]):
         batch_fn: Callable[[Sequence[Any]], Any] | None = None,
     ) -> None:
         super().__init__(parent)
-        positive_int("batch_size", batch_size)
+        batch_size = positive_int("batch_size", batch_size)
         holes = has_holes_upstream(parent)
         if holes is not None:
             raise ValueError(
@@ -279,8 +279,7 @@ class BatchIterDataset(IterDataset[Any]):
         batch_fn: Callable[[Sequence[Any]], Any] | None = None,
     ) -> None:
         super().__init__(parent)
-        positive_int("batch_size", batch_size)
-        self._batch_size = int(batch_size)
+        self._batch_size = positive_int("batch_size", batch_size)
         self._drop_remainder = drop_remainder
         self._batch_fn = _resolve_batch_fn(batch_fn)
 

@@ -546,8 +546,7 @@ class PositionDispatcher:
         self._consumed = [0] * n
         # Per worker: credits go in batches of this many (larger while its results may
         # overdraw: the overdraft carries it meanwhile).
-        self._min_credit_batch = max(1, self._buffer // 2)
-        self._credit_batch = [self._min_credit_batch] * n
+        self._credit_batch = [credit_batch(self._buffer)] * n
         self._ahead = self._buffer  # results a worker may send beyond those consumed
         self._cpu_seconds = [0.0] * n  # per worker: average CPU seconds per element (0: unknown)
         # Per worker: its CPU time when its average was last updated, and results since.
@@ -813,7 +812,7 @@ class PositionDispatcher:
             else overdraft_room(self._pool.last_message_bytes // count)
         )
         self._overdraft_room[worker] = room
-        self._credit_batch[worker] = credit_batch(self._min_credit_batch, room)
+        self._credit_batch[worker] = credit_batch(self._buffer, room)
         self._since_learned[worker] += count
         spent = cpu_total - self._cpu_mark[worker]
         if spent >= _RUN_TARGET_S or self._since_learned[worker] >= _LEARN_EVERY:

@@ -525,7 +525,7 @@ class _ProcessPrefetchIterator(DatasetIterator[Any]):
         # the worker's overdraft (``_worker``), and while they do, credits go back in
         # batches (``credit_batch``).
         self._buffer = mp_ds.options.per_worker_buffer_size
-        self._min_grant_batch = self._grant_batch = max(1, self._buffer // 2)
+        self._grant_batch = credit_batch(self._buffer)
         self._pool: WorkerPool | None = None
         self._finalizer: weakref.finalize | None = None
         self._state: Any = None
@@ -608,10 +608,10 @@ class _ProcessPrefetchIterator(DatasetIterator[Any]):
             self._received.extend(element)
             if self._buffer:
                 room = overdraft_room(max(map(len, element)))
-                self._grant_batch = credit_batch(self._min_grant_batch, room)
+                self._grant_batch = credit_batch(self._buffer, room)
             return self._hand_out_pickled()
         if kind == ELEMENT:  # in shared memory
-            self._grant_batch = self._min_grant_batch
+            self._grant_batch = credit_batch(self._buffer)
             self._handed_out(state)
             return _shm.open_from_shm(element, self._recycled) if names else element
         self._outstanding -= 1

@@ -26,7 +26,7 @@ from typing import Any, Generic, TypeVar
 import numpy as np
 
 from grain_core import _tree
-from grain_core._checks import positive_int
+from grain_core._checks import non_negative_int, positive_int
 from grain_core.dataset.base import DatasetIterator, IterDataset
 
 __all__ = ["BestFitPackIterDataset", "FirstFitPackIterDataset", "PackAndBatchOperation"]
@@ -371,9 +371,7 @@ class _PackIterDataset(IterDataset[dict[str, Any]]):
                 f"{meta_features!r}; did you mean [{meta_features!r}]?"
             )
         self._num_bins = positive_int("`num_packing_bins`", num_packing_bins)
-        if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)) or seed < 0:
-            raise ValueError(f"Packing `seed` must be a non-negative integer, got {seed!r}.")
-        self._seed = int(seed)
+        self._seed = non_negative_int("Packing `seed`", seed)
         self._shuffle_bins = bool(shuffle_bins)
         self._max_sequences = _check_max_sequences(max_sequences_per_bin)
         meta = set(meta_features)

@@ -63,8 +63,7 @@ class RebatchIterDataset(IterDataset[Any]):
         self, parent: IterDataset[Any], batch_size: int, drop_remainder: bool = False
     ) -> None:
         super().__init__(parent)
-        positive_int("batch_size", batch_size)
-        self._batch_size = int(batch_size)
+        self._batch_size = positive_int("batch_size", batch_size)
         self._drop_remainder = drop_remainder
 
     @property

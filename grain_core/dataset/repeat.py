@@ -7,6 +7,7 @@ from typing import Any
 
 import numpy as np
 
+from grain_core._checks import positive_int
 from grain_core.dataset.base import INFINITE, Indices, MapDataset
 
 __all__ = ["RepeatMapDataset"]
@@ -35,8 +36,8 @@ class RepeatMapDataset(MapDataset[Any]):
                 f"Repeating already infinite dataset {parent!r} does nothing. Remove the "
                 "`repeat()` call."
             )
-        if num_epochs is not None and num_epochs <= 0:
-            raise ValueError(f"num_epochs must be positive or None, got {num_epochs}.")
+        if num_epochs is not None:
+            num_epochs = positive_int("num_epochs", num_epochs)
         self._parent = parent
         self._parent_len = n
         self._num_epochs = num_epochs
