@@ -644,8 +644,16 @@ class DataLoaderIterator:
                     f"has {fingerprint(obj)!r}. Restore with the same {key}; a custom one needs "
                     "a stable __repr__ that does not embed data."
                 )
-        index_layout = loader._index_layout and self._in_index_layout(data)
-        if not index_layout and data.get("worker_count") != loader._worker_count:
+        try:
+            index_layout = loader._index_layout and self._in_index_layout(data)
+            same_workers = data.get("worker_count") == loader._worker_count
+            inner = self._inner_state(data, index_layout) if index_layout or same_workers else None
+        except (AttributeError, KeyError, TypeError, ValueError) as e:
+            raise ValueError(
+                f"DataLoader state is malformed ({type(e).__name__}: {e}); it is not one that "
+                "get_state wrote (or Google Grain's DataLoader)."
+            ) from e
+        if inner is None:
             why = (
                 "Google Grain's workers batched their own records"
                 if loader._index_layout
@@ -660,12 +668,15 @@ class DataLoaderIterator:
             self._it.close()
             self._index_layout = index_layout
             self._it = iter(loader._dataset_for(index_layout))
-        if loader._has_flat_map:
-            self._it.set_state(data["dataset_state"])
-        elif index_layout:
-            self._it.set_state(self._index_layout_state(data))
-        else:
-            self._it.set_state(self._stream_layout_state(data))
+        self._it.set_state(inner)
+
+    def _inner_state(self, data: dict[str, Any], index_layout: bool) -> dict[str, Any]:
+        """The pipeline's state for ``data`` in the layout chosen."""
+        if self._loader._has_flat_map:
+            return data["dataset_state"]  # type: ignore[no-any-return]
+        if index_layout:
+            return self._index_layout_state(data)
+        return self._stream_layout_state(data)
 
     def _in_index_layout(self, data: dict[str, Any]) -> bool:
         """Whether ``data`` holds positions of the index layout (any worker count), rather

@@ -200,6 +200,13 @@ def test_restore_validates_source_and_sampler() -> None:
         it.set_state(b'{"version": 2, "last_')
     with pytest.raises(ValueError, match="version"):
         it.set_state(b'{"version": 1}')
+    fields = json.loads(state)
+    for broken in ({"last_seen_indices": {"0": "x"}}, {"last_seen_indices": None}):
+        with pytest.raises(ValueError, match="DataLoader state is malformed"):
+            it.set_state(json.dumps({**fields, **broken}).encode())
+    del fields["last_seen_indices"]
+    with pytest.raises(ValueError, match="malformed \\(KeyError"):
+        it.set_state(json.dumps(fields).encode())
 
 
 class _UserSource:
