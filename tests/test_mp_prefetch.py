@@ -896,13 +896,47 @@ def test_dataset_is_picklable_and_shm_module_leaves_nothing() -> None:
     assert _shm.unlink_prefix(f"gc{os.getpid():x}") == []
 
 
-def test_workers_recycle_shared_memory_blocks(no_shm_leak: None) -> None:
-    ds = grain.MapDataset.range(40).map(_big).to_iter_dataset().mp_prefetch(_opts(1, buffer=1))
-    with iter(ds) as it:
+def _keep(x: Any) -> bool:
+    return True
+
+
+@pytest.mark.parametrize("buffer", [1, 2])
+@pytest.mark.parametrize("rotation", [False, True], ids=["dispatch", "rotation"])
+def test_workers_recycle_shared_memory_blocks(
+    no_shm_leak: None, rotation: bool, buffer: int
+) -> None:
+    ds = grain.MapDataset.range(40).map(_big).to_iter_dataset()
+    if rotation:
+        ds = ds.filter(_keep)  # an IterDataset step: workers stream their shares
+    blocks: set[str] = set()
+    with iter(ds.mp_prefetch(_opts(1, buffer=buffer))) as it:
         for x in it:
+            blocks |= _shm_names()
             del x  # the block goes back to the worker with the next request
-        blocks = _shm_names()
-    assert 0 < len(blocks) <= 6  # 40 elements used a handful of recycled blocks
+    # 40 elements used the blocks of the elements buffered and the one the consumer holds: an
+    # element waiting for a credit takes no block until it has one.
+    assert 0 < len(blocks) <= buffer + 1
+
+
+def _big_rows(x: int) -> np.ndarray:
+    return np.full(64 * 1024, x, np.float32)
+
+
+def test_set_state_returns_the_block_of_a_batch_waiting_for_a_credit(no_shm_leak: None) -> None:
+    # The batch, stacked into shared memory by the worker, waits for a credit when set_state
+    # drops it: its block goes back to the worker's pool instead of staying taken.
+    ds = grain.MapDataset.range(64).map(_big_rows).to_iter_dataset().filter(_keep).batch(2)
+    with iter(ds.mp_prefetch(_opts(1, buffer=1))) as it:
+        start = it.get_state()
+        blocks: set[str] = set()
+        for _ in range(12):
+            it.set_state(start)
+            x = next(it)
+            assert float(x[0, 0]) == 0.0
+            del x
+            time.sleep(0.02)  # the worker makes the next batches, which wait for credits
+            blocks |= _shm_names()
+    assert 0 < len(blocks) <= 4
 
 
 # ----------------------------------------------------------------- execution statistics
