@@ -89,10 +89,12 @@ __all__ = [
     "STATS_WAITING_INTERVAL_S",
     "WANTS_CREDIT",
     "WARNING",
+    "UnreadableElementError",
     "WorkerDiedError",
     "WorkerPool",
     "WorkerSpec",
     "overdraft_room",
+    "unreadable_element_error",
     "worker_glibc_tunables",
 ]
 
@@ -988,8 +990,27 @@ _SIGNAL_HINTS = {
 }
 
 
+#: Seconds that stopping a pool gives its workers to exit before they are killed.
+_STOP_TIMEOUT_S = 5.0
+
+
 class WorkerDiedError(RuntimeError):
     """A worker process ended without being asked to."""
+
+
+class UnreadableElementError(RuntimeError):
+    """A worker sent an element that cannot be unpickled in the parent: the message, and any
+    elements with it, are lost, so the iterator stops at it until ``set_state``."""
+
+
+def unreadable_element_error(worker: str, error: Exception) -> UnreadableElementError:
+    """The error for worker ``worker``'s message that unpickling failed on with ``error``."""
+    return UnreadableElementError(
+        f"Worker process {worker} sent an element that cannot be unpickled in the main "
+        f"process: {type(error).__name__}: {error}. The iterator stops here (restore a "
+        "checkpoint with set_state to go on). Elements must be rebuilt in the main process "
+        "from their pickle: NumPy arrays and plain Python values always can be."
+    )
 
 
 class WorkerPool:
@@ -1066,6 +1087,7 @@ class WorkerPool:
 
         Raises:
           WorkerDiedError: If the worker process ended.
+          UnreadableElementError: If the message cannot be unpickled.
         """
         conn = self._outputs[index]
         if not ready and not self._output_ready[index]():
@@ -1079,7 +1101,10 @@ class WorkerPool:
         except (EOFError, OSError):
             raise self._died(index) from None
         self.last_message_bytes = len(data)
-        return pickle.loads(data)  # type: ignore[no-any-return]
+        try:
+            return pickle.loads(data)  # type: ignore[no-any-return]
+        except Exception as e:
+            raise unreadable_element_error(self._labels[index], e) from e
 
     def _died(self, index: int) -> WorkerDiedError:
         proc = self._procs[index]
@@ -1100,17 +1125,21 @@ class WorkerPool:
         )
 
     def shutdown(self) -> None:
-        """Stops every worker, frees shared memory left in flight. Idempotent."""
+        """Stops every worker, frees shared memory left in flight. Idempotent.
+
+        Workers get ``_STOP_TIMEOUT_S`` in all to exit (one busy in a long user function is
+        killed after it), not that long each."""
         if self._closed:
             return
         self._closed = True
         for index in range(len(self._controls)):
             self.send(index, ("stop",))
-        for index, proc in enumerate(self._procs):
-            self._drain_until_exit(index, proc, timeout=5.0)
+        self._drain_until_exit(time.monotonic() + _STOP_TIMEOUT_S)
+        for proc in self._procs:
             if proc.exitcode is None:
                 proc.kill()
-                proc.join(timeout=5)
+        for index, proc in enumerate(self._procs):
+            proc.join(timeout=5)
             _shm.unlink_prefix(self._prefixes[index])
         for conn in (*self._controls, *self._outputs):
             conn.close()
@@ -1118,18 +1147,23 @@ class WorkerPool:
             if proc.exitcode is not None:
                 proc.close()
 
-    def _drain_until_exit(self, index: int, proc: Any, timeout: float) -> None:
+    def _drain_until_exit(self, deadline: float) -> None:
         # A worker blocked writing a large message exits only once that message is read.
-        deadline = time.monotonic() + timeout
-        conn = self._outputs[index]
-        while proc.exitcode is None:
+        running = dict(zip(self._outputs, self._procs, strict=True))
+        while running:
+            for conn, proc in list(running.items()):
+                if proc.exitcode is not None:
+                    del running[conn]
             remaining = deadline - time.monotonic()
-            if remaining <= 0:
+            if not running or remaining <= 0:
                 return
-            ready = multiprocessing.connection.wait([conn, proc.sentinel], timeout=remaining)
-            if conn in ready:
+            waitables = [*running, *(proc.sentinel for proc in running.values())]
+            ready: list[Any] = multiprocessing.connection.wait(waitables, timeout=remaining)
+            for conn in ready:
+                if conn not in running:
+                    continue  # a sentinel: exitcode tells on the next round
                 try:
                     conn.recv_bytes()
                 except (EOFError, OSError):
-                    proc.join(timeout=max(deadline - time.monotonic(), 0))
-                    return
+                    running[conn].join(timeout=max(deadline - time.monotonic(), 0))
+                    del running[conn]

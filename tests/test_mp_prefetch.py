@@ -839,6 +839,75 @@ def test_closed_iterator_and_gc_release_everything(no_shm_leak: None) -> None:
     assert not alive & set(pids)
 
 
+def _rebuilt_in_workers_only(value: int) -> int:
+    if multiprocessing.parent_process() is None:
+        raise ValueError(f"cannot rebuild {value} in the main process")
+    return value
+
+
+class _OnlyWorkersRebuild:
+    def __init__(self, value: int) -> None:
+        self.value = value
+
+    def __reduce__(self) -> Any:
+        return (_rebuilt_in_workers_only, (self.value,))
+
+
+def _unreadable_at_three(x: int) -> Any:
+    if x != 3:
+        return x
+    return {"odd": _OnlyWorkersRebuild(x), "big": np.zeros(1 << 17)}
+
+
+def _unreadable_small_at_three(x: int) -> Any:
+    return _OnlyWorkersRebuild(x) if x == 3 else x
+
+
+@pytest.mark.parametrize("dispatch", [True, False], ids=["dispatch", "rotation"])
+@pytest.mark.parametrize(
+    "make", [_unreadable_at_three, _unreadable_small_at_three], ids=["with_shm", "pickled"]
+)
+def test_an_element_the_parent_cannot_unpickle_stops_the_stream_until_set_state(
+    no_shm_leak: None, dispatch: bool, make: Callable[[int], Any]
+) -> None:
+    ds = grain.MapDataset.range(10).map(make).to_iter_dataset()
+    grain.config.update("py_mp_prefetch_dispatch", dispatch)
+    try:
+        with iter(ds.mp_prefetch(_opts(2))) as it:
+            start = it.get_state()
+            assert [next(it) for _ in range(3)] == [0, 1, 2]
+            for _ in range(3):  # the same error every time: never a hang, nothing skipped
+                with pytest.raises(_worker.UnreadableElementError, match="process 1 of 2 sent"):
+                    next(it)
+            it.set_state(start)
+            assert [next(it) for _ in range(3)] == [0, 1, 2]
+    finally:
+        grain.config.update("py_mp_prefetch_dispatch", True)
+
+
+def _stuck_after_three(x: int) -> int:
+    if x >= 3:
+        time.sleep(60)
+    return x
+
+
+def test_close_gives_busy_workers_one_timeout_in_all(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Three workers inside a long user function cannot take the stop message: they are killed
+    # after one stop timeout together, not one each in turn.
+    monkeypatch.setattr(_worker, "_STOP_TIMEOUT_S", 1.0)
+    ds = (
+        grain.MapDataset.range(100)
+        .map(_stuck_after_three)
+        .to_iter_dataset(read_options=grain.ReadOptions(num_threads=1, prefetch_buffer_size=1))
+    )
+    it = iter(ds.mp_prefetch(_opts(3)))
+    assert [next(it) for _ in range(3)] == [0, 1, 2]
+    time.sleep(0.5)  # every worker is now in the function
+    began = time.monotonic()
+    it.close()
+    assert time.monotonic() - began < 2.5
+
+
 def test_workers_exit_when_the_parent_dies(tmp_path: Any) -> None:
     script = tmp_path / "parent.py"
     script.write_text(

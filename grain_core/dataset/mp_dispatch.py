@@ -54,6 +54,7 @@ from grain_core._worker import (
     ELEMENTS,
     ERROR,
     STATS_GENERATION,
+    UnreadableElementError,
     WorkerDiedError,
     WorkerPool,
     WorkerSpec,
@@ -681,6 +682,7 @@ class PositionDispatcher:
         """
         if isinstance(self.error, WorkerDiedError):
             raise self.error
+        self.error = None  # an unreadable element: the new generation drops the rest of it
         self._ended[cls] = False
         if self._batches is not None:
             elements = next_index
@@ -722,7 +724,7 @@ class PositionDispatcher:
             # next pump (a check per message would cost a system call each).
             for w in ready:
                 self._receive(w)
-        except WorkerDiedError as e:
+        except (WorkerDiedError, UnreadableElementError) as e:
             self.error = e
             raise
         self._assign()
@@ -765,7 +767,6 @@ class PositionDispatcher:
             self._recycled[worker].released.extend(names)
         self._held.clear()
         self._forget_work()
-        self.error = None
         self._assign(every_worker=True)
 
     def _forget_work(self) -> None:

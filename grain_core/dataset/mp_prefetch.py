@@ -44,11 +44,13 @@ from grain_core._worker import (
     STATS_GENERATION,
     WANTS_CREDIT,
     WARNING,
+    UnreadableElementError,
     WorkerDiedError,
     WorkerPool,
     WorkerSpec,
     credit_batch,
     overdraft_room,
+    unreadable_element_error,
 )
 from grain_core.dataset.base import (
     DatasetIterator,
@@ -587,7 +589,7 @@ class _ProcessPrefetchIterator(DatasetIterator[Any]):
         while True:
             try:
                 generation, kind, element, state, names, dropped = pool.recv(0)
-            except WorkerDiedError as e:
+            except (WorkerDiedError, UnreadableElementError) as e:
                 self._error = e
                 raise
             self._recycled.forget(dropped)
@@ -624,7 +626,12 @@ class _ProcessPrefetchIterator(DatasetIterator[Any]):
 
     def _hand_out_pickled(self) -> Any:
         blob = self._received.popleft()
-        element, state = pickle.loads(blob)
+        try:
+            element, state = pickle.loads(blob)
+        except Exception as e:
+            self._received.clear()  # the stream stops at this element
+            self._error = unreadable_element_error(f"{self._index} of {self._count}", e)
+            raise self._error from e
         self._handed_out(state)
         return element
 
