@@ -10,7 +10,8 @@ Protocol, one pair of pipes per worker (no polling anywhere):
 
 * control (parent → worker): ``("credit", k, names)`` allows ``k`` more elements and hands back
   shared-memory blocks the parent no longer uses (the worker reuses them); ``("set_state",
-  generation, state, credits)`` restores the worker pipeline without restarting the process;
+  generation, state, credits, names)`` restores the worker pipeline without restarting the
+  process (``names``: the blocks of the elements sent before, which the parent dropped);
   ``("stop",)``. The parent grants ``per_worker_buffer_size`` credits and returns one for
   each element it hands out. An element that needs no shared memory may also go without a
   credit, instead of waiting for the parent's wake-up after each, while the worker's
@@ -538,7 +539,8 @@ class _WorkerLoop:
             self._add_credits(message[1])
             _shm.release_blocks(message[2])
         elif kind == "set_state":
-            _, self._generation, state, credits = message
+            _, self._generation, state, credits, names = message
+            _shm.release_blocks(names)
             self._reset_credits(credits)
             self._finished = False
             if self._it is not None:

@@ -834,7 +834,7 @@ def test_a_rotating_worker_encodes_an_element_waiting_for_a_credit_when_it_sends
     with _worker_loop_in_thread(ds, 1, monkeypatch, False, ["freed"]) as (control, output):
         assert output.poll(10)
         assert pickle.loads(output.recv_bytes())[1] == WANTS_CREDIT  # element 0 waits
-        control("set_state", 1, state, 1)
+        control("set_state", 1, state, 1, [])
         generation, kind, _, _, names, dropped = pickle.loads(output.recv_bytes())
         assert (generation, kind, len(names), dropped) == (1, ELEMENT, 1, ["freed"])
 

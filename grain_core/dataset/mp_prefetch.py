@@ -665,9 +665,35 @@ class _ProcessPrefetchIterator(DatasetIterator[Any]):
         self._received.clear()
         if self._pool is None:
             return
+        released = self._drop_messages_in_flight()
         self._generation += 1
-        self._pool.send(0, ("set_state", self._generation, self._state, self._buffer))
+        self._pool.send(0, ("set_state", self._generation, self._state, self._buffer, released))
         self._outstanding = self._buffer
+
+    def _drop_messages_in_flight(self) -> list[str]:
+        """Reads what the worker has sent and the consumer will now never see, and returns the
+        blocks to hand back with ``set_state``: restoring again and again without reading
+        would otherwise leave a buffer's worth of blocks in the pipe each time.
+
+        Raises:
+          WorkerDiedError: The worker process ended.
+        """
+        assert self._pool is not None
+        try:
+            while self._pool.ready_workers():
+                try:
+                    generation, kind, element, _, names, dropped = self._pool.recv(0, ready=True)
+                except UnreadableElementError:
+                    continue  # dropped anyway
+                self._recycled.forget(dropped)
+                if generation == STATS_GENERATION:
+                    receive_side_message(kind, element, self, self._warning_registry)
+                else:
+                    self._recycled.released.extend(names)
+        except WorkerDiedError as e:
+            self._error = e
+            raise
+        return self._recycled.take_released()
 
     def close(self) -> None:
         if self._closed:
