@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import functools
 import os
 import sys
 import threading
@@ -379,34 +380,44 @@ def _read_worker_id(x: int) -> tuple[int, str]:
     return x, os.environ["TEST_WORKER_ID"]
 
 
-def test_config_turns_dispatch_off_for_worker_dependent_maps() -> None:
+def test_a_worker_init_fn_keeps_each_worker_on_its_share() -> None:
+    # What the function set up differs by worker: element k comes from worker k % N on every
+    # run, as the config switch makes it for any pipeline.
     ds = grain.MapDataset.range(9).map(_read_worker_id).to_iter_dataset()
+    assert list(ds.mp_prefetch(_opts(3), worker_init_fn=_worker_id)) == [
+        (x, str(x % 3)) for x in range(9)
+    ]
     grain.config.update("py_mp_prefetch_dispatch", False)
     try:
-        out = list(ds.mp_prefetch(_opts(3), worker_init_fn=_worker_id))
+        assert mp_dispatch.dispatchable(ds, 3, False) is False
     finally:
         grain.config.update("py_mp_prefetch_dispatch", True)
-    assert out == [(x, str(x % 3)) for x in range(9)]
 
 
 # ------------------------------------------------------------------------- load balance
-def _slow_in_worker_zero(index: int, count: int) -> None:
-    os.environ["TEST_SLOW_WORKER"] = "1" if index == 0 else "0"
+_SLOW: list[bool] = []
 
 
-def _timed_identity(x: int) -> tuple[int, str]:
-    slow = os.environ["TEST_SLOW_WORKER"] == "1"
+def _timed_identity(x: int, flag: str) -> tuple[int, str]:
+    if not _SLOW:  # the first worker to create the flag file is the slow one
+        try:
+            os.close(os.open(flag, os.O_CREAT | os.O_EXCL))
+            _SLOW.append(True)
+        except FileExistsError:
+            _SLOW.append(False)
+    slow = _SLOW[0]
     deadline = time.thread_time() + (0.03 if slow else 0.002)
     while time.thread_time() < deadline:  # CPU work: what a worker on a busy core does slowly
         pass
     return x, "slow" if slow else "fast"
 
 
-def test_a_slow_worker_does_not_hold_back_the_fast_one() -> None:
+def test_a_slow_worker_does_not_hold_back_the_fast_one(tmp_path: Any) -> None:
     # Strict rotation makes each worker compute exactly its half; dispatch hands most of the
     # positions to the worker that is free, and the output order does not change.
-    ds = grain.MapDataset.range(60).map(_timed_identity).to_iter_dataset()
-    with iter(ds.mp_prefetch(_opts(2), worker_init_fn=_slow_in_worker_zero)) as it:
+    timed = functools.partial(_timed_identity, flag=str(tmp_path / "slow"))
+    ds = grain.MapDataset.range(60).map(timed).to_iter_dataset()
+    with iter(ds.mp_prefetch(_opts(2))) as it:
         out = list(it)
     assert [x for x, _ in out] == list(range(60))
     by_fast = sum(1 for _, who in out if who == "fast")

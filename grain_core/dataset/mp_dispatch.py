@@ -101,11 +101,10 @@ _TIME_WEIGHT = 0.3
 
 
 def dispatchable(ds: IterDataset[Any], count: int, sequential_slice: bool) -> bool:
-    """Whether ``mp_prefetch`` over ``ds`` with ``count`` workers dispatches positions: ``ds``
-    has a ``dispatch_view``, the workers take strided shares, and
+    """Whether ``mp_prefetch`` over ``ds`` with ``count`` workers (and no ``worker_init_fn``)
+    dispatches positions: ``ds`` has a ``dispatch_view``, the workers take strided shares, and
     ``grain_core.config.py_mp_prefetch_dispatch`` is on (off, each worker computes its own
-    strided share: for transformations whose result depends on state a ``worker_init_fn``
-    set up, which would otherwise depend on which worker was free)."""
+    strided share: for transformations whose result depends on the worker computing it)."""
     from grain_core.config import config
 
     return (

@@ -215,7 +215,11 @@ class MultiprocessPrefetchIterDataset(IterDataset[Any]):
         from grain_core.dataset import mp_dispatch
 
         make: Callable[[int], DatasetIterator[Any]]
-        if mp_dispatch.dispatchable(self._parents[0], self.num_workers, self.sequential_slice):
+        # What a worker_init_fn sets up may differ by worker: element k then has to come from
+        # worker k % N, as in a single strided share each, for the output to be deterministic.
+        if self.worker_init_fn is None and mp_dispatch.dispatchable(
+            self._parents[0], self.num_workers, self.sequential_slice
+        ):
             make = functools.partial(
                 mp_dispatch.DispatchedClassIterator, mp_dispatch.PositionDispatcher(self)
             )
