@@ -27,6 +27,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import sys
 from collections.abc import Sequence
 from typing import Any
 
@@ -102,10 +103,13 @@ def _sampler_length(sampler: Any) -> int:
         return len(sampler)
     except TypeError:
         pass
-    # First index where the sampler raises IndexError: exponential then binary search.
+    # First index where the sampler raises IndexError: exponential then binary search. One
+    # that answers at sys.maxsize - 1 is infinite, as len() of an infinite dataset says.
     hi = 1
     while _has_index(sampler, hi - 1):
-        hi *= 2
+        if hi >= sys.maxsize:
+            return sys.maxsize
+        hi = min(2 * hi, sys.maxsize)
     lo = hi // 2
     while lo < hi:
         mid = (lo + hi) // 2

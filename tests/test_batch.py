@@ -48,6 +48,15 @@ def test_make_batch_of_datetimes_keeps_every_unit():
     assert make_batch(values).tolist() == [np.datetime64(v, "s").item() for v in values]
 
 
+def test_make_batch_of_structured_arrays_and_records():
+    record = np.dtype([("a", "<i4"), ("b", "<f8")])
+    rows = [np.array([(i, 0.5)] * 3, dtype=record) for i in range(2)]
+    batch = make_batch(rows)
+    assert batch.dtype == record and batch.shape == (2, 3)
+    assert batch["a"].tolist() == [[0, 0, 0], [1, 1, 1]]
+    assert make_batch([row[0] for row in rows]).tolist() == [(0, 0.5), (1, 0.5)]
+
+
 def test_make_batch_of_arrays_with_different_dtypes_promotes():
     out = make_batch([np.zeros(2, np.int8), np.full(2, 0.5, np.float64)])
     assert out.dtype == np.float64 and out.tolist() == [[0, 0], [0.5, 0.5]]

@@ -324,6 +324,15 @@ def test_sharded_loaders_and_sampler_without_len() -> None:
             return grain.RecordMetadata(i, 9 - i)
 
     assert list(grain.DataLoader(data_source=SOURCE, sampler=Unsized())) == list(range(9, -1, -1))
+
+    class Endless:  # no __len__, never an IndexError: infinite, as an unbounded IndexSampler
+        _shard_options = NoSharding()
+
+        def __getitem__(self, i: int) -> Any:
+            return grain.RecordMetadata(i, i % 3)
+
+    with iter(grain.DataLoader(data_source=SOURCE, sampler=Endless())) as it:
+        assert [next(it) for _ in range(5)] == [0, 1, 2, 0, 1]
     sampler = SequentialSampler(10, ShardOptions(1, 3, drop_remainder=False))
     assert list(grain.DataLoader(data_source=SOURCE, sampler=sampler)) == [1, 4, 7]
 

@@ -20,9 +20,10 @@ __all__ = ["BatchIterDataset", "BatchMapDataset", "has_holes_upstream", "make_ba
 def _stack_leaves(*leaves: Any) -> np.ndarray:
     first = leaves[0]
     if isinstance(first, np.ndarray):
-        if first.dtype != object:
+        if first.dtype != object and first.dtype.names is None:
             # np.array copies equally shaped arrays in one C loop (about 2x np.stack); unequal
-            # shapes raise ValueError, described by the caller.
+            # shapes raise ValueError, described by the caller. (It would read structured
+            # arrays as sequences of tuples.)
             return np.array(leaves, dtype=first.dtype if _same_dtype(leaves) else None)
         return np.stack(leaves)
     _check_same_type(leaves)
