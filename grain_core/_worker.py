@@ -1030,6 +1030,12 @@ class WorkerPool:
         #: Size of the last message ``recv`` read (the parent tells small elements from large
         #: ones as the worker did).
         self.last_message_bytes = 0
+        if multiprocessing.current_process().daemon:
+            raise ValueError(
+                "mp_prefetch cannot start worker processes inside a worker process (an "
+                "mp_prefetch or DataLoader with workers inside another one's pipeline). Keep "
+                "one at the end of the pipeline; use multithread_prefetch inside."
+            )
         process_cls = _process_class()
         try:
             for spec in specs:

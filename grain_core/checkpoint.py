@@ -76,7 +76,7 @@ def read_process_file(directory: Any, *, any_process: bool = False) -> str:
     if not path.exists():
         files = sorted(path.parent.glob("process_*-of-*.json"))
         if any_process and files:
-            return files[0].read_text(encoding="utf-8")
+            return _read_text(files[0])
         names = (p.stem.rsplit("-of-", 1)[1] for p in files)
         written = sorted({int(n) for n in names if n.isdigit()})
         count = _process_index_and_count()[1]
@@ -92,7 +92,17 @@ def read_process_file(directory: Any, *, any_process: bool = False) -> str:
             f"File {path} does not exist. The checkpoint was not written by this process "
             "(check the directory and the JAX process count)."
         )
-    return path.read_text(encoding="utf-8")
+    return _read_text(path)
+
+
+def _read_text(path: Path) -> str:
+    try:
+        return path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as e:
+        raise ValueError(
+            f"Checkpoint file {path} is not UTF-8 text ({e}); it is corrupt or not a "
+            "grain_core checkpoint. Restore an earlier checkpoint."
+        ) from e
 
 
 def save_coroutine(directory: Any, text: str) -> Coroutine[Any, Any, None]:
@@ -149,7 +159,8 @@ class CheckpointHandler:
         """Restores ``item`` in place from ``directory`` and starts its prefetch.
 
         Raises:
-          ValueError: if the file is missing, truncated or not JSON.
+          ValueError: if the file is missing, truncated or not JSON, or holds the state of
+            another kind of iterator.
         """
         item = item if item is not None else args.item
         if getattr(item, "checkpoints_shard_states", False):  # elastic IterDataset mode
@@ -159,17 +170,25 @@ class CheckpointHandler:
             item.start_prefetch()
             return item
         text = read_process_file(directory, any_process=_same_state_everywhere(item))
+        path = Path(os.fspath(directory)) / process_file_name()
         try:
             state = json.loads(text)
         except json.JSONDecodeError as e:
             raise ValueError(
-                f"Checkpoint file {Path(os.fspath(directory)) / process_file_name()} is not "
-                f"valid JSON ({e}); it is truncated or corrupt. Restore an earlier checkpoint."
+                f"Checkpoint file {path} is not valid JSON ({e}); it is truncated or corrupt. "
+                "Restore an earlier checkpoint."
             ) from e
-        if _takes_bytes(item):
-            item.set_state(text.encode())
-        else:
-            item.set_state(state)
+        try:
+            item.set_state(text.encode() if _takes_bytes(item) else state)
+        except ValueError as e:
+            e.add_note(f"Restoring from checkpoint file {path}.")
+            raise
+        except (KeyError, TypeError, IndexError, AttributeError) as e:
+            raise ValueError(
+                f"Checkpoint file {path} does not hold a state of this {type(item).__name__} "
+                f"({type(e).__name__}: {e}): it was saved from another pipeline or another "
+                "kind of iterator (a DataLoader's, or one with another worker count)."
+            ) from e
         item.start_prefetch()
         return item
 

@@ -78,6 +78,27 @@ def test_bad_checkpoint_files(tmp_path: Path) -> None:
         handler.restore(tmp_path, _dataset_iterator())
     with pytest.raises(ValueError, match="not valid JSON"):
         handler.restore(tmp_path, _loader_iterator())
+    (tmp_path / "process_0-of-1.json").write_bytes(b"\xff\xfe{}")
+    with pytest.raises(ValueError, match="process_0-of-1.json is not UTF-8 text"):
+        handler.restore(tmp_path, _dataset_iterator())
+
+
+@pytest.mark.parametrize(
+    "text",
+    ["null", "[1, 2]", '{"iterators_in_use_indices": [0]}', '{"version": 2, "x": 1}'],
+    ids=["null", "list", "another_iterator", "a_dataloader_state"],
+)
+def test_a_checkpoint_of_another_iterator_is_a_clear_error(tmp_path: Path, text: str) -> None:
+    (tmp_path / "process_0-of-1.json").write_text(text)
+    with pytest.raises(ValueError, match="process_0-of-1.json does not hold a state of this"):
+        checkpoint.CheckpointHandler().restore(tmp_path, _dataset_iterator())
+
+
+def test_an_invalid_state_error_names_the_checkpoint_file(tmp_path: Path) -> None:
+    (tmp_path / "process_0-of-1.json").write_text('{"version": 2, "last_seen_indices": null}')
+    with _loader_iterator() as it, pytest.raises(ValueError, match="sampler None") as raised:
+        checkpoint.CheckpointHandler().restore(tmp_path, it)
+    assert "process_0-of-1.json" in "".join(raised.value.__notes__)
 
 
 def test_orbax_v1_protocol(tmp_path: Path) -> None:

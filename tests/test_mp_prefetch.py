@@ -723,6 +723,21 @@ def test_unpicklable_pipeline_names_the_node() -> None:
     assert "MapMapDataset" in "\n".join(info.value.__notes__)
 
 
+def test_unpicklable_worker_init_fn_says_so() -> None:
+    lock = threading.Lock()
+    ds = grain.MapDataset.range(4).to_iter_dataset()
+    with pytest.raises(TypeError) as info:
+        next(iter(ds.mp_prefetch(_opts(2), worker_init_fn=lambda i, n: lock.acquire())))
+    assert "worker_init_fn <function" in "\n".join(info.value.__notes__)
+
+
+def test_mp_prefetch_inside_a_worker_is_a_clear_error(no_shm_leak: None) -> None:
+    ds = grain.MapDataset.range(4).to_iter_dataset().mp_prefetch(_opts(2))
+    with iter(ds.mp_prefetch(_opts(2))) as it:
+        with pytest.raises(ValueError, match="cannot start worker processes inside a worker"):
+            next(it)
+
+
 class _ListIterDataset(grain.IterDataset):
     def __init__(self, values: list[int]) -> None:
         super().__init__()

@@ -201,10 +201,8 @@ class MultiprocessPrefetchIterDataset(IterDataset[Any]):
             pickled.
         """
         if self._payload is None:
-            import cloudpickle
-
             dataset = _pickle_pipeline(self._parents[0])
-            init = None if self.worker_init_fn is None else cloudpickle.dumps(self.worker_init_fn)
+            init = None if self.worker_init_fn is None else _pickle_init_fn(self.worker_init_fn)
             self._payload = (dataset, init)
         return self._payload
 
@@ -417,6 +415,20 @@ def _pickle_pipeline(ds: IterDataset[Any]) -> bytes:
                 "is sent to worker processes: make its transformations picklable (module-level "
                 "functions or classes, no open files, locks or generators)."
             )
+        raise
+
+
+def _pickle_init_fn(init_fn: Callable[[int, int], None]) -> bytes:
+    import cloudpickle
+
+    try:
+        return cloudpickle.dumps(init_fn)  # type: ignore[no-any-return]
+    except Exception as e:
+        e.add_note(
+            f"worker_init_fn {init_fn!r} cannot be pickled! It is sent to every worker "
+            "process: make it a module-level function (or a picklable callable) that opens "
+            "what it needs (files, locks, connections) inside the worker."
+        )
         raise
 
 
