@@ -296,17 +296,48 @@ class WorkerSpec:
 
 
 def _error_message(error: BaseException) -> tuple[bytes | None, str, str, str]:
+    tb = "".join(traceback.format_exception(error))
+    name = f"{type(error).__module__}.{type(error).__qualname__}"
+    return _pickled_error(error), name, str(error), tb
+
+
+def _pickled_error(error: BaseException) -> bytes | None:
+    """``error`` pickled so that the parent gets its type back: as it is; else rebuilt without
+    its ``__init__`` (one whose parameters are not its ``args``), with its attributes, then
+    without them; None if even its type cannot travel (it goes as text)."""
     import cloudpickle
 
-    tb = "".join(traceback.format_exception(error))
-    payload: bytes | None
-    try:
-        data: bytes = cloudpickle.dumps(error)
-        pickle.loads(data)
-        payload = data
-    except Exception:  # noqa: BLE001 - unpicklable exceptions travel as text
-        payload = None
-    return payload, f"{type(error).__module__}.{type(error).__qualname__}", str(error), tb
+    for candidate in (error, _Uninitialised(error, True), _Uninitialised(error, False)):
+        try:
+            data: bytes = cloudpickle.dumps(candidate)
+            pickle.loads(data)
+        except Exception:  # noqa: BLE001 - the next, plainer form
+            continue
+        return data
+    return None
+
+
+class _Uninitialised:
+    """Pickles as its exception rebuilt from its type and ``args`` without calling ``__init__``
+    (and its attributes, with ``attributes``)."""
+
+    def __init__(self, error: BaseException, attributes: bool) -> None:
+        self.error = error
+        self.attributes = attributes
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        error = self.error
+        state = dict(vars(error)) if self.attributes else {}
+        return (_uninitialised_error, (type(error), error.args, state))
+
+
+def _uninitialised_error(
+    cls: type[BaseException], args: tuple[Any, ...], state: dict[str, Any]
+) -> BaseException:
+    error = cls.__new__(cls, *args)
+    error.args = args
+    error.__dict__.update(state)
+    return error
 
 
 def _watch_parent() -> None:

@@ -508,6 +508,47 @@ def test_worker_exception_keeps_type_and_traceback(no_shm_leak: None) -> None:
     it.close()
 
 
+class _TwoArgumentError(Exception):
+    def __init__(self, index: int, reason: str) -> None:
+        super().__init__(f"record {index}: {reason}")
+        self.index = index
+
+
+class _KeywordOnlyError(ValueError):
+    def __init__(self, *, code: int) -> None:
+        super().__init__(f"code={code}")
+        self.code = code
+        self.lock = threading.Lock()  # cannot be pickled: the error travels without it
+
+
+def _raise_at_two(error: type[Exception], x: int) -> int:
+    if x == 2:
+        raise _TwoArgumentError(2, "corrupt") if error is _TwoArgumentError else error(code=7)
+    return x
+
+
+@pytest.mark.parametrize(
+    "error, match, attribute",
+    [
+        (_TwoArgumentError, "record 2: corrupt", ("index", 2)),
+        (_KeywordOnlyError, "code=7", None),
+    ],
+    ids=["two_arguments", "keyword_only_and_unpicklable"],
+)
+def test_worker_exceptions_that_pickle_cannot_rebuild_keep_their_type(
+    error: type[Exception], match: str, attribute: tuple[str, int] | None
+) -> None:
+    # Pickle rebuilds an exception by calling its class with its args: these classes take
+    # other parameters. The parent gets the same class, args and (picklable) attributes.
+    fn = functools.partial(_raise_at_two, error)
+    ds = grain.MapDataset.range(4).map(fn).to_iter_dataset().mp_prefetch(_opts(2))
+    with iter(ds) as it, pytest.raises(error, match=match) as info:
+        list(it)
+    if attribute is not None:
+        assert getattr(info.value, attribute[0]) == attribute[1]
+    assert "Worker traceback" in "\n".join(info.value.__notes__)
+
+
 class _SignalSelfOnThree:
     """A map that kills its own process with ``signum`` at element 3."""
 
