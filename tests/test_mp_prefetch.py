@@ -286,6 +286,9 @@ _SCALARS = [
     np.bool_(True), np.int8(-3), np.uint16(7), np.int32(-9), np.int64(2**62 + 1), np.uint64(2**63 + 5),
     np.float16(0.1), np.float32(1 / 3), np.float64(1e300), np.complex64(1 + 2j),
     np.complex128(-1 - 1e-300j), np.longdouble(1) / 3, np.datetime64("2026-12-03"),
+    # NaNs keep their bits: a signalling one, and payloads
+    np.uint32(0x7F800001).view(np.float32), np.uint16(0x7C01).view(np.float16),
+    np.uint64(0x7FF0000000000123).view(np.float64), np.complex64(complex(0, np.nan)),
 ]  # fmt: skip
 
 
@@ -303,7 +306,7 @@ def test_numpy_scalars_travel_exactly_and_without_their_dtype(dispatch: bool) ->
     finally:
         grain.config.update("py_mp_prefetch_dispatch", True)
     for (value, size_in_worker), expected in zip(out, _SCALARS, strict=True):
-        assert type(value) is type(expected) and value == expected
+        assert type(value) is type(expected) and value.tobytes() == expected.tobytes()
         size_here = len(pickle.dumps(expected, protocol=pickle.HIGHEST_PROTOCOL))
         # Numbers go as type and value (no dtype); longdouble and datetime64 as NumPy does.
         if expected.dtype.kind in "biufc" and not isinstance(expected, np.longdouble):
