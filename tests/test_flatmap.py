@@ -265,3 +265,23 @@ def test_iter_closed_iterator_raises() -> None:
 
 def test_transform_class_alias() -> None:
     assert FlatMapTransform is transforms.FlatMap
+
+
+class StopAtTwo(FlatMapTransform):
+    max_fan_out = 2
+
+    def flat_map(self, element: Any) -> Sequence[Any]:
+        if element == 2:
+            raise StopIteration
+        return [element, element]
+
+
+@pytest.mark.parametrize("iterate", [True, False], ids=["iter", "map"])
+def test_stop_iteration_in_flat_map_is_an_error(iterate: bool) -> None:
+    ds = grain.MapDataset.range(4)
+    if iterate:
+        flat: Any = FlatMapIterDataset(ds.to_iter_dataset(), StopAtTwo())
+    else:
+        flat = FlatMapMapDataset(ds, StopAtTwo()).to_iter_dataset()
+    with pytest.raises(RuntimeError, match="raised StopIteration"):
+        list(flat)

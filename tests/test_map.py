@@ -116,6 +116,34 @@ def test_map_errors_propagate_with_original_type():
         next(it)
 
 
+def _stops_at_three(*args):
+    if args[-1] == 3 or (len(args) == 2 and args[0] == 3):
+        raise StopIteration  # a next() on an exhausted iterator inside a map, say
+    return args[-1]
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda ds: ds.map(_stops_at_three).to_iter_dataset(),
+        lambda ds: ds.filter(_stops_at_three).to_iter_dataset(),
+        lambda ds: ds.to_iter_dataset().map(_stops_at_three),
+        lambda ds: ds.to_iter_dataset().filter(_stops_at_three),
+        lambda ds: ds.to_iter_dataset().map_with_index(_stops_at_three),
+        lambda ds: ds.to_iter_dataset().random_map(_stops_at_three, seed=1),
+    ],
+    ids=["map", "filter", "iter_map", "iter_filter", "iter_map_with_index", "iter_random_map"],
+)
+def test_stop_iteration_in_a_function_is_an_error_not_the_end(make):
+    # As in a generator (PEP 479): passed on, it would end the stream silently at element 3.
+    it = iter(make(MD.range(6)))
+    out = []
+    with pytest.raises(RuntimeError, match="raised StopIteration"):
+        for x in it:
+            out.append(x)
+    assert len(out) < 6
+
+
 def test_non_callable_transform_is_a_type_error():
     with pytest.raises(TypeError, match="callable"):
         MD.range(3).map(42)

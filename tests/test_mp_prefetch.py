@@ -552,6 +552,33 @@ def test_worker_exceptions_that_pickle_cannot_rebuild_keep_their_type(
     assert "Worker traceback" in "\n".join(info.value.__notes__)
 
 
+def _stop_at_three(x: int) -> int:
+    if x == 3:
+        raise StopIteration
+    return x
+
+
+@pytest.mark.parametrize("dispatch", [True, False], ids=["dispatch", "rotation"])
+@pytest.mark.parametrize("after_reading", [False, True], ids=["map_dataset", "iter_dataset"])
+def test_stop_iteration_in_a_worker_function_is_an_error(
+    dispatch: bool, after_reading: bool
+) -> None:
+    source = grain.MapDataset.range(8)
+    if after_reading:
+        ds = source.to_iter_dataset().map(_stop_at_three)
+    else:
+        ds = source.map(_stop_at_three).to_iter_dataset()
+    grain.config.update("py_mp_prefetch_dispatch", dispatch)
+    try:
+        with iter(ds) as single, pytest.raises(RuntimeError, match="raised StopIteration"):
+            list(single)
+        with iter(ds.mp_prefetch(_opts(2))) as it:
+            with pytest.raises(RuntimeError, match="raised StopIteration"):
+                list(it)  # before: one worker's share ended there, and the other went on
+    finally:
+        grain.config.update("py_mp_prefetch_dispatch", True)
+
+
 class _SignalSelfOnThree:
     """A map that kills its own process with ``signum`` at element 3."""
 

@@ -109,6 +109,16 @@ class _Node:
         return func(self, *args, **kwargs)
 
 
+def stop_iteration_error(where: str) -> RuntimeError:
+    """The error for ``StopIteration`` raised by a user function (``where``: the function, or
+    the read that called it): passed on, it would end the stream there without a word; it is
+    an error instead, as in a generator (PEP 479)."""
+    return RuntimeError(
+        f"{where} raised StopIteration, which would end the stream here silently (an error, "
+        "as it is in a generator: PEP 479). Catch it inside the function that raised it."
+    )
+
+
 def _transform_fn(transform: Any, method: str) -> Callable[..., Any]:
     fn = getattr(transform, method, None)
     if fn is not None and not isinstance(transform, type):

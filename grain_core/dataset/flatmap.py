@@ -24,6 +24,7 @@ from grain_core.dataset.base import (
     IterDataset,
     MapDataset,
     _transform_fn,
+    stop_iteration_error,
     transform_name,
 )
 
@@ -58,9 +59,12 @@ class _Splitter:
         self._max_fan_out = max_fan_out
 
     def __call__(self, element: Any, where: str) -> Sequence[Any]:
-        splits = self._fn(element)
-        if not isinstance(splits, Sequence):
-            splits = list(splits)
+        try:
+            splits = self._fn(element)
+            if not isinstance(splits, Sequence):
+                splits = list(splits)
+        except StopIteration as e:
+            raise stop_iteration_error(self._name) from e
         if self._max_fan_out is not None and len(splits) > self._max_fan_out:
             raise ValueError(
                 f"FlatMap {self._name} produced {len(splits)} elements from {where}, more than "

@@ -13,6 +13,7 @@ from grain_core.dataset.base import (
     IterDataset,
     MapDataset,
     _transform_fn,
+    stop_iteration_error,
     transform_name,
 )
 from grain_core.dataset.options import FilterRatioChecker
@@ -166,7 +167,11 @@ class _MapIterator(DatasetIterator[Any]):
         self._fn = _transform_fn(ds._transform, "map")
 
     def __next__(self) -> Any:
-        return self._fn(next(self._parents[0]))
+        x = next(self._parents[0])
+        try:
+            return self._fn(x)
+        except StopIteration as e:
+            raise stop_iteration_error(transform_name(self._fn)) from e
 
     def get_state(self) -> dict[str, Any]:
         return self._parents[0].get_state()
@@ -231,7 +236,10 @@ class _MapWithIndexIterator(_IndexedIterator):
         x = next(self._parents[0])
         index = self._index()
         self._count += 1
-        return self._fn(index, x)
+        try:
+            return self._fn(index, x)
+        except StopIteration as e:
+            raise stop_iteration_error(transform_name(self._fn)) from e
 
 
 class MapWithIndexIterDataset(_ElementwiseIterDataset):
@@ -252,7 +260,10 @@ class _RandomMapIterator(_IndexedIterator):
         x = next(self._parents[0])
         _random.reset_philox(self._rng, self._index())
         self._count += 1
-        return self._fn(x, self._rng)
+        try:
+            return self._fn(x, self._rng)
+        except StopIteration as e:
+            raise stop_iteration_error(transform_name(self._fn)) from e
 
 
 class RandomMapIterDataset(_ElementwiseIterDataset):
@@ -277,7 +288,11 @@ class _FilterIterator(DatasetIterator[Any]):
         dropped = 0
         while True:
             x = next(parent)
-            if fn(x):
+            try:
+                keep = fn(x)
+            except StopIteration as e:
+                raise stop_iteration_error(transform_name(fn)) from e
+            if keep:
                 self._checker.record(dropped + 1, dropped, self._ctx.dataset_options)
                 return x
             dropped += 1

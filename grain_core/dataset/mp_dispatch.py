@@ -67,6 +67,7 @@ from grain_core.dataset.base import (
     MapDataset,
     MultiprocessingContext,
     _transform_fn,
+    stop_iteration_error,
     transform_name,
 )
 from grain_core.dataset.batch import BatchIterDataset, has_holes_upstream
@@ -235,7 +236,10 @@ class _StepsAfterReading:
                 "`to_iter_dataset()`."
             )
         for fn in self._fns:
-            x = fn(x)
+            try:
+                x = fn(x)
+            except StopIteration as e:
+                raise stop_iteration_error(transform_name(fn)) from e
         return x
 
 

@@ -11,7 +11,12 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from grain_core.dataset.base import DatasetIterator, IterDataset, MapDataset
+from grain_core.dataset.base import (
+    DatasetIterator,
+    IterDataset,
+    MapDataset,
+    stop_iteration_error,
+)
 from grain_core.dataset.options import FilterRatioChecker
 from grain_core.options import ReadOptions
 
@@ -65,6 +70,8 @@ def read_index(ds: MapDataset[Any], index: int) -> Any:
     names the pipeline's index, not its own)."""
     try:
         return ds[index]
+    except StopIteration as e:
+        raise stop_iteration_error(f"Reading index {index} of {ds!r}") from e
     except Exception as e:
         if getattr(e, "_grain_core_read_index", None) is None:
             setattr(e, "_grain_core_read_index", index)  # noqa: B010 - exceptions take attributes
