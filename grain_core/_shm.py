@@ -201,10 +201,11 @@ class _BlockPool:
                 unlink_block(name)
                 self.dropped.append(name)
 
-    def unlink_all(self) -> None:
+    def unlink_all(self, keep_used: bool = False) -> None:
         with self._lock:
             # A snapshot: reader threads of a closing pipeline may still be taking blocks.
-            names = [*self._used, *(name for free in self._free.values() for name, _ in free)]
+            used = [] if keep_used else [*self._used]
+            names = [*used, *(name for free in self._free.values() for name, _ in free)]
             self._used.clear()
             self._free.clear()
         for name in names:
@@ -236,10 +237,11 @@ def take_dropped() -> list[str]:
     return dropped
 
 
-def unlink_pool() -> None:
-    """Unlinks every block of this process's pool (at worker exit)."""
+def unlink_pool(keep_sent: bool = False) -> None:
+    """Unlinks every block of this process's pool (at worker exit), or only the free ones with
+    ``keep_sent`` (the parent still reads the others)."""
     if _pool is not None:
-        _pool.unlink_all()
+        _pool.unlink_all(keep_used=keep_sent)
 
 
 def unlink_block(name: str) -> None:

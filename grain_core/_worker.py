@@ -440,6 +440,7 @@ class _WorkerLoop:
         self._asked = False  # WANTS_CREDIT sent, no credit since
 
     def run(self) -> None:
+        keep_sent = False
         try:
             self._build()
             while True:
@@ -461,10 +462,15 @@ class _WorkerLoop:
                     self._produce()
         except (EOFError, BrokenPipeError, ConnectionResetError):
             return  # The parent closed our pipes: it is gone or shutting down.
+        except BaseException:
+            # Out of the loop (SystemExit or KeyboardInterrupt in user code): the parent reads
+            # what was sent before, and removes those blocks once it sees this process end.
+            keep_sent = True
+            raise
         finally:
             if self._it is not None:
                 self._it.close()
-            _shm.unlink_pool()
+            _shm.unlink_pool(keep_sent)
 
     def _build(self) -> None:
         import cloudpickle  # noqa: F401 - needed to unpickle by-value functions

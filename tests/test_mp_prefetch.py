@@ -579,6 +579,31 @@ def test_stop_iteration_in_a_worker_function_is_an_error(
         grain.config.update("py_mp_prefetch_dispatch", True)
 
 
+def _exit_at_one(x: int) -> np.ndarray:
+    if x == 1:
+        sys.exit(3)
+    return np.full(1 << 16, x, np.float32)
+
+
+@pytest.mark.parametrize("dispatch", [True, False], ids=["dispatch", "rotation"])
+def test_a_worker_exiting_in_user_code_delivers_what_it_sent_first(
+    dispatch: bool, no_shm_leak: None
+) -> None:
+    # Its element 0 is in shared memory when the worker exits at element 1: the block stays
+    # for the parent to read, then the exit is reported (the block was unlinked with the
+    # worker's pool: FileNotFoundError).
+    ds = grain.MapDataset.range(4).map(_exit_at_one).to_iter_dataset()
+    grain.config.update("py_mp_prefetch_dispatch", dispatch)
+    try:
+        with iter(ds.mp_prefetch(_opts(1, buffer=2))) as it:
+            time.sleep(0.5)  # the worker has sent element 0 and exited
+            assert float(next(it)[0]) == 0.0
+            with pytest.raises(_worker.WorkerDiedError, match="exit code 3"):
+                next(it)
+    finally:
+        grain.config.update("py_mp_prefetch_dispatch", True)
+
+
 class _SignalSelfOnThree:
     """A map that kills its own process with ``signum`` at element 3."""
 
