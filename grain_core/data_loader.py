@@ -445,9 +445,10 @@ class DataLoader:
 
     def _build(self, index_layout: bool) -> IterDataset[Any]:
         # Building a Philox generator per record costs tens of microseconds: only pipelines
-        # with a random operation get them.
+        # with a random operation, or a legacy one (which may read a record's rng), get them.
         with_rng = any(
             isinstance(op, (transforms.RandomMap, transforms.TfRandomMap))
+            or not isinstance(op, _KNOWN_OPERATIONS)
             for op in self._operations
         )
         # Only index and random operations look at a record's metadata; without them the
@@ -463,6 +464,8 @@ class DataLoader:
             with_rng=with_rng,
             with_metadata=with_metadata,
         )
+        #: Records in this shard: the last batch of the index layout may be partial.
+        self._shard_records = len(records)
         shm_batch_at = _last_batch_position(self._operations) if self._worker_count else -1
         if index_layout:
             ds: Any = records
@@ -502,6 +505,15 @@ class DataLoader:
         if self._worker_count:
             out = out.mp_prefetch(self.multiprocessing_options)
         return out  # type: ignore[no-any-return]
+
+    def _last_record_of(self, element: int, per: int) -> int:
+        """The last record (index in this shard) of ``element`` when each has ``per``
+        records: the last one of the shard for a final, partial batch (as Grain writes it)."""
+        return min((element + 1) * per, self._shard_records) - 1
+
+    def _element_of(self, record: int, per: int) -> int:
+        """The element whose last record is ``record`` (inverse of ``_last_record_of``)."""
+        return -(-(record + 1) // per) - 1
 
     def _element_read_options(self) -> ReadOptions:
         # In the index layout an element read at the boundary is a whole batch: keep the
@@ -604,7 +616,7 @@ class DataLoaderIterator:
             slots = max(workers, 1)
             per = loader._records_per_element if self._index_layout else 1
             state["last_seen_indices"] = {
-                str(w): s + count * ((w + (n - 1) * slots + 1) * per - 1)
+                str(w): s + count * loader._last_record_of(w + (n - 1) * slots, per)
                 for w, n in enumerate(consumed)
             }
             state["last_worker_index"] = last_worker
@@ -692,18 +704,24 @@ class DataLoaderIterator:
         if per == 1 or workers <= 1:
             return True
         s, count = self._shard()
+        loader = self._loader
         for key, value in data["last_seen_indices"].items():
             seen = int(value)
-            element = ((seen - s) // count + 1) // per - 1
-            if s + count * ((element + 1) * per - 1) != seen or (element - int(key)) % workers:
+            element = loader._element_of((seen - s) // count, per)
+            # A final, partial batch ends at the shard's last record (earlier versions wrote
+            # where a whole batch would have ended).
+            ends = {loader._last_record_of(element, per), (element + 1) * per - 1}
+            if seen not in {s + count * end for end in ends} or (element - int(key)) % workers:
                 return False
         return True
 
     def _index_layout_state(self, data: dict[str, Any]) -> dict[str, Any]:
         s, count = self._shard()
-        per = self._loader._records_per_element
+        loader = self._loader
+        per = loader._records_per_element
         last_elements = [
-            ((int(v) - s) // count + 1) // per - 1 for v in data["last_seen_indices"].values()
+            loader._element_of((int(v) - s) // count, per)
+            for v in data["last_seen_indices"].values()
         ]
         consumed = max(last_elements, default=-1) + 1
         workers = self._loader._worker_count
