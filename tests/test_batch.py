@@ -57,6 +57,22 @@ def test_make_batch_of_structured_arrays_and_records():
     assert make_batch([row[0] for row in rows]).tolist() == [(0, 0.5), (1, 0.5)]
 
 
+@pytest.mark.parametrize(
+    "values, expected",
+    [
+        ([1, 2.5], np.array([1.0, 2.5])),
+        ([True, 2], np.array([1, 2])),
+        ([np.int32(1), np.int64(2)], np.array([1, 2], np.int64)),
+        ([np.float32(1), 2.0], np.array([1.0, 2.0])),
+        ([1, "x"], np.stack([1, "x"])),  # strings, as np.stack makes them
+    ],
+)
+def test_make_batch_of_mixed_scalars_promotes_as_np_stack(values, expected):
+    for batch in (make_batch(values), make_batch([{"w": v} for v in values])["w"]):
+        assert batch.dtype == expected.dtype and batch.tolist() == expected.tolist()
+        assert batch.dtype == np.stack(values).dtype
+
+
 def test_make_batch_of_arrays_with_different_dtypes_promotes():
     out = make_batch([np.zeros(2, np.int8), np.full(2, 0.5, np.float64)])
     assert out.dtype == np.float64 and out.tolist() == [[0, 0], [0.5, 0.5]]
@@ -68,7 +84,6 @@ def test_make_batch_of_arrays_with_different_dtypes_promotes():
         ([], "0 values"),
         ([np.zeros(2), np.zeros(3)], "element 1 is ndarray\\[float64\\[3\\]\\]"),
         ([{"a": 1}, {"b": 1}], "element 1 is \\{'b': int\\}"),
-        ([1, "x"], "different types"),
         ([(1, 2), (1, 2, 3)], "same structure"),
     ],
 )
