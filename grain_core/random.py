@@ -45,22 +45,27 @@ _KEY_CACHE_SIZE = 4096
 _INTEGER_TYPES = (int, np.integer)
 
 
-def validate_seed(seed: Any, what: str) -> int:
-    """Checks that ``seed`` is an integer in ``[0, 2**32)`` and returns it as ``int``.
+def validate_seed(seed: Any, what: str, *, below_2_32: bool = True) -> int:
+    """Checks that ``seed`` is a non-negative integer, below ``2**32`` where its user needs
+    32 bits, and returns it as ``int``.
 
     Args:
       seed: Python or NumPy integer.
       what: name of the seed's owner, used in error messages (e.g. "`shuffle`").
+      below_2_32: The seed keys a 32-bit permutation (shuffle); seeds that go through NumPy's
+        ``SeedSequence`` (``.seed()``, ``random_map``) take any size.
 
     Raises:
       TypeError: ``seed`` is not an integer (bools are rejected too).
-      ValueError: ``seed`` is outside ``[0, 2**32)``.
+      ValueError: ``seed`` is negative, or not below ``2**32`` with ``below_2_32``.
     """
     if isinstance(seed, bool) or not isinstance(seed, _INTEGER_TYPES):
         raise TypeError(f"{what} seed must be an integer, got {seed!r} ({type(seed).__name__}).")
     value = int(seed)
-    if not 0 <= value < _SEED_LIMIT:
+    if below_2_32 and not 0 <= value < _SEED_LIMIT:
         raise ValueError(f"{what} seed must be in [0, 2**32), got {value}.")
+    if value < 0:
+        raise ValueError(f"{what} seed must be non-negative, got {value}.")
     return value
 
 

@@ -284,6 +284,9 @@ def test_validate_seed() -> None:
     for bad in (1.5, "3", None, True):
         with pytest.raises(TypeError, match="`random_map` seed must be an integer"):
             validate_seed(bad, "`random_map`")
+    assert validate_seed(2**70, "`random_map`", below_2_32=False) == 2**70
+    with pytest.raises(ValueError, match="`random_map` seed must be non-negative, got -1"):
+        validate_seed(-1, "`random_map`", below_2_32=False)
 
 
 # ------------------------------------------------------------------ Philox

@@ -94,7 +94,7 @@ class _Node:
                 queue.append((parent, depth + 1))
         return _random.derive_seed(found)
 
-    def _resolve_seed(self, seed: int | None, op: str) -> int:
+    def _resolve_seed(self, seed: int | None, op: str, *, below_2_32: bool = True) -> int:
         if seed is None:
             seed = self._default_seed
         if seed is None:
@@ -102,7 +102,7 @@ class _Node:
                 f"`{op}` requires a seed. Please provide it with `ds.seed(seed)` upstream or "
                 f"pass `seed=` to `{op}`."
             )
-        return _random.validate_seed(seed, f"{op} seed")
+        return _random.validate_seed(seed, f"`{op}`", below_2_32=below_2_32)
 
     def pipe(self, func: Callable[..., S], /, *args: Any, **kwargs: Any) -> S:
         """Returns ``func(self, *args, **kwargs)`` to chain user-defined steps."""
@@ -310,7 +310,7 @@ class _WithSeedMapDataset(MapDataset[T]):
 
     def __init__(self, parent: MapDataset[T], seed: int) -> None:
         super().__init__(parent)
-        self._seed_value = _random.validate_seed(seed, "`seed`")
+        self._seed_value = _random.validate_seed(seed, "`.seed()`", below_2_32=False)
         self._parent = parent
 
     def __len__(self) -> int:
@@ -585,7 +585,7 @@ class _WithSeedIterDataset(IterDataset[T]):
 
     def __init__(self, parent: IterDataset[T], seed: int) -> None:
         super().__init__(parent)
-        self._seed_value = _random.validate_seed(seed, "`seed`")
+        self._seed_value = _random.validate_seed(seed, "`.seed()`", below_2_32=False)
 
     def __iter__(self) -> DatasetIterator[T]:
         return iter(self._parents[0])

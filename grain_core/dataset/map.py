@@ -88,7 +88,7 @@ class RandomMapMapDataset(_ElementwiseMapDataset):
     def __init__(self, parent: MapDataset[Any], transform: Any, *, seed: int | None) -> None:
         super().__init__(parent, transform)
         self._fn = _transform_fn(transform, "random_map")
-        self._seed = self._resolve_seed(seed, "random_map")
+        self._seed = self._resolve_seed(seed, "random_map", below_2_32=False)
         self._pool = _random.RngPool(self._seed)
 
     def __getitem__(self, index: Any) -> Any:
@@ -273,7 +273,7 @@ class RandomMapIterDataset(_ElementwiseIterDataset):
 
     def __init__(self, parent: IterDataset[Any], transform: Any, *, seed: int | None) -> None:
         super().__init__(parent, transform)
-        self._seed = self._resolve_seed(seed, "random_map")
+        self._seed = self._resolve_seed(seed, "random_map", below_2_32=False)
 
 
 class _FilterIterator(DatasetIterator[Any]):
