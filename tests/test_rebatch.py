@@ -108,6 +108,23 @@ def test_rebatch_state_at_input_boundary_points_past_it() -> None:
     assert it.get_state() == {"parent": {"next_index": 3}, "batch_idx": 0}
 
 
+@pytest.mark.parametrize(
+    "state, rest",
+    [
+        ({"parent": {"next_index": 4}, "batch_idx": 2}, [[6]]),  # after input [4, 5]
+        ({"parent": {"next_index": 7}, "batch_idx": 1}, []),  # at the end
+    ],
+    ids=["input_boundary", "end"],
+)
+def test_rebatch_restores_grains_states_at_boundaries(state: dict[str, Any], rest: list) -> None:
+    # Google Grain 0.2.18 names the input batch just used up (and, at the end, its parent's
+    # end with the last batch's rows); grain_core names the next input batch.
+    ds = RebatchIterDataset(grain.MapDataset.range(7).to_iter_dataset().batch(2), batch_size=3)
+    it = iter(ds)
+    it.set_state(state)
+    assert [b.tolist() for b in it] == rest
+
+
 @pytest.mark.parametrize("drop_remainder", [False, True])
 def test_rebatch_conformance(drop_remainder: bool) -> None:
     def make() -> Any:
@@ -151,7 +168,7 @@ def test_rebatch_mismatched_leading_dims_raise() -> None:
 def test_rebatch_inconsistent_checkpoint_raises() -> None:
     it = iter(RebatchIterDataset(_batched(6, 3), 2))
     with pytest.raises(ValueError, match="different pipeline"):
-        it.set_state({"parent": {"next_index": 3}, "batch_idx": 3})
+        it.set_state({"parent": {"next_index": 3}, "batch_idx": 4})
 
 
 def test_rebatch_closed_iterator_raises() -> None:

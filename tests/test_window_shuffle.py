@@ -186,6 +186,26 @@ def test_iter_state_at_window_boundary_points_at_next_window() -> None:
     }
 
 
+@pytest.mark.parametrize(
+    "state, rest",
+    [
+        ({"parent_window_start_state": {"next_index": 0}, "window_index": 1, "pos_in_window": 4},
+         [7, 6, 4, 5, 10, 8, 9]),
+        ({"parent_window_start_state": {"next_index": 8}, "window_index": 3, "pos_in_window": 3},
+         []),
+    ],
+    ids=["window_boundary", "end"],
+)  # fmt: skip
+def test_iter_restores_grains_states_after_a_window(state: dict, rest: list) -> None:
+    # Google Grain 0.2.18 names the window just used up, with window_index already the next.
+    ds = WindowShuffleIterDataset(
+        grain.MapDataset.range(11).to_iter_dataset(), window_size=4, seed=3
+    )
+    it = iter(ds)
+    it.set_state(state)
+    assert list(it) == rest
+
+
 def test_iter_conformance_every_position() -> None:
     check_iterator_conformance(lambda: _iter_ds(11, 4, 5), positions=range(12))
     assert_equal_output_after_checkpoint(_iter_ds(11, 4, 5))

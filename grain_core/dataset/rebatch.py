@@ -154,8 +154,15 @@ class _RebatchIterator(DatasetIterator[Any]):
         self._leaves, self._rows, self._used = [], 0, 0
         batch_idx = int(state["batch_idx"])
         if batch_idx:
-            self._read_input()
-            if batch_idx >= self._rows:
+            try:
+                self._read_input()
+            except StopIteration:
+                return  # Google Grain's state at the end: no input batch is left
+            if batch_idx == self._rows:
+                # Google Grain's state after an input batch's last row: that batch is done.
+                self._leaves, self._rows, self._used = [], 0, 0
+                return
+            if batch_idx > self._rows:
                 raise ValueError(
                     f"Checkpoint batch_idx {batch_idx} is past the {self._rows} rows of the "
                     "restored input batch: the checkpoint belongs to a different pipeline."

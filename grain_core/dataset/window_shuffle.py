@@ -201,7 +201,13 @@ class _WindowShuffleIterator(DatasetIterator[Any]):
         self._pos_in_window = 0
         if pos:
             self._load_window()
-            if pos >= len(self._remaining):
+            if pos == len(self._remaining):
+                # Google Grain's state after a window's last element: the window is done, and
+                # window_index already names the next one.
+                self._remaining = []
+                self._pos_in_window = 0
+                return
+            if pos > len(self._remaining):
                 raise ValueError(
                     f"Checkpoint position {pos} in window {self._window_index} is past the "
                     f"{len(self._remaining)} elements the parent now yields there: the "
