@@ -20,6 +20,14 @@ def test_zip_map_dataset() -> None:
         ZipMapDataset([MapDataset.range(3), MapDataset.range(4)])
 
 
+def test_zip_map_keeps_a_parents_hole_as_none_in_the_tuple() -> None:
+    # Spec 7.14, as in Grain 0.2.18: the zip of a filtered dataset has every index.
+    ds = ZipMapDataset([MapDataset.range(4).filter(lambda x: x % 2), MapDataset.range(4)])
+    expected = [(None, 0), (1, 1), (None, 2), (3, 3)]
+    assert [ds[i] for i in range(4)] == ds._getitems(range(4)) == expected
+    assert list(ds) == expected
+
+
 def test_zip_iter_outputs_and_state() -> None:
     ds = ZipIterDataset([_it(3), _it(3, 10)])
     it = iter(ds)

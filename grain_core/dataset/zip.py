@@ -11,7 +11,8 @@ __all__ = ["ZipIterDataset", "ZipMapDataset"]
 
 
 class ZipMapDataset(MapDataset[tuple[Any, ...]]):
-    """``ds[i] = tuple(p[i] for p in parents)``; a hole in any parent is a hole here.
+    """``ds[i] = tuple(p[i] for p in parents)`` (spec 7.14): a parent's hole (a filtered-out
+    element) is a ``None`` in the tuple, as in Grain, not a hole of the zip.
 
     Raises:
       ValueError: for no parents or parents of different lengths.
@@ -33,12 +34,11 @@ class ZipMapDataset(MapDataset[tuple[Any, ...]]):
     def __getitem__(self, index: Any) -> Any:
         if isinstance(index, slice):
             return self.slice(index)
-        values = tuple(p[index] for p in self._parents)
-        return None if any(v is None for v in values) else values
+        return tuple(p[index] for p in self._parents)
 
     def _getitems(self, indices: Indices) -> list[Any]:
         columns = [p._getitems(indices) for p in self._parents]
-        return [None if any(v is None for v in row) else row for row in zip(*columns, strict=True)]
+        return list(zip(*columns, strict=True))
 
     def __repr__(self) -> str:
         return f"ZipMapDataset(num_parents={len(self._parents)})"
