@@ -49,8 +49,6 @@ __all__ = [
     "SharedMemoryArrayMetadata",
     "SharedMemoryFullError",
     "copy_to_shm",
-    "needs_shm",
-    "own_blocks",
     "open_from_shm",
     "unlink_shm",
 ]
@@ -455,36 +453,6 @@ def _qualifies(x: np.ndarray, min_size: int) -> bool:
     )
 
 
-def _children(tree: Any) -> Iterable[Any]:
-    """The items of a container ``copy_to_shm`` rebuilds; () for anything else."""
-    kind = type(tree)
-    if kind is dict:
-        return tree.values()  # type: ignore[no-any-return]
-    if kind is list or isinstance(tree, tuple):
-        return tree  # type: ignore[no-any-return]
-    return ()
-
-
-def _in_own_block(x: np.ndarray) -> bool:
-    return isinstance(x, SharedMemoryArray) and x._is_whole_block()
-
-
-def needs_shm(tree: Any, min_size: int = 0) -> bool:
-    """Whether :func:`copy_to_shm` would put a leaf of ``tree`` into a shared-memory block."""
-    if isinstance(tree, np.ndarray):
-        return _in_own_block(tree) or _qualifies(tree, min_size)
-    children = _children(tree)
-    return bool(children) and any(needs_shm(v, min_size) for v in children)
-
-
-def own_blocks(tree: Any) -> list[str]:
-    """The blocks that whole-block :class:`SharedMemoryArray` leaves of ``tree`` cover (a batch
-    stacked into shared memory): ``copy_to_shm`` sends them as they are."""
-    if isinstance(tree, np.ndarray):
-        return [tree._shm_name] if _in_own_block(tree) else []  # type: ignore[attr-defined]
-    return [name for v in _children(tree) for name in own_blocks(v)]
-
-
 def copy_to_shm(tree: Any, min_size: int = 0) -> tuple[Any, list[str]]:
     """Replaces qualifying array leaves by references to shared-memory blocks.
 
@@ -502,8 +470,8 @@ def copy_to_shm(tree: Any, min_size: int = 0) -> tuple[Any, list[str]]:
 
 def _encode(x: Any, min_size: int, names: list[str]) -> Any:
     if isinstance(x, np.ndarray):
-        if _in_own_block(x):
-            assert isinstance(x, SharedMemoryArray) and x._shm_name is not None
+        if isinstance(x, SharedMemoryArray) and x._is_whole_block():
+            assert x._shm_name is not None
             names.append(x._shm_name)
             return _ShmRef(x._shm_name, tuple(x.shape), x.dtype)
         if not _qualifies(x, min_size):

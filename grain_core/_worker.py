@@ -429,14 +429,11 @@ class _WorkerLoop:
         warnings.showwarning = self._queue_warning
         # The overdraft: pickled sizes of the elements sent beyond the credits, oldest first
         # (the next credits cover them first); and an element made that neither a credit nor
-        # the overdraft could send yet: the element, None if it goes through shared memory
-        # (its arrays are copied there only once it has a credit: a block taken earlier would
-        # sit idle, and the fewer blocks in flight, the likelier the next copy hits the CPU
-        # cache) else [], and its pickled size (None: in shared memory, or it cannot be
-        # pickled).
+        # the overdraft could send yet: the element, its blocks, its pickled size (None: in
+        # shared memory, or it cannot be pickled).
         self._overdraft: collections.deque[int] = collections.deque()
         self._overdraft_bytes = 0
-        self._waiting: tuple[Any, list[str] | None, int | None] | None = None
+        self._waiting: tuple[Any, list[str], int | None] | None = None
         self._asked = False  # WANTS_CREDIT sent, no credit since
 
     def run(self) -> None:
@@ -562,13 +559,13 @@ class _WorkerLoop:
 
     def _reset_credits(self, credits: int) -> None:
         """A new generation: ``credits``, no overdraft, and the element waiting is dropped
-        (the blocks a batch was stacked into go back to the pool)."""
+        (its blocks go back to the pool)."""
         self._credits = credits
         self._asked = False
         self._overdraft.clear()
         self._overdraft_bytes = 0
         if self._waiting is not None:
-            _shm.release_blocks(_shm.own_blocks(self._waiting[0]))
+            _shm.release_blocks(self._waiting[1])
             self._waiting = None
 
     def _read_ahead(self) -> bool:
@@ -708,11 +705,12 @@ class _WorkerLoop:
                     self._finish_with_error()
                     return
                 state = it.get_state()
-                if _shm.needs_shm(element, self._min_shm_size):
-                    pending = ((element, state), None, None)
+                tree, names = _shm.copy_to_shm(element, self._min_shm_size)
+                if names:
+                    pending = ((tree, state), names, None)
                 else:
                     try:
-                        blob = _dumps_element((element, state))
+                        blob = _dumps_element((tree, state))
                     except Exception as failure:  # noqa: BLE001 - sent as its error, in its place
                         self._send_blobs(blobs)
                         self._send_unpicklable(failure)
@@ -720,11 +718,11 @@ class _WorkerLoop:
                         return
                     pending = (blob, [], len(blob))
             payload, names, size = pending
-            if names is None:
+            if names:
                 self._send_blobs(blobs)
                 if self._take_credit(None):
-                    element, state = payload
-                    self._send_in_shm(element, state)
+                    tree, state = payload
+                    self._send_in_shm(tree, state, names)
                 else:
                     self._waiting = pending
                 return
@@ -738,10 +736,9 @@ class _WorkerLoop:
                 self._send_blobs(blobs)
                 return
 
-    def _send_in_shm(self, element: Any, state: Any) -> None:
-        """Sends an element through shared memory; the stream ends at one that cannot be
-        pickled."""
-        tree, names = _shm.copy_to_shm(element, self._min_shm_size)
+    def _send_in_shm(self, tree: Any, state: Any, names: list[str]) -> None:
+        """Sends an element whose arrays are in blocks ``names`` (encoded only now, so the
+        blocks freed meanwhile go with it); the stream ends at one that cannot be pickled."""
         if self._send_element(tree, state, names) is None:
             self._finish_with_error()
 
@@ -872,24 +869,21 @@ class _DispatchWorkerLoop(_WorkerLoop):
                     self._send_group(group)
                     self._send_error(e)
                     return
-                names: list[str] | None = (
-                    None if _shm.needs_shm(element, self._min_shm_size) else []
-                )
+                tree, names = _shm.copy_to_shm(element, self._min_shm_size)
                 # Its size matters only for an overdraft.
-                size = 0 if self._credits > 0 else self._size_for_overdraft(element, names)
+                size = 0 if self._credits > 0 else self._size_for_overdraft(tree, names)
                 if not self._take_credit(size):
-                    self._waiting = (element, names, size)
+                    self._waiting = (tree, names, size)
                     self._send_group(group)
                     return
             else:  # _can_produce found it may go now
-                (element, names, size), waiting = waiting, None
+                (tree, names, size), waiting = waiting, None
                 self._take_credit(size)
-            if names is None:
+            if names:
                 self._send_group(group)
-                tree, names = _shm.copy_to_shm(element, self._min_shm_size)
                 self._send_result(tree, self._cpu_seconds(), names)
                 return
-            group.append(element)
+            group.append(tree)
             if not (
                 self._pending > 0
                 and (self._credits > 0 or self._may_overdraw())
@@ -934,11 +928,11 @@ class _DispatchWorkerLoop(_WorkerLoop):
         if size is not None and not names:
             self._result_bytes = size
 
-    def _size_for_overdraft(self, tree: Any, names: list[str] | None) -> int | None:
-        """The pickled size of result ``tree``; None (it waits for a credit) if it goes
-        through shared memory (``names`` None), it cannot be pickled, or the last results were
-        too big to overdraw a few (such results are not pickled twice)."""
-        if names is None or self._result_bytes > OVERDRAFT_BYTES // 4:
+    def _size_for_overdraft(self, tree: Any, names: list[str]) -> int | None:
+        """The pickled size of result ``tree``; None (it waits for a credit) if its arrays
+        are in blocks ``names``, it cannot be pickled, or the last results were too big to
+        overdraw a few (such results are not pickled twice)."""
+        if names or self._result_bytes > OVERDRAFT_BYTES // 4:
             return None
         if type(tree) in _FIXED_SIZE_TYPES:
             return 0

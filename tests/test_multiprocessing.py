@@ -107,9 +107,6 @@ def test_copy_to_shm_round_trip_and_rules() -> None:
         "objects": np.array([{"k": 1}] * 200, dtype=object),
         "empty": np.zeros((0, 3)),
     }
-    assert _shm.needs_shm(tree, min_size=1024)
-    assert not _shm.needs_shm({k: v for k, v in tree.items() if k != "b"}, min_size=1024)
-    assert not _shm.needs_shm(tree, min_size=10**6)
     encoded, names = _shm.copy_to_shm(tree, min_size=1024)
     assert len(names) == 2  # big and big * 2; small, strided, object, empty stay inline
     assert all(_exists(n) for n in names)
@@ -262,11 +259,7 @@ def test_unlink_shm_frees_unopened_elements() -> None:
 
 def test_whole_block_arrays_are_sent_without_copy() -> None:
     arr = SharedMemoryArray((2, 2), np.int32)
-    tree = {"x": arr, "view": arr[:1], "y": [np.ones(3)]}
-    assert _shm.needs_shm(tree, min_size=10**9)
-    assert not _shm.needs_shm(tree["view"], min_size=10**9)  # a partial view is copied
-    assert _shm.own_blocks(tree) == [arr.metadata.name]
-    encoded, names = _shm.copy_to_shm(tree, min_size=10**9)
+    encoded, names = _shm.copy_to_shm({"x": arr}, min_size=10**9)
     assert names == [arr.metadata.name]
     _shm.unlink_shm(names)
 
