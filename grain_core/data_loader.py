@@ -445,10 +445,11 @@ class DataLoader:
 
     def _build(self, index_layout: bool) -> IterDataset[Any]:
         # Building a Philox generator per record costs tens of microseconds: only pipelines
-        # with a random operation, or a legacy one (which may read a record's rng), get them.
+        # with a random operation, or a legacy one that may read a record's rng (all but
+        # those that say otherwise with `uses_record_rng = False`), get them.
         with_rng = any(
             isinstance(op, (transforms.RandomMap, transforms.TfRandomMap))
-            or not isinstance(op, _KNOWN_OPERATIONS)
+            or (not isinstance(op, _KNOWN_OPERATIONS) and getattr(op, "uses_record_rng", True))
             for op in self._operations
         )
         # Only index and random operations look at a record's metadata; without them the

@@ -538,11 +538,23 @@ def _rng_draw(records: Any) -> Any:
         yield grain.Record(r.metadata, (r.data, None if rng is None else int(rng.integers(1000))))
 
 
+class _NoRngDraw:
+    uses_record_rng = False  # as PackAndBatchOperation says: no generators are built
+
+    def __call__(self, records: Any) -> Any:
+        return _rng_draw(records)
+
+
 def test_a_legacy_operation_gets_each_records_rng_from_a_seeded_sampler() -> None:
     # Golden values from Google Grain 0.2.18: rng = Philox(seed + index) per record.
     sampler = IndexSampler(5, shuffle=True, seed=7, num_epochs=1)
     loader = grain.DataLoader(data_source=list(range(5)), sampler=sampler, operations=[_rng_draw])
     assert list(loader) == [(4, 163), (0, 312), (3, 809), (1, 500), (2, 854)]
+    loader = grain.DataLoader(
+        data_source=list(range(5)), sampler=sampler, operations=[_NoRngDraw()]
+    )
+    assert list(loader) == [(4, None), (0, None), (3, None), (1, None), (2, None)]
+    assert grain.experimental.PackAndBatchOperation.uses_record_rng is False
 
 
 @pytest.mark.parametrize("workers", [0, 1, 2])

@@ -21,7 +21,7 @@ import copy
 import dataclasses
 import logging
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
-from typing import Any, Generic, TypeVar
+from typing import Any, ClassVar, Generic, TypeVar
 
 import numpy as np
 
@@ -633,6 +633,8 @@ class PackAndBatchOperation(Generic[T]):
     batch_size: int
     max_sequences_per_bin: int | None = None
     _layout: _Layout = dataclasses.field(init=False, repr=False, compare=False)
+    #: Packing never draws from a record's rng: the DataLoader builds none for it.
+    uses_record_rng: ClassVar[bool] = False
 
     def __post_init__(self) -> None:
         positive_int("`batch_size`", self.batch_size)
