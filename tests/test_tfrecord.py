@@ -391,6 +391,14 @@ def test_empty_and_missing_files(tmp_path: Path) -> None:
     empty.write_bytes(b"")
     assert list(TFRecordIterDataset(empty)) == []
     assert len(TFRecordDataSource(empty)) == 0
+    # Empty shards among others (x@N output often has some) add nothing.
+    full = tmp_path / "full.tfrecord"
+    with TFRecordWriter(full) as writer:
+        writer.write(b"hello")
+        writer.write(b"world")
+    source = TFRecordDataSource([empty, full, empty, full])
+    expected = [b"hello", b"world"] * 2
+    assert [source[i] for i in range(len(source))] == source.__getitems__(range(4)) == expected
     with pytest.raises(FileNotFoundError):
         iter(TFRecordIterDataset(tmp_path / "missing.tfrecord"))
     with pytest.raises(FileNotFoundError):

@@ -93,9 +93,10 @@ class TFRecordDataSource:
         self._sizes = [os.path.getsize(p) for p in self._paths]
         # _first[k]: global index of file k's first record; the last entry is len(self).
         self._first = np.cumsum([0] + [len(o) for o in self._offsets])
-        # Frame end of every record of every file (the next frame's start, or the file size).
+        # Frame end of every record of every file (the next frame's start, or the file size;
+        # an empty file has none).
         self._ends = [
-            np.append(o[1:], np.int64(size))
+            np.append(o[1:], np.int64(size)) if len(o) else o
             for o, size in zip(self._offsets, self._sizes, strict=True)
         ]
         self._all_offsets = np.concatenate([*self._offsets, np.zeros(0, np.int64)])
