@@ -519,6 +519,21 @@ def test_batches_of_columns_with_nulls_equal_the_row_path(tmp_path: Path) -> Non
                 assert_trees_equal(ds[i], want)
 
 
+def test_a_fixed_size_list_column_with_nulls_in_some_row_groups(tmp_path: Path) -> None:
+    # A 2-D array in the row group without nulls, an object array of rows in the other: the
+    # reads that span both give one object array of rows instead of NumPy's error.
+    path = tmp_path / "fixed.parquet"
+    values = pa.array([[0, 0], None, [2, 2], [3, 3]], pa.list_(pa.float32(), 2))
+    pq.write_table(pa.table({"v": values}), path, row_group_size=2)
+    source = ParquetDataSource(str(path))
+    rows = source.__getitems__([0, 3, 1])
+    assert [None if r["v"] is None else r["v"].tolist() for r in rows] == [[0, 0], [3, 3], None]
+    (column,) = source.read_columns([0, 3]).columns
+    assert column.dtype == object and [v.tolist() for v in column] == [[0, 0], [3, 3]]
+    (batch,) = ParquetIterDataset(str(path), column_batch_size=4)
+    assert [None if v is None else v.tolist() for v in batch["v"]] == [[0, 0], None, [2, 2], [3, 3]]
+
+
 def test_cache_is_bounded_and_least_recently_used_goes_first(one_file: str) -> None:
     probe = ParquetDataSource(one_file)
     sizes = []

@@ -25,6 +25,7 @@ __all__ = [
     "check_columns",
     "check_same_schema",
     "column_to_numpy",
+    "concatenate_column",
     "iter_rows",
     "open_parquet",
     "project_schema",
@@ -301,6 +302,23 @@ def column_to_numpy(column: pa.Array | pa.ChunkedArray) -> np.ndarray:
         values = column_to_numpy(column.flatten())
         return values.reshape(len(column), column_type.list_size, *values.shape[1:])
     return column.to_numpy(zero_copy_only=False)
+
+
+def concatenate_column(parts: Sequence[np.ndarray]) -> np.ndarray:
+    """One column from its pieces in several row groups (``column_to_numpy`` of each).
+
+    NumPy promotes where the pieces' types differ (an int column with nulls in one row group
+    is float there). Pieces it cannot join, such as a fixed-size list column that is a 2-D
+    array in a row group without nulls and an object array of rows in one with them, become
+    one object array of rows.
+    """
+    try:
+        return np.concatenate(parts)
+    except ValueError:
+        column = np.empty(sum(len(part) for part in parts), dtype=object)
+        for i, row in enumerate(itertools.chain.from_iterable(parts)):
+            column[i] = row  # one by one: a list of equal arrays would be read as 2-D
+        return column
 
 
 def rows_from_columns(names: Sequence[str], columns: Sequence[np.ndarray]) -> list[dict[str, Any]]:

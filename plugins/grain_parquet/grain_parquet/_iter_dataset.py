@@ -30,6 +30,7 @@ from grain_parquet._files import (
     check_columns,
     check_same_schema,
     column_to_numpy,
+    concatenate_column,
     iter_rows,
     open_parquet,
     project_schema,
@@ -282,7 +283,7 @@ class _ParquetFileIterator(DatasetIterator[dict[str, Any]]):
         if len(pieces) == 1:
             columns = pieces[0]
         else:  # the batch spans record batches or row groups: one copy, here only
-            columns = [np.concatenate(parts) for parts in zip(*pieces, strict=True)]
+            columns = [concatenate_column(parts) for parts in zip(*pieces, strict=True)]
         return dict(zip(self._names, columns, strict=True))
 
     # -------------------------------------------------------------------- state

@@ -29,6 +29,7 @@ from grain_parquet._files import (
     check_columns,
     check_same_schema,
     column_to_numpy,
+    concatenate_column,
     open_parquet,
     project_schema,
     read_error,
@@ -225,9 +226,7 @@ class ParquetDataSource:
             ]
             inverse = np.empty_like(order)
             inverse[order] = np.arange(len(order))
-            # Concatenation promotes where row groups differ (an int column with nulls in one
-            # row group converts to float there).
-            columns = [np.concatenate(same)[inverse] for same in zip(*parts, strict=True)]
+            columns = [concatenate_column(same)[inverse] for same in zip(*parts, strict=True)]
         return columns
 
     def _index_message(self, index: int) -> str:
