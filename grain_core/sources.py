@@ -11,9 +11,17 @@ import operator
 from multiprocessing import shared_memory
 from typing import Any, Protocol, SupportsIndex, TypeVar, runtime_checkable
 
+import numpy as np
+
 from grain_core.dataset.source import ColumnBlock
 
-__all__ = ["ColumnBlock", "RandomAccessDataSource", "RangeDataSource", "SharedMemoryDataSource"]
+__all__ = [
+    "ColumnBlock",
+    "RandomAccessDataSource",
+    "RangeDataSource",
+    "SharedMemoryDataSource",
+    "record_keys_array",
+]
 
 T_co = TypeVar("T_co", covariant=True)
 
@@ -35,6 +43,21 @@ class RandomAccessDataSource(Protocol[T_co]):
     def __len__(self) -> int: ...
 
     def __getitem__(self, index: int) -> T_co: ...
+
+
+def record_keys_array(record_keys: Any) -> np.ndarray:
+    """The keys a ``__getitems__`` received, as a 1-D int64 array (for source authors).
+
+    Raises:
+      TypeError: If a key is not an integer (a float would otherwise be truncated).
+    """
+    keys = np.asarray(record_keys)
+    if keys.size and keys.dtype.kind not in "iu":  # floats, objects: each must be an index
+        try:
+            keys = np.asarray([operator.index(k) for k in np.ravel(keys)], dtype=np.int64)
+        except TypeError as e:
+            raise TypeError(f"Record keys must be integers, got {keys.dtype} keys: {e}.") from e
+    return keys.astype(np.int64, copy=False).reshape(-1)
 
 
 class RangeDataSource:

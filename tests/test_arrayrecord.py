@@ -137,6 +137,11 @@ def test_getitems_returns_records_in_request_order(
     assert source.__getitems__(np.asarray(keys, dtype=np.int32)) == [records[k] for k in keys]
 
 
+def test_getitems_refuses_keys_that_are_not_integers(files: tuple[list[Path], list[bytes]]) -> None:
+    with pytest.raises(TypeError, match="Record keys must be integers"):
+        ArrayRecordDataSource(files[0]).__getitems__([1.9])  # not record 1
+
+
 class _RecordingReader:
     """Passes reads on to an ArrayRecord reader and records how each was made."""
 

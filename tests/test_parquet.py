@@ -788,6 +788,8 @@ def test_index_past_the_end_names_the_file(one_file: str, three_files: list[str]
         IndexError, match=r"Row index -1 is out of range for 3 files \(.*a\.parquet"
     ):
         ParquetDataSource(three_files).__getitems__([0, -1])
+    with pytest.raises(TypeError, match="Record keys must be integers"):
+        ParquetDataSource(one_file).__getitems__([1.9])
 
 
 def test_bad_arguments(one_file: str) -> None:

@@ -54,3 +54,17 @@ def test_shared_memory_source_needs_elements_or_name():
 
 def test_plain_lists_satisfy_the_protocol():
     assert isinstance([1, 2], RandomAccessDataSource)
+
+
+def test_record_keys_array_takes_integers_only():
+    import numpy as np
+
+    from grain_core.sources import record_keys_array
+
+    for keys in ([1, 2], range(1, 3), np.array([1, 2], np.uint8), [np.int32(1), 2]):
+        out = record_keys_array(keys)
+        assert out.dtype == np.int64 and out.tolist() == [1, 2]
+    assert record_keys_array([]).tolist() == []
+    for bad in ([1.9], np.array([2.5]), ["3"], [True]):
+        with pytest.raises(TypeError, match="Record keys must be integers"):
+            record_keys_array(bad)

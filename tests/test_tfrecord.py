@@ -548,6 +548,8 @@ def test_source_conforms_and_reads_every_record(
         source[19]
     with pytest.raises(IndexError, match="-1"):
         source.__getitems__([0, -1])
+    with pytest.raises(TypeError, match="Record keys must be integers"):
+        source.__getitems__([1.9])  # not record 1
     assert repr(pickle.loads(pickle.dumps(source))) == repr(source)
 
 

@@ -44,6 +44,7 @@ import numpy as np
 from array_record.python import array_record_module  # type: ignore[import-untyped]
 
 from grain_arrayrecord._paths import PathsArg, parse_paths
+from grain_core.sources import record_keys_array
 
 __all__ = ["ArrayRecordDataSource", "RecordIndexError"]
 
@@ -148,7 +149,7 @@ class ArrayRecordDataSource:
           RecordIndexError: If a key is out of range.
           ValueError: If a file cannot be read (corrupt data).
         """
-        keys = np.asarray(record_keys, dtype=np.int64).reshape(-1)
+        keys = record_keys_array(record_keys)
         if keys.size == 0:
             return []
         bad = np.flatnonzero((keys < 0) | (keys >= self._len))

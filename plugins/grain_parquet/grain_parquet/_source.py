@@ -22,7 +22,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from grain_core.sources import ColumnBlock
+from grain_core.sources import ColumnBlock, record_keys_array
 from grain_parquet._files import (
     ParquetPath,
     PathLike,
@@ -205,10 +205,7 @@ class ParquetDataSource:
 
     def _read_rows(self, record_keys: Sequence[SupportsIndex]) -> list[np.ndarray]:
         """The values of ``record_keys`` in each column (none for no keys)."""
-        keys = np.asarray(record_keys)
-        if keys.dtype.kind not in "iu":  # floats, objects: each must be a real index
-            keys = np.asarray([operator.index(k) for k in record_keys], dtype=np.int64)
-        keys = keys.astype(np.int64, copy=False).reshape(-1)
+        keys = record_keys_array(record_keys)
         if not len(keys):
             return []
         bad = np.flatnonzero((keys < 0) | (keys >= self._len))

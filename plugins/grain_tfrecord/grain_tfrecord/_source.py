@@ -22,6 +22,7 @@ from typing import Any, Final, SupportsIndex
 import crc32c
 import numpy as np
 
+from grain_core.sources import record_keys_array
 from grain_tfrecord._framing import (
     FOOTER_SIZE,
     FRAME_OVERHEAD,
@@ -118,7 +119,7 @@ class TFRecordDataSource:
 
     def __getitems__(self, record_keys: Sequence[SupportsIndex]) -> list[bytes]:
         """Reads many records: sorted by position, nearby ones with a single pread."""
-        indices = np.asarray(record_keys, dtype=np.int64).reshape(-1)
+        indices = record_keys_array(record_keys)
         if indices.size == 0:
             return []
         if int(indices.min()) < 0 or int(indices.max()) >= len(self):
