@@ -9,6 +9,8 @@ float32. The file is written once per run in a temporary directory.
 * ``parquet_column_batches``: the column-batch fast path (dicts of 1024-row arrays) against
   the physical limit (read each row group, convert every column to NumPy) and against Grain's
   row rate.
+* ``parquet_checksum_verification``: the column-batch pass over the same rows written with
+  page checksums, verified (the default) against ``page_checksum_verification=False``.
 * ``parquet_shuffled_batches``: ``ParquetDataSource`` under a global shuffle, batch 256,
   against a window shuffle over row groups and a sequential read of the same source.
 * ``parquet_global_shuffle_small_cache``: what a global shuffle costs when the row-group cache
@@ -60,7 +62,17 @@ def _data_file() -> str:
     )
     path = directory / "bench.parquet"
     pq.write_table(table, path, row_group_size=ROWS_PER_GROUP)
+    pq.write_table(
+        table,
+        directory / "checksummed.parquet",
+        row_group_size=ROWS_PER_GROUP,
+        write_page_checksum=True,
+    )
     return str(path)
+
+
+def _checksummed_file() -> str:
+    return str(Path(_data_file()).with_name("checksummed.parquet"))
 
 
 def _count(expected: int, iterable: Any, rows_of: Callable[[Any], int] | None = None) -> None:
@@ -155,6 +167,29 @@ def _() -> Callable[[], None]:
     grain: Any = import_google_grain()
     ds = grain.experimental.ParquetIterDataset(_data_file())
     return lambda: _count(ROWS, ds)
+
+
+@workload(
+    "parquet_checksum_verification",
+    elements=ROWS,
+    alternate=True,
+    description=f"column batches of {COLUMN_BATCH} rows from a file with page checksums, verified",
+)
+def parquet_checksum_verification() -> Callable[[], None]:
+    from grain_core.experimental import ParquetIterDataset
+
+    ds = ParquetIterDataset(_checksummed_file(), column_batch_size=COLUMN_BATCH)
+    return lambda: _count(ROWS, ds, _batch_rows)
+
+
+@parquet_checksum_verification.baseline("page_checksum_verification=False")
+def _() -> Callable[[], None]:
+    from grain_core.experimental import ParquetIterDataset
+
+    ds = ParquetIterDataset(
+        _checksummed_file(), column_batch_size=COLUMN_BATCH, page_checksum_verification=False
+    )
+    return lambda: _count(ROWS, ds, _batch_rows)
 
 
 # ------------------------------------------------------------------ random access

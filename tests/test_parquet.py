@@ -210,6 +210,60 @@ def test_projection_does_not_read_other_columns(one_file: str) -> None:
         ParquetDataSource(one_file)[21]
 
 
+def _overwrite_values(path: str, row_group: int, column: str) -> None:
+    """Overwrites 8 bytes of the values of ``column`` in ``row_group``, headers untouched."""
+    metadata = pq.ParquetFile(path).metadata
+    index = metadata.schema.to_arrow_schema().get_field_index(column)
+    chunk = metadata.row_group(row_group).column(index)
+    end = chunk.data_page_offset + chunk.total_compressed_size
+    data = bytearray(Path(path).read_bytes())
+    data[end - 8 : end] = bytes(255 - b for b in data[end - 8 : end])
+    Path(path).write_bytes(bytes(data))
+
+
+def _write_with_plugin(path: Path) -> str:
+    with ParquetWriter(path, row_group_size=5, compression="none", use_dictionary=False) as w:
+        w.write_columns({"id": np.arange(23, dtype=np.int64), "score": np.arange(23) / 4})
+    return str(path)
+
+
+def _write_with_pyarrow(path: Path) -> str:
+    table = pa.table({"id": np.arange(23, dtype=np.int64), "score": np.arange(23) / 4})
+    pq.write_table(
+        table,
+        path,
+        row_group_size=5,
+        compression="none",
+        use_dictionary=False,
+        write_page_checksum=True,
+    )
+    return str(path)
+
+
+@pytest.mark.parametrize("write", [_write_with_plugin, _write_with_pyarrow])
+def test_pages_that_fail_their_checksum_name_file_row_group_and_column(
+    tmp_path: Path, write: Callable[[Path], str]
+) -> None:
+    path = write(tmp_path / "rot.parquet")
+    _overwrite_values(path, 2, "score")
+    expected = r"rot\.parquet: a page of row group 2, column 'score' does not match its checksum"
+    with pytest.raises(ValueError, match=expected):
+        list(ParquetIterDataset(path))
+    with pytest.raises(ValueError, match=expected):
+        list(ParquetIterDataset(path, read_batch_size=2, columns=["score", "id"]))
+    source = ParquetDataSource(path)
+    assert float(source[9]["score"]) == 9 / 4  # other row groups still read
+    with pytest.raises(ValueError, match=expected):
+        source[10]
+    # Opting out reads the changed values without a word: what the default prevents.
+    unchecked = ParquetDataSource(path, page_checksum_verification=False)
+    changed = [unchecked[i]["score"] for i in range(10, 15)]
+    assert changed != [i / 4 for i in range(10, 15)]
+    assert [r["id"] for r in ParquetIterDataset(path, page_checksum_verification=False)] == list(
+        range(23)
+    )
+
+
 def test_column_batches_equal_batched_rows(one_file: str) -> None:
     rows = grain.experimental.ParquetIterDataset(one_file).batch(4)  # type: ignore[attr-defined]
     columns = ParquetIterDataset(one_file, column_batch_size=4)

@@ -181,7 +181,7 @@ def open_parquet(
       ValueError: If it is not a readable Parquet file; the message says why.
       TypeError: On an unknown keyword argument.
     """
-    kwargs = dict(read_kwargs)
+    kwargs = {"page_checksum_verification": True, **read_kwargs}
     if file.filesystem is not None:
         kwargs["filesystem"] = file.filesystem
     try:
@@ -194,12 +194,62 @@ def open_parquet(
         raise ValueError(f"Cannot read Parquet file {file.display}: it {_diagnose(file)}.") from err
 
 
-def read_error(file: ParquetPath, row_group: int, err: Exception) -> ValueError:
-    """The error for a row group that fails to decode."""
+def read_error(
+    file: ParquetPath,
+    row_group: int,
+    err: Exception,
+    read_kwargs: Mapping[str, Any],
+    columns: Sequence[str] | None,
+) -> ValueError:
+    """The error for a row group that fails to decode.
+
+    A page checksum mismatch names the column too: pyarrow's error names only the page, so
+    the row group's columns are read again one at a time to find the damaged one.
+
+    Args:
+      file: The file.
+      row_group: The row group that failed.
+      err: pyarrow's error.
+      read_kwargs: The ``ParquetFile`` options it was opened with.
+      columns: The columns being read (None: all).
+    """
+    if _CHECKSUM_ERROR not in str(err):
+        return ValueError(
+            f"Cannot read row group {row_group} of Parquet file {file.display}: {err}. The "
+            "file is probably corrupted; re-create or re-download it."
+        )
+    column = _column_failing_checksum(file, row_group, read_kwargs, columns)
+    where = f"row group {row_group}" + ("" if column is None else f", column {column!r}")
     return ValueError(
-        f"Cannot read row group {row_group} of Parquet file {file.display}: {err}. The file is "
-        "probably corrupted; re-create or re-download it."
+        f"Parquet file {file.display}: a page of {where} does not match its checksum ({err}). "
+        "The file changed after it was written (bit rot, an interrupted copy or an "
+        "overwrite); re-create or re-download it."
     )
+
+
+# The text of pyarrow's error for a page whose CRC does not match.
+_CHECKSUM_ERROR = "CRC checksum verification failed"
+
+
+def _column_failing_checksum(
+    file: ParquetPath,
+    row_group: int,
+    read_kwargs: Mapping[str, Any],
+    columns: Sequence[str] | None,
+) -> str | None:
+    """The first of ``columns`` whose pages in ``row_group`` fail their checksum, if any."""
+    try:
+        handle = open_parquet(file, read_kwargs)
+    except (OSError, ValueError):
+        return None
+    with handle:
+        for name in columns if columns is not None else handle.schema_arrow.names:
+            try:
+                handle.read_row_group(row_group, columns=[name])
+            except (pa.ArrowException, OSError) as err:
+                if _CHECKSUM_ERROR in str(err):
+                    return str(name)
+    return None
 
 
 def check_columns(columns: Sequence[str] | None) -> tuple[str, ...] | None:

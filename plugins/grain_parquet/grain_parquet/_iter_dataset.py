@@ -72,7 +72,8 @@ class ParquetIterDataset(IterDataset[dict[str, Any]]):
       cycle_length: Files read at the same time, for several files.
       filesystem: A ``pyarrow.fs.FileSystem`` or fsspec filesystem the paths are on.
       **read_kwargs: Passed to ``pyarrow.parquet.ParquetFile`` (``memory_map=True``,
-        ``pre_buffer=True``, ``buffer_size``, ...).
+        ``pre_buffer=True``, ``buffer_size``, ...). Page checksums are verified where the
+        file has them unless ``page_checksum_verification=False``.
 
     Raises:
       FileNotFoundError: If the first file does not exist (later files: when opened).
@@ -197,6 +198,8 @@ class _ParquetFileIterator(DatasetIterator[dict[str, Any]]):
         self._columns = None if ds._columns is None else list(ds._columns)
         self._column_batch_size = ds._column_batch_size
         self._read_batch_size = ds._read_batch_size
+        self._read_kwargs = ds._read_kwargs
+        self._reading = 0  # the position (into _row_groups) of the row group being decoded
         self._stream: Iterator[tuple[int, int, list[np.ndarray]]] | None = None
         self._seek(0, 0)
 
@@ -217,6 +220,7 @@ class _ParquetFileIterator(DatasetIterator[dict[str, Any]]):
         """Yields ``(pos, first row, columns)`` per record batch from row ``skip`` of ``pos``."""
         assert self._pf is not None
         for p in range(pos, len(self._row_groups)):
+            self._reading = p
             start = 0
             batches = self._pf.iter_batches(
                 batch_size=self._read_batch_size,
@@ -242,7 +246,8 @@ class _ParquetFileIterator(DatasetIterator[dict[str, Any]]):
         try:
             item = next(self._stream, None)
         except (pa.ArrowException, OSError) as err:
-            raise read_error(self._file, self._row_groups[self._pos], err) from err
+            row_group = self._row_groups[self._reading]
+            raise read_error(self._file, row_group, err, self._read_kwargs, self._columns) from err
         if item is None:
             self._pos, self._batch_start = len(self._row_groups), 0
             self._offset = self._batch_len = 0

@@ -89,7 +89,8 @@ class ParquetDataSource:
       columns: Columns to read (in this order); None reads all.
       cache_bytes: Bound of the decoded row-group cache in bytes; 0 disables caching.
       filesystem: A ``pyarrow.fs.FileSystem`` or fsspec filesystem the paths are on.
-      **read_kwargs: Passed to ``pyarrow.parquet.ParquetFile``.
+      **read_kwargs: Passed to ``pyarrow.parquet.ParquetFile``. Page checksums are verified
+        where the file has them unless ``page_checksum_verification=False``.
 
     Raises:
       FileNotFoundError: If a file does not exist.
@@ -284,7 +285,7 @@ class ParquetDataSource:
             try:
                 table = handle.read_row_group(row_group, columns=self._columns)
             except (pa.ArrowException, OSError) as err:
-                raise read_error(file, row_group, err) from err
+                raise read_error(file, row_group, err, self._read_kwargs, self._columns) from err
         return _RowGroup.from_table(table)
 
     # ------------------------------------------------------------------ pickling

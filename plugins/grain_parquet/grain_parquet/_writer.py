@@ -57,7 +57,8 @@ class ParquetWriter:
       compression: Parquet compression codec (``"snappy"``, ``"zstd"``, ``"none"``, ...).
       filesystem: A ``pyarrow.fs.FileSystem`` or fsspec filesystem ``path`` is on.
       **writer_kwargs: Passed to ``pyarrow.parquet.ParquetWriter`` (``use_dictionary``,
-        ``write_statistics``, ...).
+        ``write_statistics``, ...). Page checksums are written unless
+        ``write_page_checksum=False``.
 
     Raises:
       ValueError: If ``row_group_size`` is not positive; from ``write``, if a row does not fit
@@ -85,7 +86,8 @@ class ParquetWriter:
         self._tmp_path = f"{file.path}.tmp-{os.getpid()}"
         self._row_group_size = row_group_size
         self._schema = schema
-        self._options = {"compression": compression, **writer_kwargs}
+        # Page checksums let every reader detect pages that changed on disk or in transit.
+        self._options = {"compression": compression, "write_page_checksum": True, **writer_kwargs}
         self._writer: pq.ParquetWriter | None = None
         self._rows: list[Mapping[str, Any]] = []
         self._pending: list[pa.Table] = []
