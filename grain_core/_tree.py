@@ -1,8 +1,8 @@
 """The one tree (PyTree) walker used everywhere in grain_core.
 
 Grain switches between ``jax.tree_util`` and a pure-Python fallback depending on whether JAX is
-importable, and the two disagree (rough edge 10). grain_core always uses this module, with the
-semantics JAX users already see:
+importable, and the two disagree (see docs/compatibility.md). grain_core always uses this
+module, with the semantics JAX users already see:
 
 * ``dict`` (and any ``Mapping``) children are visited in **sorted key order**, and rebuilt dicts
   have their keys in sorted order. Keys must therefore be mutually comparable.

@@ -211,7 +211,7 @@ class CheckpointHandler:
 
 def _same_state_everywhere(item: Any) -> bool:
     # An ElasticIterator over a MapDataset has the same state on every shard, so a checkpoint
-    # of any process restores any number of processes (spec 7.4).
+    # of any process restores any number of processes.
     from grain_core.dataset.elastic import ElasticIterator
 
     return isinstance(item, ElasticIterator)

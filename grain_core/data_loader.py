@@ -5,7 +5,7 @@ Built entirely on the Dataset API. Two layouts, chosen from the operations:
 * **Index layout** (every operation is ``Map``, ``RandomMap``, ``TfRandomMap``, ``MapWithIndex``
   or ``Batch``): the whole pipeline is a ``MapDataset`` and workers take strided shares of its
   *output* elements (batches), so the output is the same for any ``worker_count`` and a
-  checkpoint taken with ``N`` workers restores with ``M`` (Grain cannot, rough edge 6).
+  checkpoint taken with ``N`` workers restores with ``M`` (Grain cannot; see docs/compatibility.md).
 * **Stream layout** (a ``Filter``, ``FlatMap`` or legacy operation is present): records are strided across workers
   and the operations run as ``IterDataset`` steps inside each worker, as in Grain; the order and
   the checkpoint depend on ``worker_count``.

@@ -1,7 +1,8 @@
 """Deterministic randomness: Grain's ``index_shuffle``, seed derivation, per-index Philox.
 
-Everything here is bit-exact with Grain (spec 1.1.5-1.1.7, 7.11, 13.1) except where Grain
-is defective (spec 15, rough edge 1), which is called out at the place we differ.
+Everything here is bit-exact with Grain (default seeds, index_shuffle, random_map's Philox
+streams, RngPool) except where Grain is defective, which is called out at the place we differ
+and listed in docs/compatibility.md.
 """
 
 from __future__ import annotations
@@ -70,7 +71,7 @@ def validate_seed(seed: Any, what: str, *, below_2_32: bool = True) -> int:
 
 
 def derive_seed(seeds_with_depths: Sequence[tuple[int, int]]) -> int | None:
-    """Combines ``(seed, depth)`` pairs found above a node into its default seed (spec 1.1.5).
+    """Combines ``(seed, depth)`` pairs found above a node into its default seed (as Grain).
 
     Args:
       seeds_with_depths: pairs in breadth-first discovery order.
@@ -86,7 +87,7 @@ def derive_seed(seeds_with_depths: Sequence[tuple[int, int]]) -> int | None:
 
 
 # --------------------------------------------------------------------------------------
-# index_shuffle: keyed Feistel permutation with cycle walking (spec 13.1).
+# index_shuffle: keyed Feistel permutation with cycle walking, bit-exact with Grain.
 # --------------------------------------------------------------------------------------
 
 
@@ -142,7 +143,7 @@ def _block_bits(max_index: int) -> int:
 
     Grain uses ``ceil(log2(max_index))`` rounded up to even, at least 16. That cannot
     represent ``max_index`` itself when ``max_index == 2**k`` with even ``k >= 16``: Grain
-    then drops the input's top bit and its map is not a bijection (spec 15, rough edge 1).
+    then drops the input's top bit and its map is not a bijection (one element twice, one lost).
     Only in exactly those cases we take the next even size, ``k + 2``; every other domain
     keeps Grain's block size, so its orders are identical to Grain's.
     """
@@ -405,7 +406,7 @@ def index_shuffle_array(
 
 
 # --------------------------------------------------------------------------------------
-# Per-index Philox generators (spec 1.1.6, 7.11).
+# Per-index Philox generators, bit-exact with Grain's random_map streams.
 # --------------------------------------------------------------------------------------
 
 # NumPy's C ``philox_state`` on 64-bit little-endian platforms, as eight uint64 words:
@@ -482,7 +483,7 @@ _reset_bit_generator = _raw_reset if _philox_layout_matches() else _setter_reset
 
 
 def reset_philox(rng: np.random.Generator, index: int, op_seed: int = 0) -> None:
-    """Resets a Philox-backed generator to counter ``[0, 0, op_seed, index]`` (spec 1.1.6).
+    """Resets a Philox-backed generator to counter ``[0, 0, op_seed, index]``, as Grain does.
 
     The output buffer is zeroed, ``buffer_pos=4``, ``has_uint32=0``, ``uinteger=0``; the key
     is kept. The next draw is then a pure function of (key, op_seed, index).
@@ -509,7 +510,7 @@ def reset_philox(rng: np.random.Generator, index: int, op_seed: int = 0) -> None
 
 
 class RngPool:
-    """Thread-safe free list of ``Generator(Philox(seed))`` objects (spec 7.11).
+    """Thread-safe free list of ``Generator(Philox(seed))`` objects.
 
     Pickles as just the seed: unpickling yields a fresh, empty pool.
     """

@@ -138,9 +138,9 @@ class IndexSampler:
 
     Keys are ``range(num_records)`` restricted to this shard's contiguous block
     (``even_split``), shuffled per epoch with seed ``seed + epoch`` if ``shuffle``. Global index
-    ``i`` reads ``keys[i // shard_count]``. Unlike Grain (rough edge 8), the index budget is per
-    shard: ``shard_count * num_epochs * shard_length``, so a shard with a smaller block still
-    runs ``num_epochs`` whole epochs.
+    ``i`` reads ``keys[i // shard_count]``. Unlike Grain (one global index budget, so shards run
+    unequal numbers of epochs), the index budget is per shard: ``shard_count * num_epochs *
+    shard_length``, so a shard with a smaller block still runs ``num_epochs`` whole epochs.
 
     Args:
       num_records: Number of records in the source.

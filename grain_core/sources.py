@@ -91,7 +91,7 @@ class SharedMemoryDataSource(shared_memory.ShareableList):  # type: ignore[type-
 
     Values are limited to ``int``, ``float``, ``bool``, ``str``/``bytes`` (< 10 MB) and ``None``.
     Unlike Grain's, its ``repr`` is a stable fingerprint (length only), so DataLoader checkpoints
-    neither embed the data nor a random shared-memory name (rough edge 6).
+    neither embed the data nor a random shared-memory name, and restore after a restart.
 
     Raises:
       ValueError: if neither ``elements`` nor ``name`` is given.

@@ -1,4 +1,4 @@
-"""Tests of grain_core.dataset.cache (spec 7.7)."""
+"""Tests of grain_core.dataset.cache."""
 
 from __future__ import annotations
 

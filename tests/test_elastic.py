@@ -1,4 +1,4 @@
-"""Tests of grain_core.dataset.elastic (spec 7.4, rough edge 18)."""
+"""Tests of grain_core.dataset.elastic."""
 
 from __future__ import annotations
 

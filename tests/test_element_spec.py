@@ -1,4 +1,4 @@
-"""Tests of grain_core.dataset.element_spec (spec 7.2, 7.14)."""
+"""Tests of grain_core.dataset.element_spec."""
 
 from __future__ import annotations
 

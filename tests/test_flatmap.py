@@ -1,4 +1,4 @@
-"""Tests for grain_core.dataset.flatmap (spec 7.8, rough edge 15)."""
+"""Tests for grain_core.dataset.flatmap; differences from Grain in docs/compatibility.md."""
 
 from __future__ import annotations
 

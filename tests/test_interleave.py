@@ -1,4 +1,4 @@
-"""Tests of grain_core.dataset.interleave (spec 7.9)."""
+"""Tests of grain_core.dataset.interleave."""
 
 from __future__ import annotations
 

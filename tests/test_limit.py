@@ -1,4 +1,4 @@
-"""Tests of grain_core.dataset.limit (spec 7.10)."""
+"""Tests of grain_core.dataset.limit."""
 
 from __future__ import annotations
 

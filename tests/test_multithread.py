@@ -1,4 +1,4 @@
-"""Tests of grain_core.dataset.multithread (spec 7.13)."""
+"""Tests of grain_core.dataset.multithread."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Tests of grain_core.dataset.next_index (spec 7.14)."""
+"""Tests of grain_core.dataset.next_index."""
 
 from __future__ import annotations
 

@@ -195,7 +195,7 @@ def _loader(operations: list[Any], workers: int) -> Any:
 
 def _expected_x_batches(workers: int) -> list[list[int]]:
     """Records are strided across workers, filtered and batched there, and the batches are
-    interleaved round-robin (spec 1.6)."""
+    interleaved round-robin, as Grain's DataLoader does."""
     per_worker = []
     for w in range(max(workers, 1)):
         kept = [x * x + 1 for x in range(w, NUM_RECORDS, max(workers, 1)) if (x * x + 1) % 3]

@@ -68,7 +68,8 @@ def test_block_size_is_grains_except_where_grain_is_not_bijective() -> None:
         candidates.update({2**k - 1, 2**k, 2**k + 1})
     for max_index in sorted(candidates):
         expected = grain_bits(max_index)
-        if max_index == 2**expected:  # Grain drops max_index's top bit here (rough edge 1).
+        # Grain drops max_index's top bit here (see docs/compatibility.md).
+        if max_index == 2**expected:
             expected += 2
         assert grain_random._block_bits(max_index) == expected, max_index
         assert max_index < 2 ** grain_random._block_bits(max_index)

@@ -1,4 +1,4 @@
-"""Tests for grain_core.dataset.rebatch: RebatchIterDataset and batch_and_pad (spec 7.6)."""
+"""Tests for grain_core.dataset.rebatch: RebatchIterDataset and batch_and_pad."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Tests of grain_core.dataset.repeat_iter (spec 7.14)."""
+"""Tests of grain_core.dataset.repeat_iter."""
 
 from __future__ import annotations
 

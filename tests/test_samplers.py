@@ -23,7 +23,7 @@ def test_index_sampler_shuffle_golden() -> None:
 
 
 def test_every_shard_runs_the_same_number_of_epochs() -> None:
-    # Grain gives shard 1 only [3, 4, 5, 3, 4] (rough edge 8).
+    # Grain gives shard 1 only [3, 4, 5, 3, 4] (global index budget).
     shards = [IndexSampler(8, ShardOptions(s, 3), num_epochs=2) for s in range(3)]
     assert _keys(shards[0], range(0, len(shards[0]), 3)) == [0, 1, 2, 0, 1, 2]
     assert _keys(shards[1], range(1, len(shards[1]), 3)) == [3, 4, 5, 3, 4, 5]

@@ -1,4 +1,4 @@
-"""Tests for grain_core.dataset.stats: STAGE_TIMING execution statistics (spec 11, rough edge 13)."""
+"""Tests for grain_core.dataset.stats: STAGE_TIMING execution statistics."""
 
 from __future__ import annotations
 

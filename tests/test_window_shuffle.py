@@ -1,4 +1,4 @@
-"""Tests for grain_core.dataset.window_shuffle (spec 7.14, 13.2, rough edge 3)."""
+"""Tests for grain_core.dataset.window_shuffle; differences from Grain in docs/compatibility.md."""
 
 from __future__ import annotations
 

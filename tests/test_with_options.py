@@ -1,4 +1,4 @@
-"""Tests of grain_core.dataset.with_options (spec 7.2, rough edge 17)."""
+"""Tests of grain_core.dataset.with_options."""
 
 from __future__ import annotations
 
@@ -47,7 +47,7 @@ def test_branches_merge() -> None:
 
 
 def test_zero_raise_threshold_is_real() -> None:
-    """Rough edge 17: 0.0 raises as soon as a window drops anything."""
+    """0.0 is a threshold, not 'disabled' (Grain's falsy test): it raises on any drop."""
     ds = _source().filter(lambda x: x != 3)
     ds = WithOptionsIterDataset(ds, DatasetOptions(filter_raise_threshold_ratio=0.0))
     with pytest.raises(ValueError, match="skipped"):

@@ -1,4 +1,4 @@
-"""Tests of grain_core.dataset.zip (spec 7.14)."""
+"""Tests of grain_core.dataset.zip."""
 
 from __future__ import annotations
 

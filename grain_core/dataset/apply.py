@@ -1,4 +1,4 @@
-"""``apply_transformations``: dispatch transformation objects to dataset methods (spec 7.3)."""
+"""``apply_transformations``: dispatch transformation objects to dataset methods."""
 
 from __future__ import annotations
 

@@ -81,7 +81,7 @@ class _Node:
 
     @functools.cached_property
     def _default_seed(self) -> int | None:
-        """Seed derived from the nearest ``.seed()`` calls upstream (spec 1.1.5, bit-exact)."""
+        """Seed derived from the nearest ``.seed()`` calls upstream, bit-exact with Grain."""
         found: list[tuple[int, int]] = []
         queue: collections.deque[tuple[Any, int]] = collections.deque([(self, 0)])
         while queue:

@@ -1,4 +1,4 @@
-"""``CacheIterDataset``: keep the first pass in memory and replay it (spec 7.7)."""
+"""``CacheIterDataset``: keep the first pass in memory and replay it."""
 
 from __future__ import annotations
 

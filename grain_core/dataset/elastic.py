@@ -1,5 +1,5 @@
 """``ElasticIterator``: batching and sharding owned by the iterator, so a checkpoint restores
-under a different number of shards (spec 7.4).
+under a different number of shards.
 
 * MapDataset mode: the state is one number, the global index of the next element, identical on
   every shard after the same number of steps. Shard ``s`` of ``S`` reads

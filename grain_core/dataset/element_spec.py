@@ -1,4 +1,4 @@
-"""Element specs: the structure, shapes and dtypes of a dataset's elements (spec 7.2, 7.14).
+"""Element specs: the structure, shapes and dtypes of a dataset's elements.
 
 ``get_element_spec(ds)`` answers without reading data by walking the graph: sources with a
 known element type start the walk, each node derives its spec from its parents'. A node class

@@ -1,6 +1,6 @@
-"""One-to-many transformations: ``FlatMapMapDataset`` and ``FlatMapIterDataset`` (spec 7.8).
+"""One-to-many transformations: ``FlatMapMapDataset`` and ``FlatMapIterDataset``.
 
-Differences from Grain (spec 15, rough edge 15): the Map version computes each input's splits
+Unlike Grain (see docs/compatibility.md): the Map version computes each input's splits
 once per block of reads (and keeps the most recent inputs' splits for the next block) instead
 of once per output slot, and the Iter version enforces ``max_fan_out`` too.
 """

@@ -1,7 +1,8 @@
 """Round-robin interleaving of many datasets (``grain.experimental.InterleaveIterDataset``).
 
 The hot path is a plain round-robin ``next()`` over the iterators held by the cycle's slots.
-Background threads are started only where they can help (spec 7.9 leaves them "(impl)"):
+Background threads are started only where they can help (Grain's thread layout is not part
+of its contract):
 
 * an ``IterDataset`` input is read ahead on its own thread (``iter_buffer_size`` elements) unless
   it comes from ``to_iter_dataset`` — that reader already reads ahead on its own thread pool, and
@@ -108,7 +109,7 @@ def _read_ahead_is_useful(ds: Any) -> bool:
 
 
 class InterleaveDatasetIterator(DatasetIterator[Any]):
-    """Round-robin over the slots' iterators; state per spec 7.9.
+    """Round-robin over the slots' iterators; state as Grain's interleave.
 
     Each slot holds the dataset index it reads, its iterator (created on demand, kept after
     exhaustion until the slot is reused so ``set_state`` can rewind it instead of rebuilding —

@@ -1,4 +1,4 @@
-"""``LimitIterDataset``: stop after a number of elements (spec 7.10)."""
+"""``LimitIterDataset``: stop after a number of elements."""
 
 from __future__ import annotations
 

@@ -197,7 +197,8 @@ class _IndexedIterator(DatasetIterator[Any]):
 
     Inside worker ``p`` of ``P`` the ``k``-th element gets the global-looking index
     ``p + k * P``, so per-worker streams interleave into the single-process numbering (Grain
-    does this for random_map only; doing it for map_with_index too fixes rough edge 14).
+    does this for random_map only; doing it for map_with_index too makes its counter
+    independent of the worker count).
     """
 
     _state_key: str

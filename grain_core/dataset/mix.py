@@ -1,4 +1,4 @@
-"""Mixing and concatenation of datasets (spec 1.1.4, 1.2.1, 13.6)."""
+"""Mixing and concatenation of datasets."""
 
 from __future__ import annotations
 
@@ -45,7 +45,7 @@ def integer_weights(weights: Sequence[float] | None, n: int) -> tuple[int, ...]:
 
 
 def select_by_proportions(k: int, proportions: Sequence[int]) -> tuple[int, int]:
-    """Routes mix position ``k`` to ``(dataset_index, index_in_dataset)`` (spec 13.6)."""
+    """Routes mix position ``k`` to ``(dataset_index, index_in_dataset)``, bit-exact with Grain."""
     remaining = sum(proportions)
     a, b = k, k + 1
     last = len(proportions) - 1

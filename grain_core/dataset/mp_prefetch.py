@@ -14,7 +14,7 @@ the same output and state are produced by handing positions to whichever worker 
 (``config.py_mp_prefetch_dispatch = False`` keeps each worker on its share).
 
 The merge is an ``InterleaveIterDataset`` with one slot per worker, so the state is the interleave
-state of spec 1.3.1 with one worker pipeline state per slot. Every element arrives together with
+state (Grain's layout) with one worker pipeline state per slot. Every element arrives together with
 its worker's state right after producing it, so ``get_state`` never talks to the workers, and
 ``set_state`` restores the workers in place, without restarting them.
 """
@@ -229,7 +229,7 @@ class MultiprocessPrefetchIterDataset(IterDataset[Any]):
         it = iter(InterleaveIterDataset(workers, cycle_length=len(workers), iter_buffer_size=0))
         it._stage_label = f"MultiprocessPrefetch(num_workers={self.num_workers})"  # type: ignore[attr-defined]
         # Options set upstream apply in the workers (they are part of the pickled pipeline)
-        # and, collected here, to the parent's side of the pipeline too (spec 1.2.4).
+        # and, collected here, to the parent's side of the pipeline too, as in Grain.
         options = _upstream_options(self._parents[0])
         if options is not None:
             it._merge_dataset_options(options)

@@ -1,4 +1,4 @@
-"""``multithread_prefetch``: the thread analogue of ``mp_prefetch`` (spec 7.13)."""
+"""``multithread_prefetch``: the thread analogue of ``mp_prefetch``."""
 
 from __future__ import annotations
 

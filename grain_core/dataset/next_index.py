@@ -1,4 +1,4 @@
-"""``get_next_index`` / ``set_next_index``: position an iterator by element count (spec 7.14)."""
+"""``get_next_index`` / ``set_next_index``: position an iterator by element count."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Bin packing of variable-length sequences: first-fit and best-fit (spec 7.12, 13.5).
+"""Bin packing of variable-length sequences: first-fit and best-fit.
 
 A *group* is ``num_packing_bins`` bins preallocated per feature as one ``(bins, target_len,
 *feature_shape)`` array (plus int32 segment-id and position arrays). Each input sequence is
@@ -472,7 +472,7 @@ class _RowPlan:
 
 
 class _PackDatasetIterator(DatasetIterator[dict[str, Any]]):
-    """State ``{"parent", "next_row", "counter"}`` (spec 1.3.1)."""
+    """State ``{"parent", "next_row", "counter"}``, as Grain's."""
 
     def __init__(self, parent: DatasetIterator[Any], ds: _PackIterDataset) -> None:
         super().__init__(parent)

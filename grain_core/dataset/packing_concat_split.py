@@ -1,4 +1,4 @@
-"""Concat-then-split packing (spec 7.12): fill one buffer of target lengths, splitting inputs.
+"""Concat-then-split packing: fill one buffer of target lengths, splitting inputs.
 
 Inputs are concatenated into a single buffer per feature; an input that does not fit is cut at the
 remaining capacity and its remainder starts the next output, so no cell is padding except at the

@@ -1,4 +1,4 @@
-"""Batching helpers for already-batched or ragged data (spec 7.6).
+"""Batching helpers for already-batched or ragged data.
 
 ``RebatchIterDataset`` re-cuts a stream of batches into batches of another size, crossing
 input boundaries; ``batch_and_pad`` is a ``batch_fn`` that pads a short last batch.

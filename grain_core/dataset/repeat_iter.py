@@ -1,4 +1,4 @@
-"""``RepeatIterDataset``: replay an IterDataset for several epochs (spec 7.14)."""
+"""``RepeatIterDataset``: replay an IterDataset for several epochs."""
 
 from __future__ import annotations
 

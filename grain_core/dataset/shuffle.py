@@ -1,4 +1,4 @@
-"""Global shuffle: a per-epoch keyed permutation of the parent's indices (spec 1.1.7)."""
+"""Global shuffle: a per-epoch keyed permutation of the parent's indices, bit-exact with Grain."""
 
 from __future__ import annotations
 

@@ -87,7 +87,7 @@ def batched_read(source: Any, keys: list[int]) -> Sequence[Any]:
 
     Both the ``__getitems__`` spelling (array_record, PyTorch) and Grain's ``_getitems`` are
     honoured; Grain itself only looks for the latter, so ArrayRecord's parallel batched read was
-    never used (rough edge 19). Under ``columns_wanted()``, a source's ``read_columns`` is used
+    never used. Under ``columns_wanted()``, a source's ``read_columns`` is used
     instead.
     """
     if _columns_wanted.get():

@@ -1,4 +1,4 @@
-"""Per-stage execution statistics (spec 11): element counts and self time per pipeline stage.
+"""Per-stage execution statistics: element counts and self time per pipeline stage.
 
 With ``DatasetOptions(execution_tracking_mode=ExecutionTrackingMode.STAGE_TIMING)`` every
 stage of a pipeline records how many elements it produced and its **self time**: wall time
@@ -6,10 +6,10 @@ spent in the stage's own code, excluding the time its input stages spent produci
 elements it consumed. ``get_execution_summary(iterator)`` returns an ``ExecutionSummary``;
 ``print(summary)`` shows it as a table, the first thing to read when a pipeline is slow.
 
-Cost model (spec 15, rough edge 13). Nothing in any ``__next__`` or ``_getitems`` checks
-whether tracking is on. Timing is *installed* when an iterator joins a pipeline whose options
-ask for it (``DatasetIterator`` construction, ``_share_ctx``, or options merged later by
-``WithOptionsIterDataset``):
+Cost model (Grain pays per element even with tracking off): nothing in any ``__next__`` or
+``_getitems`` checks whether tracking is on. Timing is *installed* when an iterator joins a
+pipeline whose options ask for it (``DatasetIterator`` construction, ``_share_ctx``, or options
+merged later by ``WithOptionsIterDataset``):
 
 * each ``DatasetIterator`` instance gets its class swapped for a cached subclass whose
   ``__next__`` times the original one (same name, same behaviour);

@@ -1,9 +1,9 @@
-"""Window shuffle: permute elements within consecutive windows (spec 7.14, 13.2).
+"""Window shuffle: permute elements within consecutive windows.
 
 Cheaper than a global shuffle on sequential-read sources: a window is a contiguous range, so
 reads stay local, and memory is O(1) (Map) or O(window) (Iter).
 
-Differences from Grain (spec 15, rough edge 3): the last, partial window of an epoch is a
+Unlike Grain (see docs/compatibility.md): the last, partial window of an epoch is a
 permutation of exactly the elements it holds (Grain permutes it over ``window_size`` slots and
 reads into the next epoch), and both datasets take their default seed from ``.seed()``.
 Full windows use Grain's permutation, so their order is Grain's.

@@ -1,4 +1,4 @@
-"""``WithOptionsIterDataset``: attach ``DatasetOptions`` to a whole pipeline (spec 7.2)."""
+"""``WithOptionsIterDataset``: attach ``DatasetOptions`` to a whole pipeline."""
 
 from __future__ import annotations
 

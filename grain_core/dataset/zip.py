@@ -11,7 +11,7 @@ __all__ = ["ZipIterDataset", "ZipMapDataset"]
 
 
 class ZipMapDataset(MapDataset[tuple[Any, ...]]):
-    """``ds[i] = tuple(p[i] for p in parents)`` (spec 7.14): a parent's hole (a filtered-out
+    """``ds[i] = tuple(p[i] for p in parents)``: a parent's hole (a filtered-out
     element) is a ``None`` in the tuple, as in Grain, not a hole of the zip.
 
     Raises:

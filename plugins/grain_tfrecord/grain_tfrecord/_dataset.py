@@ -198,7 +198,7 @@ class TFRecordChainIterator(InterleaveDatasetIterator):
 
     Records are taken straight from the current file iterator's block (its
     :attr:`~TFRecordFileIterator.block_records`), which advances that iterator exactly as its
-    own ``__next__`` would: the state stays the interleave state (spec 7.9) and every check
+    own ``__next__`` would: the state stays the interleave state and every check
     is unchanged, while the per-record hop through the interleave and the file iterator is
     skipped. At the end of a block, the record comes through the interleave as usual.
 
