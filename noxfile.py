@@ -1,6 +1,6 @@
 """The multi-package test matrix.
 
-``nox`` runs every default session: ``tests-core`` (grain-core alone, zero plugins),
+``nox`` runs every default session: ``tests-core`` (grainpipe alone, zero plugins),
 ``tests-<plugin>`` for each ``plugins/<dir>/pyproject.toml`` in this checkout (core + that
 plugin), ``tests-all`` (every package, JAX, Orbax and the test plugin), ``lint`` and
 ``typecheck``. ``nox -s bench`` runs the benchmarks beside Google Grain.
@@ -39,7 +39,7 @@ def _pytest(session: nox.Session, *paths: str) -> None:
 
 @nox.session(name="tests-core")
 def tests_core(session: nox.Session) -> None:
-    """grain-core alone: imports and works with zero plugins; plugin names give install hints."""
+    """grainpipe (the core) alone: imports and works with zero plugins; plugin names give install hints."""
     session.install(".[test]")
     _pytest(session, "tests")
 
@@ -51,7 +51,7 @@ def _plugin_session(name: str, directory: Path) -> None:
         own_tests = sorted(str(p.relative_to(ROOT)) for p in ROOT.glob(f"tests/test_{name}*.py"))
         _pytest(session, "tests/test_plugins.py", *own_tests)
 
-    tests_plugin.__doc__ = f"grain-core + {directory.name}: its tests and the registry's."
+    tests_plugin.__doc__ = f"the core + {directory.name}: its tests and the registry's."
 
 
 for _name, _directory in PLUGINS.items():

@@ -1,6 +1,6 @@
 """ArrayRecord random access: 200,000 records of 1 KiB in 4 files, read in shuffled order.
 
-Needs the grain-arrayrecord plugin (skipped without it). Each workload keeps one iterator
+Needs the grainpipe-arrayrecord plugin (skipped without it). Each workload keeps one iterator
 alive and every timed pass pulls the next ``PASS_BATCHES`` batches of 256 from it, so the
 figures are steady-state records/s: start-up (worker processes, thread pools, file opening)
 is paid in the untimed setup and warm-up pass. Baselines in the same run:

@@ -1,6 +1,6 @@
-"""TFRecord (grain-tfrecord, issue 7): 200,000 records of 1 KiB in 4 files.
+"""TFRecord (grainpipe-tfrecord, issue 7): 200,000 records of 1 KiB in 4 files.
 
-Needs the grain-tfrecord plugin (skipped without it). Workloads and their same-run baselines:
+Needs the grainpipe-tfrecord plugin (skipped without it). Workloads and their same-run baselines:
 
 * ``tfrecord_full_pass_crc``: ``TFRecordIterDataset(4 files)`` reads everything, checking
   both CRCs of every record. Baselines: a minimal plain-Python framing loop with no
@@ -11,7 +11,7 @@ Needs the grain-tfrecord plugin (skipped without it). Workloads and their same-r
   of as runs of equal-length frames. Same baselines; no target, reported for visibility.
 * ``tfrecord_random_access``: ``MapDataset.source(TFRecordDataSource).shuffle().batch(256)``,
   steady state (``PASS_BATCHES`` batches per timed pass of a long-lived iterator), against
-  the same pipeline over ArrayRecord files holding the same records (when grain-arrayrecord
+  the same pipeline over ArrayRecord files holding the same records (when grainpipe-arrayrecord
   is installed).
 * ``example_decode_scalars`` / ``example_decode_lists``: ``decode_example`` of records with
   5 features, against the protobuf runtime with the published schema followed by the same

@@ -275,7 +275,7 @@ def progress(iterable: Iterable[_T], total: int | None, unit: str) -> Iterable[_
     """Wraps ``iterable`` in a tqdm progress bar when stderr is a terminal and tqdm exists
     (``total=None``: a count without an end).
 
-    tqdm is optional (``pip install 'grain-core[progress]'``): without it, or when output is
+    tqdm is optional (``pip install 'grainpipe[progress]'``): without it, or when output is
     redirected, the iterable is returned unchanged so logs stay clean.
     """
     if not sys.stderr.isatty():

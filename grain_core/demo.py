@@ -37,11 +37,11 @@ __all__ = ["add_arguments", "run"]
 
 #: Format name -> (file name, distribution, directory of the plugin in a source checkout).
 FORMATS = {
-    "arrayrecord": ("images.array_record", "grain-arrayrecord", "plugins/grain_arrayrecord"),
-    "parquet": ("images.parquet", "grain-parquet", "plugins/grain_parquet"),
-    "tfrecord": ("images.tfrecord", "grain-tfrecord", "plugins/grain_tfrecord"),
+    "arrayrecord": ("images.array_record", "grainpipe-arrayrecord", "plugins/grain_arrayrecord"),
+    "parquet": ("images.parquet", "grainpipe-parquet", "plugins/grain_parquet"),
+    "tfrecord": ("images.tfrecord", "grainpipe-tfrecord", "plugins/grain_tfrecord"),
 }
-DEMO_INSTALL_HINT = "pip install 'grain-core[demo]'"
+DEMO_INSTALL_HINT = "pip install 'grainpipe[demo]'"
 _PIXELS = int(np.prod(_demo.IMAGE_SHAPE))
 _CLASSES = 10
 _HIDDEN = 256

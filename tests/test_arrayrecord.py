@@ -1,4 +1,4 @@
-"""The grain-arrayrecord plugin: source, writer, inspector, registration, pipelines, bad input.
+"""The grainpipe-arrayrecord plugin: source, writer, inspector, registration, pipelines, bad input.
 
 Files are written by the real array_record library in temporary directories. Runs where nox
 installed ``plugins/grain_arrayrecord`` (tests-arrayrecord, tests-all); skipped elsewhere.
@@ -91,7 +91,7 @@ def test_plugin_is_registered_through_its_entry_point(
     report = next(r for r in plugins.registry().reports if r.name == "arrayrecord")
     assert (report.status, report.distribution, report.version) == (
         "loaded",
-        "grain-arrayrecord",
+        "grainpipe-arrayrecord",
         grain_arrayrecord.__version__,
     )
     assert report.provides == {

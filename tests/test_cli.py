@@ -97,7 +97,7 @@ def test_python_dash_m_runs_the_same_cli() -> None:
     assert result.returncode == 0, result.stderr
     header, builtins = result.stdout.splitlines()[:2]
     assert header.split() == ["NAME", "DISTRIBUTION", "VERSION", "STATUS", "PROVIDES"]
-    assert builtins.split()[:4] == ["builtins", "grain-core", grain_core.__version__, "loaded"]
+    assert builtins.split()[:4] == ["builtins", "grainpipe", grain_core.__version__, "loaded"]
     assert "shuffle: global, window; sharding: none, even_split, strided, jax_process" in builtins
 
 

@@ -84,7 +84,7 @@ def test_without_jax_names_the_extra(
 ) -> None:
     monkeypatch.setitem(sys.modules, "jax", None)
     assert cli.main(["demo", "--steps", "4"]) == 1
-    assert "pip install 'grain-core[demo]'" in capsys.readouterr().err
+    assert "pip install 'grainpipe[demo]'" in capsys.readouterr().err
 
 
 def test_generated_classes_are_learnable_and_records_round_trip() -> None:

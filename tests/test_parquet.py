@@ -1,4 +1,4 @@
-"""The grain-parquet plugin: streaming, random access, writer, inspector and bad input.
+"""The grainpipe-parquet plugin: streaming, random access, writer, inspector and bad input.
 
 Files are written by pyarrow (or the plugin's writer) in temporary directories.
 """

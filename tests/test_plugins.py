@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import importlib
 import importlib.metadata
+import re
 import subprocess
 import sys
 import textwrap
@@ -132,7 +133,7 @@ def test_builtins_load_with_zero_plugins() -> None:
     registry = _load(GRAIN_CORE_PLUGINS="")
     assert [r.name for r in registry.reports if r.status == "loaded"] == ["builtins"]
     builtin = _report(registry, "builtins")
-    assert (builtin.distribution, builtin.version) == ("grain-core", grain_core.__version__)
+    assert (builtin.distribution, builtin.version) == ("grainpipe", grain_core.__version__)
     assert builtin.provides == {
         "shuffle_strategies": ["global", "window"],
         "sharding_policies": ["none", "even_split", "strided", "jax_process"],
@@ -193,7 +194,7 @@ def test_jax_process_policy_uses_jax() -> None:
 def test_jax_process_policy_without_jax_names_the_extra(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setitem(sys.modules, "jax", None)
     policy = plugins.get_sharding_policy("jax_process")
-    with pytest.raises(ImportError, match=r"grain-core\[jax\]"):
+    with pytest.raises(ImportError, match=r"grainpipe\[jax\]"):
         policy.apply(grain_core.MapDataset.range(4))
 
 
@@ -456,7 +457,7 @@ def test_path_no_format_claims_lists_installed_formats(make_plugin: MakePlugin) 
         match=r"No installed format claims 'data.csv'. Installed formats: first \(.one\)",
     ):
         registry.format_for_path("data.csv")
-    with pytest.raises(NoFormatForPathError, match="pip install grain-arrayrecord"):
+    with pytest.raises(NoFormatForPathError, match="pip install grainpipe-arrayrecord"):
         registry.format_for_path("/data/x.array_record-00001-of-00008")
 
 
@@ -472,9 +473,9 @@ def test_unknown_names_list_what_is_installed() -> None:
 @pytest.mark.parametrize(
     ("module", "name", "distribution"),
     [
-        ("sources", "ArrayRecordDataSource", "grain-arrayrecord"),
-        ("experimental", "ParquetIterDataset", "grain-parquet"),
-        ("experimental", "TFRecordIterDataset", "grain-tfrecord"),
+        ("sources", "ArrayRecordDataSource", "grainpipe-arrayrecord"),
+        ("experimental", "ParquetIterDataset", "grainpipe-parquet"),
+        ("experimental", "TFRecordIterDataset", "grainpipe-tfrecord"),
     ],
 )
 def test_first_party_names_without_plugin_say_what_to_install(
@@ -488,9 +489,38 @@ def test_first_party_names_without_plugin_say_what_to_install(
         exec(f"from grain_core.{module} import {name}", {})
 
 
+@pytest.mark.parametrize("package", ["grain_arrayrecord", "grain_parquet", "grain_tfrecord"])
+@pytest.mark.parametrize(
+    ("core", "hint"),
+    [
+        (None, "which is not installed: pip install grainpipe"),
+        ("other", "is another project's .*pip uninstall grain-core && pip install grainpipe"),
+    ],
+)
+def test_first_party_plugin_without_our_core_names_the_distribution(
+    tmp_path: Path, package: str, core: str | None, hint: str
+) -> None:
+    # The package index's `grain-core` installs a grain_core package without .plugins.
+    if core is not None:
+        (tmp_path / "grain_core").mkdir()
+        (tmp_path / "grain_core" / "__init__.py").write_text("ENGINE = 'workflows'\n")
+    plugin_dir = Path(__file__).parents[1] / "plugins" / package
+    result = subprocess.run(
+        [sys.executable, "-S", "-c", f"import {package}"],
+        env={"PYTHONPATH": f"{tmp_path}:{plugin_dir}"},
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+    )
+    assert result.returncode == 1
+    last_line = result.stderr.strip().splitlines()[-1]
+    assert last_line.startswith(f"ImportError: {package} needs grain_core from the `grainpipe`")
+    assert re.search(hint, last_line), last_line
+
+
 def test_first_party_plugin_that_failed_says_why(make_plugin: MakePlugin) -> None:
     make_plugin(
-        "grain-arrayrecord",
+        "grainpipe-arrayrecord",
         {"arrayrecord": "broken_arrayrecord_plugin"},
         {"broken_arrayrecord_plugin": "raise ImportError('array_record missing')"},
     )

@@ -1,4 +1,4 @@
-"""grain-tfrecord: framing, streaming reader, indexed source, writer, plugin registration.
+"""grainpipe-tfrecord: framing, streaming reader, indexed source, writer, plugin registration.
 
 Runs where the plugin is installed (``nox -s tests-tfrecord``, ``tests-all``).
 """

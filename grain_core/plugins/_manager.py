@@ -90,24 +90,35 @@ _EXPORTS = _Kind("exports", "public name", "", object)
 @dataclasses.dataclass(frozen=True)
 class _FirstParty:
     distribution: str
+    package: str  # import name, also its directory under plugins/ in a source checkout
     suffixes: tuple[str, ...]
     public_names: tuple[str, ...]
 
     @property
     def install_hint(self) -> str:
-        directory = self.distribution.replace("-", "_")
         return (
             f"pip install {self.distribution} (from a grain_core source checkout: "
-            f"pip install ./plugins/{directory})"
+            f"pip install ./plugins/{self.package})"
         )
 
 
 # The project's own format plugins: what to tell a user who needs one that is missing.
 _FIRST_PARTY = (
-    _FirstParty("grain-arrayrecord", (".array_record",), ("ArrayRecordDataSource",)),
-    _FirstParty("grain-parquet", (".parquet",), ("ParquetIterDataset", "ParquetDataSource")),
     _FirstParty(
-        "grain-tfrecord",
+        "grainpipe-arrayrecord",
+        "grain_arrayrecord",
+        (".array_record",),
+        ("ArrayRecordDataSource",),
+    ),
+    _FirstParty(
+        "grainpipe-parquet",
+        "grain_parquet",
+        (".parquet",),
+        ("ParquetIterDataset", "ParquetDataSource"),
+    ),
+    _FirstParty(
+        "grainpipe-tfrecord",
+        "grain_tfrecord",
         (".tfrecord",),
         ("TFRecordIterDataset", "TFRecordDataSource", "TFRecordWriter"),
     ),
@@ -180,7 +191,7 @@ class Registry:
     def _load_all(self, environ: Mapping[str, str]) -> None:
         from grain_core import __version__
 
-        builtin = PluginReport(BUILTIN_PLUGIN, "grain-core", __version__, _builtins.__name__)
+        builtin = PluginReport(BUILTIN_PLUGIN, "grainpipe", __version__, _builtins.__name__)
         self.reports.append(builtin)
         self._load_one(builtin, lambda: _builtins)
         selected = _parse_env_names(environ, PLUGINS_ENV)
@@ -386,7 +397,7 @@ class Registry:
             reason = f"which is installed but {report.status} by {PLUGINS_ENV}/{DISABLE_ENV}"
         raise MissingPluginError(
             f"{module}.{name} is provided by the {owner.distribution} plugin, {reason}.",
-            name=owner.distribution.replace("-", "_"),
+            name=owner.package,
         )
 
 

@@ -1,4 +1,4 @@
-"""grain-arrayrecord: ArrayRecord files for grain_core.
+"""grainpipe-arrayrecord: ArrayRecord files for grain_core.
 
 ``ArrayRecordDataSource`` reads blocks of records with one parallel C++ read per file;
 ``ArrayRecordWriter`` writes files for fast random access (``group_size=1``);
@@ -6,6 +6,25 @@
 """
 
 from __future__ import annotations
+
+# The package index's `grain-core` is an unrelated project that also installs a top-level
+# grain_core package; this plugin extends the grain_core of the `grainpipe` distribution.
+try:
+    import grain_core.plugins  # noqa: F401
+except ModuleNotFoundError as err:
+    if err.name not in ("grain_core", "grain_core.plugins"):
+        raise
+    raise ImportError(
+        "grain_arrayrecord needs grain_core from the `grainpipe` distribution, "
+        + (
+            "which is not installed: pip install grainpipe"
+            if err.name == "grain_core"
+            else "but the grain_core installed here has no grain_core.plugins: it is another "
+            "project's (the package index's `grain-core`). Replace it: "
+            "pip uninstall grain-core && pip install grainpipe"
+        ),
+        name="grain_core",
+    ) from err
 
 from grain_arrayrecord._inspect import inspect_array_record
 from grain_arrayrecord._paths import FileInstructionLike

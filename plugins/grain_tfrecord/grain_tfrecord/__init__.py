@@ -1,4 +1,4 @@
-"""grain-tfrecord: TFRecord files and ``tf.train.Example`` for grain_core, without TensorFlow.
+"""grainpipe-tfrecord: TFRecord files and ``tf.train.Example`` for grain_core, without TensorFlow.
 
 * :class:`TFRecordIterDataset` streams records, verifying both CRCs of every frame.
 * :class:`TFRecordDataSource` reads any record by index through a cached offset index.
@@ -8,6 +8,25 @@
 """
 
 from __future__ import annotations
+
+# The package index's `grain-core` is an unrelated project that also installs a top-level
+# grain_core package; this plugin extends the grain_core of the `grainpipe` distribution.
+try:
+    import grain_core.plugins  # noqa: F401
+except ModuleNotFoundError as err:
+    if err.name not in ("grain_core", "grain_core.plugins"):
+        raise
+    raise ImportError(
+        "grain_tfrecord needs grain_core from the `grainpipe` distribution, "
+        + (
+            "which is not installed: pip install grainpipe"
+            if err.name == "grain_core"
+            else "but the grain_core installed here has no grain_core.plugins: it is another "
+            "project's (the package index's `grain-core`). Replace it: "
+            "pip uninstall grain-core && pip install grainpipe"
+        ),
+        name="grain_core",
+    ) from err
 
 from grain_tfrecord._dataset import TFRecordIterDataset
 from grain_tfrecord._example import (
