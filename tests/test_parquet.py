@@ -688,6 +688,122 @@ def test_fsspec_filesystem(tmp_path: Path) -> None:
     fs.rm("/grain-parquet-test", recursive=True)
 
 
+class _RecordingMemoryFS:
+    """An fsspec memory filesystem that records the ranged reads of each ``cat_ranges``."""
+
+    def __new__(cls) -> Any:
+        from fsspec.implementations.memory import MemoryFileSystem
+
+        class Recording(MemoryFileSystem):  # type: ignore[misc]
+            def __init__(self) -> None:
+                super().__init__(skip_instance_cache=True)
+                self.requests: list[list[tuple[int, int]]] = []
+
+            def cat_ranges(self, paths: Any, starts: Any, ends: Any, **kwargs: Any) -> Any:
+                self.requests.append(list(zip(starts, ends, strict=True)))
+                return super().cat_ranges(paths, starts, ends, **kwargs)
+
+        return Recording()
+
+
+def _chunk_ranges(path: str, fs: Any, column: str) -> list[tuple[int, int]]:
+    with fs.open(path, "rb") as f:
+        metadata = pq.ParquetFile(f).metadata
+    index = metadata.schema.to_arrow_schema().get_field_index(column)
+    ranges = []
+    for g in range(metadata.num_row_groups):
+        chunk = metadata.row_group(g).column(index)
+        start = (
+            chunk.dictionary_page_offset if chunk.has_dictionary_page else chunk.data_page_offset
+        )
+        ranges.append((start, start + chunk.total_compressed_size))
+    return ranges
+
+
+@pytest.fixture
+def remote_file() -> Any:
+    """24 rows in 12 row groups of 2 on an fsspec memory filesystem (a remote file); each row
+    holds a 40 KB ``blob`` of random bytes, so a row group's blobs are more than the gap that
+    ranged reads bridge."""
+    pytest.importorskip("fsspec")
+    fs = _RecordingMemoryFS()
+    path = "/grain-parquet-remote/r.parquet"
+    blobs = [np.random.default_rng(i).bytes(40_000) for i in range(24)]
+    with fs.open(path, "wb") as f:
+        pq.write_table(_table(0, 24).append_column("blob", pa.array(blobs)), f, row_group_size=2)
+    yield fs, path
+    fs.rm("/grain-parquet-remote", recursive=True)
+
+
+def test_remote_rows_are_fetched_ahead_in_windows_of_row_groups(remote_file: Any) -> None:
+    fs, path = remote_file
+    total = sum(e - s for s, e in _coalesced_all(path, fs))
+    # Windows of at most a quarter of the budget, about 3 of the 12 row groups each, and
+    # one ranged read per window (its column chunks are adjacent).
+    ds = ParquetIterDataset(path, filesystem=fs, prefetch_bytes=total)
+    assert _ids(ds) == list(range(24))
+    assert 4 <= len(fs.requests) <= 6
+    assert all(len(request) == 1 for request in fs.requests)
+    fs.requests.clear()
+    assert [int(r["id"]) for r in ParquetIterDataset(path, ["id"], filesystem=fs)] == list(
+        range(24)
+    )
+    fetched = [r for request in fs.requests for r in request]
+    blob = _chunk_ranges(path, fs, "blob")
+    assert not any(s < be and bs < e for s, e in fetched for bs, be in blob)  # no blob bytes
+    ids = _chunk_ranges(path, fs, "id")
+    assert all(any(s <= i and ie <= e for s, e in fetched) for i, ie in ids)
+
+
+def _coalesced_all(path: str, fs: Any) -> list[tuple[int, int]]:
+    return [r for c in ("id", "score", "text", "vec", "blob") for r in _chunk_ranges(path, fs, c)]
+
+
+def test_remote_read_ahead_holds_at_most_its_budget(remote_file: Any) -> None:
+    from grain_parquet._files import resolve_paths
+    from grain_parquet._prefetch import RowGroupPrefetcher
+
+    fs, path = remote_file
+    (file,) = resolve_paths(path, fs)
+    with fs.open(path, "rb") as f:
+        metadata = pq.ParquetFile(f).metadata
+    group_bytes = [
+        sum(metadata.row_group(g).column(c).total_compressed_size for c in range(5))
+        for g in range(12)
+    ]
+    budget = 4 * max(group_bytes)  # one row group per window, about 4 windows held
+    prefetcher = RowGroupPrefetcher(file, metadata, range(12), None, budget, {})
+    try:
+        for pos in range(12):
+            table = prefetcher.parquet_file(pos).read_row_group(pos)
+            assert table.column("id").to_pylist() == [2 * pos, 2 * pos + 1]
+            assert 0 < prefetcher._held <= budget
+            assert min(prefetcher._fetching) == pos  # earlier windows released
+        prefetcher.parquet_file(3)  # a restore: starts again from there
+        assert min(prefetcher._fetching) == 3
+    finally:
+        prefetcher.close()
+
+
+@pytest.mark.parametrize("budget", [1, 10_000])
+def test_remote_read_ahead_restores_anywhere(remote_file: Any, budget: int) -> None:
+    fs, path = remote_file
+    ds = ParquetIterDataset(path, filesystem=fs, prefetch_bytes=budget, read_batch_size=3)
+    check_iterator_conformance(ds, positions=range(25))
+    sliced = ds.with_slice(slice(1, None, 3))
+    assert _ids(sliced) == [i for g in range(1, 12, 3) for i in (2 * g, 2 * g + 1)]
+
+
+def test_remote_read_error_names_the_row_group(remote_file: Any) -> None:
+    fs, path = remote_file
+    (start, end) = _chunk_ranges(path, fs, "score")[5]
+    data = bytearray(fs.cat(path))
+    data[start:end] = b"\xff" * (end - start)
+    fs.pipe(path, bytes(data))
+    with pytest.raises(ValueError, match=r"row group 5 of Parquet file .*r\.parquet"):
+        list(ParquetIterDataset(path, filesystem=fs))
+
+
 # ------------------------------------------------------------------------ writer
 def test_writer_row_groups_of_chosen_size(tmp_path: Path) -> None:
     path = tmp_path / "w.parquet"

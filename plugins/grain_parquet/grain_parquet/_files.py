@@ -66,6 +66,29 @@ class ParquetPath:
             return os.path.getsize(self.path)
         return int(self.filesystem.get_file_info(self.path).size)
 
+    @property
+    def is_remote(self) -> bool:
+        """Whether the file is read through a filesystem other than the local disk."""
+        return self.filesystem is not None
+
+    def read_ranges(self, ranges: Sequence[tuple[int, int]]) -> list[bytes]:
+        """The bytes of ``ranges`` (``[start, end)`` pairs), each one ranged read; an fsspec
+        filesystem issues them concurrently.
+
+        Raises:
+          OSError: If a read fails.
+        """
+        fs = self.filesystem
+        if isinstance(fs, pafs.PyFileSystem) and isinstance(fs.handler, pafs.FSSpecHandler):
+            paths = [self.path] * len(ranges)
+            starts = [start for start, _ in ranges]
+            ends = [end for _, end in ranges]
+            return list(fs.handler.fs.cat_ranges(paths, starts, ends, on_error="raise"))
+        with self.open_input() as handle:
+            if fs is None:
+                return [os.pread(handle.fileno(), end - start, start) for start, end in ranges]
+            return [handle.read_at(end - start, start) for start, end in ranges]
+
 
 def resolve_paths(
     paths: PathLike | Sequence[PathLike], filesystem: Any = None, *, what: str = "Parquet"

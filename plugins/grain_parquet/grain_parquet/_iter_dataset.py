@@ -37,6 +37,7 @@ from grain_parquet._files import (
     read_error,
     resolve_paths,
 )
+from grain_parquet._prefetch import DEFAULT_PREFETCH_BYTES, RowGroupPrefetcher
 
 __all__ = ["ParquetIterDataset"]
 
@@ -70,6 +71,9 @@ class ParquetIterDataset(IterDataset[dict[str, Any]]):
       read_batch_size: Rows decoded per Arrow record batch; bounds the memory of one
         iterator to about that many decoded rows.
       cycle_length: Files read at the same time, for several files.
+      prefetch_bytes: For a remote file (any ``filesystem`` but the local disk), the bytes of
+        row groups fetched ahead of decoding, several ranged reads at once; per open file
+        (``cycle_length`` files are open at a time). 0 fetches each row group when reached.
       filesystem: A ``pyarrow.fs.FileSystem`` or fsspec filesystem the paths are on.
       **read_kwargs: Passed to ``pyarrow.parquet.ParquetFile`` (``memory_map=True``,
         ``pre_buffer=True``, ``buffer_size``, ...). Page checksums are verified where the
@@ -90,6 +94,7 @@ class ParquetIterDataset(IterDataset[dict[str, Any]]):
         column_batch_size: int | None = None,
         read_batch_size: int = 65_536,
         cycle_length: int = 16,
+        prefetch_bytes: int = DEFAULT_PREFETCH_BYTES,
         filesystem: Any = None,
         **read_kwargs: Any,
     ) -> None:
@@ -101,6 +106,11 @@ class ParquetIterDataset(IterDataset[dict[str, Any]]):
         )
         self._read_batch_size = _positive("read_batch_size", read_batch_size)
         self._cycle_length = _positive("cycle_length", cycle_length)
+        if isinstance(prefetch_bytes, bool) or not isinstance(prefetch_bytes, int):
+            raise ValueError(f"prefetch_bytes must be a non-negative int, got {prefetch_bytes!r}.")
+        if prefetch_bytes < 0:
+            raise ValueError(f"prefetch_bytes must be a non-negative int, got {prefetch_bytes!r}.")
+        self._prefetch_bytes = prefetch_bytes
         self._read_kwargs = dict(read_kwargs)
         self._schema_file = self._files[0]
         first = open_parquet(self._schema_file, self._read_kwargs)
@@ -199,6 +209,18 @@ class _ParquetFileIterator(DatasetIterator[dict[str, Any]]):
         self._column_batch_size = ds._column_batch_size
         self._read_batch_size = ds._read_batch_size
         self._read_kwargs = ds._read_kwargs
+        self._prefetcher = (
+            RowGroupPrefetcher(
+                self._file,
+                metadata,
+                self._row_groups,
+                self._columns,
+                ds._prefetch_bytes,
+                self._read_kwargs,
+            )
+            if self._file.is_remote and ds._prefetch_bytes
+            else None
+        )
         self._reading = 0  # the position (into _row_groups) of the row group being decoded
         self._stream: Iterator[tuple[int, int, list[np.ndarray]]] | None = None
         self._seek(0, 0)
@@ -222,7 +244,8 @@ class _ParquetFileIterator(DatasetIterator[dict[str, Any]]):
         for p in range(pos, len(self._row_groups)):
             self._reading = p
             start = 0
-            batches = self._pf.iter_batches(
+            handle = self._pf if self._prefetcher is None else self._prefetcher.parquet_file(p)
+            batches = handle.iter_batches(
                 batch_size=self._read_batch_size,
                 row_groups=[self._row_groups[p]],
                 columns=self._columns,
@@ -345,6 +368,8 @@ class _ParquetFileIterator(DatasetIterator[dict[str, Any]]):
         if self._closed:
             return
         self._seek(len(self._row_groups), 0)
+        if self._prefetcher is not None:
+            self._prefetcher.close()
         if self._pf is not None:
             self._pf.close()
             self._pf = None
