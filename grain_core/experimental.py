@@ -11,6 +11,7 @@ from typing import Any
 from grain_core.dataset.apply import apply_transformations
 from grain_core.dataset.autotune import PerformanceConfig, pick_performance_config
 from grain_core.dataset.cache import CacheIterDataset
+from grain_core.dataset.debug import DatasetGraph, GraphNode, dataset_graph
 from grain_core.dataset.elastic import ElasticIterator
 from grain_core.dataset.element_spec import (
     ShapeDtypeStruct,
@@ -32,7 +33,8 @@ from grain_core.dataset.packing_concat_split import BOSHandling, ConcatThenSplit
 from grain_core.dataset.prefetch import ThreadPrefetchDatasetIterator, ThreadPrefetchIterDataset
 from grain_core.dataset.rebatch import RebatchIterDataset, batch_and_pad
 from grain_core.dataset.repeat_iter import RepeatIterDataset
-from grain_core.dataset.stats import get_execution_summary
+from grain_core.dataset.stats import ExecutionSummary, StageSummary, get_execution_summary
+from grain_core.dataset.trace import Trace
 from grain_core.dataset.window_shuffle import WindowShuffleIterDataset, WindowShuffleMapDataset
 from grain_core.dataset.with_options import WithOptionsIterDataset
 from grain_core.dataset.zip import ZipIterDataset, ZipMapDataset
@@ -47,13 +49,16 @@ __all__ = [
     "BestFitPackIterDataset",
     "CacheIterDataset",
     "ConcatThenSplitIterDataset",
+    "DatasetGraph",
     "DatasetOptions",
     "ElasticIterator",
+    "ExecutionSummary",
     "ExecutionTrackingMode",
     "FirstFitPackIterDataset",
     "FlatMapIterDataset",
     "FlatMapMapDataset",
     "FlatMapTransform",
+    "GraphNode",
     "InterleaveIterDataset",
     "LimitIterDataset",
     "MapWithIndexTransform",
@@ -64,8 +69,10 @@ __all__ = [
     "RngPool",
     "ShapeDtypeStruct",
     "ShapeDtypeStructProtocol",
+    "StageSummary",
     "ThreadPrefetchDatasetIterator",
     "ThreadPrefetchIterDataset",
+    "Trace",
     "WindowShuffleIterDataset",
     "WindowShuffleMapDataset",
     "WithOptionsIterDataset",
@@ -74,6 +81,7 @@ __all__ = [
     "apply_transformations",
     "assert_equal_output_after_checkpoint",
     "batch_and_pad",
+    "dataset_graph",
     "device_put",
     "get_element_spec",
     "get_execution_summary",

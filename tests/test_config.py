@@ -1,5 +1,7 @@
 from __future__ import annotations
 
+import sys
+
 import pytest
 
 from grain_core.config import Config
@@ -50,3 +52,121 @@ def test_streaming_copy_threshold_is_validated(monkeypatch: pytest.MonkeyPatch) 
     monkeypatch.setenv("GRAIN_PY_MP_WORKER_STREAMING_COPY_BYTES", "2MiB")
     with pytest.raises(ValueError, match="GRAIN_PY_MP_WORKER_STREAMING_COPY_BYTES='2MiB' must"):
         Config()
+
+
+# Every option grain_core accepts, with how its effect is checked: an option accepted and
+# ignored would make users believe something is on that is not.
+def _check_debug_mode(cfg: Config, monkeypatch: pytest.MonkeyPatch) -> None:
+    import grain_core as grain
+    from grain_core.dataset import stats
+
+    monkeypatch.setattr("grain_core.dataset.options.config", cfg)
+    cfg.update("py_debug_mode", True)
+    assert stats.is_tracking(iter(grain.MapDataset.range(3).to_iter_dataset()))
+    cfg.update("py_debug_mode", False)
+    assert not stats.is_tracking(iter(grain.MapDataset.range(3).to_iter_dataset()))
+    with pytest.raises(ValueError, match="py_debug_mode must be a bool"):
+        cfg.update("py_debug_mode", "yes")
+
+
+def _check_summary_interval(cfg: Config, monkeypatch: pytest.MonkeyPatch) -> None:
+    from grain_core.dataset import debug
+
+    monkeypatch.setattr(debug, "config", cfg)
+    monkeypatch.setattr(debug, "_monotonic", lambda: 100.0)
+    cfg.update("py_debug_summary_interval", 2.5)
+    assert debug._Reporter().next_due == 102.5
+    for bad in (0, -1, float("nan"), True, "60"):
+        with pytest.raises(ValueError, match="positive number of seconds"):
+            cfg.update("py_debug_summary_interval", bad)
+
+
+def _check_visualization_dir(cfg: Config, monkeypatch: pytest.MonkeyPatch) -> None:
+    import grain_core as grain
+    from grain_core.dataset import debug
+
+    monkeypatch.setattr("grain_core.dataset.options.config", cfg)
+    monkeypatch.setattr(debug, "config", cfg)
+    cfg.update("py_dataset_visualization_output_dir", "")
+    it = iter(grain.MapDataset.range(3).to_iter_dataset())
+    next(it)
+    assert "0 | Prefetch" in str(debug.dataset_graph(it))  # tracked, so the graph is known
+    assert "_debug_reporter" in vars(it)
+
+
+def _check_traceback_filtering(cfg: Config, monkeypatch: pytest.MonkeyPatch) -> None:
+    import traceback
+
+    import grain_core as grain
+
+    def fails(x: int) -> int:
+        raise KeyError(x)
+
+    for mode in ("auto", "off"):  # both keep every frame, grain_core's among them
+        cfg.update("py_traceback_filtering", mode)
+        with pytest.raises(KeyError) as info:
+            next(iter(grain.MapDataset.range(3).map(fails).to_iter_dataset()))
+        files = [f.filename for f in traceback.extract_tb(info.value.__traceback__)]
+        assert any("grain_core" in f for f in files) and files[-1] == __file__
+    for mode in ("tracebackhide", "quiet_remove_frames", "remove_frames"):
+        with pytest.raises(ValueError, match=f"{mode}' is not supported: grain_core never"):
+            cfg.update("py_traceback_filtering", mode)
+
+
+def _check_relay_sigterm(cfg: Config, monkeypatch: pytest.MonkeyPatch) -> None:
+    cfg.update("py_relay_sigterm_to_main", False)
+    with pytest.raises(ValueError, match="py_relay_sigterm_to_main=True is not supported"):
+        cfg.update("py_relay_sigterm_to_main", True)
+    monkeypatch.setenv("GRAIN_PY_RELAY_SIGTERM_TO_MAIN", "1")
+    with pytest.raises(ValueError, match="not supported"):
+        Config()
+
+
+def _check_dispatch(cfg: Config, monkeypatch: pytest.MonkeyPatch) -> None:
+    import grain_core as grain
+    from grain_core.dataset import mp_dispatch
+
+    monkeypatch.setattr(sys.modules["grain_core.config"], "config", cfg)
+    ds = grain.MapDataset.range(8).to_iter_dataset()
+    assert mp_dispatch.dispatchable(ds, 2, False)
+    cfg.update("py_mp_prefetch_dispatch", False)
+    assert not mp_dispatch.dispatchable(ds, 2, False)
+
+
+def _check_streaming_copy(cfg: Config, monkeypatch: pytest.MonkeyPatch) -> None:
+    from grain_core import _worker
+
+    cfg.update("py_mp_worker_streaming_copy_bytes", 1 << 20)
+    assert (
+        _worker.worker_glibc_tunables(None, 1 << 20)
+        == "glibc.cpu.x86_non_temporal_threshold=0x100000"
+    )
+    assert _worker.worker_glibc_tunables(None, 0) is None
+
+
+_OPTION_CHECKS = {
+    "py_debug_mode": _check_debug_mode,
+    "py_debug_summary_interval": _check_summary_interval,
+    "py_dataset_visualization_output_dir": _check_visualization_dir,
+    "py_traceback_filtering": _check_traceback_filtering,
+    "py_relay_sigterm_to_main": _check_relay_sigterm,
+    "py_mp_prefetch_dispatch": _check_dispatch,
+    "py_mp_worker_streaming_copy_bytes": _check_streaming_copy,
+}
+
+
+def test_every_option_has_an_effect_or_is_refused() -> None:
+    assert sorted(Config()._values) == sorted(_OPTION_CHECKS)
+
+
+@pytest.mark.parametrize("name", sorted(_OPTION_CHECKS))
+def test_option_works_or_is_refused(name: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    _OPTION_CHECKS[name](Config(), monkeypatch)
+
+
+def test_unknown_and_tensorflow_options_are_refused() -> None:
+    cfg = Config()
+    with pytest.raises(ValueError, match="Unrecognized config option: py_no_such"):
+        cfg.update("py_no_such", 1)
+    with pytest.raises(ValueError, match="TensorFlow backend, which grain_core does not have"):
+        cfg.update("tf_interleaved_shuffle", True)

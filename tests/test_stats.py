@@ -284,5 +284,6 @@ def test_worker_snapshots_merge_under_the_receiving_stage(clock: FakeClock) -> N
 def test_untracked_iterators_are_not_tracking_and_ignore_snapshots() -> None:
     it = iter(_pipeline())
     assert not stats.is_tracking(it)
-    stats.attach_worker_stages(it, [("Map", "iter", 1, 1, 1, False, ())])
+    row = ("Map", "iter", "_MapIterator", 1, 1, 1, 1, 1, None, 0, ())
+    stats.attach_worker_stages(it, ([row], 0, 1, {}, []))
     assert "_stage_stats" not in vars(it)

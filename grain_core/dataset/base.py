@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any, Generic, TypeVar, overload
 import numpy as np
 
 from grain_core import random as _random
-from grain_core.dataset.options import DatasetOptions, ExecutionTrackingMode
+from grain_core.dataset.options import DatasetOptions, ExecutionTrackingMode, pipeline_options
 
 if TYPE_CHECKING:
     from grain_core import transforms
@@ -351,16 +351,19 @@ class MultiprocessingContext:
 class IteratorContext:
     """Mutable context shared by all iterators of one pipeline (options and worker identity)."""
 
-    __slots__ = ("dataset_options", "mp_context", "is_dataloader_pipeline")
+    __slots__ = ("dataset_options", "mp_context", "is_dataloader_pipeline", "output")
 
     def __init__(
         self,
         dataset_options: DatasetOptions | None = None,
         mp_context: MultiprocessingContext | None = None,
     ) -> None:
-        self.dataset_options = dataset_options or DatasetOptions()
+        self.dataset_options = dataset_options or pipeline_options()
         self.mp_context = mp_context or MultiprocessingContext()
         self.is_dataloader_pipeline = False
+        # The pipeline's output iterator (a weak reference), set only in debug mode and while
+        # the dataset graph is visualized (grain_core.dataset.debug).
+        self.output: Any = None
 
     def merge(self, other: IteratorContext) -> None:
         """Merges ``other`` into this context.
@@ -400,7 +403,12 @@ class DatasetIterator(Iterator[T], abc.ABC):
         for p in self._parents:
             if isinstance(p, DatasetIterator):
                 p._share_ctx(ctx)
-        self._start_stage_timing_if_enabled()
+        if self._start_stage_timing_if_enabled():
+            # Debug mode and the dataset graph report from the pipeline's output: the
+            # iterator built last, which no other iterator of its pipeline reads.
+            from grain_core.dataset.debug import watch_output  # import cycle: debug needs base
+
+            watch_output(self)
 
     def _share_ctx(self, ctx: IteratorContext) -> None:
         if self._ctx is ctx:
@@ -416,13 +424,16 @@ class DatasetIterator(Iterator[T], abc.ABC):
         self._ctx.dataset_options = options.merge(self._ctx.dataset_options)
         self._start_stage_timing_if_enabled()
 
-    def _start_stage_timing_if_enabled(self) -> None:
+    def _start_stage_timing_if_enabled(self) -> bool:
+        """Installs stage timing if the pipeline tracks it; returns whether it does."""
         # Runs when an iterator joins a pipeline or its options change, never per element:
         # timing is installed on the iterators themselves (see grain_core.dataset.stats).
-        if self._ctx.dataset_options.execution_tracking_mode is ExecutionTrackingMode.STAGE_TIMING:
-            from grain_core.dataset.stats import time_stages
+        if self._ctx.dataset_options.execution_tracking_mode is ExecutionTrackingMode.DISABLED:
+            return False
+        from grain_core.dataset.stats import time_stages  # import cycle: stats needs base
 
-            time_stages(self)
+        time_stages(self)
+        return True
 
     _parent = _FirstParent()
 

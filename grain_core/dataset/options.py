@@ -8,16 +8,36 @@ import logging
 import time
 from typing import Any
 
-__all__ = ["DatasetOptions", "ExecutionTrackingMode", "FilterRatioChecker"]
+from grain_core.config import config
+from grain_core.dataset.trace import is_recording
+
+__all__ = ["DatasetOptions", "ExecutionTrackingMode", "FilterRatioChecker", "pipeline_options"]
 
 _logger = logging.getLogger("grain_core")
 
 
 class ExecutionTrackingMode(enum.Enum):
-    """Whether iterators record per-stage timing (see ``grain_core.experimental`` stats)."""
+    """Whether iterators record per-stage timing (see ``grain_core.experimental`` stats).
+
+    ``STAGE_TRACING`` (grain_core's own) is ``STAGE_TIMING`` plus one timeline span per stage
+    call (``grain_core.experimental.Trace`` sets it on the pipelines built while it is open).
+    """
 
     DISABLED = "DISABLED"
     STAGE_TIMING = "STAGE_TIMING"
+    STAGE_TRACING = "STAGE_TRACING"
+
+
+def pipeline_options() -> DatasetOptions:
+    """The options a new pipeline starts from: the defaults, with stage timing set explicitly
+    while ``py_debug_mode`` or ``py_dataset_visualization_output_dir`` is on (stage tracing while
+    a ``Trace`` is open), so that the mode reaches worker processes with the pipeline's options.
+    """
+    if is_recording():
+        return _TRACING_OPTIONS
+    if config.py_debug_mode or config.py_dataset_visualization_output_dir is not None:
+        return _TIMING_OPTIONS
+    return _DEFAULT_OPTIONS
 
 
 _UNSET: Any = object()
@@ -32,7 +52,8 @@ class DatasetOptions:
         window of elements (``None`` disables; ``0.0`` is a real threshold).
       filter_raise_threshold_ratio: raise ``ValueError`` at this dropped share (``None``
         disables).
-      execution_tracking_mode: ``STAGE_TIMING`` records per-stage element counts and self time.
+      execution_tracking_mode: ``STAGE_TIMING`` records per-stage element counts and self time,
+        ``STAGE_TRACING`` also timeline spans.
       min_shm_size: arrays smaller than this many bytes travel through the worker queue instead
         of shared memory.
     """
@@ -79,6 +100,10 @@ class DatasetOptions:
     def __repr__(self) -> str:
         fields = ", ".join(f"{n}={getattr(self, n)!r}" for n in self._DEFAULTS)
         return f"DatasetOptions({fields})"
+
+
+_TIMING_OPTIONS = DatasetOptions(execution_tracking_mode=ExecutionTrackingMode.STAGE_TIMING)
+_TRACING_OPTIONS = DatasetOptions(execution_tracking_mode=ExecutionTrackingMode.STAGE_TRACING)
 
 
 class FilterRatioChecker:

@@ -18,6 +18,11 @@ merged later by ``WithOptionsIterDataset``):
   the user holds are never modified).
 
 So a pipeline without tracking runs exactly the code it would run if this module did not exist.
+Debug mode and the dataset-graph switch (``grain_core.dataset.debug``) and an open
+``Trace`` turn tracking on for the pipelines built meanwhile. Besides counts and times, each
+stage records its least and largest self time per element and describes its first element
+(``output_spec``); with ``STAGE_TRACING`` each timed call also appends a span to the trace ring
+buffer (``grain_core.dataset.trace``).
 
 Worker processes (``mp_prefetch``). A tracked worker pipeline sends ``worker_stage_snapshot`` of
 its stages to the parent with its first element, then at most once a second and before it ends
@@ -29,7 +34,9 @@ the summary shows the worker stages, summed over workers and marked ``[worker]``
 Self time is measured per thread: a stage's children run either on the same thread (their
 time is subtracted) or on reader/prefetch threads (then the stage's self time is the time it
 waited for them). Summed self time can therefore exceed wall time when threads overlap; shares
-are of the summed self time.
+are of the summed self time. The wait share instead splits the consumer's time in ``next``:
+the thread each stage produced its first element on tells which inputs sit behind a thread
+or process boundary (see ``StageSummary.wait_share``).
 """
 
 from __future__ import annotations
@@ -37,10 +44,11 @@ from __future__ import annotations
 import copy
 import dataclasses
 import threading
-import time
 from collections.abc import Iterator, Sequence
 from typing import Any
 
+from grain_core import _tree
+from grain_core.dataset import trace
 from grain_core.dataset.base import DatasetIterator, Indices, MapDataset, transform_name
 from grain_core.dataset.options import ExecutionTrackingMode
 
@@ -54,14 +62,20 @@ __all__ = [
     "worker_stage_snapshot",
 ]
 
-_now = time.perf_counter_ns
+_TRACING = ExecutionTrackingMode.STAGE_TRACING
+_now = trace.span_clock
+_record_span = trace.record_span
 
 
 class _Clock(threading.local):
-    """Per thread: time spent in timed calls nested in the current one, and its stage."""
+    """Per thread: time spent in timed calls nested in the current one, its stage, and the
+    thread's id for trace spans."""
 
     nested_ns = 0
     stage: Any = None
+
+    def __init__(self) -> None:
+        self.tid = trace.register_thread()
 
 
 _clock = _Clock()
@@ -74,6 +88,10 @@ class _StageStats:
     from ``DatasetIterator.__init__``, before the subclass has set its attributes, so the
     MapDataset graph it reads from is timed on first use.
 
+    ``min_ns``/``max_ns`` bound the self time of one call that produced an element; ``spec``
+    describes the first element (``_tree.spec_str``) and ``tid`` the thread that produced it.
+    ``traced`` stages also append a span per call to the trace ring buffer (``STAGE_TRACING``).
+
     ``inputs`` links the stats graph the summary walks. It outlives the iterators: an input
     that an interleave finished and dropped still counts. Links come from the iterator's
     attributes when it is prepared and, for inputs created later, from the first ``next`` call
@@ -83,9 +101,16 @@ class _StageStats:
     __slots__ = (
         "name",
         "kind",
+        "type_name",
+        "category",
         "count",
         "self_ns",
         "total_ns",
+        "min_ns",
+        "max_ns",
+        "spec",
+        "tid",
+        "traced",
         "lock",
         "prepared",
         "inputs",
@@ -93,17 +118,30 @@ class _StageStats:
         "in_workers",
     )
 
-    def __init__(self, name: str, kind: str) -> None:
+    def __init__(self, name: str, kind: str, type_name: str = "", traced: bool = False) -> None:
         self.name = name
         self.kind = kind
+        self.type_name = type_name
+        self.category = _category(type_name, kind)
         self.count = 0
         self.self_ns = 0
         self.total_ns = 0
+        self.min_ns = 0
+        self.max_ns = 0
+        self.spec: str | None = None
+        self.tid = 0
+        self.traced = traced
         self.lock = threading.Lock()
         self.prepared = kind == "map"
         self.inputs: list[_StageStats] = []
         self.has_consumer = False
         self.in_workers = False
+
+    def first_element(self, element: Any, own_ns: int, tid: int) -> None:
+        """Records what only the first element tells: its spec, and the thread."""
+        self.spec = _tree.spec_str(element)
+        self.tid = tid
+        self.min_ns = self.max_ns = own_ns
 
     def link(self, child: _StageStats) -> None:
         child.has_consumer = True
@@ -137,10 +175,19 @@ def _timed_iterator_class(cls: type[Any]) -> type[Any]:
             element = untimed_next(self)
         finally:
             elapsed = _now() - start
-            stats.self_ns += elapsed - clock.nested_ns
+            own = elapsed - clock.nested_ns
+            stats.self_ns += own
             stats.total_ns += elapsed
             clock.nested_ns = outer_nested + elapsed
             clock.stage = consumer
+            if stats.traced:
+                _record_span((clock.tid, stats.name, stats.category, start, elapsed))
+        if not stats.count:
+            stats.first_element(element, own, clock.tid)
+        elif own > stats.max_ns:
+            stats.max_ns = own
+        elif own < stats.min_ns:
+            stats.min_ns = own
         stats.count += 1
         return element
 
@@ -174,27 +221,39 @@ def _iterator_stage_name(it: DatasetIterator[Any]) -> str:
 
 # ------------------------------------------------------------------------------ map stages
 _TIMED_MAP_CLASSES: dict[type[Any], type[Any]] = {}
+_NO_RESULT: Any = object()
 
 
-def _run_timed(stats: _StageStats, call: Any, count: int) -> Any:
+def _run_timed(stats: _StageStats, call: Any, count: int, batched: bool) -> Any:
     clock = _clock
     outer_nested = clock.nested_ns
     outer_stage = clock.stage
     clock.nested_ns = 0
     clock.stage = stats
     start = _now()
+    result: Any = _NO_RESULT
     try:
-        return call()
+        result = call()
+        return result
     finally:
         elapsed = _now() - start
         own = elapsed - clock.nested_ns
         clock.nested_ns = outer_nested + elapsed
         clock.stage = outer_stage
+        if stats.traced:
+            _record_span((clock.tid, stats.name, stats.category, start, elapsed))
         with stats.lock:
             stats.self_ns += own
             stats.total_ns += elapsed
             # A node whose batched read loops over its own __getitem__ counts elements once.
-            if outer_stage is not stats:
+            if outer_stage is not stats and count:
+                per_element = own // count
+                if not stats.count and result is not _NO_RESULT:
+                    stats.first_element(result[0] if batched else result, per_element, clock.tid)
+                elif per_element > stats.max_ns:
+                    stats.max_ns = per_element
+                elif per_element < stats.min_ns:
+                    stats.min_ns = per_element
                 stats.count += count
 
 
@@ -208,10 +267,12 @@ def _timed_map_class(cls: type[Any]) -> type[Any]:
     def __getitem__(self: Any, index: Any) -> Any:
         if isinstance(index, slice):
             return untimed_getitem(self, index)
-        return _run_timed(self._stage_stats, lambda: untimed_getitem(self, index), 1)
+        return _run_timed(self._stage_stats, lambda: untimed_getitem(self, index), 1, False)
 
     def _getitems(self: Any, indices: Indices) -> list[Any]:
-        return _run_timed(self._stage_stats, lambda: untimed_getitems(self, indices), len(indices))
+        return _run_timed(
+            self._stage_stats, lambda: untimed_getitems(self, indices), len(indices), True
+        )
 
     timed = type(
         cls.__name__,
@@ -229,7 +290,9 @@ def _timed_map_class(cls: type[Any]) -> type[Any]:
     return timed
 
 
-def _timed_map_graph(node: MapDataset[Any], memo: dict[int, MapDataset[Any]]) -> MapDataset[Any]:
+def _timed_map_graph(
+    node: MapDataset[Any], memo: dict[int, MapDataset[Any]], traced: bool
+) -> MapDataset[Any]:
     """Returns a copy of the graph under ``node`` whose nodes time their reads."""
     done = memo.get(id(node))
     if done is not None:
@@ -239,11 +302,11 @@ def _timed_map_graph(node: MapDataset[Any], memo: dict[int, MapDataset[Any]]) ->
     timed = copy.copy(node)
     memo[id(node)] = timed
     for name, value in vars(timed).items():
-        replaced = _replace_map_datasets(value, memo)
+        replaced = _replace_map_datasets(value, memo, traced)
         if replaced is not value:
             setattr(timed, name, replaced)
     timed.__class__ = _timed_map_class(type(node))
-    stats = _StageStats(repr(node), "map")
+    stats = _StageStats(repr(node), "map", type(node).__name__, traced)
     for parent in timed.parents:
         if isinstance(parent, MapDataset) and hasattr(parent, "_stage_stats"):
             stats.link(parent._stage_stats)
@@ -251,11 +314,13 @@ def _timed_map_graph(node: MapDataset[Any], memo: dict[int, MapDataset[Any]]) ->
     return timed
 
 
-def _replace_map_datasets(value: Any, memo: dict[int, MapDataset[Any]]) -> Any:
+def _replace_map_datasets(value: Any, memo: dict[int, MapDataset[Any]], traced: bool) -> Any:
     if isinstance(value, MapDataset):
-        return _timed_map_graph(value, memo)
+        return _timed_map_graph(value, memo, traced)
     if isinstance(value, (list, tuple)) and any(isinstance(v, MapDataset) for v in value):
-        items = [_timed_map_graph(v, memo) if isinstance(v, MapDataset) else v for v in value]
+        items = [
+            _timed_map_graph(v, memo, traced) if isinstance(v, MapDataset) else v for v in value
+        ]
         return type(value)(items) if type(value) in (list, tuple) else value
     return value
 
@@ -287,7 +352,8 @@ def time_stages(iterator: DatasetIterator[Any]) -> None:
         it = stack.pop()
         if "_stage_stats" in vars(it):
             continue
-        it._stage_stats = _StageStats("", "iter")  # type: ignore[attr-defined]
+        traced = it._ctx.dataset_options.execution_tracking_mode is _TRACING
+        it._stage_stats = _StageStats("", "iter", type(it).__name__, traced)  # type: ignore[attr-defined]
         it.__class__ = _timed_iterator_class(type(it))
         stack.extend(_child_iterators(it))
 
@@ -296,9 +362,10 @@ def _prepare(it: DatasetIterator[Any]) -> None:
     """Completes timing of ``it`` once it is fully built: its MapDataset graph and inputs."""
     stats = it._stage_stats  # type: ignore[attr-defined]
     stats.name = _iterator_stage_name(it)
+    stats.category = _category(f"{stats.type_name} {vars(it).get('_stage_label', '')}", stats.kind)
     memo: dict[int, MapDataset[Any]] = {}
     for name in _map_graph_attributes(it):
-        timed = _timed_map_graph(getattr(it, name), memo)
+        timed = _timed_map_graph(getattr(it, name), memo, stats.traced)
         setattr(it, name, timed)
         stats.link(timed._stage_stats)  # type: ignore[attr-defined]
     for child in _child_iterators(it):
@@ -321,22 +388,37 @@ def _prepare_reachable(iterator: DatasetIterator[Any]) -> None:
 
 
 # ---------------------------------------------------------------------- worker processes
-#: One stage of a worker snapshot: name, kind, count, self ns, total ns, in_workers and the
-#: positions of its inputs in the snapshot.
-_SnapshotRow = tuple[str, str, int, int, int, bool, tuple[int, ...]]
+_STATS_FIELDS = (
+    "name",
+    "kind",
+    "type_name",
+    "count",
+    "self_ns",
+    "total_ns",
+    "min_ns",
+    "max_ns",
+    "spec",
+    "tid",
+)
+
+#: One stage of a worker snapshot: the values of ``_STATS_FIELDS`` and the positions of the
+#: stage's inputs in the snapshot.
+_SnapshotRow = tuple[Any, ...]
+
+#: What a worker sends: its stage rows (row 0 is its output stage), its worker index, its pid,
+#: its thread names and the trace spans recorded since its previous snapshot.
+WorkerSnapshot = tuple[list[_SnapshotRow], int, int, dict[int, str], list[trace.Span]]
 
 
 def is_tracking(iterator: DatasetIterator[Any]) -> bool:
-    """Whether ``iterator`` records stage timing (its pipeline asks for ``STAGE_TIMING``)."""
+    """Whether ``iterator`` records stage timing (``STAGE_TIMING`` or ``STAGE_TRACING``)."""
     mode = iterator._ctx.dataset_options.execution_tracking_mode
-    return mode is ExecutionTrackingMode.STAGE_TIMING and "_stage_stats" in vars(iterator)
+    return mode is not ExecutionTrackingMode.DISABLED and "_stage_stats" in vars(iterator)
 
 
-def worker_stage_snapshot(iterator: DatasetIterator[Any]) -> list[_SnapshotRow]:
-    """The stage statistics under ``iterator`` as plain tuples a worker sends to the parent.
-
-    Row 0 is ``iterator``'s own stage.
-    """
+def worker_stage_snapshot(iterator: DatasetIterator[Any]) -> WorkerSnapshot:
+    """The stage statistics under ``iterator`` (and the trace spans of this process, which are
+    taken) as plain values a worker sends to the parent."""
     _prepare_reachable(iterator)
     position: dict[int, int] = {}
     order: list[_StageStats] = []
@@ -348,37 +430,54 @@ def worker_stage_snapshot(iterator: DatasetIterator[Any]) -> list[_SnapshotRow]:
         position[id(stats)] = len(order)
         order.append(stats)
         stack.extend(reversed(stats.inputs))
-    return [
+    rows = [
         (
-            s.name,
-            s.kind,
-            s.count,
-            s.self_ns,
-            s.total_ns,
-            s.in_workers,
+            *(getattr(s, field) for field in _STATS_FIELDS),
             tuple(position[id(c)] for c in s.inputs),
         )
         for s in order
     ]
+    pid, thread_names, spans = trace.drain_local_spans()
+    return rows, iterator._ctx.mp_context.process_index, pid, thread_names, spans
 
 
-def attach_worker_stages(iterator: DatasetIterator[Any], snapshot: list[_SnapshotRow]) -> None:
+def attach_worker_stages(iterator: DatasetIterator[Any], snapshot: WorkerSnapshot) -> None:
     """Puts a worker's latest ``snapshot`` under ``iterator``, the parent stage receiving that
-    worker's elements, replacing the previous one. Does nothing if ``iterator`` is untimed."""
+    worker's elements, replacing the previous one, and keeps its trace spans. Does nothing if
+    ``iterator`` is untimed."""
     receiver = vars(iterator).get("_stage_stats")
-    if receiver is None or not snapshot:
+    rows, index, pid, thread_names, spans = snapshot
+    if receiver is None or not rows:
         return
+    if spans:
+        trace.add_remote_spans(pid, f"grain_core worker {index} ({pid})", thread_names, spans)
     nodes = []
-    for name, kind, count, self_ns, total_ns, _, _ in snapshot:
-        stats = _StageStats(name, kind)
-        stats.count, stats.self_ns, stats.total_ns = count, self_ns, total_ns
+    for row in rows:
+        stats = _StageStats(row[0], row[1], row[2])
+        for field, value in zip(_STATS_FIELDS[3:], row[3:-1], strict=True):
+            setattr(stats, field, value)
         stats.prepared = stats.in_workers = True
         nodes.append(stats)
-    for stats, row in zip(nodes, snapshot, strict=True):
-        for child in row[6]:
+    for stats, row in zip(nodes, rows, strict=True):
+        for child in row[-1]:
             stats.link(nodes[child])
     receiver.inputs = [s for s in receiver.inputs if not s.in_workers]
     receiver.link(nodes[0])
+
+
+def _category(description: str, kind: str) -> str:
+    """The trace category of a stage from its class name (and label): read, transform, batch,
+    wait (for threads) or transport (from worker processes)."""
+    name = description.lower()
+    if "process" in name or "dispatch" in name:
+        return "transport"
+    if "prefetch" in name or "thread" in name:
+        return "wait"
+    if "batch" in name:
+        return "batch"
+    if kind == "map" and ("source" in name or "range" in name):
+        return "read"
+    return "transform"
 
 
 # ----------------------------------------------------------------------------- summaries
@@ -398,6 +497,14 @@ class StageSummary:
       instances: how many stage objects were merged into this row (interleave inputs).
       total_time_ns: time in this stage including its inputs (per thread).
       in_workers: the stage runs in ``mp_prefetch`` worker processes (figures summed over them).
+      type_name: the class of the iterator or MapDataset.
+      min_time_ns: the least self time of one call that produced an element (for batched
+        reads, of one element on average over the batch).
+      max_time_ns: the largest such self time.
+      output_spec: structure, dtypes and shapes of the first element (``None`` before one).
+      wait_share: the share of the consumer's wait in ``next`` this stage accounts for: on the
+        consumer's thread, its self time; behind a thread or process boundary, the boundary's
+        wait split in proportion to the time spent upstream (the boundary keeps none).
     """
 
     id: int
@@ -411,6 +518,11 @@ class StageSummary:
     instances: int
     total_time_ns: int
     in_workers: bool = False
+    type_name: str = ""
+    min_time_ns: int = 0
+    max_time_ns: int = 0
+    output_spec: str | None = None
+    wait_share: float = 0.0
 
     @property
     def self_time_per_element_ns(self) -> float:
@@ -440,7 +552,7 @@ class ExecutionSummary:
         return dataclasses.asdict(self)
 
     def __str__(self) -> str:
-        header = ("id", "stage", "elements", "self time", "per element", "share")
+        header = ("id", "stage", "elements", "self time", "avg", "min", "max", "share", "wait")
         rows = []
         for s in self.stages:
             merged = f" x{s.instances}" if s.instances > 1 else ""
@@ -452,29 +564,44 @@ class ExecutionSummary:
                     f"{s.num_produced_elements:,}",
                     _format_ns(s.self_time_ns),
                     _format_ns(s.self_time_per_element_ns),
+                    _format_ns(s.min_time_ns),
+                    _format_ns(s.max_time_ns),
                     f"{100 * s.share:.1f}%",
+                    f"{100 * s.wait_share:.1f}%",
                 )
             )
-        widths = [max(len(r[i]) for r in (header, *rows)) for i in range(len(header))]
-        widths[1] = min(widths[1], 100)
-
-        def line(cells: Sequence[str]) -> str:
-            name = cells[1] if len(cells[1]) <= widths[1] else cells[1][: widths[1] - 3] + "..."
-            return " | ".join(
-                [cells[0].rjust(widths[0]), name.ljust(widths[1])]
-                + [c.rjust(w) for c, w in zip(cells[2:], widths[2:], strict=True)]
-            )
-
-        rule = "-+-".join("-" * w for w in widths)
         title = (
             f"grain_core execution summary: the consumer waited {_format_ns(self.output_wait_ns)} "
-            "in next(). Self time excludes input stages; share is of the "
-            f"{_format_ns(self.total_self_time_ns)} summed over stages and threads."
+            "in next(). Self time excludes input stages; avg/min/max are per element; share is "
+            f"of the {_format_ns(self.total_self_time_ns)} summed over stages and threads; wait "
+            "is the share of the consumer's wait."
         )
         if any(s.in_workers for s in self.stages):
             title += " [worker] stages ran in mp_prefetch worker processes (summed over them)."
-        body = [line(r) for r in rows]
-        return "\n".join([title, line(header), rule, *body])
+        return format_table(title, header, rows)
+
+
+def format_table(
+    title: str, header: Sequence[str], rows: Sequence[Sequence[str]], numbers: bool = True
+) -> str:
+    """``rows`` under ``header`` as aligned text columns: the first right-aligned, the second
+    (a stage name, indented by depth) left-aligned and cut at 100 characters, the others
+    right-aligned if they are ``numbers``, else left-aligned."""
+    widths = [max(len(r[i]) for r in (header, *rows)) for i in range(len(header))]
+    widths[1] = min(widths[1], 100)
+
+    def line(cells: Sequence[str]) -> str:
+        name = cells[1] if len(cells[1]) <= widths[1] else cells[1][: widths[1] - 3] + "..."
+        return " | ".join(
+            [cells[0].rjust(widths[0]), name.ljust(widths[1])]
+            + [
+                c.rjust(w) if numbers else c.ljust(w)
+                for c, w in zip(cells[2:], widths[2:], strict=True)
+            ]
+        ).rstrip()
+
+    rule = "-+-".join("-" * w for w in widths)
+    return "\n".join([title, line(header), rule, *(line(r) for r in rows)])
 
 
 def _format_ns(ns: float) -> str:
@@ -495,6 +622,44 @@ def _per_worker_name(name: str) -> str:
 _PER_WORKER = " (differs per worker)"
 
 
+def _wait_shares(rows: list[dict[str, Any]], total_wait: int) -> list[float]:
+    """Splits the consumer's wait ``total_wait`` over the rows (see ``StageSummary``)."""
+    wait = [0.0] * len(rows)
+
+    def behind_boundary(parent: dict[str, Any], child: dict[str, Any]) -> bool:
+        if parent["in_workers"] != child["in_workers"]:
+            return True
+        return bool(parent["tid"] and child["tid"] and parent["tid"] != child["tid"])
+
+    def assign(i: int, share: float) -> None:
+        row = rows[i]
+        inputs = [rows[k] for k in row["inputs"]]
+        synchronous = [
+            k for k, c in zip(row["inputs"], inputs, strict=True) if not behind_boundary(row, c)
+        ]
+        boundary = [
+            k for k, c in zip(row["inputs"], inputs, strict=True) if behind_boundary(row, c)
+        ]
+        own = row["self_ns"]
+        denominator = own + sum(rows[k]["total_ns"] for k in synchronous)
+        if denominator <= 0:
+            wait[i] += share
+            return
+        own_share = share * own / denominator
+        upstream = sum(rows[k]["total_ns"] for k in boundary)
+        if boundary and upstream > 0:
+            for k in boundary:
+                assign(k, own_share * rows[k]["total_ns"] / upstream)
+        else:
+            wait[i] += own_share
+        for k in synchronous:
+            assign(k, share * rows[k]["total_ns"] / denominator)
+
+    if rows and total_wait > 0:
+        assign(0, 1.0)
+    return wait
+
+
 def get_execution_summary(iterator: DatasetIterator[Any]) -> ExecutionSummary:
     """Returns the per-stage statistics of the pipeline ``iterator`` is the output of.
 
@@ -505,9 +670,10 @@ def get_execution_summary(iterator: DatasetIterator[Any]) -> ExecutionSummary:
     """
     ctx = getattr(iterator, "_ctx", None)
     mode = ctx.dataset_options.execution_tracking_mode if ctx is not None else None
-    if mode is not ExecutionTrackingMode.STAGE_TIMING or "_stage_stats" not in vars(iterator):
+    if mode in (None, ExecutionTrackingMode.DISABLED) or "_stage_stats" not in vars(iterator):
         raise ValueError(
-            "Execution statistics are not collected for this iterator. Set "
+            "Execution statistics are not collected for this iterator. Turn on debug mode "
+            "(`grain_core.config.update('py_debug_mode', True)`) or set "
             "`execution_tracking_mode` to `STAGE_TIMING`, e.g. "
             "`ds = grain_core.experimental.WithOptionsIterDataset(ds, "
             "grain_core.experimental.DatasetOptions(execution_tracking_mode="
@@ -552,23 +718,36 @@ def get_execution_summary(iterator: DatasetIterator[Any]) -> ExecutionSummary:
 
     _prepare_reachable(iterator)
     walk(iterator._stage_stats, -1, 0, 0)  # type: ignore[attr-defined]
-    total = sum(s.self_ns for r in rows for s in r["stats"]) or 1
-    stages = []
-    for i, r in enumerate(rows):
-        self_ns = sum(s.self_ns for s in r["stats"])
-        stages.append(
-            StageSummary(
-                id=i,
-                name=r["name"],
-                kind=r["kind"],
-                depth=r["depth"],
-                inputs=tuple(r["inputs"]),
-                num_produced_elements=sum(s.count for s in r["stats"]),
-                self_time_ns=self_ns,
-                share=self_ns / total,
-                instances=len(r["stats"]),
-                total_time_ns=sum(s.total_ns for s in r["stats"]),
-                in_workers=r["in_workers"],
-            )
+    for r in rows:
+        produced = [s for s in r["stats"] if s.count]
+        r["self_ns"] = sum(s.self_ns for s in r["stats"])
+        r["total_ns"] = sum(s.total_ns for s in r["stats"])
+        r["tid"] = next((s.tid for s in produced if s.tid), 0)
+        r["min_ns"] = min((s.min_ns for s in produced), default=0)
+        r["max_ns"] = max((s.max_ns for s in produced), default=0)
+        r["spec"] = next((s.spec for s in produced if s.spec is not None), None)
+    total = sum(r["self_ns"] for r in rows) or 1
+    output_wait = rows[0]["total_ns"]
+    wait = _wait_shares(rows, output_wait)
+    stages = [
+        StageSummary(
+            id=i,
+            name=r["name"],
+            kind=r["kind"],
+            depth=r["depth"],
+            inputs=tuple(r["inputs"]),
+            num_produced_elements=sum(s.count for s in r["stats"]),
+            self_time_ns=r["self_ns"],
+            share=r["self_ns"] / total,
+            instances=len(r["stats"]),
+            total_time_ns=r["total_ns"],
+            in_workers=r["in_workers"],
+            type_name=r["stats"][0].type_name,
+            min_time_ns=r["min_ns"],
+            max_time_ns=r["max_ns"],
+            output_spec=r["spec"],
+            wait_share=wait[i],
         )
-    return ExecutionSummary(tuple(stages), output_wait_ns=stages[0].total_time_ns)
+        for i, r in enumerate(rows)
+    ]
+    return ExecutionSummary(tuple(stages), output_wait_ns=output_wait)

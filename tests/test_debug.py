@@ -1,0 +1,245 @@
+"""Tests for grain_core.dataset.debug: Grain's debug mode and dataset-graph switches."""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+import pytest
+
+import grain_core as grain
+from grain_core.config import config
+from grain_core.dataset import debug, stats
+from grain_core.experimental import dataset_graph, get_execution_summary
+
+SYNC = grain.ReadOptions(num_threads=0)
+GRAPH_TITLE = "grain_core dataset graph:"
+GRAPH_HEADER = "id | node | type | inputs | where | element spec"
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+@pytest.fixture
+def debug_clock(monkeypatch: pytest.MonkeyPatch) -> FakeClock:
+    fake = FakeClock()
+    monkeypatch.setattr(debug, "_monotonic", fake)
+    return fake
+
+
+@pytest.fixture
+def switches() -> Iterator[Any]:
+    """Restores the debugging switches after a test."""
+    names = ("py_debug_mode", "py_debug_summary_interval", "py_dataset_visualization_output_dir")
+    saved = {n: getattr(config, n) for n in names}
+    yield config
+    for name, value in saved.items():
+        config.update(name, value)
+
+
+@pytest.fixture
+def logs(caplog: pytest.LogCaptureFixture) -> pytest.LogCaptureFixture:
+    caplog.set_level(logging.INFO, logger="grain_core.debug")
+    return caplog
+
+
+def _messages(caplog: pytest.LogCaptureFixture, text: str) -> list[str]:
+    return [r.getMessage() for r in caplog.records if text in r.getMessage()]
+
+
+def _normalize(x: np.ndarray) -> np.ndarray:
+    return x.astype(np.float32) / 255
+
+
+def _seed_pipeline(n: int = 64) -> grain.IterDataset:
+    source = np.arange(n, dtype=np.uint8).reshape(n, 1)
+    return (
+        grain.MapDataset.source(source)
+        .seed(42)
+        .shuffle()
+        .to_iter_dataset(SYNC)
+        .map(_normalize)
+        .batch(8)
+    )
+
+
+def test_switches_off_install_nothing(switches: Any) -> None:
+    it = iter(_seed_pipeline())
+    next(it)
+    assert "_stage_stats" not in vars(it) and "_debug_reporter" not in vars(it)
+    with pytest.raises(ValueError, match="py_debug_mode"):
+        get_execution_summary(it)
+
+
+def test_debug_mode_logs_the_summary_once_at_the_end(
+    switches: Any, logs: pytest.LogCaptureFixture, debug_clock: FakeClock
+) -> None:
+    switches.update("py_debug_mode", True)
+    it = iter(_seed_pipeline())
+    assert len(list(it)) == 8
+    summaries = _messages(logs, "Execution summary")
+    assert len(summaries) == 1 and "(at the end of iteration)" in summaries[0]
+    assert "grain_core execution summary" in summaries[0] and "Map(_normalize" in summaries[0]
+    it.close()  # the end was reported already
+    assert len(_messages(logs, "Execution summary")) == 1
+    # Only the output reports: its inputs reverted to their timed classes.
+    assert "_debug_reporter" in vars(it)
+    assert all("_debug_reporter" not in vars(p) for p in it._parents)
+
+
+def test_debug_mode_logs_the_summary_periodically_and_on_close(
+    switches: Any, logs: pytest.LogCaptureFixture, debug_clock: FakeClock
+) -> None:
+    switches.update("py_debug_mode", True)
+    switches.update("py_debug_summary_interval", 5)
+
+    def tick(x: np.ndarray) -> np.ndarray:
+        debug_clock.now += 1.0  # one second per element
+        return x
+
+    ds = grain.MapDataset.range(100).repeat().to_iter_dataset(SYNC).map(tick)
+    it = iter(ds)
+    periodic = []
+    for _ in range(23):
+        next(it)
+        periodic.append(len(_messages(logs, "(periodic)")))
+    # Due at 5 s, then 5 s after each summary: after elements 5, 10, 15 and 20.
+    assert periodic == [0] * 4 + [1] * 5 + [2] * 5 + [3] * 5 + [4] * 4
+    it.close()
+    assert len(_messages(logs, "(at the end of iteration)")) == 1
+
+
+def test_default_interval_is_grains() -> None:
+    from grain_core.config import Config
+
+    assert Config().py_debug_summary_interval == 60.0
+
+
+def test_the_graph_is_logged_when_the_first_element_is_produced(
+    switches: Any, logs: pytest.LogCaptureFixture
+) -> None:
+    switches.update("py_dataset_visualization_output_dir", "")
+    it = iter(_seed_pipeline())
+    assert not _messages(logs, GRAPH_TITLE)
+    next(it)
+    graphs = _messages(logs, GRAPH_TITLE)
+    assert len(graphs) == 1
+    lines = graphs[0].splitlines()
+    assert lines[0].startswith("grain_core dataset graph: 6 nodes, output first")
+    assert " | ".join(c.strip() for c in lines[1].split("|")) == GRAPH_HEADER
+    cells = [[c.strip() for c in line.split("|")] for line in lines[3:]]
+    assert [c[2] for c in cells] == [
+        "_BatchIterator",
+        "_MapIterator",
+        "PrefetchDatasetIterator",
+        "ShuffleMapDataset",
+        "_WithSeedMapDataset",
+        "SourceMapDataset",
+    ]
+    assert [c[3] for c in cells] == ["1", "2", "3", "4", "5", "-"]
+    assert {c[4] for c in cells} == {"main"}
+    assert cells[0][5] == "ndarray[float32[8, 1]]" and cells[-1][5] == "ndarray[uint8[1]]"
+    assert cells[1][1].startswith("<- Map(_normalize")
+    list(it)
+    assert len(_messages(logs, GRAPH_TITLE)) == 1
+    # Without debug mode the output stops reporting after the graph; no summary is logged.
+    assert "_debug_reporter" not in vars(type(it)) and not _messages(logs, "Execution summary")
+
+
+def test_the_graph_is_written_to_the_directory(
+    switches: Any, logs: pytest.LogCaptureFixture, tmp_path: Any
+) -> None:
+    out = tmp_path / "graphs" / "nested"
+    switches.update("py_dataset_visualization_output_dir", str(out))
+    assert out.is_dir()  # created when set
+    it = iter(_seed_pipeline())
+    next(it)
+    (text,) = out.glob("dataset_graph-*.txt")
+    (js,) = out.glob("dataset_graph-*.json")
+    assert text.stem == js.stem
+    assert text.read_text() == str(dataset_graph(it)) + "\n"
+    nodes = json.loads(js.read_text())["nodes"]
+    assert [n["id"] for n in nodes] == list(range(6))
+    assert nodes[0] == {
+        "id": 0,
+        "name": "Batch",
+        "type": "_BatchIterator",
+        "inputs": [1],
+        "depth": 0,
+        "in_workers": False,
+        "instances": 1,
+        "element_spec": "ndarray[float32[8, 1]]",
+    }
+    assert not list(out.glob("*.tmp"))
+
+
+def test_unwritable_visualization_directory_is_refused(switches: Any, tmp_path: Any) -> None:
+    blocker = tmp_path / "a_file"
+    blocker.write_text("")
+    with pytest.raises(ValueError, match="a_file/graphs.*cannot be created.*writable"):
+        switches.update("py_dataset_visualization_output_dir", str(blocker / "graphs"))
+    with pytest.raises(ValueError, match="None, '' or a directory"):
+        switches.update("py_dataset_visualization_output_dir", 3)
+    assert config.py_dataset_visualization_output_dir is None
+
+
+def test_a_directory_that_became_unwritable_fails_with_its_name(
+    switches: Any, tmp_path: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    out = tmp_path / "graphs"
+    switches.update("py_dataset_visualization_output_dir", str(out))
+    out.rmdir()
+    out.write_text("now a file")
+    it = iter(_seed_pipeline())
+    with pytest.raises(OSError, match=r"Cannot write '.*graphs/dataset_graph-.*\.txt'"):
+        next(it)
+
+
+def test_reporting_is_hinted_when_info_logs_are_hidden(
+    switches: Any, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(debug, "_hinted_at_logging", False)
+    caplog.set_level(logging.WARNING, logger="grain_core.debug")
+    switches.update("py_dataset_visualization_output_dir", "")
+    next(iter(_seed_pipeline()))
+    next(iter(_seed_pipeline()))
+    hints = _messages(caplog, "logging.basicConfig(level=logging.INFO)")
+    assert len(hints) == 1
+
+
+def test_summary_has_the_information_grain_logs(switches: Any) -> None:
+    switches.update("py_debug_mode", True)
+    it = iter(_seed_pipeline())
+    list(it)
+    summary = get_execution_summary(it)
+    for s in summary.stages:
+        assert s.type_name and s.output_spec is not None
+        assert 0 <= s.min_time_ns <= s.self_time_per_element_ns <= s.max_time_ns or (
+            s.kind == "map"  # batched reads record per-element averages per call
+        )
+    assert sum(s.wait_share for s in summary.stages) == pytest.approx(1.0)
+    header = str(summary).splitlines()[1]
+    for column in ("elements", "self time", "avg", "min", "max", "share", "wait"):
+        assert column in header
+
+
+def test_wait_share_goes_behind_a_thread_boundary(monkeypatch: pytest.MonkeyPatch) -> None:
+    clock = {"now": 0}
+    monkeypatch.setattr(stats, "_now", lambda: clock["now"])
+    rows = [
+        {"inputs": [1], "in_workers": False, "tid": 1, "self_ns": 10, "total_ns": 100},
+        {"inputs": [2, 3], "in_workers": False, "tid": 1, "self_ns": 90, "total_ns": 90},
+        {"inputs": [], "in_workers": False, "tid": 2, "self_ns": 300, "total_ns": 300},
+        {"inputs": [], "in_workers": True, "tid": 1, "self_ns": 100, "total_ns": 100},
+    ]
+    shares = stats._wait_shares(rows, 100)
+    # The output keeps its own 10%; the prefetch's 90% is split 3:1 between its inputs.
+    assert shares == pytest.approx([0.1, 0.0, 0.675, 0.225])
