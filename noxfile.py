@@ -13,6 +13,8 @@ Test selection is by installed packages, not by markers: tests of plugin ``x`` l
 
 from __future__ import annotations
 
+import os
+import shutil
 from pathlib import Path
 
 import nox
@@ -62,8 +64,17 @@ for _name, _directory in PLUGINS.items():
 def tests_all(session: nox.Session) -> None:
     """Every package, JAX (CPU), Orbax and the third-party test plugin: the whole suite."""
     plugins = [str(d) for d in PLUGINS.values()]
-    session.install(".[test,jax,progress]", *plugins, str(TEST_PLUGIN), "orbax-checkpoint")
+    session.install(".[test,jax,progress,report]", *plugins, str(TEST_PLUGIN), "orbax-checkpoint")
+    _ensure_chromium(session)
     _pytest(session, "tests")
+
+
+def _ensure_chromium(session: nox.Session) -> None:
+    """Installs Debian's chromium, which tests/test_profiling.py opens the HTML report in,
+    where it is missing and apt-get can run (as root); elsewhere that test skips, saying why."""
+    if shutil.which("chromium") or not shutil.which("apt-get") or os.geteuid() != 0:
+        return
+    session.run("apt-get", "install", "-y", "-q", "chromium", external=True, success_codes=[0, 100])
 
 
 @nox.session

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import functools
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import numpy as np
@@ -137,3 +138,59 @@ def _shuffle_grain() -> Callable[[], object]:
     grain: Any = import_google_grain()
     index_shuffle = grain.experimental.index_shuffle
     return lambda: [index_shuffle(i, SHUFFLE_N - 1, 0, 4) for i in range(SHUFFLE_N)]
+
+
+# (d) The seed pipeline with grain_core's debugging tools on: the ratio against the same
+# pipeline with them off (same run, passes alternated) is the tool's cost.
+
+
+def _take_batches_with(switch: Callable[[], Any], count: int) -> Callable[[], None]:
+    """One pass over ``count`` batches of the seed pipeline, built while ``switch()`` is on."""
+
+    def run() -> None:
+        with switch():
+            iterator = iter(_demo.seed_pipeline(grain_core, _records()).to_iter_dataset())
+        for _ in range(count):
+            next(iterator)
+        iterator.close()
+
+    return run
+
+
+@contextlib.contextmanager
+def _debug_mode() -> Iterator[None]:
+    grain_core.config.update("py_debug_mode", True)
+    try:
+        yield
+    finally:
+        grain_core.config.update("py_debug_mode", False)
+
+
+@workload(
+    "seed_pipeline_debug_mode",
+    elements=SEED_BATCHES * _demo.BATCH_SIZE,
+    description="the seed pipeline built in debug mode (stage timing, periodic summary)",
+    alternate=True,
+)
+def seed_pipeline_debug_mode() -> Callable[[], None]:
+    return _take_batches_with(_debug_mode, SEED_BATCHES)
+
+
+@seed_pipeline_debug_mode.baseline("debug mode off")
+def _seed_debug_off() -> Callable[[], None]:
+    return _take_batches_with(contextlib.nullcontext, SEED_BATCHES)
+
+
+@workload(
+    "seed_pipeline_traced",
+    elements=SEED_BATCHES * _demo.BATCH_SIZE,
+    description="the seed pipeline built under experimental.Trace (a span per stage call)",
+    alternate=True,
+)
+def seed_pipeline_traced() -> Callable[[], None]:
+    return _take_batches_with(grain_core.experimental.Trace, SEED_BATCHES)
+
+
+@seed_pipeline_traced.baseline("trace off")
+def _seed_trace_off() -> Callable[[], None]:
+    return _take_batches_with(contextlib.nullcontext, SEED_BATCHES)

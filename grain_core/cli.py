@@ -2,7 +2,8 @@
 
 Commands: ``plugins`` (what is installed and what failed), ``inspect PATH`` (a file through
 its format plugin), ``convert IN OUT`` (records from one format to another), ``demo`` (the
-end-to-end example with its throughput), ``bench`` (the repository's benchmark suite).
+end-to-end example with its throughput), ``profile`` (an HTML report of a pipeline's time,
+see ``grain_core.profiling``), ``bench`` (the repository's benchmark suite).
 ``--version`` lists the loaded plugins too.
 """
 
@@ -91,6 +92,15 @@ def _parser() -> argparse.ArgumentParser:
 
     demo_module.add_arguments(demo)
     demo.set_defaults(run=demo_module.run)
+
+    profile = commands.add_parser(
+        "profile",
+        help="run a pipeline for N batches and write an HTML report of where its time goes",
+    )
+    from grain_core import profiling
+
+    profiling.add_arguments(profile)
+    profile.set_defaults(run=profiling.run)
 
     bench = commands.add_parser(
         "bench",
