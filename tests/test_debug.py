@@ -243,3 +243,32 @@ def test_wait_share_goes_behind_a_thread_boundary(monkeypatch: pytest.MonkeyPatc
     shares = stats._wait_shares(rows, 100)
     # The output keeps its own 10%; the prefetch's 90% is split 3:1 between its inputs.
     assert shares == pytest.approx([0.1, 0.0, 0.675, 0.225])
+
+
+def _triple(x: int) -> int:
+    return 3 * x
+
+
+@pytest.mark.parametrize("dispatch", [True, False], ids=["dispatching", "strided"])
+def test_the_graph_shows_the_nodes_in_worker_processes(
+    dispatch: bool,
+    switches: Any,
+    logs: pytest.LogCaptureFixture,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from grain_core.dataset import mp_dispatch
+
+    if not dispatch:
+        monkeypatch.setattr(mp_dispatch, "dispatchable", lambda *_: False)
+    switches.update("py_dataset_visualization_output_dir", "")
+    ds = grain.MapDataset.range(64).map(_triple).to_iter_dataset(SYNC).batch(4)
+    with iter(ds.mp_prefetch(grain.MultiprocessingOptions(num_workers=2))) as it:
+        assert len(list(it)) == 16
+        (graph,) = _messages(logs, GRAPH_TITLE)
+        nodes = dataset_graph(it).nodes
+    rows = [[c.strip() for c in line.split("|")] for line in graph.splitlines()[3:]]
+    assert rows[0][1] == "MultiprocessPrefetch(num_workers=2)" and rows[0][4] == "main"
+    workers = [r for r in rows if r[4] == "workers"]
+    assert any(r[1].startswith("<- MapMapDataset(transform=_triple") for r in workers)
+    assert all(r[1].endswith(" x2") for r in workers)  # summed over both workers
+    assert {n.in_workers for n in nodes} == {False, True}

@@ -7,14 +7,16 @@
   (``StopIteration`` or ``close()``).
 * ``grain_core.config.update("py_dataset_visualization_output_dir", d)``: when the output
   produces its first element, the dataset graph is logged (``d == ""``) and, for a directory
-  ``d``, also written there as ``dataset_graph-<pid>-<n>.txt`` and ``.json``.
+  ``d``, also written there as ``dataset_graph-<pid>-<n>.txt`` and ``.json``. Behind
+  ``mp_prefetch`` it waits until every worker-receiving stage knows its workers' stages (each
+  worker sends them with its first element), or for the end of iteration.
 
 How. An iterator built while either switch is on (and whose pipeline therefore tracks stage
 timing) gets a reporting subclass of its timed class and marks itself the output of its
 pipeline (``IteratorContext.output``): the iterator built last is the one no other iterator
 reads. On its first ``next``, an iterator that is not (or no longer) its pipeline's output
 reverts to the timed class, so only the output reports; with only the graph asked for, the
-output reverts after its first element too. Nothing reports in worker processes: they send
+output reverts once the graph is reported. Nothing reports in worker processes: they send
 their stage statistics to the parent, whose graph and summary include them.
 
 The graph's layout (stable, documented in ``docs/debugging.md``): a title line, a header
@@ -37,7 +39,12 @@ from typing import Any
 
 from grain_core.config import config
 from grain_core.dataset.base import DatasetIterator
-from grain_core.dataset.stats import ExecutionSummary, format_table, get_execution_summary
+from grain_core.dataset.stats import (
+    ExecutionSummary,
+    awaits_worker_stages,
+    format_table,
+    get_execution_summary,
+)
 from grain_core.dataset.trace import write_report_file
 
 __all__ = ["DatasetGraph", "GraphNode", "dataset_graph", "watch_output"]
@@ -161,8 +168,10 @@ class _Reporter:
 
     def produced(self, it: DatasetIterator[Any]) -> None:
         if self.graph_dir is not None:
+            if awaits_worker_stages(it):
+                return
             directory, self.graph_dir = self.graph_dir, None
-            _report_graph(it, directory)
+            _report_graph(dataset_graph(it), directory)
             if not self.debug:
                 _stop_reporting(it)
                 return
@@ -172,6 +181,9 @@ class _Reporter:
             _log_summary(it, "periodic")
 
     def finish(self, it: DatasetIterator[Any]) -> None:
+        if self.graph_dir is not None:
+            directory, self.graph_dir = self.graph_dir, None
+            _report_graph(dataset_graph(it), directory)
         if self.debug and not self.finished:
             self.finished = True
             _log_summary(it, "at the end of iteration")
@@ -251,13 +263,12 @@ def _log_summary(it: DatasetIterator[Any], when: str) -> None:
     _logger.info("Execution summary (%s):\n%s", when, get_execution_summary(it))
 
 
-def _report_graph(it: DatasetIterator[Any], directory: str) -> None:
-    """Logs the graph of ``it``'s pipeline and writes it to ``directory`` if not empty.
+def _report_graph(graph: DatasetGraph, directory: str) -> None:
+    """Logs ``graph`` and writes it to ``directory`` if not empty.
 
     Raises:
       OSError: if the directory cannot be written (the message names the file).
     """
-    graph = dataset_graph(it)
     _hint_at_logging()
     _logger.info("%s", graph)
     if directory:

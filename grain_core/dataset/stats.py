@@ -56,6 +56,7 @@ __all__ = [
     "ExecutionSummary",
     "StageSummary",
     "attach_worker_stages",
+    "awaits_worker_stages",
     "get_execution_summary",
     "is_tracking",
     "time_stages",
@@ -465,6 +466,23 @@ def attach_worker_stages(iterator: DatasetIterator[Any], snapshot: WorkerSnapsho
     receiver.link(nodes[0])
 
 
+def awaits_worker_stages(iterator: DatasetIterator[Any]) -> bool:
+    """Whether a stage under ``iterator`` that receives from a worker process has not had the
+    worker's stages yet (a worker sends them with its first element)."""
+    _prepare_reachable(iterator)
+    stack: list[_StageStats] = [iterator._stage_stats]  # type: ignore[attr-defined]
+    seen: set[int] = set()
+    while stack:
+        stats = stack.pop()
+        if id(stats) in seen or stats.in_workers:
+            continue
+        seen.add(id(stats))
+        if stats.category == "transport" and not stats.inputs:
+            return True
+        stack.extend(stats.inputs)
+    return False
+
+
 def _category(description: str, kind: str) -> str:
     """The trace category of a stage from its class name (and label): read, transform, batch,
     wait (for threads) or transport (from worker processes)."""
@@ -505,6 +523,8 @@ class StageSummary:
       wait_share: the share of the consumer's wait in ``next`` this stage accounts for: on the
         consumer's thread, its self time; behind a thread or process boundary, the boundary's
         wait split in proportion to the time spent upstream (the boundary keeps none).
+      category: what the stage does: ``read``, ``transform``, ``batch``, ``wait`` (for
+        threads) or ``transport`` (elements from worker processes).
     """
 
     id: int
@@ -523,6 +543,7 @@ class StageSummary:
     max_time_ns: int = 0
     output_spec: str | None = None
     wait_share: float = 0.0
+    category: str = ""
 
     @property
     def self_time_per_element_ns(self) -> float:
@@ -747,6 +768,7 @@ def get_execution_summary(iterator: DatasetIterator[Any]) -> ExecutionSummary:
             max_time_ns=r["max_ns"],
             output_spec=r["spec"],
             wait_share=wait[i],
+            category=r["stats"][0].category,
         )
         for i, r in enumerate(rows)
     ]
