@@ -64,7 +64,9 @@ for _name, _directory in PLUGINS.items():
 def tests_all(session: nox.Session) -> None:
     """Every package, JAX (CPU), Orbax and the third-party test plugin: the whole suite."""
     plugins = [str(d) for d in PLUGINS.values()]
-    session.install(".[test,jax,progress,report]", *plugins, str(TEST_PLUGIN), "orbax-checkpoint")
+    session.install(
+        ".[test,jax,progress,report,remote]", *plugins, str(TEST_PLUGIN), "orbax-checkpoint"
+    )
     _ensure_chromium(session)
     _pytest(session, "tests")
 

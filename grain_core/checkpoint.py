@@ -1,8 +1,10 @@
-"""Saving and restoring iterator positions (``grain.checkpoint``).
+"""Saving and restoring iterator positions (``grain.checkpoint``): the handler and Orbax glue.
 
 Each process writes ``process_{i}-of-{n}.json`` (``i, n`` from JAX when it is initialised,
-else ``0, 1``). Files are written atomically: temporary file, fsync, rename, fsync of the
-directory, so a crash during a save never leaves a truncated checkpoint.
+else ``0, 1``) into the checkpoint directory, a local path or a URL (``s3://``, ``gs://``:
+see :mod:`grain_core.storage`). Files are written atomically (locally: temporary file, fsync,
+rename; on object stores: one whole-object upload), so a crash during a save leaves the old
+or the new checkpoint, never a truncated one. The file I/O lives in ``_checkpoint_io``.
 """
 
 from __future__ import annotations
@@ -10,131 +12,12 @@ from __future__ import annotations
 import dataclasses
 import functools
 import json
-import os
-import sys
-import tempfile
-from collections.abc import Callable, Coroutine
-from pathlib import Path
 from typing import Any
 
-__all__ = ["CheckpointHandler", "process_file_name", "read_process_file", "write_process_file"]
+from grain_core._checkpoint_io import process_file_name, read_process_file, write_process_file
+from grain_core.storage import join
 
-
-def _process_index_and_count() -> tuple[int, int]:
-    jax = sys.modules.get("jax")
-    if jax is None:
-        return 0, 1
-    return jax.process_index(), jax.process_count()
-
-
-def process_file_name() -> str:
-    """File name of this process's checkpoint, ``process_{i}-of-{n}.json``."""
-    i, n = _process_index_and_count()
-    return f"process_{i}-of-{n}.json"
-
-
-def atomic_write_text(path: Path, text: str) -> None:
-    """Writes ``text`` to ``path`` so that readers see the old file or the complete new one."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-    dir_fd = os.open(path.parent, os.O_RDONLY)
-    try:
-        os.fsync(dir_fd)
-    finally:
-        os.close(dir_fd)
-
-
-def write_process_file(directory: Any, text: str) -> Path:
-    """Atomically writes this process's checkpoint file into ``directory``."""
-    path = Path(os.fspath(directory)) / process_file_name()
-    atomic_write_text(path, text)
-    return path
-
-
-def read_process_file(directory: Any, *, any_process: bool = False) -> str:
-    """Reads this process's checkpoint file from ``directory``.
-
-    Args:
-      directory: The checkpoint directory.
-      any_process: If this process's file is missing, read another process's file (for states
-        that are the same on every process, such as an ``ElasticIterator`` over a MapDataset).
-
-    Raises:
-      ValueError: if the file does not exist.
-    """
-    path = Path(os.fspath(directory)) / process_file_name()
-    if not path.exists():
-        files = sorted(path.parent.glob("process_*-of-*.json"))
-        if any_process and files:
-            return _read_text(files[0])
-        names = (p.stem.rsplit("-of-", 1)[1] for p in files)
-        written = sorted({int(n) for n in names if n.isdigit()})
-        count = _process_index_and_count()[1]
-        if written and count not in written:
-            raise ValueError(
-                f"File {path} does not exist: the checkpoint in {path.parent} was written by "
-                f"{' / '.join(map(str, written))} processes, and this run has {count}. Restore "
-                "with the same number of processes, or checkpoint a "
-                "grain_core.experimental.ElasticIterator over a MapDataset, which restores under "
-                "any process count."
-            )
-        raise ValueError(
-            f"File {path} does not exist. The checkpoint was not written by this process "
-            "(check the directory and the JAX process count)."
-        )
-    return _read_text(path)
-
-
-def _read_text(path: Path) -> str:
-    try:
-        return path.read_text(encoding="utf-8")
-    except UnicodeDecodeError as e:
-        raise ValueError(
-            f"Checkpoint file {path} is not UTF-8 text ({e}); it is corrupt or not a "
-            "grain_core checkpoint. Restore an earlier checkpoint."
-        ) from e
-
-
-def save_coroutine(directory: Any, text: str) -> Coroutine[Any, Any, None]:
-    """Orbax v1 ``save``: a coroutine that waits for ``directory`` and writes ``text`` to it.
-
-    The text is captured by the caller at call time, so later iteration does not change it.
-    """
-
-    async def _write() -> None:
-        import asyncio  # here: importing it costs ~60 ms, and only Orbax saves need it
-
-        # Orbax passes a PathAwaitingCreation: not a path itself; awaiting it gives the path.
-        target = directory
-        await_creation = getattr(directory, "await_creation", None)
-        if await_creation is not None:
-            created = await await_creation()
-            if created is not None:
-                target = created
-        await asyncio.to_thread(write_process_file, target, text)
-
-    return _write()
-
-
-def load_coroutine(directory: Any, apply: Callable[[str], None]) -> Coroutine[Any, Any, None]:
-    """Orbax v1 ``load``: a coroutine that reads this process's file and calls ``apply(text)``."""
-
-    async def _read() -> None:
-        import asyncio
-
-        apply(await asyncio.to_thread(read_process_file, directory))
-
-    return _read()
+__all__ = ["CheckpointHandler"]
 
 
 class CheckpointHandler:
@@ -170,7 +53,7 @@ class CheckpointHandler:
             item.start_prefetch()
             return item
         text = read_process_file(directory, any_process=_same_state_everywhere(item))
-        path = Path(os.fspath(directory)) / process_file_name()
+        path = join(directory, process_file_name())
         try:
             state = json.loads(text)
         except json.JSONDecodeError as e:

@@ -34,6 +34,7 @@ from typing import Any
 import numpy as np
 
 from grain_core import transforms
+from grain_core._checkpoint_io import load_coroutine, save_coroutine
 from grain_core._checks import non_negative_int
 from grain_core.dataset.base import DatasetIterator, Indices, IterDataset, MapDataset
 from grain_core.dataset.source import batched_read
@@ -744,13 +745,9 @@ class DataLoaderIterator:
 
     # ------------------------------------------------------------- Orbax v1 protocol
     async def save(self, directory: Any) -> Any:
-        from grain_core.checkpoint import save_coroutine
-
         return save_coroutine(directory, self.get_state().decode())
 
     async def load(self, directory: Any) -> Any:
-        from grain_core.checkpoint import load_coroutine
-
         return load_coroutine(directory, lambda text: self.set_state(text.encode()))
 
     def __str__(self) -> str:

@@ -31,7 +31,8 @@ from typing import Any
 import numpy as np
 
 from grain_core import _demo, plugins, transforms
-from grain_core.checkpoint import CheckpointHandler, atomic_write_text
+from grain_core.checkpoint import CheckpointHandler
+from grain_core.storage import write_bytes
 
 __all__ = ["add_arguments", "run"]
 
@@ -264,7 +265,7 @@ def _save_checkpoint(directory: Path, it: Any, params: dict[str, Any], step: int
     tmp = directory / "params.tmp.npz"
     np.savez(tmp, **host_params)
     os.replace(tmp, directory / "params.npz")
-    atomic_write_text(directory / "step.json", json.dumps({"step": step}))
+    write_bytes(directory / "step.json", json.dumps({"step": step}).encode())
 
 
 def _main_run(args: argparse.Namespace, workdir: Path, checkpoint_step: int) -> int:
@@ -364,7 +365,7 @@ def _resume(args: argparse.Namespace, checkpoint_dir: Path, checkpoint_step: int
     training.run(it, checkpoint_step, args.steps)
     it.close()
     report = {"digests": training.digests, "losses": training.float_losses()}
-    atomic_write_text(checkpoint_dir / "resumed.json", json.dumps(report))
+    write_bytes(checkpoint_dir / "resumed.json", json.dumps(report).encode())
     return 0
 
 

@@ -231,3 +231,39 @@ def test_importing_grain_core_leaves_asyncio_out() -> None:
     # costs ~50 ms there, and only Orbax's coroutines need it.
     code = "import sys, grain_core; assert 'asyncio' not in sys.modules"
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_round_trip_through_an_fsspec_url() -> None:
+    fsspec = pytest.importorskip("fsspec")
+    url = f"memory://grain-core-checkpoint-{os.getpid()}/step_3"
+    handler = checkpoint.CheckpointHandler()
+    it = _dataset_iterator()
+    for _ in range(3):
+        next(it)
+    handler.save(url, it)
+    fs = fsspec.filesystem("memory")
+    assert json.loads(fs.cat_file(f"{url}/process_0-of-1.json")) == {"next_index": 3}
+    fresh = _dataset_iterator()
+    handler.restore(url, fresh)
+    assert list(fresh) == [6, 8, 10, 12, 14, 16, 18]
+    with pytest.raises(ValueError, match=f"{url}_missing/process_0-of-1.json does not exist"):
+        handler.restore(f"{url}_missing", _dataset_iterator())
+    fs.rm(url.removesuffix("/step_3"), recursive=True)
+
+
+def test_killed_saves_leave_no_temporary_files_behind(tmp_path: Path) -> None:
+    # Each child is killed in the middle of a save (after writing its temporary file).
+    code = (
+        "import os, signal, grain_core as grain\n"
+        "from grain_core import checkpoint, storage\n"
+        "def die(*args): os.kill(os.getpid(), signal.SIGKILL)\n"
+        "storage.os.replace = die\n"
+        "it = iter(grain.MapDataset.range(4).to_iter_dataset())\n"
+        f"checkpoint.CheckpointHandler().save({str(tmp_path)!r}, it)\n"
+    )
+    for _ in range(3):
+        killed = subprocess.run([sys.executable, "-c", code], check=False)
+        assert killed.returncode == -9
+    assert len(os.listdir(tmp_path)) == 3
+    checkpoint.CheckpointHandler().save(tmp_path, _dataset_iterator())
+    assert os.listdir(tmp_path) == ["process_0-of-1.json"]

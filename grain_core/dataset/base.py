@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any, Generic, TypeVar, overload
 import numpy as np
 
 from grain_core import random as _random
+from grain_core._checkpoint_io import load_coroutine, save_coroutine
 from grain_core.dataset.options import DatasetOptions, ExecutionTrackingMode, pipeline_options
 
 if TYPE_CHECKING:
@@ -499,13 +500,9 @@ class DatasetIterator(Iterator[T], abc.ABC):
 
     # Orbax v1 "stateful checkpointable" protocol.
     async def save(self, directory: Any) -> Any:
-        from grain_core.checkpoint import save_coroutine
-
         return save_coroutine(directory, json.dumps(self.get_state(), indent=4))
 
     async def load(self, directory: Any) -> Any:
-        from grain_core.checkpoint import load_coroutine
-
         return load_coroutine(directory, lambda text: self.set_state(json.loads(text)))
 
 

@@ -21,12 +21,10 @@ under a different number of shards.
 from __future__ import annotations
 
 import json
-import os
 from collections.abc import Mapping
-from pathlib import Path
 from typing import Any
 
-from grain_core.checkpoint import atomic_write_text
+from grain_core import _checkpoint_io
 from grain_core.dataset.base import DatasetIterator, IterDataset, MapDataset
 from grain_core.dataset.interleave import InterleaveDatasetIterator, InterleaveIterDataset
 from grain_core.dataset.map import FilterMapDataset
@@ -327,14 +325,12 @@ def _check_iter_graph(ds: IterDataset[Any]) -> None:
 
 
 # -------------------------------------------------------------------- checkpoint files
-def _shard_file(directory: Any, key: int) -> Path:
-    return Path(os.fspath(directory)) / f"shard_state_{key}.json"
-
-
 def write_shard_state_files(directory: Any, iterator: ElasticIterator) -> None:
     """Writes ``shard_state_{k}.json`` for every input dataset ``k`` of this shard, atomically."""
-    for key, state in iterator.get_shard_states().items():
-        atomic_write_text(_shard_file(directory, key), json.dumps(state, indent=4))
+    _checkpoint_io.write_shard_state_files(
+        directory,
+        {key: json.dumps(state, indent=4) for key, state in iterator.get_shard_states().items()},
+    )
 
 
 def restore_shard_state_files(directory: Any, iterator: ElasticIterator) -> None:
@@ -345,15 +341,16 @@ def restore_shard_state_files(directory: Any, iterator: ElasticIterator) -> None
       ValueError: if a file is not valid JSON, naming it.
     """
     options = iterator.shard_options
+    texts = _checkpoint_io.read_shard_state_files(
+        directory, options.shard_index, options.shard_count
+    )
     states: dict[int, dict[str, Any]] = {}
-    key = options.shard_index
-    while (path := _shard_file(directory, key)).exists():
+    for key, text in texts.items():
         try:
-            states[key] = json.loads(path.read_text(encoding="utf-8"))
+            states[key] = json.loads(text)
         except json.JSONDecodeError as e:
             raise ValueError(
-                f"Shard state file {path} is not valid JSON ({e}); it is truncated or corrupt. "
-                "Restore an earlier checkpoint."
+                f"Shard state file {_checkpoint_io.shard_file(directory, key)} is not valid "
+                f"JSON ({e}); it is truncated or corrupt. Restore an earlier checkpoint."
             ) from e
-        key += options.shard_count
     iterator.set_shard_states(states)

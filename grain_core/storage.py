@@ -1,0 +1,656 @@
+"""The one file-system seam: every reader, writer, checkpoint and the CLI opens files here.
+
+A path is a local path, an ``os.PathLike`` (``pathlib.Path``, ``etils.epath.Path``, Orbax's
+path objects: anything whose ``str()`` is a URL or that has ``__fspath__``), or a URL with a
+scheme (``s3://``, ``gs://``, ``memory://``, any fsspec protocol), resolved through fsspec
+(``pip install 'grain-core[remote]'``, plus ``s3fs`` or ``gcsfs`` for the store you use).
+``file://`` URLs are local paths. A URL is never taken for a local folder named ``s3:``:
+without fsspec, or without an implementation for its scheme, it is an error naming what to
+install.
+
+``storage_options`` go to the fsspec file system as they are (endpoint, profile, anonymous,
+retries); fsspec's own configuration (``~/.config/fsspec``, ``FSSPEC_<PROTOCOL>_<OPTION>``
+environment variables) applies as well. Retries with backoff are the file system's: for S3,
+``storage_options={"retries": 5, "config_kwargs": {"retries": {"max_attempts": 10}}}``;
+gcsfs retries transient errors by itself. An error that survives them names the URL and the
+byte range.
+
+Writes are atomic: readers see the old file or the complete new one. Locally the data goes
+to a temporary file created exclusively in the target directory (owner-only, never through a
+planted symlink), is synced and renamed into place; temporary files that a killed writer left
+for the same target are removed by the next successful write. On an object store the object
+is written with one whole-object upload (atomic there) and its size is read back.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import functools
+import glob as _glob
+import os
+import re
+import stat
+import tempfile
+import threading
+from collections.abc import Iterator, Mapping, Sequence
+from typing import Any, BinaryIO, Final
+
+__all__ = [
+    "READ_AHEAD_BYTES",
+    "AtomicWriter",
+    "PathArg",
+    "RangeReader",
+    "StorageError",
+    "cache_dir",
+    "exists",
+    "filesystem",
+    "glob",
+    "has_magic",
+    "is_url",
+    "join",
+    "open_read",
+    "path_string",
+    "read_bytes",
+    "size",
+    "version",
+    "write_bytes",
+]
+
+# Any ``os.PathLike``, a ``str``, or an object whose ``str()`` is a URL (``epath.Path``).
+PathArg = Any
+
+# Block size of sequential remote reads: one request per block, and the next block is fetched
+# in the background while the current one is parsed (fsspec's "background" cache).
+READ_AHEAD_BYTES: Final = 16 << 20
+# Uploads up to this size are sent from memory in one PUT; larger ones from the spooled file.
+_UPLOAD_FROM_MEMORY: Final = 64 << 20
+_URL = re.compile(r"^(?P<scheme>[A-Za-z][A-Za-z0-9+.\-]+)://")
+_REMOTE_PIP = "pip install 'grain-core[remote]'"
+# Which package serves a scheme, for the error when it is missing.
+_SCHEME_PACKAGES: Final = {
+    "s3": "s3fs",
+    "s3a": "s3fs",
+    "gs": "gcsfs",
+    "gcs": "gcsfs",
+    "az": "adlfs",
+    "abfs": "adlfs",
+    "abfss": "adlfs",
+    "hf": "huggingface_hub",
+}
+
+
+class StorageError(OSError):
+    """A remote read or write failed after the file system's retries.
+
+    Attributes:
+      url: The file.
+      byte_range: ``(start, end)`` of the bytes being read, or None for a whole-file operation.
+    """
+
+    def __init__(self, message: str, *, url: str, byte_range: tuple[int, int] | None) -> None:
+        super().__init__(message)
+        self.url = url
+        self.byte_range = byte_range
+
+    def __reduce__(self) -> tuple[object, ...]:
+        # Keeps the attributes when the error crosses a process boundary.
+        return (_rebuild_storage_error, (str(self), self.url, self.byte_range))
+
+
+def _rebuild_storage_error(
+    message: str, url: str, byte_range: tuple[int, int] | None
+) -> StorageError:
+    return StorageError(message, url=url, byte_range=byte_range)
+
+
+# ------------------------------------------------------------------------------ paths
+def path_string(path: PathArg) -> str:
+    """Returns ``path`` as a string: a URL for remote files, a local path otherwise.
+
+    Raises:
+      TypeError: If ``path`` is neither a string nor path-like.
+    """
+    if isinstance(path, str):
+        text = path
+    elif isinstance(path, bytes):
+        text = os.fsdecode(path)
+    else:
+        as_text = str(path)
+        if _URL.match(as_text):  # epath.Path("gs://..."), UPath: their str() is the URL
+            text = as_text
+        elif isinstance(path, os.PathLike):
+            text = os.fspath(path)
+        else:
+            raise TypeError(
+                f"Expected a path (str or os.PathLike) or a URL, got {type(path).__name__}: "
+                f"{path!r}."
+            )
+    if text.startswith("file://"):
+        return text[len("file://") :]
+    return text
+
+
+def is_url(path: PathArg) -> bool:
+    """Whether ``path`` is a URL with a scheme other than ``file://`` (a remote file)."""
+    return _URL.match(path_string(path)) is not None
+
+
+def join(base: PathArg, *names: str) -> str:
+    """Joins names onto a directory path or URL (``/``-separated for URLs)."""
+    text = path_string(base)
+    if is_url(text):
+        return "/".join([text.rstrip("/"), *names])
+    return os.path.join(text, *names)
+
+
+def has_magic(path: PathArg) -> bool:
+    """Whether ``path`` holds glob characters (``*``, ``?``, ``[``)."""
+    return _glob.has_magic(path_string(path))  # type: ignore[attr-defined]
+
+
+def cache_dir(kind: str) -> str:
+    """Local directory for derived data of ``kind`` (indexes, downloaded shards).
+
+    ``$GRAIN_CORE_CACHE_DIR/<kind>``; by default ``$XDG_CACHE_HOME/grain_core/<kind>``, or
+    ``~/.cache/grain_core/<kind>``. Created when first written to.
+    """
+    root = os.environ.get("GRAIN_CORE_CACHE_DIR")
+    if not root:
+        xdg = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+        root = os.path.join(xdg, "grain_core")
+    return os.path.join(root, kind)
+
+
+# ---------------------------------------------------------------------- file systems
+def filesystem(url: str, storage_options: Mapping[str, Any] | None = None) -> tuple[Any, str]:
+    """Returns the fsspec file system serving ``url`` and the path within it.
+
+    Instances are cached by fsspec per (protocol, options, process), so calling this for every
+    file costs little; worker processes build their own from the same URL and options.
+
+    Raises:
+      ImportError: If fsspec, or the package for the URL's scheme, is not installed (the
+        message names what to ``pip install``).
+      ValueError: If no fsspec implementation is known for the scheme.
+    """
+    scheme = url.split("://", 1)[0].lower()
+    package = _SCHEME_PACKAGES.get(scheme)
+    try:
+        import fsspec  # optional dependency
+    except ImportError as e:
+        extra = f" {package}" if package else ""
+        raise ImportError(
+            f"Opening {url} needs fsspec{' and ' + package if package else ''}: "
+            f"{_REMOTE_PIP}{extra}"
+        ) from e
+    try:
+        return fsspec.core.url_to_fs(url, **dict(storage_options or {}))
+    except ImportError as e:
+        hint = f"pip install {package}" if package else str(e)
+        raise ImportError(
+            f"Opening {url} needs the fsspec implementation of {scheme}://: {hint}"
+        ) from e
+    except ValueError as e:
+        if scheme in fsspec.available_protocols():
+            raise
+        raise ValueError(
+            f"Cannot open {url}: no file system is known for the scheme {scheme}:// ({e}). "
+            "Use a local path, or a URL of an fsspec protocol (s3://, gs://, memory://, ...) "
+            "with its package installed (s3fs, gcsfs, ...)."
+        ) from e
+
+
+@contextlib.contextmanager
+def _remote_errors(
+    url: str, what: str, byte_range: tuple[int, int] | None = None
+) -> Iterator[None]:
+    """Turns a remote failure into an error naming the URL (and the byte range being read)."""
+    try:
+        yield
+    except FileNotFoundError as e:
+        raise FileNotFoundError(f"{url} does not exist (missing bucket or object: {e}).") from e
+    except PermissionError as e:
+        raise PermissionError(
+            f"Access to {url} was denied ({e}); check the credentials in storage_options or "
+            "the environment."
+        ) from e
+    except (StorageError, ImportError, TypeError, AttributeError):
+        raise
+    except Exception as e:  # botocore, aiohttp and gcsfs raise their own exception types
+        where = "" if byte_range is None else f" bytes {byte_range[0]}-{byte_range[1]} of"
+        raise StorageError(
+            f"{what}{where} {url} failed after the file system's retries "
+            f"({type(e).__name__}: {e}). Check that the store is reachable; retries are set "
+            "through storage_options (s3fs: retries=, config_kwargs={'retries': ...}).",
+            url=url,
+            byte_range=byte_range,
+        ) from e
+
+
+# --------------------------------------------------------------------------- reading
+def open_read(
+    path: PathArg,
+    storage_options: Mapping[str, Any] | None = None,
+    *,
+    read_ahead: int = READ_AHEAD_BYTES,
+) -> BinaryIO:
+    """Opens a file for reading (binary, unbuffered locally).
+
+    Remote files are read ``read_ahead`` bytes per request, the next block fetched in the
+    background while the current one is consumed: right for streaming a whole file.
+
+    Raises:
+      FileNotFoundError: If the file does not exist (naming it).
+    """
+    text = path_string(path)
+    if not is_url(text):
+        return open(text, "rb", buffering=0)  # noqa: SIM115 - the caller closes it
+    fs, fs_path = filesystem(text, storage_options)
+    with _remote_errors(text, "Opening"):
+        return fs.open(fs_path, "rb", block_size=read_ahead, cache_type="background")
+
+
+def read_bytes(path: PathArg, storage_options: Mapping[str, Any] | None = None) -> bytes:
+    """Returns the whole content of a file.
+
+    Raises:
+      FileNotFoundError: If the file does not exist (naming it).
+      StorageError: If a remote read fails after retries.
+    """
+    text = path_string(path)
+    if not is_url(text):
+        with open(text, "rb") as file:
+            return file.read()
+    fs, fs_path = filesystem(text, storage_options)
+    with _remote_errors(text, "Reading"):
+        return fs.cat_file(fs_path)
+
+
+def size(path: PathArg, storage_options: Mapping[str, Any] | None = None) -> int:
+    """Returns the size of a file in bytes.
+
+    Raises:
+      FileNotFoundError: If the file does not exist (naming it).
+    """
+    return version(path, storage_options)[0]
+
+
+def version(path: PathArg, storage_options: Mapping[str, Any] | None = None) -> tuple[int, str]:
+    """Returns ``(size, version)``; the version changes whenever the file's content does.
+
+    Locally the version is the modification time in nanoseconds; remotely the store's own
+    identity of the object (what it reports: ETag, generation, modification time).
+
+    Raises:
+      FileNotFoundError: If the file does not exist (naming it).
+    """
+    text = path_string(path)
+    if not is_url(text):
+        stat = os.stat(text)
+        return stat.st_size, str(stat.st_mtime_ns)
+    fs, fs_path = filesystem(text, storage_options)
+    with _remote_errors(text, "Looking up"):
+        info = fs.info(fs_path)
+        if info.get("type") == "directory":
+            raise IsADirectoryError(f"{text} is a directory, not a file.")
+        # Everything the store reports (ETag, generation, modification time, ...) except the
+        # name: any change to the object changes one of them.
+        identity = repr(sorted((k, str(v)) for k, v in info.items() if k != "name"))
+        return int(info["size"]), identity
+
+
+def exists(path: PathArg, storage_options: Mapping[str, Any] | None = None) -> bool:
+    """Whether a file (or directory) exists."""
+    text = path_string(path)
+    if not is_url(text):
+        return os.path.exists(text)
+    fs, fs_path = filesystem(text, storage_options)
+    with _remote_errors(text, "Looking up"):
+        return bool(fs.exists(fs_path))
+
+
+def glob(
+    pattern: PathArg,
+    storage_options: Mapping[str, Any] | None = None,
+    *,
+    allow_empty: bool = False,
+) -> list[str]:
+    """Returns the files matching ``pattern``, sorted (the same list on every host and run).
+
+    Remote matches are full URLs with the pattern's scheme.
+
+    Raises:
+      FileNotFoundError: If nothing matches (unless ``allow_empty``), naming the pattern.
+    """
+    text = path_string(pattern)
+    if not is_url(text):
+        matches = sorted(_glob.glob(text))
+    else:
+        fs, fs_path = filesystem(text, storage_options)
+        with _remote_errors(text, "Listing"):
+            found = fs.glob(fs_path, detail=True)
+        matches = sorted(
+            fs.unstrip_protocol(name)
+            for name, info in found.items()
+            if info.get("type") != "directory"
+        )
+    if not matches and not allow_empty:
+        raise FileNotFoundError(
+            f"The pattern {text!r} matches no file; check the directory and pattern."
+        )
+    return matches
+
+
+class RangeReader:
+    """Reads byte ranges of one file: ``os.pread`` locally, ranged requests remotely.
+
+    Pickles without an open file (for worker processes), and opens it again on first use.
+
+    Args:
+      path: The file.
+      storage_options: For a remote file, passed to its fsspec file system.
+    """
+
+    def __init__(self, path: PathArg, storage_options: Mapping[str, Any] | None = None) -> None:
+        self.path = path_string(path)
+        self._options = dict(storage_options or {})
+        self._remote = is_url(self.path)
+        self._fd: int | None = None
+        self._fs: tuple[Any, str] | None = None
+        self._lock = threading.Lock()
+
+    def read(self, start: int, end: int) -> bytes:
+        """Returns bytes ``[start, end)`` (fewer only at the end of the file).
+
+        Raises:
+          StorageError: If a remote read fails after retries, naming the URL and range.
+        """
+        if not self._remote:
+            return os.pread(self._local_fd(), end - start, start)
+        fs, fs_path = self._filesystem()
+        with _remote_errors(self.path, "Reading", (start, end)):
+            return fs.cat_file(fs_path, start=start, end=end)
+
+    def read_many(self, starts: Sequence[int], ends: Sequence[int]) -> list[bytes]:
+        """Returns the byte ranges ``[starts[k], ends[k])``; remote ranges are requested
+        concurrently where the file system is asynchronous (s3fs, gcsfs).
+
+        Raises:
+          StorageError: If a remote read fails after retries, naming the URL and a range.
+        """
+        if not self._remote or len(starts) == 1:
+            return [self.read(s, e) for s, e in zip(starts, ends, strict=True)]
+        fs, fs_path = self._filesystem()
+        with _remote_errors(self.path, "Reading", (min(starts), max(ends))):
+            parts = fs.cat_ranges(
+                [fs_path] * len(starts), list(starts), list(ends), on_error="return"
+            )
+        for part, start, end in zip(parts, starts, ends, strict=True):
+            if isinstance(part, BaseException):
+                with _remote_errors(self.path, "Reading", (start, end)):
+                    raise part
+        return parts
+
+    def _local_fd(self) -> int:
+        fd = self._fd
+        if fd is None:
+            with self._lock:
+                if self._fd is None:
+                    self._fd = os.open(self.path, os.O_RDONLY)
+                fd = self._fd
+        return fd
+
+    def _filesystem(self) -> tuple[Any, str]:
+        if self._fs is None:
+            self._fs = filesystem(self.path, self._options)
+        return self._fs
+
+    def close(self) -> None:
+        """Closes the local file (it is opened again on the next read)."""
+        fd, self._fd = self._fd, None
+        if fd is not None:
+            os.close(fd)
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {**self.__dict__, "_fd": None, "_fs": None, "_lock": None}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._lock = threading.Lock()
+
+    def __del__(self) -> None:
+        if getattr(self, "_fd", None) is not None:
+            os.close(self._fd)  # type: ignore[arg-type]
+
+    def __repr__(self) -> str:
+        return f"RangeReader({self.path!r})"
+
+
+# --------------------------------------------------------------------------- writing
+class AtomicWriter:
+    """Writes a whole file so that readers see the old file or the complete new one.
+
+    Write to :attr:`file`, or (for libraries that write by name) to :attr:`temp_path` after
+    closing :attr:`file`; then :meth:`commit`, or :meth:`abort` to leave the target untouched.
+    As a context manager it commits on success and aborts on an exception.
+
+    Locally the temporary file is created exclusively (``O_EXCL``, owner-only, so a symlink
+    planted at its name is never followed) in the target's directory, synced and renamed over
+    the target; temporary files of the same target left by a killed writer are removed after
+    the rename. Remotely the data is spooled to a local temporary file and uploaded as one
+    whole object (atomic on object stores), whose size is then read back.
+
+    Args:
+      path: The target file.
+      storage_options: For a remote target, passed to its fsspec file system.
+
+    Raises:
+      OSError: If the temporary file cannot be created, naming the target's directory.
+    """
+
+    def __init__(self, path: PathArg, storage_options: Mapping[str, Any] | None = None) -> None:
+        self.path = path_string(path)
+        self._options = dict(storage_options or {})
+        self._remote = is_url(self.path)
+        if self._remote:
+            directory = None
+            prefix = "grain-core-upload-"
+        else:
+            directory = os.path.dirname(os.path.abspath(self.path))
+            prefix = f".{os.path.basename(self.path)}.{os.getpid()}."
+            with _naming_directory(self.path):
+                os.makedirs(directory, exist_ok=True)
+        with _naming_directory(self.path):
+            fd, self.temp_path = tempfile.mkstemp(dir=directory, prefix=prefix, suffix=".tmp")
+        # Held until the rename: tells a cleaning writer on another host that this file is live.
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        self.file: BinaryIO = os.fdopen(fd, "wb")
+        self._done = False
+
+    def commit(self) -> None:
+        """Syncs the data and puts it in place of the target.
+
+        Raises:
+          OSError: If the disk is full or the target cannot be written, naming the target's
+            directory (nothing is left half-written).
+          StorageError: If the upload fails after retries, or the object read back has the
+            wrong size.
+        """
+        if self._done:
+            return
+        try:
+            with _naming_directory(self.path):
+                if self.file.closed:  # a library wrote temp_path by name
+                    with open(self.temp_path, "rb") as written:
+                        os.fsync(written.fileno())
+                else:
+                    self.file.flush()
+                    os.fsync(self.file.fileno())
+                if self._remote:
+                    self._upload()
+                else:
+                    os.chmod(self.temp_path, _default_file_mode())
+                    os.replace(self.temp_path, self.path)
+                    _fsync_directory(os.path.dirname(os.path.abspath(self.path)))
+        except BaseException:
+            self.abort()
+            raise
+        self._done = True
+        self.file.close()
+        if self._remote:
+            os.unlink(self.temp_path)
+        else:
+            _remove_stale_temp_files(self.path)
+
+    def _upload(self) -> None:
+        fs, fs_path = filesystem(self.path, self._options)
+        length = os.path.getsize(self.temp_path)
+        with _remote_errors(self.path, "Writing"):
+            if length <= _UPLOAD_FROM_MEMORY:
+                with open(self.temp_path, "rb") as spooled:
+                    fs.pipe_file(fs_path, spooled.read())
+            else:
+                fs.put_file(self.temp_path, fs_path)
+            fs.invalidate_cache(fs_path)
+            stored = int(fs.info(fs_path)["size"])
+        if stored != length:
+            raise StorageError(
+                f"Writing {self.path}: the store holds {stored} bytes after the upload of "
+                f"{length}. Write it again.",
+                url=self.path,
+                byte_range=None,
+            )
+
+    def abort(self) -> None:
+        """Discards what was written; the target keeps its old content (or stays absent)."""
+        if self._done:
+            return
+        self._done = True
+        with contextlib.suppress(OSError):  # the buffered rest may not fit (disk full)
+            self.file.close()
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(self.temp_path)
+
+    def __enter__(self) -> AtomicWriter:
+        return self
+
+    def __exit__(self, exc_type: object, exc: object, tb: object) -> None:
+        if exc_type is None:
+            self.commit()
+        else:
+            self.abort()
+
+    def __repr__(self) -> str:
+        return f"AtomicWriter({self.path!r})"
+
+
+def write_bytes(
+    path: PathArg, data: bytes, storage_options: Mapping[str, Any] | None = None
+) -> None:
+    """Writes ``data`` as the whole content of ``path``, atomically (see :class:`AtomicWriter`).
+
+    Raises:
+      OSError: If the disk is full or the target cannot be written, naming the directory.
+      StorageError: If a remote upload fails after retries.
+    """
+    text = path_string(path)
+    if is_url(text):  # small enough to send from memory without spooling it first
+        fs, fs_path = filesystem(text, storage_options)
+        with _remote_errors(text, "Writing"):
+            fs.pipe_file(fs_path, data)
+            fs.invalidate_cache(fs_path)
+            stored = int(fs.info(fs_path)["size"])
+        if stored != len(data):
+            raise StorageError(
+                f"Writing {text}: the store holds {stored} bytes after the upload of "
+                f"{len(data)}. Write it again.",
+                url=text,
+                byte_range=None,
+            )
+        return
+    with AtomicWriter(text) as writer:
+        with _naming_directory(text):
+            writer.file.write(data)
+
+
+@contextlib.contextmanager
+def _naming_directory(path: str) -> Iterator[None]:
+    """Adds the target and its directory to a local ``OSError`` (disk full, read-only, ...)."""
+    try:
+        yield
+    except OSError as e:
+        if isinstance(e, StorageError) or e.errno is None or path in str(e):
+            raise
+        directory = os.path.dirname(os.path.abspath(path))
+        raise type(e)(
+            e.errno, f"{e.strerror} while writing {path} (directory {directory})", e.filename
+        ) from e
+
+
+def _fsync_directory(directory: str) -> None:
+    fd = os.open(directory, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+@functools.cache
+def _default_file_mode() -> int:
+    """The mode ``open()`` gives a new file: 0o666 less the process's umask."""
+    try:
+        with open("/proc/self/status", encoding="ascii") as status:
+            umask = next(int(line.split()[1], 8) for line in status if line.startswith("Umask:"))
+    except (OSError, StopIteration):
+        umask = 0o022
+    return 0o666 & ~umask
+
+
+def _remove_stale_temp_files(path: str) -> None:
+    """Removes temporary files of ``path`` whose writer is gone (killed before its rename).
+
+    A candidate is a regular file of ours named ``.<name>.<pid>.<random>.tmp`` whose process no
+    longer runs and on which no writer holds the lock (a writer on another host sharing the
+    directory holds it); anything else is left alone.
+    """
+    directory, name = os.path.split(os.path.abspath(path))
+    prefix = f".{name}."
+    try:
+        entries = os.listdir(directory)
+    except OSError:
+        return
+    me = os.getpid()
+    for entry in entries:
+        if not (entry.startswith(prefix) and entry.endswith(".tmp")):
+            continue
+        pid_text = entry[len(prefix) :].split(".", 1)[0]
+        if not pid_text.isdigit() or int(pid_text) == me or _process_alive(int(pid_text)):
+            continue
+        candidate = os.path.join(directory, entry)
+        try:
+            fd = os.open(candidate, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+        except OSError:
+            continue
+        try:
+            info = os.fstat(fd)
+            if not (stat.S_ISREG(info.st_mode) and info.st_uid == os.geteuid()):
+                continue
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except OSError:
+                continue
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(candidate)
+        finally:
+            os.close(fd)
+
+
+def _process_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True

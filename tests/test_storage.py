@@ -1,0 +1,221 @@
+"""The file-system seam: paths and URLs, reads, globs and atomic writes, local and fsspec."""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import importlib
+import os
+import pathlib
+import pickle
+import re
+import subprocess
+import sys
+import textwrap
+from collections.abc import Iterator
+
+import pytest
+
+from grain_core import storage
+
+fsspec = pytest.importorskip("fsspec")
+
+
+@pytest.fixture
+def memory_dir() -> Iterator[str]:
+    """A fresh directory on fsspec's in-memory file system, removed afterwards."""
+    fs = fsspec.filesystem("memory")
+    root = f"/grain-core-test-{os.getpid()}-{id(fs)}"
+    fs.mkdir(root)
+    yield f"memory://{root}"
+    fs.rm(root, recursive=True)
+
+
+class _URLPath:
+    """Like ``etils.epath.Path`` for a bucket: its ``str()`` is the URL."""
+
+    def __init__(self, url: str) -> None:
+        self._url = url
+
+    def __str__(self) -> str:
+        return self._url
+
+    def __fspath__(self) -> str:
+        return self._url
+
+
+def test_path_forms(tmp_path: pathlib.Path) -> None:
+    assert storage.path_string(tmp_path) == str(tmp_path)
+    assert storage.path_string(f"file://{tmp_path}") == str(tmp_path)
+    assert storage.path_string(_URLPath("s3://bucket/x")) == "s3://bucket/x"
+    assert storage.is_url("s3://bucket/x") and storage.is_url(_URLPath("gs://b/x"))
+    assert not storage.is_url(tmp_path) and not storage.is_url("s3:/bucket/x")
+    assert storage.join("s3://bucket/dir/", "a.json") == "s3://bucket/dir/a.json"
+    assert storage.join(tmp_path, "a.json") == str(tmp_path / "a.json")
+    with pytest.raises(TypeError, match="Expected a path"):
+        storage.path_string(3)
+
+
+def test_unknown_scheme_is_an_error_and_never_a_local_folder(
+    tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(ValueError, match=r"nosuch://bucket/x.*no file system is known"):
+        storage.write_bytes("nosuch://bucket/x", b"data")
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_missing_fsspec_names_what_to_install(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(sys.modules, "fsspec", None)
+    with pytest.raises(ImportError, match=r"s3://b/x needs fsspec and s3fs: pip install "):
+        storage.exists("s3://b/x")
+
+
+def test_missing_implementation_names_its_package(monkeypatch: pytest.MonkeyPatch) -> None:
+    registry = importlib.import_module("fsspec.registry")
+    monkeypatch.setitem(
+        registry.known_implementations,
+        "gs",
+        {"class": "no_such_gcs_package.FileSystem", "err": "Please install gcsfs"},
+    )
+    monkeypatch.delitem(registry._registry, "gs", raising=False)
+    with pytest.raises(ImportError, match=r"gs://b/x needs .*: pip install gcsfs"):
+        storage.read_bytes("gs://b/x")
+
+
+@pytest.mark.parametrize("where", ["local", "memory"])
+def test_write_read_size_and_ranges(where: str, tmp_path: pathlib.Path, memory_dir: str) -> None:
+    root = str(tmp_path) if where == "local" else memory_dir
+    path = storage.join(root, "sub", "data.bin")
+    data = bytes(range(256)) * 40
+    storage.write_bytes(path, data)
+    assert storage.exists(path) and not storage.exists(storage.join(root, "other"))
+    assert storage.read_bytes(path) == data
+    assert storage.size(path) == len(data)
+    size, version = storage.version(path)
+    assert size == len(data) and version
+    with storage.open_read(path) as file:
+        assert file.read(10) == data[:10]
+        assert file.read() == data[10:]
+    reader = pickle.loads(pickle.dumps(storage.RangeReader(path)))
+    assert reader.read(5, 9) == data[5:9]
+    assert reader.read_many([0, 300, 1000], [3, 310, 1001]) == [
+        data[0:3],
+        data[300:310],
+        data[1000:1001],
+    ]
+    reader.close()
+    with pytest.raises(FileNotFoundError, match="missing.bin"):
+        storage.read_bytes(storage.join(root, "missing.bin"))
+
+
+@pytest.mark.parametrize("where", ["local", "memory"])
+def test_glob_is_sorted_and_an_empty_match_names_the_pattern(
+    where: str, tmp_path: pathlib.Path, memory_dir: str
+) -> None:
+    root = str(tmp_path) if where == "local" else memory_dir
+    for name in ["b-1", "a-2", "a-1", "c"]:
+        storage.write_bytes(storage.join(root, name), name.encode())
+    found = storage.glob(storage.join(root, "?-*"))
+    assert found == [storage.join(root, n) for n in ["a-1", "a-2", "b-1"]]
+    assert storage.glob(storage.join(root, "z*"), allow_empty=True) == []
+    pattern = storage.join(root, "z*")
+    with pytest.raises(FileNotFoundError, match=re.escape(f"pattern {pattern!r} matches no file")):
+        storage.glob(pattern)
+
+
+def test_atomic_writer_keeps_the_old_file_until_commit(tmp_path: pathlib.Path) -> None:
+    target = tmp_path / "out.bin"
+    target.write_bytes(b"old")
+    with pytest.raises(RuntimeError), storage.AtomicWriter(target) as writer:
+        writer.file.write(b"new, but never finished")
+        raise RuntimeError("writer failed")
+    assert target.read_bytes() == b"old"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out.bin"]
+    writer = storage.AtomicWriter(target)
+    writer.file.close()  # a library writes the temporary file by name
+    pathlib.Path(writer.temp_path).write_bytes(b"new")
+    writer.commit()
+    assert target.read_bytes() == b"new"
+    assert oct(target.stat().st_mode & 0o777) == oct(0o666 & ~_umask())
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
+def test_planted_symlinks_are_never_followed(tmp_path: pathlib.Path) -> None:
+    victim = tmp_path / "victim"
+    victim.write_bytes(b"precious")
+    target = tmp_path / "out.bin"
+    # Links at the names older writers used, and at this writer's name pattern.
+    for name in [f"out.bin.tmp-{os.getpid()}", f".out.bin.{os.getpid()}.x.tmp", ".out.bin.1.x.tmp"]:
+        (tmp_path / name).symlink_to(victim)
+    storage.write_bytes(target, b"new")
+    assert victim.read_bytes() == b"precious"
+    assert target.read_bytes() == b"new" and not target.is_symlink()
+
+
+def test_a_killed_writers_temp_file_is_removed_by_the_next_write(tmp_path: pathlib.Path) -> None:
+    target = tmp_path / "state.json"
+    code = textwrap.dedent(
+        f"""
+        import sys
+        from grain_core import storage
+        writer = storage.AtomicWriter({str(target)!r})
+        writer.file.write(b"half")
+        writer.file.flush()
+        print(writer.temp_path, flush=True)
+        sys.stdin.read()
+        """
+    )
+    child = subprocess.Popen(
+        [sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+    )
+    assert child.stdout is not None
+    temp = pathlib.Path(child.stdout.readline().strip())
+    assert temp.exists() and temp.parent == tmp_path
+    # Another writer's temporary file that is still being written (its lock is held).
+    busy = tmp_path / ".state.json.1.busy.tmp"
+    busy.write_bytes(b"")
+    holder = os.open(busy, os.O_RDONLY)
+    fcntl.flock(holder, fcntl.LOCK_EX)
+    child.kill()
+    child.wait()
+    assert temp.exists()
+    storage.write_bytes(target, b"{}")
+    assert not temp.exists()
+    assert busy.exists()
+    os.close(holder)
+    assert sorted(p.name for p in tmp_path.iterdir()) == [busy.name, "state.json"]
+
+
+def test_a_failed_write_names_the_directory(tmp_path: pathlib.Path) -> None:
+    # A file size limit makes the write fail like a full disk does, with a real OS error.
+    code = textwrap.dedent(
+        f"""
+        import resource, signal
+        from grain_core import storage
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+        resource.setrlimit(resource.RLIMIT_FSIZE, (1000, 1000))
+        try:
+            storage.write_bytes({str(tmp_path / "ckpt" / "state.json")!r}, b"x" * 5000)
+        except OSError as e:
+            print(e.errno, e)
+        """
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.startswith(f"{errno.EFBIG} ")
+    assert f"directory {tmp_path / 'ckpt'}" in out.stdout
+    assert [p.name for p in (tmp_path / "ckpt").iterdir()] == []
+
+
+def test_atomic_writer_to_memory(memory_dir: str) -> None:
+    url = storage.join(memory_dir, "out.bin")
+    with storage.AtomicWriter(url) as writer:
+        writer.file.write(b"payload")
+        assert not storage.exists(url)
+    assert storage.read_bytes(url) == b"payload"
+    assert not os.path.exists(writer.temp_path)
