@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import subprocess
 import sys
 import time
@@ -21,7 +20,7 @@ from typing import Any, TypeVar
 
 import numpy as np
 
-from grain_core import plugins
+from grain_core import plugins, storage
 
 __all__ = ["main"]
 
@@ -232,13 +231,14 @@ def _cmd_convert(args: argparse.Namespace) -> int:
     )
     make_writer = target_format.get("writer")
     records, total = _records_of(source_format, args.input)
-    output = Path(args.output)
-    # The writer sees a name with the output's own suffix (compression is chosen from it).
-    partial = output.with_name(f".convert-{os.getpid()}-{output.name}")
     started = time.perf_counter()
     count = 0
-    try:
-        with make_writer(str(partial)) as writer:
+    # The output (a path or URL) appears complete or not at all, whatever the format's writer
+    # does: it writes a local temporary file whose name ends with the output's (so its suffix
+    # chooses the compression), moved or uploaded into place at the end.
+    with storage.AtomicWriter(args.output) as output:
+        output.file.close()
+        with make_writer(output.temp_path) as writer:
             for record in progress(records, total, "rec"):
                 try:
                     writer.write(record)
@@ -249,9 +249,6 @@ def _cmd_convert(args: argparse.Namespace) -> int:
                         f"{err}. Convert between formats that store the same kind of record."
                     ) from None
                 count += 1
-        os.replace(partial, output)
-    finally:
-        partial.unlink(missing_ok=True)
     seconds = time.perf_counter() - started
     print(
         f"{count} records: {args.input} ({source_format.name}) -> {args.output} "

@@ -65,6 +65,8 @@ PathArg = Any
 READ_AHEAD_BYTES: Final = 16 << 20
 # Uploads up to this size are sent from memory in one PUT; larger ones from the spooled file.
 _UPLOAD_FROM_MEMORY: Final = 64 << 20
+# Temporary files are named ``.tmp.<pid>.<random>.<target name>``.
+_TEMP_PREFIX: Final = ".tmp."
 _URL = re.compile(r"^(?P<scheme>[A-Za-z][A-Za-z0-9+.\-]+)://")
 _REMOTE_PIP = "pip install 'grain-core[remote]'"
 # Which package serves a scheme, for the error when it is missing.
@@ -458,11 +460,14 @@ class AtomicWriter:
             prefix = "grain-core-upload-"
         else:
             directory = os.path.dirname(os.path.abspath(self.path))
-            prefix = f".{os.path.basename(self.path)}.{os.getpid()}."
+            prefix = f"{_TEMP_PREFIX}{os.getpid()}."
             with _naming_directory(self.path):
                 os.makedirs(directory, exist_ok=True)
+        # The name ends with the target's, so that writers choosing a compression from the
+        # suffix (``.gz``) see the target's.
+        suffix = "." + self.path.rstrip("/").rsplit("/", 1)[-1]
         with _naming_directory(self.path):
-            fd, self.temp_path = tempfile.mkstemp(dir=directory, prefix=prefix, suffix=".tmp")
+            fd, self.temp_path = tempfile.mkstemp(dir=directory, prefix=prefix, suffix=suffix)
         # Held until the rename: tells a cleaning writer on another host that this file is live.
         fcntl.flock(fd, fcntl.LOCK_EX)
         self.file: BinaryIO = os.fdopen(fd, "wb")
@@ -610,22 +615,23 @@ def _default_file_mode() -> int:
 def _remove_stale_temp_files(path: str) -> None:
     """Removes temporary files of ``path`` whose writer is gone (killed before its rename).
 
-    A candidate is a regular file of ours named ``.<name>.<pid>.<random>.tmp`` whose process no
+    A candidate is a regular file of ours named ``.tmp.<pid>.<random>.<name>`` whose process no
     longer runs and on which no writer holds the lock (a writer on another host sharing the
     directory holds it); anything else is left alone.
     """
     directory, name = os.path.split(os.path.abspath(path))
-    prefix = f".{name}."
+    pattern = re.compile(re.escape(_TEMP_PREFIX) + r"(\d+)\.[a-z0-9_]{8}\." + re.escape(name))
     try:
         entries = os.listdir(directory)
     except OSError:
         return
     me = os.getpid()
     for entry in entries:
-        if not (entry.startswith(prefix) and entry.endswith(".tmp")):
+        match = pattern.fullmatch(entry)
+        if match is None:
             continue
-        pid_text = entry[len(prefix) :].split(".", 1)[0]
-        if not pid_text.isdigit() or int(pid_text) == me or _process_alive(int(pid_text)):
+        pid = int(match[1])
+        if pid == me or _process_alive(pid):
             continue
         candidate = os.path.join(directory, entry)
         try:

@@ -151,7 +151,11 @@ def test_planted_symlinks_are_never_followed(tmp_path: pathlib.Path) -> None:
     victim.write_bytes(b"precious")
     target = tmp_path / "out.bin"
     # Links at the names older writers used, and at this writer's name pattern.
-    for name in [f"out.bin.tmp-{os.getpid()}", f".out.bin.{os.getpid()}.x.tmp", ".out.bin.1.x.tmp"]:
+    for name in [
+        f"out.bin.tmp-{os.getpid()}",
+        f".tmp.{os.getpid()}.x.out.bin",
+        ".tmp.1.abcdefgh.out.bin",
+    ]:
         (tmp_path / name).symlink_to(victim)
     storage.write_bytes(target, b"new")
     assert victim.read_bytes() == b"precious"
@@ -177,13 +181,14 @@ def test_a_killed_writers_temp_file_is_removed_by_the_next_write(tmp_path: pathl
     assert child.stdout is not None
     temp = pathlib.Path(child.stdout.readline().strip())
     assert temp.exists() and temp.parent == tmp_path
-    # Another writer's temporary file that is still being written (its lock is held).
-    busy = tmp_path / ".state.json.1.busy.tmp"
+    child.kill()
+    child.wait()
+    # A temporary file still being written by a writer on another host that shares the
+    # directory (its pid means nothing here; its lock is held).
+    busy = tmp_path / f".tmp.{child.pid}.busy0000.state.json"
     busy.write_bytes(b"")
     holder = os.open(busy, os.O_RDONLY)
     fcntl.flock(holder, fcntl.LOCK_EX)
-    child.kill()
-    child.wait()
     assert temp.exists()
     storage.write_bytes(target, b"{}")
     assert not temp.exists()

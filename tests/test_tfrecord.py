@@ -196,7 +196,7 @@ def test_patterns_and_shard_specs_expand_in_order(
     base = str(paths[0]).rsplit("-00000-of-00004", 1)[0]
     assert list(TFRecordIterDataset(f"{base}@4")) == everything
     assert list(TFRecordIterDataset(f"{base}-*-of-00004")) == everything
-    with pytest.raises(ValueError, match="matches no file"):
+    with pytest.raises(FileNotFoundError, match="matches no file"):
         TFRecordIterDataset(f"{base}-*-of-00099")
     with pytest.raises(ValueError, match="at least one path"):
         TFRecordIterDataset([])

@@ -1,14 +1,18 @@
 """``ParquetWriter``: records (dicts) or column dicts to a Parquet file.
 
 Rows are buffered and written in row groups of exactly ``row_group_size`` rows (the last may be
-shorter), whatever mix of ``write`` and ``write_columns`` calls produced them. The file is
-written under a temporary name and moved into place by ``close``, so a reader never sees a
-partial file.
+shorter), whatever mix of ``write`` and ``write_columns`` calls produced them. A reader never
+sees a partial file: a local path or URL is written through ``grain_core.storage.AtomicWriter``
+(an exclusively created temporary file renamed into place by ``close``, or one whole-object
+upload for a URL); to an explicitly given remote ``filesystem`` the file is spooled locally
+and written in one output stream by ``close`` (atomic on object stores).
 """
 
 from __future__ import annotations
 
 import os
+import shutil
+import tempfile
 from collections.abc import Mapping
 from typing import Any
 
@@ -17,12 +21,15 @@ import pyarrow as pa
 import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 
+from grain_core import storage
 from grain_parquet._files import PathLike, resolve_paths
 
 __all__ = ["DEFAULT_ROW_GROUP_SIZE", "ParquetWriter"]
 
 #: Rows per row group unless chosen otherwise.
 DEFAULT_ROW_GROUP_SIZE = 65_536
+# Bytes per write when copying a finished file to an explicitly given filesystem.
+_COPY_CHUNK = 16 << 20
 
 
 def _to_arrow(values: Any, field_type: pa.DataType | None) -> pa.Array:
@@ -56,6 +63,7 @@ class ParquetWriter:
       schema: The Arrow schema; inferred from the first rows when None.
       compression: Parquet compression codec (``"snappy"``, ``"zstd"``, ``"none"``, ...).
       filesystem: A ``pyarrow.fs.FileSystem`` or fsspec filesystem ``path`` is on.
+      storage_options: For a URL (and no ``filesystem``), passed to its fsspec file system.
       **writer_kwargs: Passed to ``pyarrow.parquet.ParquetWriter`` (``use_dictionary``,
         ``write_statistics``, ...). Page checksums are written unless
         ``write_page_checksum=False``.
@@ -74,16 +82,32 @@ class ParquetWriter:
         schema: pa.Schema | None = None,
         compression: str = "snappy",
         filesystem: Any = None,
+        storage_options: Mapping[str, Any] | None = None,
         **writer_kwargs: Any,
     ) -> None:
         if isinstance(row_group_size, bool) or not isinstance(row_group_size, int):
             raise ValueError(f"row_group_size must be a positive int, got {row_group_size!r}.")
         if row_group_size <= 0:
             raise ValueError(f"row_group_size must be a positive int, got {row_group_size!r}.")
-        (file,) = resolve_paths(path, filesystem, what="ParquetWriter")
-        self._file = file
-        self._fs = file.filesystem or pafs.LocalFileSystem()
-        self._tmp_path = f"{file.path}.tmp-{os.getpid()}"
+        # pyarrow writes a local temporary file by name: the storage seam's (for a local path
+        # or a URL, which fsspec opens), or a spool that close() copies to the given filesystem.
+        self._target: storage.AtomicWriter | None = None
+        self._upload_to: pafs.FileSystem | None = None
+        file = (
+            None if filesystem is None else resolve_paths(path, filesystem, what="ParquetWriter")[0]
+        )
+        if file is None or file.filesystem is None:
+            self._display = storage.path_string(path)
+            self._target = storage.AtomicWriter(
+                self._display if file is None else file.path, storage_options
+            )
+            self._target.file.close()
+            self._tmp_path = self._target.temp_path
+        else:
+            self._display, self._upload_path = file.display, file.path
+            self._upload_to = file.filesystem
+            fd, self._tmp_path = tempfile.mkstemp(prefix="grain-parquet-", suffix=".parquet")
+            os.close(fd)
         self._row_group_size = row_group_size
         self._schema = schema
         # Page checksums let every reader detect pages that changed on disk or in transit.
@@ -98,7 +122,7 @@ class ParquetWriter:
     @property
     def path(self) -> str:
         """The destination, as given."""
-        return self._file.display
+        return self._display
 
     def write(self, record: Mapping[str, Any]) -> None:
         """Appends one row.
@@ -186,9 +210,7 @@ class ParquetWriter:
 
     def _write(self, table: pa.Table) -> None:
         if self._writer is None:
-            self._writer = pq.ParquetWriter(
-                self._tmp_path, table.schema, filesystem=self._fs, **self._options
-            )
+            self._writer = pq.ParquetWriter(self._tmp_path, table.schema, **self._options)
         self._writer.write_table(table, row_group_size=self._row_group_size)
         self._written += table.num_rows
 
@@ -205,7 +227,16 @@ class ParquetWriter:
         assert self._writer is not None
         self._writer.close()
         self._closed = True
-        self._fs.move(self._tmp_path, self._file.path)
+        if self._target is not None:
+            self._target.commit()
+            return
+        assert self._upload_to is not None
+        try:
+            with open(self._tmp_path, "rb") as spool:
+                with self._upload_to.open_output_stream(self._upload_path) as out:
+                    shutil.copyfileobj(spool, out, _COPY_CHUNK)
+        finally:
+            os.unlink(self._tmp_path)
 
     def abort(self) -> None:
         """Discards everything written; the destination is left untouched."""
@@ -214,7 +245,10 @@ class ParquetWriter:
         self._closed = True
         if self._writer is not None:
             self._writer.close()
-            self._fs.delete_file(self._tmp_path)
+        if self._target is not None:
+            self._target.abort()
+        else:
+            os.unlink(self._tmp_path)
 
     def __enter__(self) -> ParquetWriter:
         return self

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import bisect
 import operator
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 from grain_core.dataset.base import DatasetIterator, IterDataset
@@ -34,6 +34,8 @@ class TFRecordIterDataset(IterDataset[bytes]):
         (``.gz``: GZIP, ``.zlib``/``.zz``: ZLIB, otherwise uncompressed).
       cycle_length: Files read at the same time, taking records round-robin; the default
         1 reads the files one after the other.
+      storage_options: For URLs (``s3://``, ``gs://``, ...), passed to the fsspec file system
+        (endpoint, credentials, retries); worker processes open the files with the same.
 
     Raises:
       ValueError: If no file is given or ``compression`` is unknown.
@@ -48,8 +50,10 @@ class TFRecordIterDataset(IterDataset[bytes]):
         verify_crc: bool = True,
         compression: str | None = None,
         cycle_length: int = 1,
+        storage_options: Mapping[str, Any] | None = None,
     ) -> None:
-        files = expand_paths(path, "TFRecordIterDataset")
+        files = expand_paths(path, "TFRecordIterDataset", storage_options)
+        self._storage_options = dict(storage_options or {})
         self._init(files, verify_crc, compression, cycle_length, per_file=len(files) > 1)
 
     def _init(
@@ -69,7 +73,13 @@ class TFRecordIterDataset(IterDataset[bytes]):
             super().__init__()
             return
         one_per_file = [
-            TFRecordIterDataset(p, verify_crc=verify_crc, compression=compression) for p in files
+            TFRecordIterDataset(
+                p,
+                verify_crc=verify_crc,
+                compression=compression,
+                storage_options=self._storage_options,
+            )
+            for p in files
         ]
         # iter_buffer_size=0: a reader thread per file would only add a hand-off per record;
         # the reader already amortises I/O over megabyte reads.
@@ -95,12 +105,15 @@ class TFRecordIterDataset(IterDataset[bytes]):
                 "for several workers; pass several files (shards), or use one worker."
             )
         sliced = TFRecordIterDataset.__new__(TFRecordIterDataset)
+        sliced._storage_options = self._storage_options
         sliced._init(self._paths[sl], self._verify_crc, self._compression, self._cycle_length, True)
         return sliced
 
     def __iter__(self) -> DatasetIterator[bytes]:
         if not self._parents:
-            return TFRecordFileIterator(self._paths[0], self._file_compression, self._verify_crc)
+            return TFRecordFileIterator(
+                self._paths[0], self._file_compression, self._verify_crc, self._storage_options
+            )
         interleave = self._parents[0]
         if interleave.cycle_length == 1:
             return TFRecordChainIterator(interleave)
@@ -117,23 +130,33 @@ class TFRecordFileIterator(DatasetIterator[bytes]):
       path: The file.
       compression: ``"GZIP"``, ``"ZLIB"`` or None.
       verify_crc: Check both CRCs of every record.
+      storage_options: For a URL, passed to its fsspec file system.
 
     Raises:
       FileNotFoundError: If the file does not exist.
     """
 
-    def __init__(self, path: str, compression: str | None, verify_crc: bool) -> None:
+    def __init__(
+        self,
+        path: str,
+        compression: str | None,
+        verify_crc: bool,
+        storage_options: Mapping[str, Any] | None = None,
+    ) -> None:
         super().__init__()
         self._path = path
         self._compression = compression
         self._verify = verify_crc
+        self._storage_options = storage_options
         self._reader: FrameReader | None = None
         self._open_at(0)
 
     def _open_at(self, offset: int) -> None:
         if self._reader is not None:
             self._reader.close()
-        self._reader = FrameReader(self._path, self._compression, self._verify, offset)
+        self._reader = FrameReader(
+            self._path, self._compression, self._verify, offset, self._storage_options
+        )
         self._block = Block([], offset, None)
         # An iterator over the block's records: its length hint tells how many are left.
         self._records = iter(self._block.records)

@@ -14,15 +14,16 @@ as one stream.
 
 from __future__ import annotations
 
-import glob
 import os
 import re
 import struct
 import zlib
-from collections.abc import Sequence
-from typing import Final
+from collections.abc import Mapping, Sequence
+from typing import Any, Final
 
 import crc32c
+
+from grain_core import storage
 
 __all__ = [
     "COMPRESSIONS",
@@ -44,6 +45,7 @@ __all__ = [
     "truncated_error",
 ]
 
+# A local path, an os.PathLike, or a URL (s3://, gs://, any fsspec protocol).
 PathLike = str | os.PathLike[str]
 
 HEADER: Final = struct.Struct("<QI")
@@ -148,28 +150,31 @@ def compression_for(path: str, compression: str | None) -> str | None:
 _SHARD_SPEC = re.compile(r"^(?P<base>.+)@(?P<count>\d+)$")
 
 
-def expand_paths(paths: PathLike | Sequence[PathLike], what: str) -> list[str]:
+def expand_paths(
+    paths: PathLike | Sequence[PathLike],
+    what: str,
+    storage_options: Mapping[str, Any] | None = None,
+) -> list[str]:
     """Turns a path, a sequence of paths or patterns into the list of files, in order.
 
-    ``x.tfrecord@4`` names ``x.tfrecord-00000-of-00004`` ... ``x.tfrecord-00003-of-00004``; a
-    path with ``*``, ``?`` or ``[`` that does not exist as such is a glob, sorted.
+    Paths may be local or URLs (``s3://bucket/x.tfrecord-*``). ``x.tfrecord@4`` names
+    ``x.tfrecord-00000-of-00004`` ... ``x.tfrecord-00003-of-00004``; a path with ``*``, ``?``
+    or ``[`` that does not exist as such is a glob, sorted.
 
     Raises:
-      ValueError: If nothing is given or a pattern matches no file.
+      ValueError: If nothing is given.
+      FileNotFoundError: If a pattern matches no file, naming it.
     """
-    if isinstance(paths, str | os.PathLike):
+    if isinstance(paths, str) or not isinstance(paths, Sequence):
         paths = [paths]
     files: list[str] = []
-    for path in [os.fspath(p) for p in paths]:
+    for path in map(storage.path_string, paths):
         shard_spec = _SHARD_SPEC.match(path)
-        if shard_spec and not os.path.exists(path):
+        if shard_spec and not storage.exists(path, storage_options):
             count = int(shard_spec["count"])
             files.extend(f"{shard_spec['base']}-{i:05d}-of-{count:05d}" for i in range(count))
-        elif glob.has_magic(path) and not os.path.exists(path):  # type: ignore[attr-defined]
-            matches = sorted(glob.glob(path))
-            if not matches:
-                raise ValueError(f"{what}: the pattern {path!r} matches no file.")
-            files.extend(matches)
+        elif storage.has_magic(path) and not storage.exists(path, storage_options):
+            files.extend(storage.glob(path, storage_options))
         else:
             files.append(path)
     if not files:

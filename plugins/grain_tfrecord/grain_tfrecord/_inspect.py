@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-import os
 from typing import Any
 
 import numpy as np
 
+from grain_core import storage
 from grain_core.plugins import FormatInfo
 from grain_tfrecord._dataset import TFRecordIterDataset
 from grain_tfrecord._example import ExampleDecodeError, decode_example
@@ -17,7 +17,7 @@ __all__ = ["inspect_tfrecord"]
 
 
 def inspect_tfrecord(path: str, sample_size: int) -> FormatInfo:
-    """Describes one TFRecord file.
+    """Describes one TFRecord file (a local path or a URL).
 
     ``num_records`` and the record sizes come from the offset index for an uncompressed
     file (headers only) and from a full verified pass for a compressed one. When the first
@@ -29,10 +29,11 @@ def inspect_tfrecord(path: str, sample_size: int) -> FormatInfo:
       CorruptRecordError: If the file is damaged.
     """
     compression = compression_for(path, None)
+    version = storage.version(path)
     sample: list[bytes] = []
     if compression is None:
-        offsets = load_or_build_index(path)
-        ends = np.append(offsets[1:], os.path.getsize(path))
+        offsets = load_or_build_index(path, version=version)
+        ends = np.append(offsets[1:], version[0])
         sizes = ends - offsets - FRAME_OVERHEAD
         if len(offsets) and sample_size:
             sample = _first_records(path, max(sample_size, 1))
@@ -49,7 +50,7 @@ def inspect_tfrecord(path: str, sample_size: int) -> FormatInfo:
     first = _as_example(sample[0]) if sample else None
     details: dict[str, Any] = {
         "compression": compression or "none",
-        "file_bytes": os.path.getsize(path),
+        "file_bytes": version[0],
     }
     if len(sizes):
         details["record_bytes"] = {

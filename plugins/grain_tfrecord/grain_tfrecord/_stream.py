@@ -18,11 +18,13 @@ import itertools
 import os
 import struct
 import zlib
-from typing import Final, Protocol
+from collections.abc import Mapping
+from typing import Any, Final, Protocol
 
 import crc32c
 import numpy as np
 
+from grain_core import storage
 from grain_tfrecord._framing import (
     FOOTER_SIZE,
     FRAME_OVERHEAD,
@@ -82,11 +84,13 @@ class InflatingReader:
       CorruptRecordError: From ``read``, if the compressed stream is damaged.
     """
 
-    def __init__(self, path: str, compression: str) -> None:
+    def __init__(
+        self, path: str, compression: str, storage_options: Mapping[str, Any] | None = None
+    ) -> None:
         self._path = path
         self._compression = compression
         self._wbits = WBITS[compression]
-        self._raw = open(path, "rb", buffering=0)  # noqa: SIM115 - closed by close()
+        self._raw = storage.open_read(path, storage_options)
         self._inflater = zlib.decompressobj(self._wbits)
         self._position = 0
 
@@ -138,17 +142,24 @@ class InflatingReader:
         self._raw.close()
 
 
-def open_stream(path: str, compression: str | None, offset: int) -> ByteStream:
-    """Opens ``path`` positioned at (decompressed) byte ``offset``.
+def open_stream(
+    path: str,
+    compression: str | None,
+    offset: int,
+    storage_options: Mapping[str, Any] | None = None,
+) -> ByteStream:
+    """Opens ``path`` (local or URL) positioned at (decompressed) byte ``offset``.
+
+    Remote files are read with large sequential read-ahead (see ``grain_core.storage``).
 
     Raises:
       FileNotFoundError: If the file does not exist.
     """
     if compression is None:
-        raw = open(path, "rb", buffering=0)  # noqa: SIM115 - the caller closes it
+        raw = storage.open_read(path, storage_options)
         raw.seek(offset)
         return raw
-    reader = InflatingReader(path, compression)
+    reader = InflatingReader(path, compression, storage_options)
     while offset > 0:  # a compressed stream can only be skipped by inflating it
         skipped = len(reader.read(min(offset, _MAX_READ)))
         if not skipped:
@@ -201,27 +212,40 @@ class FrameReader:
     """Reads TFRecord frames from ``offset`` on, a block of complete frames at a time.
 
     Args:
-      path: The file.
+      path: The file (local path or URL).
       compression: ``"GZIP"``, ``"ZLIB"`` or None.
       verify_crc: Check both CRCs of every frame.
       offset: Stream offset of a frame to start at.
+      storage_options: For a URL, passed to its fsspec file system.
 
     Raises:
       FileNotFoundError: If the file does not exist.
     """
 
-    def __init__(self, path: str, compression: str | None, verify_crc: bool, offset: int) -> None:
+    def __init__(
+        self,
+        path: str,
+        compression: str | None,
+        verify_crc: bool,
+        offset: int,
+        storage_options: Mapping[str, Any] | None = None,
+    ) -> None:
         self._path = path
         self._verify = verify_crc
-        self._stream = open_stream(path, compression, offset)
+        self._stream = open_stream(path, compression, offset, storage_options)
         # Bounds what a garbage length may make us read (unknown for compressed files).
-        self._unread = None if compression else max(os.path.getsize(path) - offset, 0)
+        self._unread = None if compression else max(self._stream_size(path) - offset, 0)
         self._at_end = False
         self._buf = b""  # the bytes read and not yet parsed start at self._buf[self._pos]
         self._pos = 0
         self._offset = offset  # stream offset of self._buf[self._pos]
         self._header_crcs: dict[int, int] = {}
         self._run_layouts: dict[tuple[int, int], struct.Struct] = {}
+
+    def _stream_size(self, path: str) -> int:
+        # An fsspec file knows its size from opening; a local file is asked.
+        known = getattr(self._stream, "size", None)
+        return int(known) if isinstance(known, int) else os.path.getsize(path)
 
     def read_block(self) -> Block:
         """Returns the next block; its ``records`` are empty only at the end or on an error.

@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-import os
 import zlib
 from collections.abc import Mapping
 from typing import Any
 
+from grain_core import storage
 from grain_tfrecord._example import encode_example
 from grain_tfrecord._framing import (
     U32,
@@ -27,20 +27,31 @@ class TFRecordWriter:
     ``write`` takes ``bytes``-like records as they are, and mappings of feature name to
     value, which it encodes as ``tf.train.Example`` (see :func:`encode_example`).
 
+    The file is written atomically through ``grain_core.storage.AtomicWriter``: locally to an
+    exclusively created temporary file renamed into place on ``close``, to a URL as one
+    whole-object upload on ``close``.
+
     Args:
-      path: Destination file.
+      path: Destination file, local or a URL (``s3://bucket/out.tfrecord``).
       compression: ``"GZIP"``, ``"ZLIB"`` or None to decide from the suffix (``.gz``: GZIP).
+      storage_options: For a URL, passed to its fsspec file system.
 
     Raises:
       ValueError: If ``compression`` is unknown.
       TypeError: From ``write``, for a record that is neither bytes-like nor a mapping.
     """
 
-    def __init__(self, path: PathLike, *, compression: str | None = None) -> None:
-        self._path = os.fspath(path)
+    def __init__(
+        self,
+        path: PathLike,
+        *,
+        compression: str | None = None,
+        storage_options: Mapping[str, Any] | None = None,
+    ) -> None:
+        self._path = storage.path_string(path)
         self._compression = compression_for(self._path, compression)
-        self._tmp_path = f"{self._path}.tmp-{os.getpid()}"
-        self._file = open(self._tmp_path, "wb")  # noqa: SIM115 - closed by close()
+        self._target = storage.AtomicWriter(self._path, storage_options)
+        self._file = self._target.file
         self._deflater = (
             zlib.compressobj(6, zlib.DEFLATED, WBITS[self._compression])
             if self._compression
@@ -78,16 +89,17 @@ class TFRecordWriter:
         self._file.write(self._deflater.compress(data) if self._deflater else data)
 
     def close(self) -> None:
-        """Flushes, syncs and moves the finished file into place."""
+        """Flushes, syncs and moves the finished file into place (uploads it, for a URL)."""
         if self._file.closed:
             return
-        self._flush_pending()
-        if self._deflater:
-            self._file.write(self._deflater.flush())
-        self._file.flush()
-        os.fsync(self._file.fileno())
-        self._file.close()
-        os.replace(self._tmp_path, self._path)
+        try:
+            self._flush_pending()
+            if self._deflater:
+                self._file.write(self._deflater.flush())
+        except BaseException:
+            self._target.abort()
+            raise
+        self._target.commit()
 
     def __enter__(self) -> TFRecordWriter:
         return self
@@ -96,8 +108,7 @@ class TFRecordWriter:
         if not exc_info or exc_info[0] is None:
             self.close()
         else:
-            self._file.close()
-            os.unlink(self._tmp_path)
+            self._target.abort()
 
     def __repr__(self) -> str:
         return f"TFRecordWriter({self._path!r}, compression={self._compression!r})"
