@@ -3,7 +3,8 @@
 ``nox`` runs every default session: ``tests-core`` (grainpipe alone, zero plugins),
 ``tests-<plugin>`` for each ``plugins/<dir>/pyproject.toml`` in this checkout (core + that
 plugin), ``tests-all`` (every package, JAX, Orbax and the test plugin), ``lint`` and
-``typecheck``. ``nox -s bench`` runs the benchmarks beside Google Grain.
+``typecheck``. ``nox -s bench`` runs the benchmarks beside Google Grain; ``nox -s
+tests-remote`` runs only the object-storage tests (against moto's S3 server, which they start).
 
 Test selection is by installed packages, not by markers: tests of plugin ``x`` live in
 ``tests/test_<x>*.py`` and start with ``pytest.importorskip("grain_<x>")``, so
@@ -79,6 +80,16 @@ def _ensure_chromium(session: nox.Session) -> None:
     session.run("apt-get", "install", "-y", "-q", "chromium", external=True, success_codes=[0, 100])
 
 
+@nox.session(name="tests-remote", default=False)
+def tests_remote(session: nox.Session) -> None:
+    """Object storage end to end: the tests start moto's S3 server on 127.0.0.1 themselves
+    (``tests-all`` runs the same tests, so the default run does not repeat them)."""
+    plugins = [str(d) for d in PLUGINS.values()]
+    session.install(".[test,remote]", *plugins, "orbax-checkpoint")
+    remote = sorted(str(p.relative_to(ROOT)) for p in ROOT.glob("tests/test_remote*.py"))
+    _pytest(session, "tests/test_storage.py", *remote)
+
+
 @nox.session
 def lint(session: nox.Session) -> None:
     """ruff check and ruff format --check over the repository."""
@@ -99,5 +110,6 @@ def typecheck(session: nox.Session) -> None:
 def bench(session: nox.Session) -> None:
     """Benchmarks with every package and Google's grain installed side by side."""
     plugins = [str(d) for d in PLUGINS.values()]
-    session.install(".[jax,progress]", *plugins, str(TEST_PLUGIN), "grain")
+    session.install(".[jax,progress,remote]", *plugins, str(TEST_PLUGIN), "grain")
+    session.install("moto[server]", "s3fs")  # bench_remote.py's loopback S3 server
     session.run("python", "benchmarks/run.py", *session.posargs)

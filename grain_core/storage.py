@@ -10,8 +10,9 @@ install.
 
 ``storage_options`` go to the fsspec file system as they are (endpoint, profile, anonymous,
 retries); fsspec's own configuration (``~/.config/fsspec``, ``FSSPEC_<PROTOCOL>_<OPTION>``
-environment variables) applies as well. Retries with backoff are the file system's: for S3,
-``storage_options={"retries": 5, "config_kwargs": {"retries": {"max_attempts": 10}}}``;
+environment variables) applies as well. Retries with backoff are the file system's: s3fs
+retries transient errors itself and botocore's retry policy is set with
+``storage_options={"config_kwargs": {"retries": {"max_attempts": 10, "mode": "adaptive"}}}``;
 gcsfs retries transient errors by itself. An error that survives them names the URL and the
 byte range.
 
@@ -224,7 +225,7 @@ def _remote_errors(
         raise StorageError(
             f"{what}{where} {url} failed after the file system's retries "
             f"({type(e).__name__}: {e}). Check that the store is reachable; retries are set "
-            "through storage_options (s3fs: retries=, config_kwargs={'retries': ...}).",
+            "through storage_options (s3fs: config_kwargs={'retries': {'max_attempts': N}}).",
             url=url,
             byte_range=byte_range,
         ) from e

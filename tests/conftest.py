@@ -6,9 +6,12 @@ import contextlib
 import os
 import signal
 import sys
+import types
 from collections.abc import Iterator
+from typing import Any
 
 import cloudpickle
+import pytest
 from hypothesis import HealthCheck, settings
 
 settings.register_profile(
@@ -52,3 +55,39 @@ def fails_after(seconds: int) -> Iterator[None]:
     finally:
         signal.alarm(0)
         signal.signal(signal.SIGALRM, previous)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _private_cache_dir(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
+    """Indexes and downloads that grain_core caches go to a directory of this run, never to
+    the user's ``~/.cache`` (set before any worker process starts, so workers inherit it)."""
+    previous = os.environ.get("GRAIN_CORE_CACHE_DIR")
+    os.environ["GRAIN_CORE_CACHE_DIR"] = str(tmp_path_factory.mktemp("grain-core-cache"))
+    yield
+    if previous is None:
+        del os.environ["GRAIN_CORE_CACHE_DIR"]
+    else:
+        os.environ["GRAIN_CORE_CACHE_DIR"] = previous
+
+
+@pytest.fixture(scope="session")
+def s3_server() -> Iterator[Any]:
+    """moto's S3 server on 127.0.0.1 (a free port), started once and stopped at the end."""
+    pytest.importorskip("moto.server", reason="needs moto[server] (nox -s tests-remote)")
+    pytest.importorskip("s3fs", reason="needs s3fs (nox -s tests-remote)")
+    from s3_server import running_s3_server
+
+    with running_s3_server() as server:
+        yield server
+
+
+@pytest.fixture
+def s3(s3_server: Any, monkeypatch: pytest.MonkeyPatch) -> Any:
+    """A fresh bucket on the S3 server: ``s3.url`` (``s3://<bucket>``), ``s3.options`` (the
+    storage_options reaching it). fsspec's configuration points ``s3://`` at the server too,
+    for code that takes URLs without options (the CLI, Orbax)."""
+    import fsspec
+
+    options = s3_server.storage_options()
+    monkeypatch.setitem(fsspec.config.conf, "s3", options)
+    return types.SimpleNamespace(url=s3_server.make_bucket(), options=options, server=s3_server)

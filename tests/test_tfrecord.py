@@ -681,3 +681,23 @@ def test_inspector_reports_count_sizes_and_the_first_example(tmp_path: Path) -> 
         (b"\x01\x02", b"\x03"),
     )
     assert raw_info.details["compression"] == "GZIP"
+
+
+# ------------------------------------------------------------------------- any fsspec URL
+def test_write_stream_and_random_access_through_an_fsspec_url() -> None:
+    fsspec = pytest.importorskip("fsspec")
+    root = f"memory://tfrecord-{os.getpid()}"
+    contents = [_records(k, 12) for k in range(2)]
+    for k, records in enumerate(contents):
+        with TFRecordWriter(f"{root}/part-{k}.tfrecord") as writer:
+            for record in records:
+                writer.write(record)
+    everything = [r for records in contents for r in records]
+    assert list(TFRecordIterDataset(f"{root}/part-*.tfrecord")) == everything
+    source = TFRecordDataSource(f"{root}/part-*.tfrecord")
+    assert source.__getitems__([20, 3, 11]) == [everything[20], everything[3], everything[11]]
+    # Only the data lies in the store: the index is in the local cache directory.
+    assert sorted(fsspec.filesystem("memory").ls(root, detail=False)) == [
+        f"/tfrecord-{os.getpid()}/part-{k}.tfrecord" for k in range(2)
+    ]
+    fsspec.filesystem("memory").rm(root, recursive=True)
