@@ -979,3 +979,27 @@ def test_source_pickles_without_open_files(three_files: list[str]) -> None:
     copy = pickle.loads(pickle.dumps(source))
     assert repr(copy) == repr(source) and copy.cached_bytes == 0
     assert int(copy[25]["id"]) == 25
+
+
+def test_globs_expand_sorted_and_an_empty_one_names_the_pattern(
+    three_files: list[str], tmp_path: Path
+) -> None:
+    pattern = str(tmp_path / "[abc].parquet")
+    assert _ids(list(grain_parquet.ParquetIterDataset(pattern, cycle_length=1))) == list(range(30))
+    source = grain_parquet.ParquetDataSource(str(tmp_path / "*.parquet"))
+    assert len(source) == 30 and int(source[29]["id"]) == 29
+    with pytest.raises(FileNotFoundError, match="pattern .*none-\\*.parquet' matches no file"):
+        grain_parquet.ParquetDataSource(str(tmp_path / "none-*.parquet"))
+
+
+def test_writer_never_follows_a_symlink_at_the_old_temporary_name(tmp_path: Path) -> None:
+    import os
+
+    victim = tmp_path / "victim"
+    victim.write_bytes(b"precious")
+    out = tmp_path / "out.parquet"
+    (tmp_path / f"out.parquet.tmp-{os.getpid()}").symlink_to(victim)
+    with grain_parquet.ParquetWriter(out) as writer:
+        writer.write(_row(0))
+    assert victim.read_bytes() == b"precious"
+    assert _ids(list(grain_parquet.ParquetIterDataset(str(out)))) == [0]

@@ -150,6 +150,16 @@ def test_writer_is_atomic(tmp_path: Path) -> None:
     assert list(tmp_path.iterdir()) == []
 
 
+def test_writer_never_follows_a_symlink_at_the_old_temporary_name(tmp_path: Path) -> None:
+    victim = tmp_path / "victim"
+    victim.write_bytes(b"precious")
+    out = tmp_path / "out.tfrecord"
+    (tmp_path / f"out.tfrecord.tmp-{os.getpid()}").symlink_to(victim)
+    _write(out, [b"a", b"b"])
+    assert victim.read_bytes() == b"precious"
+    assert list(TFRecordIterDataset(out)) == [b"a", b"b"]
+
+
 # ------------------------------------------------------------------------ streaming reader
 def test_single_file_reads_in_order_and_checkpoints_anywhere(
     shards: tuple[list[Path], list[list[bytes]]],

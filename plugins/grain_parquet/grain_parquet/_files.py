@@ -19,6 +19,8 @@ import pyarrow as pa
 import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 
+from grain_core import storage
+
 __all__ = [
     "ParquetPath",
     "PathLike",
@@ -96,14 +98,16 @@ def resolve_paths(
     """Resolves one path or a sequence of paths to :class:`ParquetPath`.
 
     Args:
-      paths: Local paths or URIs.
+      paths: Local paths or URIs; a path with ``*``, ``?`` or ``[`` that does not exist as
+        such is a glob, expanded in sorted order (URLs through ``grain_core.storage``).
       filesystem: Optional ``pyarrow.fs.FileSystem`` or fsspec ``AbstractFileSystem``; the
-        paths are then paths on it.
+        paths are then paths on it (and not globs).
       what: The reader's name, for messages.
 
     Raises:
       ValueError: If no path is given, or a URI scheme cannot be opened.
       TypeError: If ``paths`` or ``filesystem`` has the wrong type.
+      FileNotFoundError: If a glob matches nothing, naming it.
     """
     if isinstance(paths, str | os.PathLike):
         items = [paths]
@@ -117,7 +121,18 @@ def resolve_paths(
         if not isinstance(item, str | os.PathLike):
             raise TypeError(f"{what} paths must be str or os.PathLike, got {item!r}.")
     fs = _arrow_filesystem(filesystem)
-    return tuple(_resolve(os.fspath(item), fs) for item in items)
+    texts = [os.fspath(item) for item in items]
+    if fs is None:
+        texts = [
+            match
+            for text in texts
+            for match in (
+                storage.glob(text)
+                if storage.has_magic(text) and not storage.exists(text)
+                else [text]
+            )
+        ]
+    return tuple(_resolve(text, fs) for text in texts)
 
 
 def _arrow_filesystem(filesystem: Any) -> pafs.FileSystem | None:
