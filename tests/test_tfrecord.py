@@ -32,7 +32,7 @@ from grain_tfrecord import (  # noqa: E402
     encode_example,
 )
 from grain_tfrecord._dataset import TFRecordChainIterator  # noqa: E402
-from grain_tfrecord._source import index_path_for  # noqa: E402
+from grain_tfrecord._source import _cached_index_path, index_path_for  # noqa: E402
 from grain_tfrecord._stream import Block, FrameReader  # noqa: E402
 
 import grain_core  # noqa: E402
@@ -605,6 +605,26 @@ def test_sidecar_that_cannot_be_written_falls_back_to_memory(tmp_path: Path) -> 
     index_dir = tmp_path / "indexes"
     TFRecordDataSource(path, index_dir=index_dir)
     assert [p.suffix for p in index_dir.iterdir()] == [".tfrindex"]
+
+
+def test_data_whose_directory_cannot_take_the_index_uses_the_cache_without_warning(
+    tmp_path: Path,
+) -> None:
+    import warnings
+
+    from grain_core import storage
+
+    path = _write(tmp_path / "data.tfrecord", _records(0, 4))
+    # The sidecar's place is taken (as in a read-only directory, which root could still write).
+    (tmp_path / ".data.tfrecord.tfrindex").mkdir()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert TFRecordDataSource(path)[3] == _records(0, 4)[3]
+        cached = Path(_cached_index_path(str(path), None))
+        assert cached.parent == Path(storage.cache_dir("tfrecord-index"))
+        stamp = cached.stat().st_mtime_ns
+        assert TFRecordDataSource(path)[0] == _records(0, 4)[0]  # loads the cached index
+    assert cached.stat().st_mtime_ns == stamp
 
 
 def test_source_rejects_compressed_files(tmp_path: Path) -> None:
