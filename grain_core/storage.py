@@ -35,7 +35,7 @@ import stat
 import tempfile
 import threading
 from collections.abc import Iterator, Mapping, Sequence
-from typing import Any, BinaryIO, Final
+from typing import Any, BinaryIO, Final, cast
 
 __all__ = [
     "READ_AHEAD_BYTES",
@@ -241,7 +241,9 @@ def open_read(
     """Opens a file for reading (binary, unbuffered locally).
 
     Remote files are read ``read_ahead`` bytes per request, the next block fetched in the
-    background while the current one is consumed: right for streaming a whole file.
+    background while the current one is consumed: right for streaming a whole file. A remote
+    file has a ``size`` attribute, and its reads that fail after retries raise
+    :class:`StorageError` naming the URL and the byte range.
 
     Raises:
       FileNotFoundError: If the file does not exist (naming it).
@@ -251,7 +253,38 @@ def open_read(
         return open(text, "rb", buffering=0)  # noqa: SIM115 - the caller closes it
     fs, fs_path = filesystem(text, storage_options)
     with _remote_errors(text, "Opening"):
-        return fs.open(fs_path, "rb", block_size=read_ahead, cache_type="background")
+        file = fs.open(fs_path, "rb", block_size=read_ahead, cache_type="background")
+    return cast(BinaryIO, _RemoteFile(text, file))
+
+
+class _RemoteFile:
+    """An fsspec file whose failed reads name the URL and the byte range."""
+
+    def __init__(self, url: str, file: Any) -> None:
+        self._url = url
+        self._file = file
+        self.size = int(file.size)
+
+    def read(self, size: int = -1) -> bytes:
+        start = self._file.tell()
+        end = self.size if size < 0 else min(start + size, self.size)
+        with _remote_errors(self._url, "Reading", (start, end)):
+            return self._file.read(size)
+
+    def seek(self, offset: int, whence: int = os.SEEK_SET) -> int:
+        return int(self._file.seek(offset, whence))
+
+    def tell(self) -> int:
+        return int(self._file.tell())
+
+    def close(self) -> None:
+        self._file.close()
+
+    def __enter__(self) -> _RemoteFile:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
 
 
 def read_bytes(path: PathArg, storage_options: Mapping[str, Any] | None = None) -> bytes:

@@ -329,6 +329,8 @@ def test_the_server_going_away_mid_read_names_the_url_and_range() -> None:
                 writer.write(record)
         source = TFRecordDataSource(url, storage_options=options)
         assert source[0] == _records(0)[0]
+        stream = storage.open_read(url, options, read_ahead=64)
+        assert stream.read(16)
         server.process.kill()
         server.process.wait()
         with pytest.raises(
@@ -336,3 +338,5 @@ def test_the_server_going_away_mid_read_names_the_url_and_range() -> None:
         ) as info:
             source[5]
         assert info.value.url == url and info.value.byte_range is not None
+        with pytest.raises(storage.StorageError, match=f"Reading bytes 16-1016 of {url} failed"):
+            stream.read(1000)
