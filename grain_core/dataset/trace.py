@@ -25,10 +25,9 @@ import os
 import threading
 import time
 from collections.abc import Iterable
-from pathlib import Path
 from typing import Any
 
-from grain_core.checkpoint import atomic_write_text
+from grain_core import storage
 
 __all__ = [
     "DEFAULT_CAPACITY",
@@ -241,7 +240,7 @@ def write_report_file(path: str | os.PathLike[str], text: str) -> None:
       OSError: if ``path`` cannot be written; the message names it and what to do.
     """
     try:
-        atomic_write_text(Path(path), text)
+        storage.write_bytes(path, text.encode())
     except OSError as e:
         raise OSError(
             e.errno, f"Cannot write {os.fspath(path)!r}: {e.strerror}. Choose a writable location."
