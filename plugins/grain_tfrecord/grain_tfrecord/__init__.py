@@ -5,6 +5,8 @@
 * :class:`TFRecordWriter` writes files TensorFlow reads (optionally GZIP/ZLIB).
 * :func:`decode_example` / :func:`encode_example` (and the SequenceExample pair) convert
   ``tf.train.Example`` records to and from dicts of NumPy arrays.
+* :func:`parse_example_batch` / :class:`ParseExamples` parse a whole batch of Examples into
+  one array per feature, as ``tf.io.parse_example`` does.
 """
 
 from __future__ import annotations
@@ -37,6 +39,14 @@ from grain_tfrecord._example import (
     encode_example,
     encode_sequence_example,
 )
+from grain_tfrecord._example_batch import (
+    FixedLenFeature,
+    FixedLenSequenceFeature,
+    ParseExamples,
+    RaggedValues,
+    VarLenFeature,
+    parse_example_batch,
+)
 from grain_tfrecord._framing import CorruptRecordError
 from grain_tfrecord._inspect import inspect_tfrecord
 from grain_tfrecord._proto import example_message_classes
@@ -47,13 +57,19 @@ __all__ = [
     "CorruptRecordError",
     "ExampleDecodeError",
     "FeatureSpec",
+    "FixedLenFeature",
+    "FixedLenSequenceFeature",
+    "ParseExamples",
+    "RaggedValues",
     "TFRecordDataSource",
     "TFRecordIterDataset",
     "TFRecordWriter",
+    "VarLenFeature",
     "decode_example",
     "decode_sequence_example",
     "encode_example",
     "encode_sequence_example",
     "example_message_classes",
     "inspect_tfrecord",
+    "parse_example_batch",
 ]
