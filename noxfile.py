@@ -113,3 +113,17 @@ def bench(session: nox.Session) -> None:
     session.install(".[jax,progress,remote]", *plugins, str(TEST_PLUGIN), "grain")
     session.install("moto[server]", "s3fs")  # bench_remote.py's loopback S3 server
     session.run("python", "benchmarks/run.py", *session.posargs)
+
+
+@nox.session(name="bench-tf", default=False)
+def bench_tf(session: nox.Session) -> None:
+    """The tf.train.Example workloads with tf.data as a peer (tensorflow-cpu in this session's
+    virtualenv only, never a dependency of a package)."""
+    session.install(".", str(PLUGINS["tfrecord"]), "protobuf>=4.21", "tensorflow-cpu")
+    session.run(
+        "python",
+        "benchmarks/run.py",
+        "--only",
+        "example_parse_batch,example_decode_long_floats,example_decode_long_ints",
+        *session.posargs,
+    )

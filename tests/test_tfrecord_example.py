@@ -75,6 +75,27 @@ def test_long_integer_lists_decode_vectorised() -> None:
     np.testing.assert_array_equal(decode_example(encode_example({"v": values}))["v"], values)
 
 
+@pytest.mark.parametrize("compiled", [True, False], ids=["protobuf-parser", "numpy"])
+def test_long_integer_lists_decode_the_same_with_or_without_protobuf(
+    compiled: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from grain_tfrecord import _example as codec
+
+    if compiled:
+        pytest.importorskip("google.protobuf")
+        assert codec._compiled_int64_list() is not None
+    else:
+        monkeypatch.setattr(codec, "_compiled_int64_list", lambda: None)
+    values = np.random.default_rng(1).integers(-(1 << 40), 1 << 40, 300, dtype=np.int64)
+    np.testing.assert_array_equal(decode_example(encode_example({"v": values}))["v"], values)
+    # 40 two-byte varints, one 11-byte varint: longer than protobuf allows.
+    packed = b"\x80\x01" * 40 + b"\xff" * 10 + b"\x01"
+    int64_list = b"\x0a" + bytes([len(packed)]) + packed
+    feature = b"\x1a" + bytes([len(int64_list)]) + int64_list
+    with pytest.raises(ExampleDecodeError, match="feature 'v'.*longer than 10 bytes"):
+        decode_example(_example(_entry(b"v", feature)))
+
+
 def test_encoder_errors_name_the_feature() -> None:
     with pytest.raises(TypeError, match="feature 'mixed' mixes bytes/str with int"):
         encode_example({"mixed": [b"a", 3]})

@@ -13,15 +13,20 @@ A small codec of the protobuf wire format of the published schema::
     Int64List { repeated int64 value = 1; }
 
 Packed floats decode with one ``np.frombuffer``, short packed integer lists in a Python loop
-and long ones vectorised. Measured against the protobuf runtime (published schema, then the
-same conversion to NumPy; ``benchmarks/bench_tfrecord.py``) it is faster on Examples of
-scalars and short lists and about half as fast on long integer lists, where protobuf's C
-varint parser wins; it needs no protobuf and names the feature in its errors, so it is the
-codec used.
+and long ones with the protobuf runtime's C parser where it is installed (NumPy otherwise).
+Measured against the protobuf runtime (published schema, then the same conversion to NumPy;
+``benchmarks/bench_example.py``), the codec is faster on Examples of scalars and short
+lists and on long float lists, and decoding long integer lists in C closes the gap there;
+it needs no protobuf and names the feature in its errors. For a batch of records,
+:func:`grain_tfrecord.parse_example_batch` is several times faster still.
 
-It reads packed and unpacked encodings, skips unknown fields and follows protobuf's merge
-rules (a repeated map key: the last one wins). The encoder writes map keys sorted, as
-protobuf's ``SerializeToString(deterministic=True)`` does, so equal inputs give equal bytes.
+It decodes as the protobuf runtime does, which a differential fuzz test checks: packed and
+unpacked encodings, over-long varints, unknown fields of every wire type skipped (groups
+included), and protobuf's merge rules: a repeated map key keeps the last entry, repeated
+value fields of one entry merge, a oneof list of another kind replaces the earlier one, and
+a map entry holding an unknown field is left out (protobuf's C runtime keeps it as an
+unknown field). The encoder writes map keys sorted, as protobuf's
+``SerializeToString(deterministic=True)`` does, so equal inputs give equal bytes.
 """
 
 from __future__ import annotations
@@ -202,7 +207,7 @@ def decode_example(
     Args:
       data: The serialized message (a TFRecord record).
       features: Optional spec: only these features are returned, in this order, checked and
-        shaped by their :class:`FeatureSpec`.
+        shaped by their :class:`FeatureSpec`; the others are skipped without being parsed.
 
     Raises:
       ExampleDecodeError: If ``data`` is not a valid Example (naming the feature when it can)

@@ -55,8 +55,6 @@ _PAD = 16  # zero bytes after the batch's wire bytes: a window read never leaves
 _WINDOW = np.arange(_PAD, dtype=np.int64)
 # Distinct feature names at one step of the walk before the remaining records leave it.
 _MAX_NAMES_PER_STEP = 8
-# Regions of at least this many bytes on average are gathered by joining slices.
-_JOIN_BYTES = 32
 
 
 class RaggedValues(NamedTuple):
@@ -384,9 +382,13 @@ class _WireBatch:
             self.starts = np.arange(self.size, dtype=np.int64) * width
             self.ends = self.starts + width
         else:
-            if isinstance(serialized, np.ndarray):
-                serialized = serialized.ravel().tolist()
-            records = [bytes(r) if not isinstance(r, bytes) else r for r in serialized]
+            records = (
+                serialized.ravel().tolist()
+                if isinstance(serialized, np.ndarray)
+                else serialized
+                if isinstance(serialized, list)
+                else list(serialized)
+            )
             self.size = len(records)
             sizes = np.fromiter(map(len, records), np.int64, self.size)
             self.ends = np.cumsum(sizes)
@@ -395,6 +397,11 @@ class _WireBatch:
         self.raw = np.frombuffer(self.data, np.uint8)
         self.view = memoryview(self.data)
         self.fallback = np.zeros(self.size, dtype=bool)
+
+    def windows(self, width: int) -> np.ndarray:
+        """A read-only view whose row ``i`` is the ``width`` bytes from byte ``i``: indexing
+        it with start positions gathers equal-sized regions with one row copy each."""
+        return np.ndarray((len(self.data) - width + 1, width), np.uint8, self.data, 0, (1, 1))
 
     def record(self, row: int) -> bytes:
         return self.data[int(self.starts[row]) : int(self.ends[row])]
@@ -441,15 +448,15 @@ def _gather(batch: _WireBatch, start: np.ndarray, stop: np.ndarray) -> np.ndarra
     lengths = stop - start
     if not lengths.size:
         return np.empty(0, np.uint8)
-    if int(lengths.sum()) >= _JOIN_BYTES * lengths.size:
-        # Long regions: joining slices copies at memcpy speed (a fancy index is ~10x slower).
+    if int(lengths.min()) != int(lengths.max()) and int(lengths.sum()) >= 32 * lengths.size:
+        # Long regions of several sizes: joining slices copies at memcpy speed.
         view = batch.view
         return np.frombuffer(
             b"".join([view[a:b] for a, b in zip(start.tolist(), stop.tolist(), strict=True)]),
             np.uint8,
         )
     if int(lengths.min()) == int(lengths.max()):
-        return batch.raw[start[:, None] + np.arange(int(lengths[0]))].reshape(-1)
+        return batch.windows(int(lengths[0]))[start].reshape(-1)
     return batch.raw[_ragged_index(start, lengths)]
 
 
@@ -463,10 +470,18 @@ def _ragged_index(starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:
 class _Template:
     """The bytes of one map entry before its values, as one record has them.
 
-    ``lengths``: (offset, width) of each length prefix in the header, outermost first; the
-    last one is the size of the values. ``beyond[k]``: how many header bytes follow length
-    ``k`` (its value is the values' size plus that). ``fixed``: the other offsets, whose bytes
-    (``fixed_bytes``) are the same in every record of this layout.
+    Each length prefix in the header is the size of the values plus the header bytes after
+    that prefix; the last prefix is the size of the values. A row matches when its header
+    has the same bytes but for the length prefixes, and each length prefix, at the same
+    width, encodes the row's size of the values plus that constant.
+
+    Attributes:
+      fixed, fixed_bytes: offsets and bytes of the header that are equal in every row.
+      size_offset, size_width: where the last length prefix is.
+      length_offsets: offsets of every length-prefix byte; ``beyond``, ``shift``, ``more``:
+        per such byte, the constant added to the size, the bits it holds (7 * k) and its
+        continuation bit.
+      max_size: the size from which some prefix would need more bytes.
     """
 
     name: str
@@ -474,10 +489,15 @@ class _Template:
     wanted: bool
     empty: bool  # the list is empty: the values' size (its length) must be 0
     size: int
-    lengths: tuple[tuple[int, int], ...]
-    beyond: tuple[int, ...]
     fixed: np.ndarray
     fixed_bytes: np.ndarray
+    size_offset: int
+    size_width: int
+    length_offsets: np.ndarray
+    beyond: np.ndarray
+    shift: np.ndarray
+    more: np.ndarray
+    max_size: int
 
     @staticmethod
     def of(data: bytes, pos: int, end: int, kinds: Mapping[str, int]) -> _Template | None:
@@ -529,35 +549,48 @@ class _Template:
         size = pos - start
         header = np.frombuffer(data, np.uint8, size, start)
         fixed = np.ones(size, dtype=bool)
+        offsets, beyond, shift, more = [], [], [], []
+        max_size = 1 << 62
         for offset, width in lengths:
             fixed[offset : offset + width] = False
+            after = size - offset - width
+            max_size = min(max_size, (1 << 7 * width) - after)
+            for k in range(width):
+                offsets.append(offset + k)
+                beyond.append(after)
+                shift.append(7 * k)
+                more.append(0x80 if k < width - 1 else 0)
         return _Template(
             name,
             kind or 0,
             kind is not None,
             empty,
             size,
-            tuple(lengths),
-            tuple(size - offset - width for offset, width in lengths),
             np.flatnonzero(fixed),
             header[fixed],
+            lengths[-1][0],
+            lengths[-1][1],
+            np.array(offsets),
+            np.array(beyond, dtype=np.int64),
+            np.array(shift, dtype=np.int64),
+            np.array(more, dtype=np.int64),
+            max_size,
         )
 
-    def read_length(self, window: np.ndarray, field: int, valid: np.ndarray) -> np.ndarray:
-        """Length prefix ``field`` of each row's header (``window``); where it does not have
-        this template's width, ``valid`` is cleared."""
-        offset, width = self.lengths[field]
-        last = window[:, offset + width - 1]
-        if width == 1:
-            valid &= last < 0x80
-            return last.astype(np.int64)
-        value = np.zeros(window.shape[0], dtype=np.int64)
-        for k in range(width - 1):
-            byte = window[:, offset + k]
-            valid &= byte >= 0x80
-            value |= (byte & 0x7F).astype(np.int64) << (7 * k)
-        valid &= last < 0x80
-        return value | last.astype(np.int64) << (7 * (width - 1))
+    def match(self, window: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Which rows' headers (``window``: their first ``size`` bytes) match, and their
+        sizes of the values."""
+        at = self.size_offset
+        data_size = window[:, at].astype(np.int64)
+        if self.size_width > 1:
+            data_size &= 0x7F
+            for k in range(1, self.size_width):
+                data_size |= (window[:, at + k].astype(np.int64) & 0x7F) << (7 * k)
+        matched = (window[:, self.fixed] == self.fixed_bytes).all(axis=1)
+        expected = ((data_size[:, None] + self.beyond) >> self.shift) & 0x7F | self.more
+        matched &= (window[:, self.length_offsets] == expected).all(axis=1)
+        matched &= data_size < self.max_size
+        return matched, data_size
 
 
 class _Walk:
@@ -614,13 +647,7 @@ class _Walk:
         template = _Template.of(self.batch.data, int(pos[0]), int(end[0]), self.kinds)
         if template is None:
             return np.zeros(rows.size, dtype=bool), pos.copy()
-        window = self.raw[pos[:, None] + np.arange(template.size)]
-        matched = (window[:, template.fixed] == template.fixed_bytes).all(axis=1)
-        data_size = template.read_length(window, -1, matched)
-        for field in range(len(template.lengths) - 1):
-            matched &= (
-                template.read_length(window, field, matched) == data_size + template.beyond[field]
-            )
+        matched, data_size = template.match(self.batch.windows(template.size)[pos])
         start = pos + template.size
         stop = start + data_size
         matched &= stop <= end
