@@ -1,6 +1,6 @@
-"""tf.train.Example parsing (grain-tfrecord): batched and per record, against protobuf and tf.data.
+"""tf.train.Example parsing (grainpipe-tfrecord): batched and per record, against protobuf and tf.data.
 
-Needs the grain-tfrecord plugin (skipped without it). Records are built once in memory; every
+Needs the grainpipe-tfrecord plugin (skipped without it). Records are built once in memory; every
 pass decodes all of them into NumPy. Workloads (passes alternate between implementations):
 
 * ``example_parse_batch``: 100,000 Examples of 5 features (an int64 label, a float weight,
