@@ -208,7 +208,7 @@ def parse_example_batch(
         the message names the record's index in the batch and the feature.
     """
     for name, spec in features.items():
-        if not isinstance(spec, FixedLenFeature | FixedLenSequenceFeature | VarLenFeature):
+        if not isinstance(spec, _Spec):
             raise TypeError(
                 f"feature {name!r}: {spec!r} is not a FixedLenFeature, FixedLenSequenceFeature "
                 "or VarLenFeature."
@@ -217,13 +217,13 @@ def parse_example_batch(
     kinds = {name: spec._resolved[0] for name, spec in features.items()}
     walk = _Walk(batch, kinds)
     walk.run()
-    found: dict[str, list[_Found]] = {}
-    for name, parts in walk.found.items():
+    found = walk.found
+    if batch.fallback.any():
         # What the walk found in records that later left it is decoded again below.
-        found[name] = [
-            part if not batch.fallback[part[0]].any() else _rows_of(part, ~batch.fallback[part[0]])
-            for part in parts
-        ]
+        found = {
+            name: [_rows_of(part, ~batch.fallback[part[0]]) for part in parts]
+            for name, parts in found.items()
+        }
     for row in np.flatnonzero(batch.fallback).tolist():
         _decode_one(batch, row, kinds, found)
     return {name: _assemble(name, spec, batch.size, found[name]) for name, spec in features.items()}
@@ -488,6 +488,7 @@ class _Template:
     kind: int
     wanted: bool
     empty: bool  # the list is empty: the values' size (its length) must be 0
+    end: int  # where the entry ends in the record it was made from
     size: int
     fixed: np.ndarray
     fixed_bytes: np.ndarray
@@ -565,6 +566,7 @@ class _Template:
             kind or 0,
             kind is not None,
             empty,
+            entry_end,
             size,
             np.flatnonzero(fixed),
             header[fixed],
@@ -591,6 +593,86 @@ class _Template:
         matched &= (window[:, self.length_offsets] == expected).all(axis=1)
         matched &= data_size < self.max_size
         return matched, data_size
+
+
+@dataclasses.dataclass(frozen=True)
+class _RecordChecks:
+    """The checks of :meth:`_Template.match` for a record's entries at once: the headers of
+    all entries side by side (``offsets`` from each entry's start, ``entry`` of each column),
+    against the fixed bytes and the length prefixes that the sizes give."""
+
+    entry_of_column: np.ndarray
+    offsets: np.ndarray
+    fixed: np.ndarray
+    fixed_bytes: np.ndarray
+    length_columns: np.ndarray
+    length_entry: np.ndarray
+    beyond: np.ndarray
+    shift: np.ndarray
+    more: np.ndarray
+    max_size: np.ndarray
+    float_entries: np.ndarray
+    empty_entries: np.ndarray
+
+    @staticmethod
+    def of(templates: list[_Template]) -> _RecordChecks:
+        first = np.cumsum([0] + [t.size for t in templates])
+        return _RecordChecks(
+            np.repeat(np.arange(len(templates)), [t.size for t in templates]),
+            np.concatenate([np.arange(t.size) for t in templates]),
+            np.concatenate([t.fixed + first[k] for k, t in enumerate(templates)]),
+            np.concatenate([t.fixed_bytes for t in templates]),
+            np.concatenate([t.length_offsets + first[k] for k, t in enumerate(templates)]),
+            np.repeat(np.arange(len(templates)), [t.length_offsets.size for t in templates]),
+            np.concatenate([t.beyond for t in templates]),
+            np.concatenate([t.shift for t in templates]),
+            np.concatenate([t.more for t in templates]),
+            np.array([t.max_size for t in templates]),
+            np.array([k for k, t in enumerate(templates) if t.kind == _FLOAT], dtype=np.int64),
+            np.array([k for k, t in enumerate(templates) if t.empty], dtype=np.int64),
+        )
+
+    def match(self, raw: np.ndarray, starts: np.ndarray, sizes: np.ndarray) -> np.ndarray:
+        """Which rows (entry ``k`` at ``starts[:, k]`` with values of ``sizes[:, k]`` bytes)
+        have every header as the templates say."""
+        headers = raw[starts[:, self.entry_of_column] + self.offsets]
+        matched = (headers[:, self.fixed] == self.fixed_bytes).all(axis=1)
+        lengths = sizes[:, self.length_entry] + self.beyond
+        expected = (lengths >> self.shift) & 0x7F | self.more
+        matched &= (headers[:, self.length_columns] == expected).all(axis=1)
+        matched &= (sizes < self.max_size).all(axis=1)
+        if self.float_entries.size:
+            matched &= (sizes[:, self.float_entries] % 4 == 0).all(axis=1)
+        if self.empty_entries.size:
+            matched &= (sizes[:, self.empty_entries] == 0).all(axis=1)
+        return matched
+
+
+@dataclasses.dataclass(frozen=True)
+class _RecordLayout:
+    """The templates of a record's map entries, in order, and their checks at once."""
+
+    entries: tuple[_Template, ...]
+    checks: _RecordChecks | None
+
+    @staticmethod
+    def of(data: bytes, pos: int, end: int, kinds: Mapping[str, int]) -> _RecordLayout | None:
+        """The layout of the Features from ``pos`` to ``end``; None if an entry is not
+        canonical."""
+        entries: list[_Template] = []
+        while pos < end:
+            template = _Template.of(data, pos, end, kinds)
+            if template is None:
+                return None
+            entries.append(template)
+            pos = template.end
+        return _RecordLayout(tuple(entries), _RecordChecks.of(entries) if entries else None)
+
+
+# The last record layout seen per feature spec (its kinds), tried first on the next batch:
+# consecutive batches of one dataset nearly always share it.
+_LAYOUTS: dict[tuple[tuple[str, int], ...], _RecordLayout] = {}
+_MAX_LAYOUTS = 64
 
 
 class _Walk:
@@ -623,6 +705,11 @@ class _Walk:
             valid &= stop == batch.ends
         self.leave(rows, valid)
         rows, pos, end = rows[valid], start[valid], stop[valid]
+        if rows.size:
+            whole = self.by_record_template(rows, pos, end)
+            if whole.any():
+                rest = ~whole
+                rows, pos, end = rows[rest], pos[rest], end[rest]
         while rows.size:
             going = pos < end  # the others have no more features
             if not going.all():
@@ -637,6 +724,66 @@ class _Walk:
             keep = ~self.batch.fallback[rows]
             if not keep.all():
                 rows, pos, end = rows[keep], pos[keep], end[keep]
+
+    def by_record_template(self, rows: np.ndarray, pos: np.ndarray, end: np.ndarray) -> np.ndarray:
+        """Reads all map entries of the rows laid out entry for entry as one record (the
+        common case: every record has the same features in the same order): the layout that
+        the last batch with these features had, else the first row's. Returns which rows it
+        read; the others are left for the entry-by-entry walk."""
+        key = tuple(self.kinds.items())
+        layout = _LAYOUTS.get(key)
+        matched = np.zeros(rows.size, dtype=bool)
+        if layout is not None:
+            matched = self.read_layout(layout, rows, pos, end)
+            if matched.all():
+                return matched
+        first = int(np.argmax(~matched))
+        layout = _RecordLayout.of(self.batch.data, int(pos[first]), int(end[first]), self.kinds)
+        if layout is None:
+            return matched
+        if len(_LAYOUTS) >= _MAX_LAYOUTS:
+            _LAYOUTS.clear()
+        _LAYOUTS[key] = layout
+        rest = np.flatnonzero(~matched)
+        matched[rest] = self.read_layout(layout, rows[rest], pos[rest], end[rest])
+        return matched
+
+    def read_layout(
+        self, layout: _RecordLayout, rows: np.ndarray, pos: np.ndarray, end: np.ndarray
+    ) -> np.ndarray:
+        """One pass follows each row's sizes from entry to entry, then every header is checked
+        at once; the values of the rows that match are read. Returns which rows match."""
+        data, raw = self.batch.data, self.raw
+        if not layout.entries:  # no features: the rows that end here
+            return pos == end
+        sizes = np.empty((rows.size, len(layout.entries)), dtype=np.int64)
+        starts = np.empty_like(sizes)
+        for k, template in enumerate(layout.entries):
+            # Rows laid out otherwise wander off; keep their reads inside the buffer.
+            pos = np.minimum(pos, len(data) - template.size)
+            starts[:, k] = pos
+            size = raw[pos + template.size_offset].astype(np.int64)
+            if template.size_width > 1:
+                size &= 0x7F
+                for j in range(1, template.size_width):
+                    more = raw[pos + (template.size_offset + j)].astype(np.int64)
+                    size |= (more & 0x7F) << (7 * j)
+            sizes[:, k] = size
+            pos = pos + (template.size + size)
+        assert layout.checks is not None
+        matched = layout.checks.match(raw, starts, sizes) & (pos == end)
+        if not matched.any():
+            return matched
+        if not matched.all():
+            rows, starts, sizes = rows[matched], starts[matched], sizes[matched]
+        for k, template in enumerate(layout.entries):
+            if template.empty:
+                no_values = np.empty(0, dtype=_EMPTY_DTYPES[template.kind])
+                self.found[template.name].append((rows, np.zeros_like(rows), no_values))
+            elif template.wanted:
+                start = starts[:, k] + template.size
+                self.values(template.name, template.kind, rows, start, start + sizes[:, k])
+        return matched
 
     def by_template(
         self, rows: np.ndarray, pos: np.ndarray, end: np.ndarray
@@ -751,7 +898,8 @@ class _Walk:
             return
         data = _gather(self.batch, start, stop)
         if kind == _FLOAT:
-            self.found[name].append((rows, sizes // 4, data.view(_LE_FLOAT32).astype(np.float32)))
+            floats = data.view(_LE_FLOAT32).astype(np.float32, copy=False)
+            self.found[name].append((rows, sizes // 4, floats))
             return
         ends_varint = self.raw[np.where(sizes > 0, stop - 1, 0)] < 0x80
         if not ends_varint.all():
