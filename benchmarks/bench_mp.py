@@ -465,7 +465,7 @@ def _() -> Callable[[], None]:
     # The same copies as grain_core's workers make (streaming stores from 2 MiB): the ceiling
     # of a cross-process transport here; what is left between it and the cache-resident numpy
     # copy is the hardware's, not the library's.
-    from grain_core._worker import worker_glibc_tunables
+    from grain_core._ipc.pool import worker_glibc_tunables
     from grain_core.config import config
 
     inherited = os.environ.get("GLIBC_TUNABLES")
@@ -590,7 +590,7 @@ def _first_batch(make_iterator: Callable[[], Any], cold: Callable[[], None]) -> 
 def _stop_grain_core_forkserver() -> None:
     import multiprocessing
 
-    from grain_core import _worker
+    from grain_core._ipc import pool
 
     # A forkserver exits only once every process it started has exited (each holds the
     # server's "alive" pipe): with a worker still running, stopping it would wait forever.
@@ -602,7 +602,7 @@ def _stop_grain_core_forkserver() -> None:
             f"Cannot measure a cold start: worker processes {alive} of an earlier workload are "
             "still running (an iterator that was not closed or collected)."
         )
-    _worker._FORKSERVER._stop()
+    pool._FORKSERVER._stop()
 
 
 def small_record(i: int) -> np.ndarray:

@@ -33,11 +33,11 @@ _DEFAULTS: dict[str, Any] = {
     "py_traceback_filtering": "auto",
     "py_relay_sigterm_to_main": False,
     # grain_core's own: mp_prefetch over to_iter_dataset() hands positions to free workers
-    # (grain_core.dataset.mp_dispatch). False: each worker computes its fixed strided share.
+    # (grain_core.dataset.mp.dispatch). False: each worker computes its fixed strided share.
     "py_mp_prefetch_dispatch": True,
     # grain_core's own: worker processes copy arrays of at least this many bytes with
     # streaming (non-temporal) stores (glibc on x86); 0 leaves glibc's choice. Read when the
-    # workers' forkserver starts (grain_core._worker).
+    # workers' forkserver starts (grain_core._ipc.pool).
     "py_mp_worker_streaming_copy_bytes": 2 * 1024 * 1024,
 }
 

@@ -36,7 +36,18 @@ import numpy as np
 from grain_core import transforms
 from grain_core._checkpoint_io import load_coroutine, save_coroutine
 from grain_core._checks import non_negative_int
+from grain_core.capabilities import (
+    CheckpointAliases,
+    ColumnReadSource,
+    MetadataBlockSampler,
+    RecordKeysSampler,
+)
 from grain_core.dataset.base import DatasetIterator, Indices, IterDataset, MapDataset
+from grain_core.dataset.interleave import (
+    interleave_input_states,
+    interleave_next_input,
+    interleave_state,
+)
 from grain_core.dataset.source import batched_read
 from grain_core.options import MultiprocessingOptions, ReadOptions
 from grain_core.record import Record, RecordMetadata
@@ -93,9 +104,8 @@ def checkpoint_names(obj: Any) -> set[str]:
         text = repr(obj)
         if " at 0x" not in text:
             names.add(text)
-    aliases = getattr(obj, "checkpoint_reprs", None)
-    if callable(aliases):
-        names.update(aliases())
+    if isinstance(obj, CheckpointAliases):
+        names.update(obj.checkpoint_reprs())
     return names
 
 
@@ -153,6 +163,11 @@ class _SamplerMapDataset(MapDataset[Any]):
         self._sampler = sampler
         self._with_rng = with_rng
         self._with_metadata = with_metadata
+        # Batched forms of the sampler, when it has them (else one record at a time).
+        self._record_keys = sampler.record_keys if isinstance(sampler, RecordKeysSampler) else None
+        self._metadata_block = (
+            sampler.metadata_block if isinstance(sampler, MetadataBlockSampler) else None
+        )
         self._shard_index = shard_options.shard_index
         self._shard_count = shard_options.shard_count
         total = _sampler_length(sampler)
@@ -168,7 +183,7 @@ class _SamplerMapDataset(MapDataset[Any]):
     @property
     def reads_columns(self) -> bool:
         """Whether reads give the source's values alone, as a ``ColumnBlock`` when asked."""
-        return not self._with_metadata and hasattr(self._source, "read_columns")
+        return not self._with_metadata and isinstance(self._source, ColumnReadSource)
 
     def __getitem__(self, index: Any) -> Any:
         if isinstance(index, slice):
@@ -180,10 +195,10 @@ class _SamplerMapDataset(MapDataset[Any]):
             raise IndexError("The sampler yields no records for this shard.")
         local = np.asarray(indices, dtype=np.int64) % self._len
         global_indices = local * self._shard_count + self._shard_index
-        record_keys = getattr(self._sampler, "record_keys", None)
+        record_keys = self._record_keys
         if not self._with_metadata and record_keys is not None:
             return batched_read(self._source, record_keys(global_indices).tolist())
-        block = getattr(self._sampler, "metadata_block", None)
+        block = self._metadata_block
         if block is not None:
             metas = block(global_indices, with_rng=self._with_rng)
         else:
@@ -267,7 +282,9 @@ def _batch_fn(batch_fn: Any, shared_memory: bool) -> Any:
     """The function a ``Batch`` operation stacks with: the user's or ``make_batch``, writing
     into shared memory when the batch is sent to the parent process."""
     from grain_core.dataset.batch import make_batch
-    from grain_core.dataset.mp_prefetch import shared_memory_batch_fn
+
+    # import cost: the worker engines load only for a DataLoader with workers
+    from grain_core.dataset.mp import shared_memory_batch_fn
 
     fn = make_batch if batch_fn is None else batch_fn
     if shared_memory:
@@ -612,8 +629,8 @@ class DataLoaderIterator:
                 consumed = [inner["next_index"]]
                 last_worker = -1
             else:
-                consumed = [s["next_index"] for s in inner["iterators_in_use_states"]]
-                last_worker = inner["next_index_in_cycle"] - 1
+                consumed = [s["next_index"] for s in interleave_input_states(inner)]
+                last_worker = interleave_next_input(inner) - 1
             s, count = self._shard()
             slots = max(workers, 1)
             per = loader._records_per_element if self._index_layout else 1
@@ -729,9 +746,8 @@ class DataLoaderIterator:
         workers = self._loader._worker_count
         if workers == 0:
             return {"next_index": consumed}
-        return _interleave_state(
-            [max(0, -(-(consumed - w) // workers)) for w in range(workers)], consumed % workers
-        )
+        per_worker = [max(0, -(-(consumed - w) // workers)) for w in range(workers)]
+        return interleave_state([{"next_index": n} for n in per_worker], consumed % workers)
 
     def _stream_layout_state(self, data: dict[str, Any]) -> dict[str, Any]:
         s, count = self._shard()
@@ -741,7 +757,8 @@ class DataLoaderIterator:
             return {"next_index": (int(seen["0"]) + count - s) // count}
         group = workers * count
         consumed = [(int(seen[str(w)]) + group - s - w * count) // group for w in range(workers)]
-        return _interleave_state(consumed, (int(data["last_worker_index"]) + 1) % workers)
+        next_worker = (int(data["last_worker_index"]) + 1) % workers
+        return interleave_state([{"next_index": n} for n in consumed], next_worker)
 
     # ------------------------------------------------------------- Orbax v1 protocol
     async def save(self, directory: Any) -> Any:
@@ -752,17 +769,6 @@ class DataLoaderIterator:
 
     def __str__(self) -> str:
         return f"PyGrainDatasetIterator(state={self.get_state().decode()})"
-
-
-def _interleave_state(consumed: list[int], next_worker: int) -> dict[str, Any]:
-    return {
-        "next_index_in_cycle": next_worker,
-        "next_index_in_datasets": len(consumed),
-        "iterators_in_use_indices": list(range(len(consumed))),
-        "iterators_in_use_states": [{"next_index": n} for n in consumed],
-        "exhausted": [0] * len(consumed),
-        "future_states": {},
-    }
 
 
 def load(

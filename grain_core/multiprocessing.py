@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from grain_core._shm import SharedMemoryArray, SharedMemoryArrayMetadata, SharedMemoryFullError
+from grain_core._ipc.shm import SharedMemoryArray, SharedMemoryArrayMetadata, SharedMemoryFullError
 from grain_core.options import MultiprocessingOptions
 
 __all__ = [

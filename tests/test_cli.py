@@ -219,7 +219,7 @@ def test_progress_is_off_when_stderr_is_not_a_terminal() -> None:
 def test_help_does_not_load_plugins(grain_core_cli: RunCli) -> None:
     with pytest.raises(SystemExit):
         grain_core_cli("--help")
-    assert plugins._manager._registry is None
+    assert plugins.loaded_plugin_names() is None
 
 
 def test_convert_jsonl_round_trip_is_atomic(tmp_path: Path, grain_core_cli: RunCli) -> None:

@@ -124,9 +124,9 @@ def _check_relay_sigterm(cfg: Config, monkeypatch: pytest.MonkeyPatch) -> None:
 
 def _check_dispatch(cfg: Config, monkeypatch: pytest.MonkeyPatch) -> None:
     import grain_core as grain
-    from grain_core.dataset import mp_dispatch
+    from grain_core.dataset.mp import dispatch as mp_dispatch
 
-    monkeypatch.setattr(sys.modules["grain_core.config"], "config", cfg)
+    monkeypatch.setattr(mp_dispatch, "config", cfg)  # the engine reads the config object
     ds = grain.MapDataset.range(8).to_iter_dataset()
     assert mp_dispatch.dispatchable(ds, 2, False)
     cfg.update("py_mp_prefetch_dispatch", False)
@@ -134,14 +134,13 @@ def _check_dispatch(cfg: Config, monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def _check_streaming_copy(cfg: Config, monkeypatch: pytest.MonkeyPatch) -> None:
-    from grain_core import _worker
+    from grain_core._ipc import pool
 
     cfg.update("py_mp_worker_streaming_copy_bytes", 1 << 20)
     assert (
-        _worker.worker_glibc_tunables(None, 1 << 20)
-        == "glibc.cpu.x86_non_temporal_threshold=0x100000"
+        pool.worker_glibc_tunables(None, 1 << 20) == "glibc.cpu.x86_non_temporal_threshold=0x100000"
     )
-    assert _worker.worker_glibc_tunables(None, 0) is None
+    assert pool.worker_glibc_tunables(None, 0) is None
 
 
 _OPTION_CHECKS = {

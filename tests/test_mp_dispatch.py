@@ -21,22 +21,25 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import grain_core as grain
-from grain_core import _shm
-from grain_core._worker import (
+from grain_core._ipc import shm as _shm
+from grain_core._ipc.pool import WorkerPool
+from grain_core.dataset.mp import dispatch as mp_dispatch
+from grain_core.dataset.mp import positions
+from grain_core.dataset.mp.dispatch import DispatchWorkerLoop, PositionDispatcher, assign_message
+from grain_core.dataset.mp.positions import (
+    AssignedPositionsMapDataset,
+    ClassBatchesMapDataset,
+    PositionReader,
+)
+from grain_core.dataset.mp.protocol import (
     ELEMENT,
     ELEMENTS,
     PICKLED_ELEMENTS,
     SMALL_AHEAD,
     WANTS_CREDIT,
-    WorkerPool,
 )
-from grain_core.dataset import mp_dispatch
-from grain_core.dataset.mp_dispatch import (
-    AssignedPositionsMapDataset,
-    ClassBatchesMapDataset,
-    PositionDispatcher,
-    PositionReader,
-)
+from grain_core.dataset.mp.rotation import RotationWorkerLoop, credit_message, set_state_message
+from grain_core.dataset.mp.worker import WorkerSpec
 from grain_core.options import MultiprocessingOptions
 from grain_core.testing import check_iterator_conformance
 
@@ -189,14 +192,14 @@ def test_batches_after_to_iter_dataset_are_dispatched_as_rotation_makes_them(
     ds = _batched(length, batch, drop).mp_prefetch(_opts(workers))
     assert mp_dispatch.dispatchable(ds.parents[0], workers, False)
     # Batches are read as far ahead as the elements they hold would be (500 by default).
-    view = mp_dispatch.dispatch_view(ds.parents[0], workers)
+    view = positions.dispatch_view(ds.parents[0], workers)
     assert view is not None and view.reader.read_options == grain.ReadOptions(
         num_threads=16, prefetch_buffer_size=-(-500 // batch)
     )
     unbuffered = grain.MapDataset.range(length).to_iter_dataset(
         grain.ReadOptions(num_threads=0, prefetch_buffer_size=0)
     )
-    view = mp_dispatch.dispatch_view(unbuffered.batch(batch), workers)
+    view = positions.dispatch_view(unbuffered.batch(batch), workers)
     assert view is not None and view.reader.read_options.prefetch_buffer_size == 0
     steps = sum(1 for _ in ds)
     elements, states = _run(ds, steps)
@@ -287,12 +290,12 @@ def test_steps_and_their_time_reach_the_execution_summary() -> None:
 
 def test_steps_after_filters_or_other_steps_rotate() -> None:
     filtered = _filtered().batch(2)
-    assert mp_dispatch.dispatch_view(filtered, 2) is None
-    assert mp_dispatch.dispatch_view(_filtered().map(_double), 2) is None
+    assert positions.dispatch_view(filtered, 2) is None
+    assert positions.dispatch_view(_filtered().map(_double), 2) is None
     indexed = grain.MapDataset.range(10).to_iter_dataset().map_with_index(lambda i, x: x)
-    assert mp_dispatch.dispatch_view(indexed.batch(2), 2) is None
+    assert positions.dispatch_view(indexed.batch(2), 2) is None
     mapped_after_batch = grain.MapDataset.range(10).to_iter_dataset().batch(2).map(_double)
-    assert mp_dispatch.dispatch_view(mapped_after_batch, 2) is None
+    assert positions.dispatch_view(mapped_after_batch, 2) is None
     # The output is what the rotating engine gives (filters make the classes drift).
     with iter(filtered.mp_prefetch(_opts(2))) as it:
         assert [b.tolist() for b in it][:3] == [[2, 4], [1, 5], [8, 10]]
@@ -308,13 +311,13 @@ def test_views_name_the_element_that_fails_and_refuse_nones() -> None:
         batches[3]  # share 1's second batch: elements 5 and 7
     assert "Raised while reading index 7 of MapMapDataset" in "\n".join(info.value.__notes__)
     holes = grain.MapDataset.range(6).map(lambda x: None if x == 2 else x).to_iter_dataset()
-    view = mp_dispatch.dispatch_view(holes.map(_double), 2)
+    view = positions.dispatch_view(holes.map(_double), 2)
     assert view is not None and view.steps is not None and view.steps(3) == 6
     with pytest.raises(ValueError, match='element of .* is None.*"py_mp_prefetch_dispatch"'):
         view.steps(None)
     # As an IterDataset map, the steps see a None the reader lets through.
     holes = grain.MapDataset.range(6).to_iter_dataset(allow_nones=True)
-    view = mp_dispatch.dispatch_view(holes.map(repr), 2)
+    view = positions.dispatch_view(holes.map(repr), 2)
     assert view is not None and view.steps is not None and view.steps(None) == "None"
 
 
@@ -431,7 +434,7 @@ def test_workers_poller_tells_output_from_ended_workers(
     import multiprocessing
     import select
 
-    from grain_core._worker import _WorkersPoller
+    from grain_core._ipc.pool import _WorkersPoller
 
     if not with_poll:
         monkeypatch.delattr(select, "poll")
@@ -463,8 +466,7 @@ def test_blocks_freed_before_a_message_that_cannot_be_pickled_reach_the_parent(
     import multiprocessing
     import pickle
 
-    from grain_core import _shm
-    from grain_core._worker import ERROR, WorkerSpec, _DispatchWorkerLoop
+    from grain_core.dataset.mp.protocol import ERROR
 
     pool = _shm._BlockPool(1)
     pool.dropped.append("freed-block")
@@ -480,12 +482,11 @@ def test_blocks_freed_before_a_message_that_cannot_be_pickled_reach_the_parent(
         options=None,
         shm_prefix="unused",
         pool_size=1,
-        dispatch=True,
     )
     control_r, control_w = multiprocessing.Pipe(duplex=False)
     output_r, output_w = multiprocessing.Pipe(duplex=False)
     try:
-        loop = _DispatchWorkerLoop(spec, control_r, output_w)
+        loop = DispatchWorkerLoop(spec, control_r, output_w)
         loop._send_group([1, threading.Lock()])
         messages = [pickle.loads(output_r.recv_bytes()) for _ in range(2)]
         assert messages[0][1:3] == (ELEMENT, 1) and messages[0][5] == ["freed-block"]
@@ -578,12 +579,12 @@ def test_a_waiting_consumer_always_gets_its_position_sent() -> None:
     d._outstanding = [4, 3]
     d._granted, d._received = [3, 2], [3, 2]
     d._unblock(0, 5)  # three results to send up to it
-    assert pool.sent == [(0, ("assign", 0, [], 3, []))]
+    assert pool.sent == [(0, assign_message(0, [], 3, []))]
     d._unblock(0, 5)  # already on its way
     assert len(pool.sent) == 1
     d.frontier[1] = d._assigned[1] = 12  # no worker has (1, 12): the least busy takes it
     d._unblock(1, 12)
-    assert pool.sent[1] == (1, ("assign", 0, [(1, 12, 1)], 4, []))
+    assert pool.sent[1] == (1, assign_message(0, [(1, 12, 1)], 4, []))
     assert d._assigned[1] == 13 and d._outstanding[1] == 4
 
 
@@ -616,10 +617,10 @@ def test_dropped_blocks_go_back_with_the_next_credits() -> None:
     assert pool.sent == []
     d._consumed[1] = 1
     d._assign()
-    assert pool.sent == [(1, ("assign", 0, [], 1, ["block"]))]
+    assert pool.sent == [(1, assign_message(0, [], 1, ["block"]))]
     d._recycled[0].released.append("other")  # credits sent to reach a waiting consumer too
     d._grant_through(0, 3, [])
-    assert pool.sent[1] == (0, ("assign", 0, [], 1, ["other"]))
+    assert pool.sent[1] == (0, assign_message(0, [], 1, ["other"]))
 
 
 def _quarter_mib(x: int) -> np.ndarray:
@@ -704,8 +705,6 @@ def _worker_loop_in_thread(
     import pickle
     import warnings
 
-    from grain_core._worker import WorkerSpec, _DispatchWorkerLoop, _WorkerLoop
-
     monkeypatch.setattr(warnings, "showwarning", warnings.showwarning)  # the loop takes it
     # A pool, as in a worker: the loop unlinks its blocks when it ends.
     pool = _shm._BlockPool(1)
@@ -722,18 +721,17 @@ def _worker_loop_in_thread(
         options=None,
         shm_prefix=f"gc{os.getpid():x}t",
         pool_size=1,
-        dispatch=dispatch,
         buffer_size=buffer_size,
     )
     control_r, control_w = multiprocessing.Pipe(duplex=False)
     output_r, output_w = multiprocessing.Pipe(duplex=False)
-    loop = (_DispatchWorkerLoop if dispatch else _WorkerLoop)(spec, control_r, output_w)
+    loop = (DispatchWorkerLoop if dispatch else RotationWorkerLoop)(spec, control_r, output_w)
     thread = threading.Thread(target=loop.run)
     thread.start()
     try:
-        yield (lambda *message: control_w.send_bytes(pickle.dumps(message))), output_r
+        yield (lambda message: control_w.send_bytes(pickle.dumps(message))), output_r
     finally:
-        control_w.send_bytes(pickle.dumps(("stop",)))
+        control_w.close()  # the loop ends, as when its pool stops it
         thread.join(10)
         for conn in (control_r, control_w, output_r, output_w):
             conn.close()
@@ -774,7 +772,7 @@ def test_a_worker_computes_its_assigned_positions_while_it_has_no_credit(
     read_options = grain.ReadOptions(num_threads=4, prefetch_buffer_size=8)
     ds = grain.MapDataset.range(100).map(LogProduced(str(log))).to_iter_dataset(read_options)
     with _worker_loop_in_thread(ds, 0, monkeypatch) as (control, output):
-        control("assign", 0, [(0, 0, 20)], 0, [])
+        control(assign_message(0, [(0, 0, 20)], 0, []))
         deadline = time.monotonic() + 10
         while not (log.exists() and len(log.read_text().split()) >= 8):
             assert time.monotonic() < deadline, "the worker computed nothing without credits"
@@ -782,7 +780,7 @@ def test_a_worker_computes_its_assigned_positions_while_it_has_no_credit(
         time.sleep(0.1)
         assert log.read_text().split() == [str(x) for x in range(8)]  # the read-ahead only
         assert not output.poll()  # nothing sent without a credit
-        control("assign", 0, [], 3, [])
+        control(assign_message(0, [], 3, []))
         assert _results(output, 3) == [0, 1, 2]  # computed ahead: it goes out at once
 
 
@@ -801,7 +799,7 @@ def test_small_results_go_beyond_the_credits_within_the_overdraft(
     # as many more go. Both engines' workers.
     import pickle
 
-    from grain_core._worker import OVERDRAFT_BYTES, SMALL_AHEAD
+    from grain_core.dataset.mp.protocol import OVERDRAFT_BYTES
 
     ds = grain.MapDataset.range(200)
     if result == "int":
@@ -820,9 +818,9 @@ def test_small_results_go_beyond_the_credits_within_the_overdraft(
         output,
     ):
         if dispatch:
-            control("assign", 0, [(0, 0, 200)], 0, [])
+            control(assign_message(0, [(0, 0, 200)], 0, []))
         sent = _results(output, overdraft)
-        control(*(("assign", 0, [], 3, []) if dispatch else ("credit", 3, [])))
+        control(assign_message(0, [], 3, []) if dispatch else credit_message(3, []))
         sent += _results(output, 3)
         if result == "int":
             assert sent == list(range(overdraft + 3))
@@ -836,7 +834,7 @@ def test_a_rotating_worker_encodes_an_element_waiting_for_a_credit_when_it_sends
     # parent would keep those blocks mapped).
     import pickle
 
-    from grain_core.dataset.mp_prefetch import slice_for_worker
+    from grain_core.dataset.worker_slicing import slice_for_worker
 
     ds = grain.MapDataset.range(10).map(_quarter_mib).to_iter_dataset()
     start = iter(slice_for_worker(ds, 0, 1, False))
@@ -845,7 +843,7 @@ def test_a_rotating_worker_encodes_an_element_waiting_for_a_credit_when_it_sends
     with _worker_loop_in_thread(ds, 1, monkeypatch, False, ["freed"]) as (control, output):
         assert output.poll(10)
         assert pickle.loads(output.recv_bytes())[1] == WANTS_CREDIT  # element 0 waits
-        control("set_state", 1, state, 1, [])
+        control(set_state_message(1, state, 1, []))
         generation, kind, _, _, names, dropped = pickle.loads(output.recv_bytes())
         assert (generation, kind, len(names), dropped) == (1, ELEMENT, 1, ["freed"])
 
@@ -880,9 +878,9 @@ def test_results_too_big_to_overdraw_a_few_are_pickled_once(
     log = tmp_path / "pickled.txt"
     ds = grain.MapDataset.range(20).map(_MakeLoggedPickle(str(log))).to_iter_dataset()
     with _worker_loop_in_thread(ds, 1, monkeypatch) as (control, output):
-        control("assign", 0, [(0, 0, 20)], 0, [])
+        control(assign_message(0, [(0, 0, 20)], 0, []))
         _results(output, 1)
-        control("assign", 0, [], 3, [])  # the first covers the result overdrawn
+        control(assign_message(0, [], 3, []))  # the first covers the result overdrawn
         _results(output, 2)
     assert log.read_text().split() == ["0", "0", "1", "2"]
 

@@ -25,12 +25,14 @@ import pytest
 from conftest import LogProduced, fails_after
 
 import grain_core as grain
-from grain_core import _shm, _worker
-from grain_core.dataset import mp_dispatch
-from grain_core.dataset import mp_prefetch as mp_prefetch_module
+from grain_core._ipc import errors as ipc_errors
+from grain_core._ipc import pool as ipc_pool
+from grain_core._ipc import shm as _shm
 from grain_core.dataset.batch import make_batch
-from grain_core.dataset.mp_prefetch import MultiprocessPrefetchIterDataset, slice_for_worker
+from grain_core.dataset.mp import MultiprocessPrefetchIterDataset, protocol, rotation, shm_batch
+from grain_core.dataset.mp import dispatch as mp_dispatch
 from grain_core.dataset.stats import get_execution_summary
+from grain_core.dataset.worker_slicing import slice_for_worker
 from grain_core.experimental import DatasetOptions, ExecutionTrackingMode, WithOptionsIterDataset
 from grain_core.options import MultiprocessingOptions
 from grain_core.testing import assert_trees_equal, check_iterator_conformance
@@ -122,7 +124,7 @@ def test_map_dataset_batch_stacks_into_shared_memory_in_a_worker(
     # is written once, into a block that travels by name (no second copy into shared memory).
     monkeypatch.setattr(_shm, "_pool", _shm._BlockPool(4))  # as in a worker
     ds = grain.MapDataset.range(10).map(_big).batch(3).to_iter_dataset()
-    it = mp_prefetch_module.build_worker_iterator(ds, 1, 2, False, None)
+    it = rotation.build_worker_iterator(ds, 1, 2, False, None)
     try:
         batch = next(it)
         assert_trees_equal(batch, list(ds)[1])
@@ -148,19 +150,19 @@ def test_batches_stacked_into_shared_memory_equal_make_batch(
             [rng.random((64, 4, 8)) for _ in range(5)],  # leaves end to end: one copy
             [np.array(float(i)) for i in range(9000)],  # 0-d leaves
         ):
-            batch = mp_prefetch_module.make_batch_in_shared_memory(values)
+            batch = shm_batch.make_batch_in_shared_memory(values)
             assert isinstance(batch, _shm.SharedMemoryArray)
             assert_trees_equal(batch, make_batch(values))
             del batch
         # Leaves that differ in dtype are promoted as make_batch does, not cast.
         mixed = [np.ones((128, 64), np.float32), np.full((128, 64), 0.1, np.float64)]
         assert_trees_equal(
-            mp_prefetch_module.make_batch_in_shared_memory(mixed),
+            shm_batch.make_batch_in_shared_memory(mixed),
             make_batch(mixed),
         )
         # Rows that add up to the same length but differ in shape are an error, as in make_batch.
         with pytest.raises(ValueError, match="same structure and leaf shapes"):
-            mp_prefetch_module.make_batch_in_shared_memory([np.ones((1, 8192)), np.ones((3, 8192))])
+            shm_batch.make_batch_in_shared_memory([np.ones((1, 8192)), np.ones((3, 8192))])
     finally:
         _shm.unlink_pool()
 
@@ -251,7 +253,7 @@ def test_worker_stays_within_its_buffer_ahead(
         limit = buffer + 1
     else:
         element = 0 if size == "small" else _large_bytes(0)
-        overdraft = _worker.overdraft_room(len(pickle.dumps((element, {"state": 0}))))
+        overdraft = protocol.overdraft_room(len(pickle.dumps((element, {"state": 0}))))
         limit = buffer + overdraft + 1
     with fails_after(60), iter(ds.mp_prefetch(_opts(1, buffer))) as it:
         consumed = 0
@@ -353,15 +355,15 @@ def test_rotation_sends_small_elements_several_to_a_message(
     strict_rotation: None, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     messages: list[list[int]] = []  # per element message: the pickled size of each element
-    recv = _worker.WorkerPool.recv
+    recv = ipc_pool.WorkerPool.recv
 
     def recording_recv(pool: Any, index: int, ready: bool = False) -> tuple[Any, ...]:
         message = recv(pool, index, ready)
-        if message[1] == _worker.PICKLED_ELEMENTS:
+        if message[1] == protocol.PICKLED_ELEMENTS:
             messages.append([len(blob) for blob in message[2]])
         return message
 
-    monkeypatch.setattr(_worker.WorkerPool, "recv", recording_recv)
+    monkeypatch.setattr(ipc_pool.WorkerPool, "recv", recording_recv)
     ds = grain.MapDataset.range(3000).to_iter_dataset().map(_varied_size)
     assert list(ds.mp_prefetch(_opts(2, buffer=2))) == list(ds)
     assert sum(map(len, messages)) == 3000
@@ -374,17 +376,17 @@ def test_rotation_credits_go_back_in_batches_while_elements_overdraw(
     # Buffer 1, small elements: the overdraft carries the worker between credits, which go
     # half of it at a time, not one control message per element handed out.
     credits: list[int] = []
-    send = _worker.WorkerPool.send
+    send = ipc_pool.WorkerPool.send
 
     def recording_send(pool: Any, index: int, message: tuple[Any, ...]) -> None:
-        if message[0] == "credit":
+        if message[0] == protocol.CREDIT:
             credits.append(message[1])
         send(pool, index, message)
 
-    monkeypatch.setattr(_worker.WorkerPool, "send", recording_send)
+    monkeypatch.setattr(ipc_pool.WorkerPool, "send", recording_send)
     ds = grain.MapDataset.range(3000).to_iter_dataset().map(_times_ten)
     assert list(ds.mp_prefetch(_opts(2, buffer=1))) == [x * 10 for x in range(3000)]
-    assert sum(credits) >= 3000 - 2 * (1 + _worker.SMALL_AHEAD)
+    assert sum(credits) >= 3000 - 2 * (1 + protocol.SMALL_AHEAD)
     assert len(credits) < 3000 / 8
 
 
@@ -598,7 +600,7 @@ def test_a_worker_exiting_in_user_code_delivers_what_it_sent_first(
         with iter(ds.mp_prefetch(_opts(1, buffer=2))) as it:
             time.sleep(0.5)  # the worker has sent element 0 and exited
             assert float(next(it)[0]) == 0.0
-            with pytest.raises(_worker.WorkerDiedError, match="exit code 3"):
+            with pytest.raises(ipc_errors.WorkerDiedError, match="exit code 3"):
                 next(it)
     finally:
         grain.config.update("py_mp_prefetch_dispatch", True)
@@ -873,7 +875,7 @@ def _glibc_tunables(_: Any) -> str | None:
 
 
 def test_workers_copy_large_arrays_with_streaming_stores() -> None:
-    from grain_core._worker import worker_glibc_tunables
+    from grain_core._ipc.pool import worker_glibc_tunables
 
     if "x86_non_temporal_threshold" in os.environ.get("GLIBC_TUNABLES", ""):
         pytest.skip("the environment sets the threshold itself")
@@ -894,7 +896,7 @@ def test_workers_copy_large_arrays_with_streaming_stores() -> None:
 def test_the_streaming_threshold_is_read_when_the_forkserver_starts(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    from grain_core._worker import _WorkerForkServer
+    from grain_core._ipc.pool import _WorkerForkServer
 
     monkeypatch.delenv("GLIBC_TUNABLES", raising=False)
     grain.config.update("py_mp_worker_streaming_copy_bytes", 0x300000)
@@ -1003,7 +1005,7 @@ def test_an_element_the_parent_cannot_unpickle_stops_the_stream_until_set_state(
             start = it.get_state()
             assert [next(it) for _ in range(3)] == [0, 1, 2]
             for _ in range(3):  # the same error every time: never a hang, nothing skipped
-                with pytest.raises(_worker.UnreadableElementError, match="process 1 of 2 sent"):
+                with pytest.raises(ipc_errors.UnreadableElementError, match="process 1 of 2 sent"):
                     next(it)
             it.set_state(start)
             assert [next(it) for _ in range(3)] == [0, 1, 2]
@@ -1020,7 +1022,7 @@ def _stuck_after_three(x: int) -> int:
 def test_close_gives_busy_workers_one_timeout_in_all(monkeypatch: pytest.MonkeyPatch) -> None:
     # Three workers inside a long user function cannot take the stop message: they are killed
     # after one stop timeout together, not one each in turn.
-    monkeypatch.setattr(_worker, "_STOP_TIMEOUT_S", 1.0)
+    monkeypatch.setattr(ipc_pool, "_STOP_TIMEOUT_S", 1.0)
     ds = (
         grain.MapDataset.range(100)
         .map(_stuck_after_three)
@@ -1196,7 +1198,7 @@ def test_options_downstream_of_mp_prefetch_reach_the_workers() -> None:
 
 def test_untracked_workers_send_no_statistics(monkeypatch: pytest.MonkeyPatch) -> None:
     calls: list[Any] = []
-    monkeypatch.setattr(mp_prefetch_module, "attach_worker_stages", lambda *a: calls.append(a))
+    monkeypatch.setattr(protocol, "attach_worker_stages", lambda *a: calls.append(a))
     ds = grain.MapDataset.range(10).to_iter_dataset().mp_prefetch(_opts(2))
     with iter(ds) as it:
         assert list(it) == list(range(10))

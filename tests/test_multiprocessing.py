@@ -13,7 +13,7 @@ import sys
 import numpy as np
 import pytest
 
-from grain_core import _shm
+from grain_core._ipc import shm as _shm
 from grain_core.multiprocessing import (
     MultiprocessingOptions,
     SharedMemoryArray,

@@ -175,7 +175,7 @@ def _double(x: int) -> int:
 def test_every_worker_process_appears_on_the_same_clock(
     dispatch: bool, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from grain_core.dataset import mp_dispatch
+    from grain_core.dataset.mp import dispatch as mp_dispatch
 
     if not dispatch:
         monkeypatch.setattr(mp_dispatch, "dispatchable", lambda *_: False)

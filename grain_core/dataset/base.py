@@ -578,7 +578,7 @@ class IterDataset(_Node, Iterable[T], Generic[T], abc.ABC):
         sequential_slice: bool = False,
     ) -> IterDataset[T]:
         """Runs the pipeline in worker processes, merged in strict round-robin order."""
-        from grain_core.dataset.mp_prefetch import mp_prefetch
+        from grain_core.dataset.mp import mp_prefetch  # fluent API cycle
 
         return mp_prefetch(self, options, worker_init_fn, sequential_slice=sequential_slice)
 

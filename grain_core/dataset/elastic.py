@@ -25,12 +25,18 @@ from collections.abc import Mapping
 from typing import Any
 
 from grain_core import _checkpoint_io
+from grain_core.capabilities import InPlaceSliceable, ShardStateOwner, WorkerSliceable
 from grain_core.dataset.base import DatasetIterator, IterDataset, MapDataset
-from grain_core.dataset.interleave import InterleaveDatasetIterator, InterleaveIterDataset
+from grain_core.dataset.interleave import (
+    InterleaveDatasetIterator,
+    InterleaveIterDataset,
+    interleave_input_states,
+    interleave_state,
+)
 from grain_core.dataset.map import FilterMapDataset
 from grain_core.dataset.mix import MixedIterDataset
-from grain_core.dataset.mp_prefetch import slice_for_worker
 from grain_core.dataset.prefetch import PrefetchIterDataset
+from grain_core.dataset.worker_slicing import slice_for_worker
 from grain_core.dataset.zip import ZipIterDataset
 from grain_core.options import MultiprocessingOptions, ReadOptions
 from grain_core.sharding import ShardOptions
@@ -189,7 +195,7 @@ class ElasticIterator(DatasetIterator[Any]):
         threads = len(self._thread_copies)
         for t, copy_ds in enumerate(self._thread_copies):
             with iter(copy_ds) as scratch:
-                copy_state = merge_state["iterators_in_use_states"][t]
+                copy_state = interleave_input_states(merge_state)[t]
                 if copy_state is not None:
                     scratch.set_state(copy_state)
                 local = _shard_state_owner(scratch).get_shard_states()
@@ -224,16 +230,7 @@ class ElasticIterator(DatasetIterator[Any]):
                 owner = _shard_state_owner(scratch)
                 owner.set_shard_states(self._local_states(owner, states, t, threads))
                 copy_states.append(scratch.get_state())
-        self._thread_interleave().set_state(
-            {
-                "next_index_in_cycle": 0,
-                "next_index_in_datasets": threads,
-                "iterators_in_use_indices": list(range(threads)),
-                "iterators_in_use_states": copy_states,
-                "exhausted": [0] * threads,
-                "future_states": {},
-            }
-        )
+        self._thread_interleave().set_state(interleave_state(copy_states))
 
     def _local_states(
         self, owner: Any, states: dict[int, dict[str, Any]], thread: int, threads: int
@@ -267,7 +264,7 @@ def _iterators(it: DatasetIterator[Any]) -> Any:
 def _shard_state_owner(it: DatasetIterator[Any]) -> Any:
     """The iterator nearest the output that keeps progress per input dataset."""
     for current in _iterators(it):
-        if hasattr(current, "get_shard_states"):
+        if isinstance(current, ShardStateOwner):
             return current
     raise ValueError(
         "This ElasticIterator's pipeline has no interleave (or other iterator with shard "
@@ -280,7 +277,7 @@ def _sliceable_nodes(ds: IterDataset[Any]) -> list[Any]:
     found, stack = [], [ds]
     while stack:
         node = stack.pop()
-        if hasattr(node, "with_slice") or hasattr(node, "set_slice"):
+        if isinstance(node, (WorkerSliceable, InPlaceSliceable)):
             found.append(node)
         else:
             stack.extend(p for p in node._parents if isinstance(p, IterDataset))
@@ -319,7 +316,7 @@ def _check_iter_graph(ds: IterDataset[Any]) -> None:
                 f"(found {node!r} above the interleave). Build the IterDataset from an "
                 "InterleaveIterDataset over per-file datasets, or pass a MapDataset."
             )
-        if hasattr(node, "with_slice") or hasattr(node, "set_slice"):
+        if isinstance(node, (WorkerSliceable, InPlaceSliceable)):
             continue
         stack.extend(p for p in node._parents if isinstance(p, IterDataset))
 

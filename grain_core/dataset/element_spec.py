@@ -21,7 +21,7 @@ from grain_core.dataset import interleave as _interleave
 from grain_core.dataset import limit as _limit
 from grain_core.dataset import map as _map
 from grain_core.dataset import mix as _mix
-from grain_core.dataset import mp_prefetch as _mp_prefetch
+from grain_core.dataset import mp as _mp
 from grain_core.dataset import prefetch as _prefetch
 from grain_core.dataset import rebatch as _rebatch
 from grain_core.dataset import repeat as _repeat
@@ -162,7 +162,7 @@ _PASS_THROUGH: tuple[type, ...] = (
     _repeat_iter.RepeatIterDataset,
     _cache.CacheIterDataset,
     _with_options.WithOptionsIterDataset,
-    _mp_prefetch.MultiprocessPrefetchIterDataset,
+    _mp.MultiprocessPrefetchIterDataset,
 )
 
 _RULES: dict[type, Callable[[Any], Any]] = {

@@ -23,7 +23,37 @@ from grain_core._checks import non_negative_int, positive_int
 from grain_core.dataset.base import DatasetIterator, IteratorContext, IterDataset, MapDataset
 from grain_core.dataset.prefetch import PrefetchIterDataset, ThreadPrefetchDatasetIterator
 
-__all__ = ["InterleaveDatasetIterator", "InterleaveIterDataset"]
+__all__ = [
+    "InterleaveDatasetIterator",
+    "InterleaveIterDataset",
+    "interleave_input_states",
+    "interleave_next_input",
+    "interleave_state",
+]
+
+
+def interleave_state(input_states: Sequence[Any], next_input: int = 0) -> dict[str, Any]:
+    """The state of an interleave whose ``len(input_states)`` inputs are all open, none
+    exhausted, input ``i`` at ``input_states[i]``, the next element from input ``next_input``
+    (what the DataLoader and ``ElasticIterator`` restore merges of worker streams with)."""
+    return {
+        "next_index_in_cycle": next_input,
+        "next_index_in_datasets": len(input_states),
+        "iterators_in_use_indices": list(range(len(input_states))),
+        "iterators_in_use_states": list(input_states),
+        "exhausted": [0] * len(input_states),
+        "future_states": {},
+    }
+
+
+def interleave_input_states(state: dict[str, Any]) -> list[Any]:
+    """The state of each open input (slot) in interleave state ``state``."""
+    return list(state["iterators_in_use_states"])
+
+
+def interleave_next_input(state: dict[str, Any]) -> int:
+    """The slot the next element comes from in interleave state ``state``."""
+    return int(state["next_index_in_cycle"])
 
 
 class InterleaveIterDataset(IterDataset[Any]):

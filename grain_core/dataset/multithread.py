@@ -8,7 +8,7 @@ from typing import Any
 from grain_core._checks import non_negative_int
 from grain_core.dataset.base import IterDataset
 from grain_core.dataset.interleave import InterleaveIterDataset
-from grain_core.dataset.mp_prefetch import slice_for_worker
+from grain_core.dataset.worker_slicing import slice_for_worker
 
 __all__ = ["multithread_prefetch"]
 

@@ -56,6 +56,7 @@ __all__ = [
     "list_formats",
     "list_sharding_policies",
     "list_shuffle_strategies",
+    "loaded_plugin_names",
     "registry",
     "reset",
     "resolve_public_name",
@@ -475,6 +476,15 @@ def registry() -> Registry:
             finally:
                 _loading = False
         return _registry
+
+
+def loaded_plugin_names() -> list[str] | None:
+    """Names of the plugins this process has loaded (the core's built-ins left out), or None
+    if it has not loaded plugins yet. Worker processes load the same set."""
+    loaded = _registry
+    if loaded is None:
+        return None
+    return [r.name for r in loaded.reports if r.status == "loaded" and r.name != BUILTIN_PLUGIN]
 
 
 def reset() -> None:

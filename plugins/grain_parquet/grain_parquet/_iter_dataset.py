@@ -22,8 +22,8 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from grain_core.dataset.base import DatasetIterator, IterDataset
-from grain_core.dataset.interleave import InterleaveIterDataset
+from grain_core import DatasetIterator, IterDataset
+from grain_core.experimental import InterleaveIterDataset
 from grain_parquet._files import (
     ParquetPath,
     PathLike,

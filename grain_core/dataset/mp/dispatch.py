@@ -1,12 +1,6 @@
-"""``mp_prefetch`` over ``to_iter_dataset()``: positions go to whichever worker is free.
+"""Dispatch: ``mp_prefetch`` over pipelines whose elements are functions of their position
+(``positions.dispatch_view``): positions go to whichever worker is free.
 
-When the pipeline given to ``mp_prefetch`` is a MapDataset read by ``to_iter_dataset`` (the
-usual ``….map(f).batch(n).to_iter_dataset().mp_prefetch(…)``, and the DataLoader's Map/Batch
-pipelines), every element is a function of its index alone, so any worker can compute any
-element. So is every element of ``….to_iter_dataset().map(g).batch(n)`` without filters
-(IterDataset ``map`` steps, at most one ``batch`` at the end): worker ``w`` maps and batches
-its share ``map_parent[w::N]``; ``ClassBatchesMapDataset`` lays the elements of those batches
-out by position, and each worker applies the steps to what it read (``dispatch_view``).
 Strict rotation, with worker ``w`` reading ``map_parent[w::N]``, runs every worker at the
 slowest one's pace (a core shared with another process, a worker the host deschedules); here
 the parent keeps that output and its state, and hands out the positions instead:
@@ -27,7 +21,7 @@ the parent keeps that output and its state, and hands out the positions instead:
 * Results are sent against credits, as many as the consumer has taken plus
   ``per_worker_buffer_size``, so the shared memory in flight is that of strict rotation.
   Small results may overdraw: ``SMALL_AHEAD`` of them, ``OVERDRAFT_BYTES`` pickled at most
-  (``grain_core._worker``), so a worker need not wait for the parent's wake-up after each,
+  (``protocol``), so a worker need not wait for the parent's wake-up after each,
   and its credits go half its overdraft at a time (``credit_batch``), not one per element
   (a rotating worker asks when it runs out, ``WANTS_CREDIT``; a dispatching one waits for
   the consumer to need its next result, so credits come sooner).
@@ -36,56 +30,55 @@ the parent keeps that output and its state, and hands out the positions instead:
   classes least covered ahead of the consumer, with a wider window and as many credits, so a
   worker that is free while another computes the position the consumer needs computes the
   ones after it.
+
+Parent side, ``PositionDispatcher`` (shared by the ``N`` ``DispatchedClassIterator`` inputs of
+the merge): plans runs and credits (``ASSIGN``), files results by position, restores by
+re-planning from the consumer's positions (a new generation).
+
+Worker side, ``DispatchWorkerLoop``: computes its runs in assignment order
+(``positions.PositionReader``) and sends each result with its CPU seconds so far, results
+already read that need no shared memory several to a message (``ELEMENTS``). An error is sent
+for its position and the worker goes on with the next one.
 """
 
 from __future__ import annotations
 
 import collections
-import dataclasses
+import pickle
+import time
 import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
-import numpy as np
-
-from grain_core import _shm
-from grain_core._worker import (
+from grain_core._ipc import shm
+from grain_core._ipc.errors import UnreadableElementError, WorkerDiedError, remote_error
+from grain_core._ipc.pool import WorkerPool
+from grain_core.config import config
+from grain_core.dataset.base import DatasetIterator, IterDataset
+from grain_core.dataset.mp.pickling import FIXED_SIZE_TYPES, dumps_message
+from grain_core.dataset.mp.positions import ClassBatchesMapDataset, PositionReader, dispatch_view
+from grain_core.dataset.mp.protocol import (
+    ASSIGN,
     ELEMENT,
     ELEMENTS,
     ERROR,
+    OVERDRAFT_BYTES,
     STATS_GENERATION,
-    UnreadableElementError,
-    WorkerDiedError,
-    WorkerPool,
-    WorkerSpec,
     credit_batch,
     overdraft_room,
+    receive_side_message,
 )
-from grain_core.dataset.base import (
-    DatasetIterator,
-    IterDataset,
-    MapDataset,
-    MultiprocessingContext,
-    _transform_fn,
-    stop_iteration_error,
-    transform_name,
-)
-from grain_core.dataset.batch import BatchIterDataset, has_holes_upstream
-from grain_core.dataset.map import MapIterDataset
+from grain_core.dataset.mp.worker import GROUP_S, WorkerLoop, WorkerSpec, run_worker, start_workers
 from grain_core.dataset.options import DatasetOptions, FilterRatioChecker
-from grain_core.dataset.prefetch import PrefetchIterDataset, read_index
-from grain_core.dataset.with_options import WithOptionsIterDataset
-from grain_core.options import ReadOptions
+from grain_core.plugins import loaded_plugin_names
 
 __all__ = [
-    "AssignedPositionsMapDataset",
-    "ClassBatchesMapDataset",
-    "DispatchView",
+    "DispatchWorkerLoop",
     "DispatchedClassIterator",
     "PositionDispatcher",
-    "PositionReader",
-    "dispatch_view",
+    "assign_message",
     "dispatchable",
+    "worker_main",
 ]
 
 #: CPU seconds of work a worker is committed to at once (it keeps a worker busy across the
@@ -106,8 +99,6 @@ def dispatchable(ds: IterDataset[Any], count: int, sequential_slice: bool) -> bo
     dispatches positions: ``ds`` has a ``dispatch_view``, the workers take strided shares, and
     ``grain_core.config.py_mp_prefetch_dispatch`` is on (off, each worker computes its own
     strided share: for transformations whose result depends on the worker computing it)."""
-    from grain_core.config import config
-
     return (
         not sequential_slice
         and bool(config.py_mp_prefetch_dispatch)
@@ -115,401 +106,184 @@ def dispatchable(ds: IterDataset[Any], count: int, sequential_slice: bool) -> bo
     )
 
 
-@dataclasses.dataclass(frozen=True)
-class DispatchView:
-    """How dispatching workers compute a pipeline by position.
+# ----------------------------------------------------------------------------- messages
+def assign_message(
+    generation: int, runs: list[tuple[int, int, int]], credits: int, names: list[str]
+) -> tuple[Any, ...]:
+    """Control: runs ``(class, first slice index, count)`` to compute after those assigned
+    before, ``credits`` more results to send, blocks ``names`` free again. A new
+    ``generation`` first drops the runs not yet computed and the credits left."""
+    return (ASSIGN, generation, runs, credits, names)
 
-    Attributes:
-      reader: A ``to_iter_dataset`` reader: position ``c + j * count`` of its MapDataset is
-        what worker ``c`` reads for its ``j``-th element under strict rotation. Read threads
-        compute it.
-      steps: The IterDataset steps after ``to_iter_dataset``, applied to each value read in the
-        worker's main thread, one at a time as strict rotation applies them (their functions
-        need not be thread-safe); None when there are none.
+
+def elements_message(
+    generation: int, values: list[Any], cpu_seconds: float, dropped: Sequence[str]
+) -> tuple[Any, ...]:
+    """Output: results of consecutive assigned positions, none in shared memory."""
+    return (generation, ELEMENTS, values, cpu_seconds, [], dropped)
+
+
+# ---------------------------------------------------------------------------- worker side
+class DispatchWorkerLoop(WorkerLoop):
+    """A worker of the dispatching engine.
+
+    It computes the runs of positions the parent assigns, in assignment order, and sends each
+    element with the CPU seconds the worker has used so far instead of a state (the parent knows every position). An
+    error is sent for its position and the worker goes on with the next one: another class's
+    positions queued behind it are still needed.
+
+    It computes the positions assigned ahead (``PositionReader``: in its main thread while
+    reads are CPU-bound, also while it waits for credits; on read threads while they wait on
+    I/O); results are sent while it has credits, so the shared memory in flight stays bounded
+    however long the runs, and small ones also on overdraft (``per_worker_buffer_size`` 0:
+    never).
+
+    Control: ``assign_message(generation, runs, credits, names)`` adds runs ``(class, first slice
+    index, count)`` and credits and hands back blocks; a new generation first drops the runs
+    not yet computed and the credits left.
     """
 
-    reader: PrefetchIterDataset
-    steps: _StepsAfterReading | None
+    def __init__(self, spec: WorkerSpec, control: Any, output: Any) -> None:
+        super().__init__(spec, control, output)
+        self._reader: Any = None
+        self._pending = 0
+        self._cpu_start = time.process_time()
+        self._result_bytes = 0  # pickled, per result of the last message without blocks
 
+    def _build_pipeline(self, ds: Any) -> None:
+        spec = self._spec
+        self._reader = self._it = PositionReader(ds, spec.index, spec.count, spec.options)
+        self._cpu_start = time.process_time()  # start-up is not the cost of an element
 
-def dispatch_view(ds: IterDataset[Any], count: int) -> DispatchView | None:
-    """How workers compute pipeline ``ds`` by position, or None when they cannot.
+    def _pipeline(self) -> Any:
+        return None if self._reader is None else self._reader.pipeline
 
-    * ``….to_iter_dataset()``: its reader.
-    * ``….to_iter_dataset()`` followed by IterDataset ``map`` steps and at most one ``batch``
-      at the end, over a MapDataset without filters: a reader of each position's element
-      (with a batch, of the elements of each share's batch: ``ClassBatchesMapDataset``), then
-      the steps. After a filter the k-th element of a share depends on which elements were
-      dropped before it, so those pipelines are not dispatched.
-    """
-    node = _past_options(ds)
-    batch = node if type(node) is BatchIterDataset else None
-    if batch is not None:
-        node = _past_options(batch.parents[0])
-    transforms = []
-    while type(node) is MapIterDataset:
-        transforms.append(node.transform)  # type: ignore[attr-defined]
-        node = _past_options(node.parents[0])
-    if type(node) is not PrefetchIterDataset:
-        return None
-    reader: PrefetchIterDataset = node
-    if batch is None and not transforms:
-        return DispatchView(reader, None)
-    source = reader.map_parent
-    if has_holes_upstream(source) is not None:
-        return None
-    steps = _StepsAfterReading(
-        source,
-        transforms[::-1],
-        batch_fn=None if batch is None else batch.batch_fn,
-        allow_nones=reader.allow_nones,
-    )
-    read_options = reader.read_options
-    if batch is not None:
-        source = ClassBatchesMapDataset(
-            source, count, batch.batch_size, drop_remainder=batch.drop_remainder
-        )
-        read_options = _in_batches(read_options, batch.batch_size)
-    # The steps see every value read, None included (they decide what it means).
-    return DispatchView(
-        PrefetchIterDataset(source, read_options=read_options, allow_nones=True), steps
-    )
+    def _has_work(self) -> bool:
+        return self._pending > 0
 
+    def _ask_for_credit(self) -> None:
+        """The parent sends credits through the positions it waits for (``_unblock``)."""
 
-def _in_batches(options: ReadOptions, batch_size: int) -> ReadOptions:
-    """``options`` reading batches of ``batch_size`` elements ahead instead of elements: the
-    same memory read ahead as a worker that reads its share element by element."""
-    if options.prefetch_buffer_size == 0:
-        return options
-    batches = -(-options.prefetch_buffer_size // batch_size)
-    return ReadOptions(num_threads=min(options.num_threads, batches), prefetch_buffer_size=batches)
+    def _read_ahead(self) -> bool:
+        # Positions assigned, no credit to send them: compute them now, as read threads would.
+        return self._pending > 0 and self._reader is not None and self._reader.read_ahead()
 
+    def _handle(self, message: tuple[Any, ...]) -> None:
+        _, generation, runs, credits, names = message  # assign_message, the only kind
+        shm.release_blocks(names)
+        if generation != self._generation:
+            self._generation = generation
+            self._pending = 0
+            self._reset_credits(0)
+            if self._reader is not None:
+                self._reader.reset()
+        self._add_credits(credits)
+        if runs:
+            self._pending += sum(run[2] for run in runs)
+            if self._reader is not None:
+                self._reader.assign(runs)
 
-def _past_options(ds: IterDataset[Any]) -> IterDataset[Any]:
-    """The first node at or above ``ds`` that is not ``WithOptionsIterDataset``: options set in
-    the pipeline reach the workers with the parent's (``mp_prefetch`` collects them)."""
-    while type(ds) is WithOptionsIterDataset:
-        ds = ds.parents[0]
-    return ds
+    def _produce(self) -> None:
+        if self._build_error is not None:
+            self._pending -= 1
+            self._take_credit(0)
+            self._send_error(self._build_error)
+            return
+        # Elements read already (ahead, or in the block of the last one), that need no shared
+        # memory, go together (for GROUP_S at most): small elements cost the parent a message
+        # each.
+        group: list[Any] = []
+        deadline = time.perf_counter() + GROUP_S
+        waiting, self._waiting = self._waiting, None
+        while True:
+            if waiting is None:
+                self._pending -= 1
+                try:
+                    element = self._reader.next()
+                except Exception as e:  # noqa: BLE001 - re-raised in the parent at its position
+                    self._take_credit(0)
+                    self._send_group(group)
+                    self._send_error(e)
+                    return
+                tree, names = shm.copy_to_shm(element, self._min_shm_size)
+                # Its size matters only for an overdraft.
+                size = 0 if self._credits > 0 else self._size_for_overdraft(tree, names)
+                if not self._take_credit(size):
+                    self._waiting = (tree, names, size)
+                    self._send_group(group)
+                    return
+            else:  # _can_produce found it may go now
+                (tree, names, size), waiting = waiting, None
+                self._take_credit(size)
+            if names:
+                self._send_group(group)
+                self._send_result(tree, self._cpu_seconds(), names)
+                return
+            group.append(tree)
+            if not (
+                self._pending > 0
+                and (self._credits > 0 or self._may_overdraw())
+                and self._reader.ready()
+                and time.perf_counter() < deadline
+            ):
+                self._send_group(group)
+                return
 
+    def _cpu_seconds(self) -> float:
+        # The process's CPU time so far, read threads included: what the parent sizes this
+        # worker's commitments by.
+        return time.process_time() - self._cpu_start
 
-class _StepsAfterReading:
-    """IterDataset ``map`` steps and a final ``batch`` applied to a value read (an element, or
-    the list of a batch's elements), as strict rotation's worker applies them.
-
-    Args:
-      source: The MapDataset ``to_iter_dataset`` reads (named in errors).
-      transforms: The functions or ``Map`` transformations of the steps, in pipeline order.
-      batch_fn: The batch's function, or None without a batch.
-      allow_nones: Those of ``to_iter_dataset``: without, a ``None`` of ``source`` (which a
-        worker reading its share in order would skip) is an error.
-    """
-
-    def __init__(
-        self,
-        source: MapDataset[Any],
-        transforms: Sequence[Any],
-        *,
-        batch_fn: Callable[[Sequence[Any]], Any] | None,
-        allow_nones: bool,
-    ) -> None:
-        self._source = source
-        self._fns = [_transform_fn(t, "map") for t in transforms]
-        self._batch_fn = batch_fn
-        self._allow_nones = allow_nones
-        names = [f"Map({transform_name(t)})" for t in transforms]
-        #: The steps as the execution summary names them.
-        self.label = " > ".join([*names, "Batch"] if batch_fn is not None else names)
-
-    def __call__(self, value: Any) -> Any:
-        if self._batch_fn is None:
-            return self._element(value)
-        return self._batch_fn([self._element(x) for x in value])
-
-    def _element(self, x: Any) -> Any:
-        if x is None and not self._allow_nones:
-            raise ValueError(
-                f"An element of {self._source!r} is None (filtered), which a worker reading "
-                "its share in order skips but one computing the steps after "
-                "`to_iter_dataset()` by position cannot. Use grain.config.update("
-                '"py_mp_prefetch_dispatch", False), or filter with `filter` before '
-                "`to_iter_dataset()`."
-            )
-        for fn in self._fns:
+    def _send_group(self, group: list[Any]) -> None:
+        """Sends the elements of ``group`` (none in shared memory) in one message, or one
+        message each when one of them cannot be pickled (that one is sent as its error)."""
+        if not group:
+            return
+        cpu_seconds = self._cpu_seconds()
+        dropped: Sequence[str] = shm.take_dropped()
+        if len(group) > 1:
+            message = elements_message(self._generation, group, cpu_seconds, dropped)
             try:
-                x = fn(x)
-            except StopIteration as e:
-                raise stop_iteration_error(transform_name(fn)) from e
-        return x
+                data = dumps_message(message)
+            except Exception:  # noqa: BLE001 - one of them cannot be pickled: each alone below
+                pass
+            else:
+                self._write_element(data)
+                self._result_bytes = len(data) // len(group)
+                return
+        for element in group:  # one, or one of them cannot be pickled
+            self._send_result(element, cpu_seconds, [], dropped)
+            dropped = ()
 
-
-class ClassBatchesMapDataset(MapDataset[Any]):
-    """The elements of the batches strict rotation makes of ``to_iter_dataset().batch(…)``:
-    worker ``c`` of ``count`` batches its share ``parent[c::count]``. Index ``c + j * count``
-    is the list of the elements of worker ``c``'s batch ``j``, laid out as the shares of
-    elements are, so any worker can read any batch.
-
-    Args:
-      parent: The MapDataset ``to_iter_dataset`` reads.
-      count: The number of workers (shares).
-      batch_size / drop_remainder: Those of the batch.
-    """
-
-    def __init__(
-        self,
-        parent: MapDataset[Any],
-        count: int,
-        batch_size: int,
-        *,
-        drop_remainder: bool,
+    def _send_result(
+        self, tree: Any, cpu_seconds: float, names: list[str], dropped: Sequence[str] = ()
     ) -> None:
-        super().__init__(parent)
-        self._count = count
-        self._batch_size = batch_size
-        self._drop_remainder = drop_remainder
-        total = len(parent)
-        self._share_lengths = [len(range(c, total, count)) for c in range(count)]
-        # Shares differ by at most one element, so their batch counts by at most one: the
-        # indices c + j * count of all batches are 0 .. len - 1.
-        self._length = sum(self._batches_in(n) for n in self._share_lengths)
+        """Sends one result (see ``_send_element``); one that cannot be pickled is sent as its
+        error and the worker goes on with the next position."""
+        size = self._send_element(tree, cpu_seconds, names, dropped)
+        if size is not None and not names:
+            self._result_bytes = size
 
-    def _batches_in(self, elements: int) -> int:
-        if self._drop_remainder:
-            return elements // self._batch_size
-        return -(-elements // self._batch_size)
-
-    def elements_before(self, share: int, batch: int, ended: bool) -> int:
-        """Elements of share ``share`` read before its batch ``batch`` (its state under strict
-        rotation: ``{"next_index": …}`` counts elements), or all of them once the share
-        ``ended`` (a dropped remainder is read before the share ends)."""
-        length = self._share_lengths[share]
-        return length if ended else min(batch * self._batch_size, length)
-
-    def batches_before(self, share: int, elements: int) -> int:
-        """The batch of share ``share`` that starts after its first ``elements`` elements.
-
-        Raises:
-          IndexError: No batch starts there (the state belongs to another pipeline).
-        """
-        length = self._share_lengths[share]
-        if elements == length:
-            return self._batches_in(length)  # a dropped remainder was read too
-        if not 0 <= elements <= length or elements % self._batch_size:
-            raise IndexError(
-                f"Checkpoint `next_index` {elements} is not where a batch of "
-                f"{self._batch_size} starts in worker {share}'s {length} elements: the "
-                "checkpoint belongs to a different pipeline."
-            )
-        return elements // self._batch_size
-
-    def __len__(self) -> int:
-        return self._length
-
-    def __getitem__(self, index: Any) -> Any:
-        if isinstance(index, slice):
-            return self.slice(index)
-        if not 0 <= index < self._length:
-            raise IndexError(f"Index {index} is out of range for {self._length} batches.")
-        share, batch = index % self._count, index // self._count
-        first = batch * self._batch_size
-        stop = min(first + self._batch_size, self._share_lengths[share])
-        positions = range(share + first * self._count, share + stop * self._count, self._count)
-        parent = self._parents[0]
+    def _size_for_overdraft(self, tree: Any, names: list[str]) -> int | None:
+        """The pickled size of result ``tree``; None (it waits for a credit) if its arrays
+        are in blocks ``names``, it cannot be pickled, or the last results were too big to
+        overdraw a few (such results are not pickled twice)."""
+        if names or self._result_bytes > OVERDRAFT_BYTES // 4:
+            return None
+        if type(tree) in FIXED_SIZE_TYPES:
+            return 0
         try:
-            return parent._getitems(positions)
-        except Exception:  # noqa: BLE001 - read one by one to name the element that fails
-            return [read_index(parent, p) for p in positions]
-
-    def __repr__(self) -> str:
-        return (
-            f"ClassBatchesMapDataset(workers={self._count}, batch_size={self._batch_size}, "
-            f"drop_remainder={self._drop_remainder})"
-        )
+            return len(pickle.dumps(tree, protocol=pickle.HIGHEST_PROTOCOL))
+        except Exception:  # noqa: BLE001 - it is sent when a credit comes, and fails there
+            return None
 
 
-# ------------------------------------------------------------------------------ worker side
-class _Runs:
-    """Runs of assigned positions: ``(first index, first parent position, length)``."""
-
-    __slots__ = ("runs", "length")
-
-    def __init__(self) -> None:
-        self.runs: collections.deque[tuple[int, int, int]] = collections.deque()
-        self.length = 0
+def worker_main(spec: WorkerSpec, control: Any, output: Any) -> None:
+    """Entry point of a dispatching worker process."""
+    run_worker(DispatchWorkerLoop, spec, control, output)
 
 
-class AssignedPositionsMapDataset(MapDataset[Any]):
-    """The positions of ``parent`` assigned to one worker, in assignment order.
-
-    Index ``k`` is the ``k``-th assigned position. Runs ``(class, first slice index, count)``
-    of the ``count``-strided classes are appended as they arrive; runs already read are
-    dropped, so the memory stays that of the runs in flight. Copies (stage timing makes them)
-    share the runs.
-    """
-
-    def __init__(self, parent: MapDataset[Any], count: int) -> None:
-        super().__init__(parent)
-        self._count = count
-        self._assigned = _Runs()
-
-    def add(self, runs: Sequence[tuple[int, int, int]]) -> None:
-        assigned = self._assigned
-        for cls, first, length in runs:
-            assigned.runs.append((assigned.length, cls + first * self._count, length))
-            assigned.length += length
-
-    def drop_before(self, index: int) -> None:
-        """Forgets the runs that end before ``index`` (already read)."""
-        runs = self._assigned.runs
-        while runs and runs[0][0] + runs[0][2] <= index:
-            runs.popleft()
-
-    def position(self, index: int) -> int:
-        """The parent index of index ``index``.
-
-        Raises:
-          IndexError: If ``index`` is not assigned (or was dropped).
-        """
-        for start, first, length in self._assigned.runs:
-            if start <= index < start + length:
-                return first + (index - start) * self._count
-        raise IndexError(f"Index {index} is not among the positions assigned to this worker.")
-
-    def __len__(self) -> int:
-        return self._assigned.length
-
-    def __getitem__(self, index: Any) -> Any:
-        if isinstance(index, slice):
-            return self.slice(index)
-        return read_index(self._parents[0], self.position(index))
-
-    def _getitems(self, indices: Any) -> list[Any]:
-        return self._parents[0]._getitems(self._positions(indices))  # type: ignore[no-any-return]
-
-    def _positions(self, indices: Any) -> np.ndarray:
-        if not (isinstance(indices, range) and indices.step == 1):
-            return np.array([self.position(int(k)) for k in indices], np.int64)
-        lo, hi = indices.start, indices.stop
-        parts = []
-        for start, first, length in self._assigned.runs:
-            a, b = max(lo, start), min(hi, start + length)
-            if a < b:
-                parts.append(np.arange(a - start, b - start, dtype=np.int64) * self._count + first)
-        out = np.concatenate(parts) if parts else np.empty(0, np.int64)
-        if len(out) != len(indices):
-            raise IndexError(f"Indices {indices} are not all assigned to this worker.")
-        return out
-
-    def __repr__(self) -> str:
-        # One row of the execution summary, above its parent's.
-        return f"AssignedPositionsMapDataset(classes={self._count})"
-
-
-class PositionReader:
-    """A worker's reader of its assigned positions of ``ds`` (a ``to_iter_dataset`` reader),
-    in order, with that reader's read-ahead (in this thread while reads are CPU-bound, on
-    its read threads while they wait on I/O), which stops at the last position assigned.
-    ``None`` (filtered) elements are returned: the parent skips them in order.
-
-    Args:
-      ds: The pipeline given to ``mp_prefetch``.
-      index / count: This worker and the number of workers (= classes).
-      options: The parent's ``DatasetOptions``.
-    """
-
-    def __init__(
-        self,
-        ds: IterDataset[Any],
-        index: int,
-        count: int,
-        options: DatasetOptions | None,
-    ) -> None:
-        from grain_core.dataset.mp_prefetch import with_shared_memory_output
-
-        view = dispatch_view(with_shared_memory_output(ds), count)
-        assert view is not None, "the parent dispatches only pipelines with a view"
-        self._source = view.reader.map_parent
-        self._read_options = view.reader.read_options
-        self._steps = view.steps
-        self._context = MultiprocessingContext(index, count)
-        self._count = count
-        self._options = options
-        self._open()
-
-    def _open(self) -> None:
-        self._positions = AssignedPositionsMapDataset(self._source, self._count)
-        reader = PrefetchIterDataset(
-            self._positions, read_options=self._read_options, allow_nones=True
-        )
-        self.iterator = it = iter(reader)
-        #: What ``next`` reads from: the reader, then the steps (a stage of their own).
-        self.pipeline: DatasetIterator[Any] = (
-            it if self._steps is None else _StepsIterator(it, self._steps)
-        )
-        # One context for the whole pipeline, set once it is built.
-        self.pipeline._ctx.mp_context = self._context
-        if self._options is not None:
-            self.pipeline._merge_dataset_options(self._options)
-
-    def assign(self, runs: Sequence[tuple[int, int, int]]) -> None:
-        """Appends runs ``(class, first slice index, count)`` and starts reading them."""
-        self._positions.drop_before(self.iterator.get_state()["next_index"])
-        self._positions.add(runs)
-        self.iterator.source_extended()
-
-    def reset(self) -> None:
-        """Drops every position not yet returned (the parent restored a state)."""
-        self.pipeline.close()
-        self._open()
-
-    def ready(self) -> bool:
-        """Whether the next assigned position is read already."""
-        return self.iterator.buffered()
-
-    def read_ahead(self) -> bool:
-        """Reads assigned positions ahead in this thread when no read thread does (see
-        ``PrefetchDatasetIterator.read_ahead``); returns whether it read any."""
-        return self.iterator.read_ahead()
-
-    def next(self) -> Any:
-        """The element at the next assigned position.
-
-        Raises:
-          Exception: What computing it raised; the position is then skipped.
-        """
-        it = self.iterator
-        before = it.get_state()["next_index"]
-        try:
-            return next(self.pipeline)
-        except Exception:
-            if it.get_state()["next_index"] == before:  # reading it failed: skip it
-                it.set_state({"next_index": before + 1})
-            raise
-
-    def close(self) -> None:
-        self.pipeline.close()
-
-
-class _StepsIterator(DatasetIterator[Any]):
-    """A dispatching worker's steps after ``to_iter_dataset`` applied to the values its reader
-    reads, in its main thread; one stage in the execution summary."""
-
-    def __init__(self, reader: DatasetIterator[Any], steps: _StepsAfterReading) -> None:
-        super().__init__(reader)
-        self._steps = steps
-        self._stage_label = steps.label
-
-    def __next__(self) -> Any:
-        return self._steps(next(self._parents[0]))
-
-    def get_state(self) -> dict[str, Any]:
-        return self._parents[0].get_state()  # type: ignore[no-any-return]
-
-    def set_state(self, state: dict[str, Any]) -> None:
-        self._parents[0].set_state(state)
-
-
-# ------------------------------------------------------------------------------ parent side
+# ---------------------------------------------------------------------------- parent side
 class PositionDispatcher:
     """The parent's side: the worker processes, what each is computing, and the results
     waiting for the consumer, by ``(class, slice index)``. Shared by the ``N`` class iterators
@@ -563,7 +337,7 @@ class PositionDispatcher:
         self._checkers = [
             FilterRatioChecker(f"to_iter_dataset over {ds.map_parent!r}") for _ in range(n)
         ]
-        self._recycled = [_shm.RecycledBlocks() for _ in range(n)]
+        self._recycled = [shm.RecycledBlocks() for _ in range(n)]
         self._warning_registry: dict[Any, Any] = {}
         self._slots: list[Any] = [None] * n
         self._generation = 0
@@ -587,7 +361,7 @@ class PositionDispatcher:
             self._finalizer()  # the workers' blocks go with them
             self._finalizer = self._pool = None
             self._held.clear()
-            self._recycled = [_shm.RecycledBlocks() for _ in range(self._count)]
+            self._recycled = [shm.RecycledBlocks() for _ in range(self._count)]
 
     def start(self, options: DatasetOptions) -> None:
         """Starts the workers, unless they are running, and gives them their first runs."""
@@ -595,8 +369,6 @@ class PositionDispatcher:
             return
         mp_ds = self._mp_ds
         dataset, init_fn = mp_ds.payload()
-        from grain_core.dataset.mp_prefetch import loaded_plugin_names
-
         plugins = loaded_plugin_names()
         specs = [
             WorkerSpec(
@@ -610,12 +382,11 @@ class PositionDispatcher:
                 options=options,
                 shm_prefix=WorkerPool.new_prefix(w),
                 pool_size=2 * self._buffer + 2,
-                dispatch=True,
                 buffer_size=mp_ds.options.per_worker_buffer_size,
             )
             for w in range(self._count)
         ]
-        self._pool = pool = WorkerPool(specs)
+        self._pool = pool = start_workers(specs, worker_main)
         self._finalizer = weakref.finalize(self, pool.shutdown)
         self._cpu_mark = [0.0] * self._count
         self._since_learned = [0] * self._count
@@ -666,7 +437,7 @@ class PositionDispatcher:
                     counts[:] = [0, 0]
                 if value is None:
                     continue
-            return _shm.open_from_shm(value, self._recycled[worker]) if names else value
+            return shm.open_from_shm(value, self._recycled[worker]) if names else value
 
     def state_index(self, cls: int) -> int:
         """Class ``cls``'s ``next_index`` as its worker reports it under strict rotation."""
@@ -759,7 +530,7 @@ class PositionDispatcher:
         if credits or runs:
             assert self._pool is not None
             released = self._recycled[worker].take_released()
-            self._pool.send(worker, ("assign", self._generation, runs, credits, released))
+            self._pool.send(worker, assign_message(self._generation, runs, credits, released))
             self._granted[worker] += credits
 
     def _restart_runs(self) -> None:
@@ -790,8 +561,6 @@ class PositionDispatcher:
         recycled.forget(dropped)
         if generation != self._generation:
             if generation == STATS_GENERATION:
-                from grain_core.dataset.mp_prefetch import receive_side_message
-
                 slot = self._slots[worker]
                 iterator = None if slot is None else slot()
                 receive_side_message(kind, value, iterator, self._warning_registry)
@@ -799,8 +568,6 @@ class PositionDispatcher:
                 recycled.released.extend(names)
             return
         if kind == ERROR:
-            from grain_core.dataset.mp_prefetch import remote_error
-
             error = remote_error(value, worker, self._count)
             self._held[self._next_position(worker)] = (worker, ERROR, error, [])
             return
@@ -910,7 +677,7 @@ class PositionDispatcher:
             # writes into a block only once it has a credit to send what it wrote.
             if runs[worker] or credits or every_worker:
                 released = self._recycled[worker].take_released()
-                message = ("assign", self._generation, runs[worker], credits, released)
+                message = assign_message(self._generation, runs[worker], credits, released)
                 pool.send(worker, message)
                 self._granted[worker] += credits
 

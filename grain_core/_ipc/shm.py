@@ -57,7 +57,7 @@ __all__ = [
 #: is set explicitly: below it the system calls of a block cost more than copying the bytes.
 DEFAULT_MIN_SHM_SIZE = 64 * 1024
 
-_SHM_DIR = "/dev/shm"
+SHM_DIR = "/dev/shm"
 _RTYPE = "shared_memory"
 _POPULATE = getattr(mmap, "MAP_POPULATE", 0)
 _name_prefix = f"gc{os.getpid():x}{secrets.token_hex(3)}_"
@@ -80,14 +80,14 @@ class SharedMemoryFullError(OSError):
 
 def _no_room(size: int) -> SharedMemoryFullError:
     try:
-        stats = os.statvfs(_SHM_DIR)
+        stats = os.statvfs(SHM_DIR)
         free = f"{stats.f_bavail * stats.f_frsize} of {stats.f_blocks * stats.f_frsize}"
     except OSError:
         free = "unknown"
     # (errno, message) like any OSError, so the error pickles from a worker to the parent.
     return SharedMemoryFullError(
         errno.ENOSPC,
-        f"{_SHM_DIR} has no room for a shared-memory block of {size} bytes ({free} bytes "
+        f"{SHM_DIR} has no room for a shared-memory block of {size} bytes ({free} bytes "
         "free). Give the machine or container more shared memory (e.g. `docker run "
         "--shm-size=2g`), or lower MultiprocessingOptions.per_worker_buffer_size or "
         "num_workers.",
@@ -254,7 +254,7 @@ def unlink_block(name: str) -> None:
 def unlink_prefix(prefix: str) -> list[str]:
     """Removes every block whose name starts with ``prefix``; returns the names removed."""
     try:
-        entries = os.listdir(_SHM_DIR)
+        entries = os.listdir(SHM_DIR)
     except OSError:
         return []
     removed = [f"/{e}" for e in entries if e.startswith(prefix)]

@@ -1,0 +1,502 @@
+"""Worker processes: how they start, how the parent talks to them, how they stop.
+
+The transport knows no dataset. An engine hands ``WorkerPool`` its worker specs (read here for
+their ``index``, ``count`` and ``shm_prefix`` only, forwarded unread otherwise), the entry
+point each worker runs, ``entry(spec, control, output)``, and the modules the forkserver
+imports once before forking. Each worker has two one-way pipes: control (parent → worker) and
+output (worker → parent); messages are pickled bytes whose meaning is the engine's.
+
+Processes start from a dedicated forkserver that has already imported the engine's modules
+(NumPy and cloudpickle included), so a worker costs a ``fork`` instead of a fresh
+interpreter. Unlike ``multiprocessing``'s own start methods, the worker does not re-run the
+parent's ``__main__`` module: the pipeline arrives through cloudpickle, which carries
+``__main__`` functions by value, so a training script that imports JAX at the top does not
+import it again in every worker. The forkserver starts with the parent's ``sys.path`` (and not
+the working directory first, as ``python -c`` would), so workers import exactly the modules
+the parent imported: a parent that runs an installed grain_core from inside a source checkout
+does not get workers running the checkout's.
+
+The parent waits on the output pipe together with the process sentinel, so a worker that dies is
+noticed at once. The worker watches the parent's sentinel in a thread, so it exits as soon as
+the parent dies.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import faulthandler
+import io
+import multiprocessing
+import multiprocessing.connection
+import os
+import pickle
+import secrets
+import select
+import signal
+import sys
+import threading
+import time
+from collections.abc import Callable, Sequence
+from multiprocessing import context as mp_context
+from multiprocessing import forkserver, popen_forkserver, reduction, spawn, util
+from typing import Any, Protocol
+
+from grain_core._ipc import shm
+from grain_core._ipc.errors import WorkerDiedError, unreadable_element_error
+from grain_core.config import config
+
+__all__ = [
+    "PooledWorker",
+    "WorkerPool",
+    "readiness_check",
+    "worker_glibc_tunables",
+]
+
+
+class PooledWorker(Protocol):
+    """What the pool reads of a worker's spec; the rest is the engine's."""
+
+    index: int
+    count: int
+    shm_prefix: str
+
+
+#: Environment variable a worker gets for ``JAX_PLATFORMS`` unless the parent sets
+#: ``GRAIN_CORE_WORKER_JAX_PLATFORMS``: workers never claim an accelerator by default.
+_WORKER_JAX_PLATFORMS_ENV = "GRAIN_CORE_WORKER_JAX_PLATFORMS"
+
+# ---------------------------------------------------------------------------------- starting
+#: glibc's environment variable for its tunables, read once when a program starts.
+_GLIBC_TUNABLES = "GLIBC_TUNABLES"
+_STREAMING_COPY_TUNABLE = "glibc.cpu.x86_non_temporal_threshold"
+
+
+def worker_glibc_tunables(inherited: str | None, streaming_copy_bytes: int) -> str | None:
+    """The ``GLIBC_TUNABLES`` the workers' forkserver starts with: ``inherited`` plus the
+    threshold above which ``memcpy`` uses streaming (non-temporal) stores.
+
+    Why: a worker copies each large array into a shared-memory block that the parent reads
+    later, from another core. Ordinary stores first read every destination line into the
+    cache and evict the pipeline's own data, and leave the lines modified in the worker's
+    core, from which the parent's reads must fetch them one by one; streaming stores write
+    to memory, which the parent reads at its full speed. 4 MiB batches from 2 workers, the
+    parent copying each out (as a transfer to a device does): 1.2-1.7x the batches of
+    glibc's ordinary stores here. (The parent touching one value per page only,
+    ``mp_shm_transport``: 1.4x faster on one host, 0.8-0.9x on another.) glibc's own
+    threshold is a fraction of the shared cache, which VMs often report as the whole host's
+    (192 and 320 MiB on two hosts here), so it never applies. Smaller copies keep ordinary
+    stores: their blocks stay in the cache. A threshold the user set wins; glibc
+    ignores the tunable on other CPUs. Programs a worker starts inherit the variable.
+    """
+    if streaming_copy_bytes == 0 or (inherited and _STREAMING_COPY_TUNABLE in inherited):
+        return inherited
+    tunable = f"{_STREAMING_COPY_TUNABLE}={streaming_copy_bytes:#x}"
+    return f"{inherited}:{tunable}" if inherited else tunable
+
+
+#: Variables the forkserver starts with so that it imports from the parent's ``sys.path``;
+#: workers get the parent's values back (``_start_worker``).
+_IMPORT_PATH_ENV = ("PYTHONPATH", "PYTHONSAFEPATH")
+
+
+def _parent_import_path() -> str:
+    """The parent's ``sys.path`` as a ``PYTHONPATH`` (an empty entry is its working directory,
+    resolved now: the forkserver keeps the directory it starts in, but resolves ``""`` later)."""
+    return os.pathsep.join(os.path.abspath(p) if p == "" else p for p in sys.path)
+
+
+class _WorkerForkServer(forkserver.ForkServer):
+    """The forkserver of grain_core's workers: it starts with ``worker_glibc_tunables`` and the
+    parent's ``sys.path``, and imports the preload list the first pool asks for."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        # Two threads starting worker pools at once must not restore each other's variables.
+        self._start_lock = threading.Lock()
+
+    def ensure_running(self) -> None:
+        pid = getattr(self, "_forkserver_pid", None)
+        if pid is not None and (
+            not hasattr(os, "waitid")  # no glibc there: the base class restarts it as it is
+            or os.waitid(os.P_PID, pid, os.WEXITED | os.WNOHANG | os.WNOWAIT) is None
+        ):
+            super().ensure_running()  # running (the check above does not reap it)
+            return
+        # Not started yet, or it died: it starts with these variables either way. (The
+        # server inherits the environment at its start; workers fork from it.)
+        with self._start_lock:
+            inherited = os.environ.get(_GLIBC_TUNABLES)
+            tunables = worker_glibc_tunables(inherited, config.py_mp_worker_streaming_copy_bytes)
+            start_env = {
+                # ``python -c`` puts the working directory first on the server's path,
+                # and the parent's own path is not passed to it before the preload.
+                "PYTHONSAFEPATH": "1",
+                "PYTHONPATH": _parent_import_path(),
+            }
+            if tunables is not None and tunables != inherited:
+                start_env[_GLIBC_TUNABLES] = tunables
+            saved = {name: os.environ.get(name) for name in start_env}
+            os.environ.update(start_env)
+            try:
+                super().ensure_running()
+            finally:
+                _restore_environ(saved)
+
+
+def _restore_environ(values: dict[str, str | None]) -> None:
+    """Sets each variable to its value in ``values``; None: unset."""
+    for name, value in values.items():
+        if value is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = value
+
+
+_FORKSERVER = _WorkerForkServer()
+
+
+class _Popen(popen_forkserver.Popen):
+    """Starts a process from our forkserver without re-importing the parent's ``__main__``."""
+
+    def _launch(self, process_obj: Any) -> None:
+        prep_data = spawn.get_preparation_data(process_obj._name)
+        prep_data.pop("init_main_from_path", None)
+        prep_data.pop("init_main_from_name", None)
+        buf = io.BytesIO()
+        mp_context.set_spawning_popen(self)
+        try:
+            reduction.dump(prep_data, buf)
+            reduction.dump(process_obj, buf)
+        finally:
+            mp_context.set_spawning_popen(None)
+        self.sentinel, w = _FORKSERVER.connect_to_new_process(self._fds)  # type: ignore[attr-defined]
+        # The child watches this pipe to learn that the parent died.
+        parent_w = os.dup(w)
+        self.finalizer = util.Finalize(self, util.close_fds, (parent_w, self.sentinel))  # type: ignore[attr-defined]
+        with open(w, "wb", closefd=True) as f:
+            f.write(buf.getbuffer())
+        self.pid = forkserver.read_signed(self.sentinel)
+
+
+class _WorkerProcess(mp_context.ForkServerProcess):
+    @staticmethod
+    def _Popen(process_obj: Any) -> Any:
+        return _Popen(process_obj)
+
+
+def _process_class() -> type[multiprocessing.process.BaseProcess]:
+    if "forkserver" in multiprocessing.get_all_start_methods():
+        return _WorkerProcess
+    return multiprocessing.get_context("spawn").Process  # type: ignore[no-any-return]
+
+
+# ------------------------------------------------------------------------------ worker side
+@dataclasses.dataclass(frozen=True)
+class _ProcessSetup:
+    """What a worker process sets up before the engine's entry point runs.
+
+    Attributes:
+      environ: The parent's values of the variables the forkserver started with for its
+        imports (None: unset), given back to the worker.
+      jax_platforms: ``JAX_PLATFORMS`` for the worker.
+    """
+
+    environ: dict[str, str | None]
+    jax_platforms: str
+
+
+def _start_worker(
+    entry: Callable[[Any, Any, Any], None],
+    setup: _ProcessSetup,
+    spec: PooledWorker,
+    control: Any,
+    output: Any,
+) -> None:
+    """The target of every worker process: sets the process up, then runs ``entry``."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's to handle.
+    # A crash in native code (a decoder, a C extension) prints the worker's Python stack to
+    # the stderr it shares with the parent, which then names the signal.
+    faulthandler.enable()
+    _restore_environ(setup.environ)
+    os.environ["JAX_PLATFORMS"] = setup.jax_platforms
+    shm.set_name_prefix(spec.shm_prefix)
+    _watch_parent()
+    entry(spec, control, output)
+
+
+def _watch_parent() -> None:
+    parent = multiprocessing.parent_process()
+    if parent is None or parent.sentinel is None:
+        return
+    sentinel = parent.sentinel
+
+    def wait_and_exit() -> None:
+        multiprocessing.connection.wait([sentinel])
+        # The parent is gone: nobody will read our output. Blocks still in flight are removed
+        # by the resource tracker.
+        os._exit(0)
+
+    threading.Thread(target=wait_and_exit, name="grain_core-parent-watch", daemon=True).start()
+
+
+def readiness_check(conn: Any) -> Any:
+    """A function telling, without blocking, whether ``conn`` has data to read.
+
+    ``Connection.poll()`` builds and tears down a selector on every call (about 7 us); a
+    ``select.poll`` object registered once answers in well under a microsecond, and the check
+    runs for every element on both sides of the pipe.
+    """
+    if not hasattr(select, "poll"):
+        return conn.poll
+    poller = select.poll()
+    poller.register(conn.fileno(), select.POLLIN)
+
+    def ready() -> bool:
+        return bool(poller.poll(0))
+
+    return ready
+
+
+# ------------------------------------------------------------------------------ parent side
+class _WorkersPoller:
+    """One ``poll`` over every worker's output pipe and process sentinel.
+
+    The dispatching parent asks which workers sent something a few times per element; one
+    system call registered once answers for all of them (a check per worker and message cost
+    the parent as much CPU as mapping the element's pages).
+    """
+
+    def __init__(self, outputs: Sequence[Any], sentinels: Sequence[int]) -> None:
+        self._outputs = list(outputs)
+        self._sentinels = list(sentinels)
+        self._workers: dict[int, tuple[int, bool]] = {}
+        self._poller = select.poll() if hasattr(select, "poll") else None
+        for index, (conn, sentinel) in enumerate(zip(outputs, sentinels, strict=True)):
+            self._workers[conn.fileno()] = (index, True)
+            self._workers[sentinel] = (index, False)
+            if self._poller is not None:
+                self._poller.register(conn.fileno(), select.POLLIN)
+                self._poller.register(sentinel, select.POLLIN)
+
+    def poll(self, timeout: float | None) -> tuple[list[int], list[int]]:
+        """Workers with output to read (data or its end) and workers that ended, each in index
+        order, after waiting up to ``timeout`` seconds (None: forever) for either."""
+        if self._poller is None:
+            waitables = [*self._outputs, *self._sentinels]
+            fired = multiprocessing.connection.wait(waitables, timeout)
+            fds = [x if isinstance(x, int) else x.fileno() for x in fired]
+        else:
+            ms = None if timeout is None else int(timeout * 1000)
+            fds = [fd for fd, _ in self._poller.poll(ms)]
+        ready: list[int] = []
+        ended: list[int] = []
+        for fd in fds:
+            index, is_output = self._workers[fd]
+            (ready if is_output else ended).append(index)
+        return sorted(ready), sorted(ended)
+
+
+#: What a worker killed by a signal most likely ran into, and what to do about it.
+_SIGNAL_HINTS = {
+    signal.SIGKILL: (
+        " A SIGKILL usually means the machine ran out of memory: reduce "
+        "per_worker_buffer_size, the number of workers or the element size."
+    ),
+    signal.SIGSEGV: (
+        " The worker crashed in native code (a C extension used by the pipeline); its Python "
+        "stack at the crash is on stderr above."
+    ),
+    signal.SIGBUS: (
+        f" A SIGBUS usually means {shm.SHM_DIR} is full (Docker gives containers 64 MiB): "
+        "give the container more shared memory (`docker run --shm-size=2g`) or reduce "
+        "per_worker_buffer_size or the number of workers."
+    ),
+}
+
+
+#: Seconds that stopping a pool gives its workers to exit before they are killed.
+_STOP_TIMEOUT_S = 5.0
+
+
+class WorkerPool:
+    """The parent's handles on a set of worker processes. Holds no reference to the iterator
+    that uses it, so it can be finalised when that iterator is garbage-collected.
+
+    Args:
+      specs: One per worker, passed to ``entry`` unread (but for ``PooledWorker``'s fields).
+      entry: What each worker runs, ``entry(spec, control, output)``: a module-level function
+        (it is pickled by reference). It reads its control messages with
+        ``control.recv_bytes()`` and sends with ``output.send_bytes``.
+      preload: Modules the forkserver imports before its first fork (used when it starts).
+
+    Raises:
+      ValueError: Inside a worker process (workers do not start workers).
+    """
+
+    def __init__(
+        self,
+        specs: Sequence[PooledWorker],
+        entry: Callable[[Any, Any, Any], None],
+        preload: Sequence[str] = (),
+    ) -> None:
+        self._closed = False
+        self._procs: list[Any] = []
+        self._controls: list[Any] = []
+        self._outputs: list[Any] = []
+        self._output_ready: list[Any] = []
+        self._prefixes = [spec.shm_prefix for spec in specs]
+        self._labels = [f"{spec.index} of {spec.count}" for spec in specs]
+        #: Size of the last message ``recv`` read (the parent tells small elements from large
+        #: ones as the worker did).
+        self.last_message_bytes = 0
+        if multiprocessing.current_process().daemon:
+            raise ValueError(
+                "mp_prefetch cannot start worker processes inside a worker process (an "
+                "mp_prefetch or DataLoader with workers inside another one's pipeline). Keep "
+                "one at the end of the pipeline; use multithread_prefetch inside."
+            )
+        process_cls = _process_class()
+        if process_cls is _WorkerProcess:
+            _FORKSERVER.set_forkserver_preload(list(preload))
+        setup = _ProcessSetup(
+            environ={name: os.environ.get(name) for name in _IMPORT_PATH_ENV},
+            jax_platforms=os.environ.get(_WORKER_JAX_PLATFORMS_ENV, "cpu"),
+        )
+        try:
+            for spec in specs:
+                control_r, control_w = multiprocessing.Pipe(duplex=False)
+                output_r, output_w = multiprocessing.Pipe(duplex=False)
+                proc = process_cls(
+                    target=_start_worker,
+                    args=(entry, setup, spec, control_r, output_w),
+                    name=f"grain_core-worker-{spec.index}",
+                    daemon=True,
+                )
+                proc.start()
+                control_r.close()
+                output_w.close()
+                self._procs.append(proc)
+                self._controls.append(control_w)
+                self._outputs.append(output_r)
+                self._output_ready.append(readiness_check(output_r))
+        except BaseException:
+            self.shutdown()
+            raise
+        self._poller = _WorkersPoller(self._outputs, [proc.sentinel for proc in self._procs])
+
+    @staticmethod
+    def new_prefix(index: int) -> str:
+        """A shared-memory name prefix unique to one worker of one pool."""
+        return f"gc{os.getpid():x}{secrets.token_hex(4)}w{index}_"
+
+    def send(self, index: int, message: tuple[Any, ...]) -> None:
+        """Sends a control message (a dead worker is reported by the next ``recv``)."""
+        data = pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
+        try:
+            self._controls[index].send_bytes(data)
+        except (BrokenPipeError, ConnectionResetError, OSError):
+            pass
+
+    def ready_workers(self, timeout: float | None = 0.0) -> list[int]:
+        """The workers with a message waiting, in index order; waits up to ``timeout`` seconds
+        (None: until there is one) when there is none.
+
+        Raises:
+          WorkerDiedError: A worker ended with no message left to read.
+        """
+        ready, ended = self._poller.poll(timeout)
+        for index in ended:
+            if index not in ready:
+                raise self._died(index)
+        return ready
+
+    def recv(self, index: int, ready: bool = False) -> tuple[Any, ...]:
+        """Returns the next message of worker ``index``, waiting for it.
+
+        Args:
+          index: The worker.
+          ready: ``ready_workers`` just listed the worker: a message (or the end of the pipe)
+            is there, no need to check.
+
+        Raises:
+          WorkerDiedError: If the worker process ended.
+          UnreadableElementError: If the message cannot be unpickled.
+        """
+        conn = self._outputs[index]
+        if not ready and not self._output_ready[index]():
+            multiprocessing.connection.wait([conn, self._procs[index].sentinel])
+            if not self._output_ready[index]():
+                # Ended with nothing left to read; no end of file comes while a process the
+                # worker started holds its end of the pipe.
+                raise self._died(index)
+        try:
+            data = conn.recv_bytes()
+        except (EOFError, OSError):
+            raise self._died(index) from None
+        self.last_message_bytes = len(data)
+        try:
+            return pickle.loads(data)  # type: ignore[no-any-return]
+        except Exception as e:
+            raise unreadable_element_error(self._labels[index], e) from e
+
+    def _died(self, index: int) -> WorkerDiedError:
+        proc = self._procs[index]
+        proc.join(timeout=5)
+        code = proc.exitcode
+        shm.unlink_prefix(self._prefixes[index])
+        how = f"exit code {code}"
+        hint = ""
+        if code is not None and code < 0:
+            try:
+                how += f" ({signal.Signals(-code).name})"
+            except ValueError:
+                pass
+            hint = _SIGNAL_HINTS.get(-code, "")
+        return WorkerDiedError(
+            f"Worker process {self._labels[index]} (pid {proc.pid}) was terminated "
+            f"unexpectedly with {how}.{hint}"
+        )
+
+    def shutdown(self) -> None:
+        """Stops every worker, frees shared memory left in flight. Idempotent.
+
+        Workers get ``_STOP_TIMEOUT_S`` in all to exit (one busy in a long user function is
+        killed after it), not that long each."""
+        if self._closed:
+            return
+        self._closed = True
+        for conn in self._controls:
+            conn.close()  # the worker's next read of its control pipe ends it
+        self._drain_until_exit(time.monotonic() + _STOP_TIMEOUT_S)
+        for proc in self._procs:
+            if proc.exitcode is None:
+                proc.kill()
+        for index, proc in enumerate(self._procs):
+            proc.join(timeout=5)
+            shm.unlink_prefix(self._prefixes[index])
+        for conn in self._outputs:
+            conn.close()
+        for proc in self._procs:
+            if proc.exitcode is not None:
+                proc.close()
+
+    def _drain_until_exit(self, deadline: float) -> None:
+        # A worker blocked writing a large message exits only once that message is read.
+        running = dict(zip(self._outputs, self._procs, strict=True))
+        while running:
+            for conn, proc in list(running.items()):
+                if proc.exitcode is not None:
+                    del running[conn]
+            remaining = deadline - time.monotonic()
+            if not running or remaining <= 0:
+                return
+            waitables = [*running, *(proc.sentinel for proc in running.values())]
+            ready: list[Any] = multiprocessing.connection.wait(waitables, timeout=remaining)
+            for conn in ready:
+                if conn not in running:
+                    continue  # a sentinel: exitcode tells on the next round
+                try:
+                    conn.recv_bytes()
+                except (EOFError, OSError):
+                    running[conn].join(timeout=max(deadline - time.monotonic(), 0))
+                    del running[conn]

@@ -1,0 +1,111 @@
+"""Optional capabilities: what a dataset, batch function, source or sampler may offer beyond
+its base protocol, each a named ``Protocol``.
+
+grain_core checks them with ``isinstance`` when a graph is built or an object is taken in
+(never per element), and uses the capability when it is there. Plugins and users implement
+them by defining the methods; no base class is needed.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any, Protocol, runtime_checkable
+
+import numpy as np
+
+__all__ = [
+    "CheckpointAliases",
+    "ColumnReadSource",
+    "InPlaceSliceable",
+    "MetadataBlockSampler",
+    "RecordKeysSampler",
+    "ShardStateOwner",
+    "SharedMemoryBatchFn",
+    "WorkerSliceable",
+]
+
+
+@runtime_checkable
+class WorkerSliceable(Protocol):
+    """An ``IterDataset`` source that makes a copy of itself reading only a slice of its inputs
+    (files, datasets): how worker processes, threads and elastic shards split it."""
+
+    def with_slice(self, sl: slice) -> Any:
+        """A copy reading the inputs ``sl`` selects (``slice(index, None, count)``)."""
+        ...
+
+
+@runtime_checkable
+class InPlaceSliceable(Protocol):
+    """Grain's spelling of ``WorkerSliceable``: slices its inputs in place (grain_core calls it
+    on a copy)."""
+
+    def set_slice(self, sl: slice) -> None:
+        """Reads only the inputs ``sl`` selects from now on."""
+        ...
+
+
+@runtime_checkable
+class SharedMemoryBatchFn(Protocol):
+    """A batch function that can write its output straight into shared memory, used when the
+    batch is the last step inside a worker process."""
+
+    def __call__(self, values: Sequence[Any]) -> Any: ...
+
+    def enable_shared_memory_output(self) -> None:
+        """Makes this (a copy, in the worker) write its batches into shared memory."""
+        ...
+
+
+@runtime_checkable
+class ColumnReadSource(Protocol):
+    """A random-access source that reads records column-wise, as one dict of columns per
+    batch of keys (the DataLoader and ``to_iter_dataset`` batch them without stacking)."""
+
+    def read_columns(self, record_keys: Sequence[int]) -> Any:
+        """The records ``record_keys`` as columns."""
+        ...
+
+
+@runtime_checkable
+class CheckpointAliases(Protocol):
+    """An object named in DataLoader checkpoints that other spellings name too (e.g. Google
+    Grain's ``repr`` of the same source), so their checkpoints restore."""
+
+    def checkpoint_reprs(self) -> list[str]:
+        """The other names a checkpoint may give this object."""
+        ...
+
+
+@runtime_checkable
+class RecordKeysSampler(Protocol):
+    """A sampler that gives the record keys of many indices at once, without metadata."""
+
+    def record_keys(self, indices: Sequence[int] | np.ndarray) -> np.ndarray:
+        """``[self[i].record_key for i in indices]`` as an int64 array."""
+        ...
+
+
+@runtime_checkable
+class MetadataBlockSampler(Protocol):
+    """A sampler that gives the metadata of many indices at once."""
+
+    def metadata_block(
+        self, indices: Sequence[int] | np.ndarray, *, with_rng: bool = True
+    ) -> list[Any]:
+        """``[self[i] for i in indices]``; ``with_rng=False`` leaves each ``rng`` None."""
+        ...
+
+
+@runtime_checkable
+class ShardStateOwner(Protocol):
+    """An iterator that keeps its progress per input dataset, which ``ElasticIterator``
+    redistributes when the number of shards changes."""
+
+    def get_shard_states(self) -> Any:
+        """The progress of each input dataset."""
+        ...
+
+    def set_shard_states(self, states: Any) -> None:
+        """Restores the progress of each input dataset."""
+        ...

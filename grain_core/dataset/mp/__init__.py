@@ -1,0 +1,197 @@
+"""``IterDataset.mp_prefetch``: the pipeline runs in worker processes.
+
+Two engines, one output. With only 1:1 transformations after the slice point the output
+equals the single-process output; in every case it and the checkpoints are those of strict
+rotation over ``N`` strided worker shares:
+
+* ``rotation``: worker ``w`` of ``N`` runs its share of the pipeline (``worker_slicing``) and
+  streams it; the parent takes one element from each worker in turn. Any pipeline.
+* ``dispatch``: when every element is a function of its position (a MapDataset read by
+  ``to_iter_dataset``, optionally followed by IterDataset ``map`` steps and one final
+  ``batch``), the parent hands positions to whichever worker is free, so a worker on a slower
+  core does not hold back the others (``config.py_mp_prefetch_dispatch = False`` keeps each
+  worker on its share; so does a ``worker_init_fn``, which may set workers up differently).
+
+This module chooses the engine and merges: the parent side is an ``InterleaveIterDataset``
+with one input per worker (rotation) or per strided class of positions (dispatch), so the
+state is the interleave state with one worker pipeline state per input. The rest of the
+folder: ``protocol`` (the messages), ``pickling``, ``worker`` (the worker loop both engines
+share), ``shm_batch`` (batches written into shared memory), ``positions`` (what dispatching
+workers compute). The processes themselves are ``grain_core._ipc``'s.
+"""
+
+from __future__ import annotations
+
+import functools
+import sys
+import warnings
+from collections.abc import Callable
+from typing import Any
+
+from grain_core.dataset.base import DatasetIterator, IterDataset
+from grain_core.dataset.interleave import InterleaveIterDataset
+from grain_core.dataset.mp import dispatch, rotation
+from grain_core.dataset.mp.pickling import pickle_init_fn, pickle_pipeline
+from grain_core.dataset.mp.shm_batch import shared_memory_batch_fn
+from grain_core.dataset.multithread import multithread_prefetch
+from grain_core.dataset.options import DatasetOptions
+from grain_core.dataset.with_options import WithOptionsIterDataset
+from grain_core.options import MultiprocessingOptions
+
+__all__ = [
+    "MultiprocessPrefetchIterDataset",
+    "mp_prefetch",
+    "shared_memory_batch_fn",
+]
+
+
+def mp_prefetch(
+    ds: IterDataset[Any],
+    options: MultiprocessingOptions | None = None,
+    worker_init_fn: Callable[[int, int], None] | None = None,
+    sequential_slice: bool = False,
+) -> IterDataset[Any]:
+    """Runs ``ds`` in ``options.num_workers`` processes (``ds`` itself when that is 0).
+
+    On free-threaded CPython (GIL disabled) threads run in parallel too, so the workers are
+    threads instead (``multithread_prefetch`` over a deep copy of ``ds`` per thread, the same
+    output order) and ``worker_init_fn`` is ignored with a warning.
+
+    Args:
+      ds: The pipeline to run in workers.
+      options: Worker count and per-worker buffer; default 10 workers.
+      worker_init_fn: Called as ``fn(worker_index, worker_count)`` in each worker before the
+        pipeline is unpickled.
+      sequential_slice: Give each worker a contiguous block of the source instead of a strided
+        share (only for element-wise MapDataset pipelines above the source).
+    """
+    if options is None:
+        options = MultiprocessingOptions(num_workers=10)
+    if options.num_workers == 0:
+        return ds
+    if not _gil_enabled():
+        if worker_init_fn is not None:
+            warnings.warn(
+                "mp_prefetch runs its workers as threads on free-threaded Python (the GIL is "
+                "disabled), so worker_init_fn is ignored.",
+                RuntimeWarning,
+                stacklevel=3,
+            )
+        return multithread_prefetch(
+            ds,
+            options.num_workers,
+            options.per_worker_buffer_size,
+            sequential_slice,
+            copy_per_thread=True,
+        )
+    return MultiprocessPrefetchIterDataset(
+        ds, options, worker_init_fn=worker_init_fn, sequential_slice=sequential_slice
+    )
+
+
+def _gil_enabled() -> bool:
+    """False only on a free-threaded CPython running with the GIL disabled."""
+    is_enabled = getattr(sys, "_is_gil_enabled", None)
+    return True if is_enabled is None else bool(is_enabled())
+
+
+def _upstream_options(ds: IterDataset[Any]) -> DatasetOptions | None:
+    """The ``DatasetOptions`` of every ``WithOptionsIterDataset`` in the subtree of ``ds``,
+    merged so that the most downstream explicitly set value wins (None if there are none)."""
+    merged: DatasetOptions | None = None
+    queue: list[Any] = [ds]
+    seen: set[int] = set()
+    while queue:  # breadth first: nearer the output comes first and wins
+        node = queue.pop(0)
+        if id(node) in seen:
+            continue
+        seen.add(id(node))
+        if isinstance(node, WithOptionsIterDataset):
+            merged = node.options if merged is None else merged.merge(node.options)
+        queue.extend(p for p in getattr(node, "_parents", ()) if isinstance(p, IterDataset))
+    return merged
+
+
+class MultiprocessPrefetchIterDataset(IterDataset[Any]):
+    """The pipeline ``parent`` run by worker processes (see module docstring)."""
+
+    def __init__(
+        self,
+        parent: IterDataset[Any],
+        options: MultiprocessingOptions,
+        *,
+        worker_init_fn: Callable[[int, int], None] | None = None,
+        sequential_slice: bool = False,
+    ) -> None:
+        super().__init__(parent)
+        self.options = options
+        self.worker_init_fn = worker_init_fn
+        self.sequential_slice = sequential_slice
+        self._payload: tuple[bytes, bytes | None] | None = None
+
+    @property
+    def num_workers(self) -> int:
+        return self.options.num_workers
+
+    def payload(self) -> tuple[bytes, bytes | None]:
+        """The cloudpickled pipeline and ``worker_init_fn``, computed once.
+
+        Raises:
+          Exception: The pickling error, with a note naming the first node that cannot be
+            pickled.
+        """
+        if self._payload is None:
+            dataset = pickle_pipeline(self._parents[0])
+            init = None if self.worker_init_fn is None else pickle_init_fn(self.worker_init_fn)
+            self._payload = (dataset, init)
+        return self._payload
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {**self.__dict__, "_payload": None}
+
+    def __iter__(self) -> DatasetIterator[Any]:
+        make: Callable[[int], DatasetIterator[Any]]
+        # What a worker_init_fn sets up may differ by worker: element k then has to come from
+        # worker k % N, as in a single strided share each, for the output to be deterministic.
+        if self.worker_init_fn is None and dispatch.dispatchable(
+            self._parents[0], self.num_workers, self.sequential_slice
+        ):
+            make = functools.partial(
+                dispatch.DispatchedClassIterator, dispatch.PositionDispatcher(self)
+            )
+        else:
+            make = functools.partial(rotation.RotationIterator, self)
+        workers = [_MergeInputIterDataset(make, w) for w in range(self.num_workers)]
+        # Strict rotation that skips exhausted workers is an interleave with one slot per
+        # worker; the worker processes are the read-ahead, so no input threads.
+        it = iter(InterleaveIterDataset(workers, cycle_length=len(workers), iter_buffer_size=0))
+        it._stage_label = f"MultiprocessPrefetch(num_workers={self.num_workers})"  # type: ignore[attr-defined]
+        # Options set upstream apply in the workers (they are part of the pickled pipeline)
+        # and, collected here, to the parent's side of the pipeline too, as in Grain.
+        options = _upstream_options(self._parents[0])
+        if options is not None:
+            it._merge_dataset_options(options)
+        return it
+
+    def __repr__(self) -> str:
+        return (
+            f"MultiprocessPrefetchIterDataset(num_workers={self.num_workers}, "
+            f"per_worker_buffer_size={self.options.per_worker_buffer_size}, "
+            f"sequential_slice={self.sequential_slice})"
+        )
+
+
+class _MergeInputIterDataset(IterDataset[Any]):
+    """Input ``index`` of an mp_prefetch's parent-side interleave: the output of worker
+    ``index`` (rotation), or of class ``index`` (dispatch); ``make(index)`` reads it."""
+
+    def __init__(self, make: Callable[[int], DatasetIterator[Any]], index: int) -> None:
+        super().__init__()
+        self.make = make
+        self.index = index
+
+    def __iter__(self) -> DatasetIterator[Any]:
+        return self.make(self.index)
+
+    def __repr__(self) -> str:
+        return f"_MergeInputIterDataset(index={self.index})"

@@ -1,0 +1,136 @@
+"""The messages between an ``mp_prefetch`` parent and its workers, shared by both engines.
+
+One kind convention everywhere: a message is a plain tuple whose kind is a small int, pickled
+once (``pickling.dumps_message``) and sent as bytes over the worker's pipes
+(``grain_core._ipc.pool``).
+
+* Control (parent → worker): ``(kind, ...)``: ``CREDIT`` and ``SET_STATE`` for strict
+  rotation (``rotation.py``), ``ASSIGN`` for dispatch (``dispatch.py``). No message stops a
+  worker: the parent closes its control pipe (``WorkerPool.shutdown``).
+* Output (worker → parent): ``(generation, kind, payload, extra, shm_names, dropped)``, six
+  fields always, so one unpacking reads any of them. ``generation`` counts the parent's
+  restores (a message of an older one is discarded, its blocks freed); ``extra`` is the
+  worker's state after the element (rotation) or its CPU seconds so far (dispatch);
+  ``shm_names`` are the blocks holding the element's arrays; ``dropped`` the blocks the
+  worker freed (the parent forgets its mappings of them). Here: ``ELEMENT``, ``ERROR``, and
+  the side messages ``STATS`` and ``WARNING`` (generation ``STATS_GENERATION``, which no
+  restore has, so the element path never looks at them; ``receive_side_message`` reads
+  them). Rotation adds ``END``, ``PICKLED_ELEMENTS`` and ``WANTS_CREDIT``; dispatch adds
+  ``ELEMENTS``.
+
+Kinds are numbered here for both engines so that no two mean the same.
+
+Flow control, decided alike on both sides: a worker sends against credits (the parent grants
+``per_worker_buffer_size`` and returns one for each element handed out). An element that
+needs no shared memory may also go without a credit, while the worker's *overdraft*
+(elements sent beyond its credits, which the next credits cover first) stays within
+``SMALL_AHEAD`` elements and ``OVERDRAFT_BYTES`` pickled (``overdraft_room``); credits then
+go back in batches (``credit_batch``).
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Sequence
+from typing import Any
+
+from grain_core._ipc.errors import ErrorPayload
+from grain_core.dataset.base import DatasetIterator
+from grain_core.dataset.stats import attach_worker_stages
+
+__all__ = [
+    "ASSIGN",
+    "CREDIT",
+    "ELEMENT",
+    "ELEMENTS",
+    "END",
+    "ERROR",
+    "OVERDRAFT_BYTES",
+    "PICKLED_ELEMENTS",
+    "SET_STATE",
+    "SMALL_AHEAD",
+    "STATS",
+    "STATS_GENERATION",
+    "WANTS_CREDIT",
+    "WARNING",
+    "credit_batch",
+    "element_message",
+    "error_message",
+    "overdraft_room",
+    "receive_side_message",
+    "stats_message",
+    "warning_message",
+]
+
+# Control kinds (parent → worker).
+CREDIT, SET_STATE, ASSIGN = range(3)
+# Output kinds (worker → parent). END, PICKLED_ELEMENTS, WANTS_CREDIT: rotation only;
+# ELEMENTS: dispatch only.
+ELEMENT, END, ERROR, STATS, ELEMENTS, WARNING, PICKLED_ELEMENTS, WANTS_CREDIT = range(8)
+
+#: Generation of side messages (statistics, warnings): no restore's (they count up from 0).
+STATS_GENERATION = -1
+
+#: The overdraft: elements a worker may send beyond its credits (``per_worker_buffer_size``
+#: ahead of the consumer), at most this many and this many bytes pickled.
+SMALL_AHEAD = 64
+OVERDRAFT_BYTES = 1024 * 1024
+
+
+def overdraft_room(element_bytes: int) -> int:
+    """How many elements of ``element_bytes`` pickled bytes a worker may send beyond its
+    credits (the worker and the parent decide alike)."""
+    return min(SMALL_AHEAD, OVERDRAFT_BYTES // max(1, element_bytes))
+
+
+def credit_batch(buffer_size: int, room: int = 0) -> int:
+    """How many credits a parent returns in one message to a worker with
+    ``per_worker_buffer_size`` ``buffer_size`` whose elements may overdraw by ``room``
+    (``overdraft_room``; 0 for elements in shared memory): half the buffer, or half the
+    overdraft, which carries the worker meanwhile, and at least one. (A message per element
+    halved the parent's rate of small elements; a quarter of the overdraft at a time cost
+    both engines 15-20%.)"""
+    return max(1, buffer_size // 2, room // 2)
+
+
+# ---------------------------------------------------------------------------- builders
+def element_message(
+    generation: int, value: Any, extra: Any, names: list[str], dropped: Sequence[str]
+) -> tuple[Any, ...]:
+    """Output: one element (its arrays in blocks ``names``), with the engine's ``extra``."""
+    return (generation, ELEMENT, value, extra, names, dropped)
+
+
+def error_message(
+    generation: int, error: ErrorPayload, dropped: Sequence[str] = ()
+) -> tuple[Any, ...]:
+    """Output: what producing the next element raised (``_ipc.errors.error_payload``)."""
+    return (generation, ERROR, error, None, (), dropped)
+
+
+def stats_message(snapshot: Any) -> tuple[Any, ...]:
+    """Output, side: the worker pipeline's stage statistics."""
+    return (STATS_GENERATION, STATS, snapshot, None, (), ())
+
+
+def warning_message(
+    category: type[Warning], text: str, filename: str, lineno: int
+) -> tuple[Any, ...]:
+    """Output, side: a warning the worker's filters let through, issued again in the parent."""
+    return (STATS_GENERATION, WARNING, (category, text, filename, lineno), None, (), ())
+
+
+# ----------------------------------------------------------------------------- readers
+def receive_side_message(
+    kind: int, value: Any, iterator: DatasetIterator[Any] | None, registry: dict[Any, Any]
+) -> None:
+    """Takes a side message (generation ``STATS_GENERATION``): statistics go to ``iterator``
+    (if it is still there), a warning is issued again in this process under its filters
+    (``pytest.warns``, ``-W error``, ``logging.captureWarnings`` see it), ``registry`` (one per
+    iterator) showing a warning at one place once across all workers."""
+    if kind == STATS:
+        if iterator is not None:
+            attach_worker_stages(iterator, value)
+    elif kind == WARNING:
+        category, text, filename, lineno = value
+        warnings.warn_explicit(text, category, filename, lineno, registry=registry)

@@ -1,0 +1,388 @@
+"""The worker side shared by both ``mp_prefetch`` engines: what a worker is given, how its
+process is set up, and the loop that sends elements against credits.
+
+An engine starts its workers with ``start_workers``, naming its entry point
+(``rotation.worker_main`` or ``dispatch.worker_main``), which runs ``run_worker`` with its
+subclass of ``WorkerLoop``. The loop owns what both engines do alike: credits and the
+overdraft (``protocol``), sending elements (in shared memory or pickled), errors, warnings and
+stage statistics. The engine's subclass says what producing means and which control messages
+it takes.
+"""
+
+from __future__ import annotations
+
+import collections
+import os
+import pickle
+import time
+import warnings
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from grain_core import plugins
+from grain_core._ipc import shm
+from grain_core._ipc.errors import error_payload
+from grain_core._ipc.pool import WorkerPool, readiness_check
+from grain_core.dataset.mp.pickling import dumps, dumps_message, register_numpy_scalar_reducers
+from grain_core.dataset.mp.protocol import (
+    OVERDRAFT_BYTES,
+    SMALL_AHEAD,
+    element_message,
+    error_message,
+    stats_message,
+    warning_message,
+)
+from grain_core.dataset.prefetch import read_inline_while_cpu_bound
+from grain_core.dataset.stats import is_tracking, worker_stage_snapshot
+
+__all__ = [
+    "GROUP_S",
+    "WorkerLoop",
+    "WorkerSpec",
+    "run_worker",
+    "start_workers",
+]
+
+#: What the workers' forkserver imports once, before its first fork: both engines' worker
+#: sides (and through them NumPy and the dataset layer), and cloudpickle.
+WORKER_PRELOAD = ("grain_core.dataset.mp.rotation", "grain_core.dataset.mp.dispatch", "cloudpickle")
+
+#: Seconds a worker may spend gathering elements that need no shared memory into one message
+#: (the first of them waits that long for the others at most).
+GROUP_S = 0.0005
+#: Seconds between two statistics messages of a worker while it produces elements.
+STATS_INTERVAL_S = 1.0
+#: Seconds since the last statistics message after which a worker about to wait sends one.
+STATS_WAITING_INTERVAL_S = 0.02
+
+
+class WorkerSpec:
+    """What one worker needs: its index, the pickled pipeline and how to build its iterator.
+
+    Attributes:
+      index / count: This worker's index and the number of workers.
+      init_fn: cloudpickled ``worker_init_fn`` (or None), run before the pipeline is unpickled.
+      dataset: cloudpickled pipeline (the same bytes for every worker).
+      sequential_slice: Contiguous instead of strided slices.
+      state: Worker pipeline state to start from (None: the beginning).
+      plugins: Plugin names loaded in the parent (None: the parent had not loaded plugins).
+      options: ``DatasetOptions`` of the parent's iterator, merged into the worker's.
+      shm_prefix: Name prefix of this worker's shared-memory blocks.
+      pool_size: Free blocks of one size the worker keeps for reuse.
+      buffer_size: Large elements the worker may have in flight (``per_worker_buffer_size``).
+    """
+
+    def __init__(
+        self,
+        *,
+        index: int,
+        count: int,
+        init_fn: bytes | None,
+        dataset: bytes,
+        sequential_slice: bool,
+        state: Any,
+        plugins: list[str] | None,
+        options: Any,
+        shm_prefix: str,
+        pool_size: int,
+        buffer_size: int = 1,
+    ) -> None:
+        self.index = index
+        self.count = count
+        self.init_fn = init_fn
+        self.dataset = dataset
+        self.sequential_slice = sequential_slice
+        self.state = state
+        self.plugins = plugins
+        self.options = options
+        self.shm_prefix = shm_prefix
+        self.pool_size = pool_size
+        self.buffer_size = buffer_size
+
+
+def start_workers(
+    specs: Sequence[WorkerSpec], entry: Callable[[WorkerSpec, Any, Any], None]
+) -> WorkerPool:
+    """Starts one worker process per spec, each running ``entry`` (an engine's
+    ``worker_main``)."""
+    return WorkerPool(specs, entry, WORKER_PRELOAD)
+
+
+def run_worker(
+    loop_class: Callable[[WorkerSpec, Any, Any], WorkerLoop],
+    spec: WorkerSpec,
+    control: Any,
+    output: Any,
+) -> None:
+    """Sets up a worker process for the pipeline (the parent's plugins, the block pool, the
+    element pickling) and runs ``loop_class``'s loop until the parent stops it."""
+    if spec.plugins is not None:
+        os.environ[plugins.PLUGINS_ENV] = ",".join(spec.plugins)
+        plugins.reset()
+    shm.enable_block_pool(spec.pool_size)
+    register_numpy_scalar_reducers()
+    read_inline_while_cpu_bound()
+    loop_class(spec, control, output).run()
+
+
+class WorkerLoop:
+    """A worker's loop: reads control messages, produces elements while it has credits (or
+    the overdraft allows), and sends them. Subclasses (one per engine) build the pipeline,
+    produce, and handle their control messages."""
+
+    def __init__(self, spec: WorkerSpec, control: Any, output: Any) -> None:
+        self._spec = spec
+        self._control = control
+        self._output = output
+        self._generation = 0
+        self._credits = 0
+        self._finished = False
+        self._it: Any = None
+        self._build_error: BaseException | None = None
+        self._min_shm_size = shm.DEFAULT_MIN_SHM_SIZE
+        self._tracking = False
+        self._next_report = 0.0
+        self._unreported = False  # elements were sent since the last statistics message
+        self._control_ready = readiness_check(control)
+        # Warnings from any thread of the worker, sent by the main thread (the only writer).
+        self._warnings: collections.deque[tuple[Any, ...]] = collections.deque()
+        warnings.showwarning = self._queue_warning
+        # The overdraft: pickled sizes of the elements sent beyond the credits, oldest first
+        # (the next credits cover them first); and an element made that neither a credit nor
+        # the overdraft could send yet: the element, its blocks, its pickled size (None: in
+        # shared memory, or it cannot be pickled).
+        self._overdraft: collections.deque[int] = collections.deque()
+        self._overdraft_bytes = 0
+        self._waiting: tuple[Any, list[str], int | None] | None = None
+        self._asked = False  # the worker asked for a credit, none came since
+
+    def run(self) -> None:
+        keep_sent = False
+        try:
+            self._build()
+            while True:
+                if not self._can_produce():
+                    if not self._control_ready() and self._read_ahead():
+                        continue
+                    if self._warnings:
+                        self._send_warnings()
+                    self._ask_for_credit()
+                    if self._tracking:
+                        self._report_before_waiting()
+                    self._handle(pickle.loads(self._control.recv_bytes()))
+                    continue
+                while self._control_ready():
+                    self._handle(pickle.loads(self._control.recv_bytes()))
+                if self._can_produce():
+                    self._produce()
+        except (EOFError, BrokenPipeError, ConnectionResetError):
+            return  # The parent closed our pipes: it stops this worker, or it is gone.
+        except BaseException:
+            # Out of the loop (SystemExit or KeyboardInterrupt in user code): the parent reads
+            # what was sent before, and removes those blocks once it sees this process end.
+            keep_sent = True
+            raise
+        finally:
+            if self._it is not None:
+                self._it.close()
+            shm.unlink_pool(keep_sent)
+
+    def _build(self) -> None:
+        spec = self._spec
+        try:
+            if spec.init_fn is not None:
+                pickle.loads(spec.init_fn)(spec.index, spec.count)
+            self._build_pipeline(pickle.loads(spec.dataset))
+            self._min_shm_size = _min_shm_size(self._pipeline())
+        except Exception as e:  # noqa: BLE001 - reported to the parent on its next request
+            self._build_error = e
+            return
+        if is_tracking(self._pipeline()):
+            # Chosen once: an untracked pipeline runs the plain _produce, with no check.
+            self._tracking = True
+            self._produce = self._produce_and_report  # type: ignore[method-assign]
+
+    def _build_pipeline(self, ds: Any) -> None:
+        """Builds the engine's iterator over the unpickled pipeline ``ds``."""
+        raise NotImplementedError
+
+    def _can_produce(self) -> bool:
+        if self._waiting is not None:
+            return self._credits > 0 or self._overdraws(self._waiting[2])
+        return self._has_work() and (self._credits > 0 or self._may_overdraw())
+
+    def _has_work(self) -> bool:
+        return not self._finished
+
+    def _may_overdraw(self) -> bool:
+        """Whether another small element may go beyond the credits: small elements need not
+        wait for the parent's wake-up after each (``per_worker_buffer_size`` 0 keeps meaning
+        "on request only")."""
+        return (
+            self._spec.buffer_size > 0
+            and len(self._overdraft) < SMALL_AHEAD
+            and self._overdraft_bytes < OVERDRAFT_BYTES
+        )
+
+    def _overdraws(self, size: int | None) -> bool:
+        """Whether an element of ``size`` pickled bytes (None: in shared memory, or it cannot
+        be pickled) may go beyond the credits now."""
+        return (
+            size is not None
+            and self._may_overdraw()
+            and self._overdraft_bytes + size <= OVERDRAFT_BYTES
+        )
+
+    def _take_credit(self, size: int | None) -> bool:
+        """Spends a credit on an element of ``size`` pickled bytes, or overdraws one; False:
+        the element waits for a credit."""
+        if self._credits <= 0:
+            if not self._overdraws(size):
+                return False
+            assert size is not None
+            self._overdraft.append(size)
+            self._overdraft_bytes += size
+        self._credits -= 1
+        return True
+
+    def _ask_for_credit(self) -> None:
+        """Before waiting: tells the parent that only a credit lets the worker go on, for
+        engines whose parent needs telling."""
+
+    def _add_credits(self, credits: int) -> None:
+        if credits > 0:
+            self._asked = False
+        self._credits += credits
+        for _ in range(min(credits, len(self._overdraft))):
+            self._overdraft_bytes -= self._overdraft.popleft()
+
+    def _reset_credits(self, credits: int) -> None:
+        """A new generation: ``credits``, no overdraft, and the element waiting is dropped
+        (its blocks go back to the pool)."""
+        self._credits = credits
+        self._asked = False
+        self._overdraft.clear()
+        self._overdraft_bytes = 0
+        if self._waiting is not None:
+            shm.release_blocks(self._waiting[1])
+            self._waiting = None
+
+    def _read_ahead(self) -> bool:
+        """Computes ahead while it may not send; returns whether it did (the pipeline's own
+        read-ahead does it here)."""
+        return False
+
+    def _pipeline(self) -> Any:
+        """The iterator whose stage statistics are reported."""
+        return self._it
+
+    def _handle(self, message: tuple[Any, ...]) -> None:
+        """Takes control message ``message``."""
+        raise NotImplementedError
+
+    def _send(self, message: tuple[Any, ...]) -> None:
+        self._write(dumps(message))
+
+    def _write(self, data: bytes) -> None:
+        if self._warnings:
+            self._send_warnings()
+        self._output.send_bytes(data)
+
+    def _write_element(self, data: bytes) -> None:
+        self._write(data)
+        self._unreported = True  # statistics are due before the worker next waits
+
+    def _queue_warning(
+        self,
+        message: Warning | str,
+        category: type[Warning],
+        filename: str,
+        lineno: int,
+        file: Any = None,
+        line: str | None = None,
+    ) -> None:
+        self._warnings.append((category, str(message), filename, lineno))
+
+    def _send_warnings(self) -> None:
+        while self._warnings:
+            warning = self._warnings.popleft()
+            try:
+                data = dumps_message(warning_message(*warning))
+            except Exception:  # noqa: BLE001 - a category that cannot travel: its name does
+                category, text, filename, lineno = warning
+                fallback = f"{category.__name__}: {text}"
+                data = dumps_message(warning_message(RuntimeWarning, fallback, filename, lineno))
+            self._output.send_bytes(data)
+
+    def _send_error(self, error: BaseException, dropped: Sequence[str] = ()) -> None:
+        """Sends ``error``, and ``dropped``: blocks freed that a message which could not be
+        sent was to name (the parent forgets them with any message)."""
+        self._report_stats()
+        self._send(error_message(self._generation, error_payload(error), dropped))
+
+    def _send_element(
+        self, value: Any, extra: Any, names: list[str], dropped: Sequence[str] = ()
+    ) -> int | None:
+        """Sends one element whose arrays are in blocks ``names``, with the engine's ``extra``
+        (``protocol.element_message``) and the blocks this worker freed (``dropped`` and those
+        since the last message, named only now).
+
+        Returns:
+          The message's size, or None when ``value`` could not be pickled: that was sent as
+          an error in its place.
+        """
+        dropped = [*dropped, *shm.take_dropped()]
+        message = element_message(self._generation, value, extra, names, dropped)
+        try:
+            data = dumps_message(message)
+        except Exception as failure:  # noqa: BLE001 - sent as the element's error
+            shm.release_blocks(names)
+            self._send_unpicklable(failure, dropped)
+            return None
+        self._write_element(data)
+        return len(data)
+
+    def _send_unpicklable(self, failure: Exception, dropped: Sequence[str] = ()) -> None:
+        """Sends, in an element's place, the error that it could not be pickled."""
+        error = TypeError(
+            f"Worker {self._spec.index} produced an element that cannot be pickled and "
+            f"therefore cannot be sent to the main process: {type(failure).__name__}: "
+            f"{failure}. Convert it to NumPy arrays / plain Python values in the pipeline."
+        )
+        error.__cause__ = failure
+        self._send_error(error, dropped)
+
+    def _produce(self) -> None:
+        """Produces and sends what the credits (or the overdraft) allow now."""
+        raise NotImplementedError
+
+    def _produce_and_report(self) -> None:
+        type(self)._produce(self)
+        if not self._finished and time.monotonic() >= self._next_report:
+            self._report_stats()
+
+    def _report_before_waiting(self) -> None:
+        # Waiting for credits or work may last (a dispatching worker never ends, and the last
+        # elements of an epoch are followed by no request): elements not reported yet are, once
+        # STATS_WAITING_INTERVAL_S passed since the last report and no message came meanwhile.
+        if not self._unreported:
+            return
+        wait = self._next_report - STATS_INTERVAL_S + STATS_WAITING_INTERVAL_S - time.monotonic()
+        if wait > 0 and self._control.poll(wait):
+            return  # the worker goes on
+        self._report_stats()
+
+    def _report_stats(self) -> None:
+        """Sends the pipeline's stage statistics, if it tracks them (before END and ERROR)."""
+        if not self._tracking:
+            return
+        self._send(stats_message(worker_stage_snapshot(self._pipeline())))
+        self._next_report = time.monotonic() + STATS_INTERVAL_S
+        self._unreported = False
+
+
+def _min_shm_size(it: Any) -> int:
+    options = it._ctx.dataset_options
+    if "min_shm_size" in getattr(options, "_explicit", ()):
+        return int(options.min_shm_size)
+    return shm.DEFAULT_MIN_SHM_SIZE
