@@ -256,7 +256,7 @@ def test_the_graph_shows_the_nodes_in_worker_processes(
     logs: pytest.LogCaptureFixture,
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    from grain_core.dataset import mp_dispatch
+    from grain_core.dataset.mp import dispatch as mp_dispatch
 
     if not dispatch:
         monkeypatch.setattr(mp_dispatch, "dispatchable", lambda *_: False)
