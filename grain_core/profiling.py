@@ -211,7 +211,7 @@ def profile(
     output: str | os.PathLike[str] | None = "grain_core_profile.html",
     trace_output: str | os.PathLike[str] | None = None,
     step_seconds: float = 0.0,
-    progress: Callable[[Iterable[int], int], Iterable[int]] | None = None,
+    progress: bool = True,
 ) -> ProfileData:
     """Runs ``pipeline`` for ``num_batches`` batches and writes the HTML report to ``output``.
 
@@ -223,7 +223,7 @@ def profile(
       trace_output: also save the trace there (``report_from_trace`` reads it again).
       step_seconds: sleep this long per batch, as a training step would take; the consumer's
         waiting share then says whether the pipeline keeps up with such a step.
-      progress: wraps the batch loop to show progress (``grain-core profile``: a tqdm bar).
+      progress: show a progress bar (tqdm, when it is installed and stderr is a terminal).
 
     Raises:
       ValueError: if ``num_batches`` is not positive or ``step_seconds`` is negative.
@@ -243,8 +243,10 @@ def profile(
     ds = _dataset_from(pipeline)
     batch_ends: list[int] = []
     loop: Iterable[int] = range(num_batches)
-    if progress is not None:
-        loop = progress(loop, num_batches)
+    if progress:
+        from grain_core.cli import progress as progress_bar  # import cycle: cli imports us
+
+        loop = progress_bar(loop, num_batches, "batch")
     with Trace() as recording:
         it = iter(ds)
         try:
@@ -533,15 +535,12 @@ def run(args: argparse.Namespace) -> int:
     if args.trace:
         data = report_from_trace(args.trace, args.output)
     else:
-        from grain_core.cli import progress  # import cycle: the CLI registers this command
-
         data = profile(
             args.pipeline,
             num_batches=args.num_batches,
             output=args.output,
             trace_output=args.trace_output,
             step_seconds=args.step_ms / 1000,
-            progress=lambda loop, total: progress(loop, total, "batch"),
         )
     print(
         f"{len(data.batch_end_s)} batches in {data.window_s:.2f} s "
