@@ -467,10 +467,12 @@ def _parse_map(
                 unknown = True
         if wanted is not None and name not in wanted:
             continue
-        value = parse_value(buf, 0, 0, None)
+        value = None
         try:
             for start, stop in values:
                 value = parse_value(buf, start, stop, value)
+            if value is None:  # an entry without a value holds the empty message
+                value = parse_value(buf, 0, 0, None)
         except _Malformed as err:
             raise _Malformed(f"feature {name!r}: {err}" if name else str(err)) from None
         if not unknown:
