@@ -10,11 +10,15 @@ see ``grain_core.profiling``), ``bench`` (the repository's benchmark suite).
 from __future__ import annotations
 
 import argparse
+import contextlib
+import inspect
 import json
+import os
+import re
 import subprocess
 import sys
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -27,6 +31,17 @@ __all__ = ["main"]
 _T = TypeVar("_T")
 
 _SAMPLE_CHARS = 200
+_COMPRESSIONS = ("GZIP", "ZLIB", "NONE")
+# The Python API's keyword arguments that the CLI offers as options: library messages that
+# suggest one are shown with the option instead.
+_OPTION_SPELLINGS = {
+    "verify_crc=False": "--no-verify-crc",
+    "compression='GZIP'": "--compression GZIP",
+    "compression='ZLIB'": "--compression ZLIB",
+}
+# 128 + SIGPIPE: how a command that writes into a closed pipe ends (`grain-core ... | head`).
+_EXIT_CLOSED_PIPE = 141
+_SHARDED_NAME = re.compile(r"^(?P<base>.+?)(?:@(?P<at>\d+)|-(?:\d+|\*|\?+)-of-(?P<of>\d+))$")
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -44,10 +59,71 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.print_help()
         return 2
     try:
-        return int(args.run(args))
+        code = int(args.run(args))
+        sys.stdout.flush()  # a closed pipe shows here at the latest, not at interpreter exit
+        return code
+    except BrokenPipeError:
+        # The reader went away (`| head`): stop quietly; stdout goes to /dev/null so that the
+        # interpreter's final flush does not raise again.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return _EXIT_CLOSED_PIPE
     except (plugins.PluginError, OSError, ValueError) as err:
-        print(f"grain-core {args.command}: error: {err}", file=sys.stderr)
+        print(f"grain-core {args.command}: error: {_cli_spelling(str(err))}", file=sys.stderr)
         return 1
+
+
+def _cli_spelling(message: str) -> str:
+    for keyword, option in _OPTION_SPELLINGS.items():
+        message = message.replace(keyword, option)
+    return message
+
+
+def _add_read_options(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--compression",
+        type=str.upper,
+        choices=_COMPRESSIONS,
+        help="compression of the input (TFRecord; default: from its suffix, .gz is GZIP)",
+    )
+    parser.add_argument(
+        "--no-verify-crc",
+        dest="verify_crc",
+        action="store_false",
+        help="do not check record checksums (TFRecord; unsafe: damaged records pass)",
+    )
+
+
+def _read_options(args: argparse.Namespace) -> dict[str, Any]:
+    """The input options given on the command line, as the format's keyword arguments."""
+    options: dict[str, Any] = {}
+    if args.compression is not None:
+        options["compression"] = args.compression
+    if not args.verify_crc:
+        options["verify_crc"] = False
+    return options
+
+
+_OPTION_NAMES = {
+    "compression": "--compression",
+    "verify_crc": "--no-verify-crc",
+    "output_compression": "--output-compression",
+}
+
+
+def _call(
+    factory: Any, fmt: plugins.FormatSpec, what: str, *args: Any, options: dict[str, Any]
+) -> Any:
+    """``factory(*args, **options)``, refusing options the format's factory does not take
+    (by the CLI option's name) instead of failing somewhere inside it."""
+    parameters = inspect.signature(factory).parameters
+    named = {
+        n for n, p in parameters.items() if p.kind in (p.KEYWORD_ONLY, p.POSITIONAL_OR_KEYWORD)
+    }
+    unknown = [name for name in options if name not in named]
+    if unknown:
+        spelled = ", ".join(_OPTION_NAMES.get(n, n) for n in unknown)
+        raise ValueError(f"The {fmt.name} format's {what} takes no {spelled}.")
+    return factory(*args, **options)
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -67,20 +143,49 @@ def _parser() -> argparse.ArgumentParser:
     )
     listing.set_defaults(run=_cmd_plugins)
 
-    inspect = commands.add_parser("inspect", help="describe a data file through its format")
-    inspect.add_argument("path", help="file to inspect (sharded names like x-00000-of-00004 work)")
-    inspect.add_argument("--format", help="format name; by default chosen from the path")
-    inspect.add_argument("--sample", type=int, default=3, help="records to show (default 3)")
-    inspect.add_argument("--json", action="store_true", help="print JSON")
-    inspect.set_defaults(run=_cmd_inspect)
+    inspecting = commands.add_parser("inspect", help="describe a data file through its format")
+    inspecting.add_argument(
+        "path", help="file or shard pattern to inspect (x-00000-of-00004, x@4, x-*, globs)"
+    )
+    inspecting.add_argument("--format", help="format name; by default chosen from the path")
+    inspecting.add_argument("--sample", type=int, default=3, help="records to show (default 3)")
+    inspecting.add_argument(
+        "--schema-sample",
+        type=int,
+        default=100,
+        metavar="N",
+        help="records the schema is read from, where the format infers it (default 100)",
+    )
+    inspecting.add_argument("--json", action="store_true", help="print JSON")
+    _add_read_options(inspecting)
+    inspecting.set_defaults(run=_cmd_inspect)
 
     convert = commands.add_parser(
         "convert", help="copy the records of a file into another format, with a progress bar"
     )
-    convert.add_argument("input", help="file (or sharded pattern) to read")
-    convert.add_argument("output", help="file to write; replaced only once it is complete")
+    convert.add_argument("input", help="file or shard pattern to read")
+    convert.add_argument(
+        "output",
+        help="file to write, or N shards: x@N, x-?????-of-0000N (each file appears complete)",
+    )
     convert.add_argument("--from", dest="from_format", help="input format (default: from path)")
     convert.add_argument("--to", dest="to_format", help="output format (default: from path)")
+    convert.add_argument(
+        "--shards",
+        type=int,
+        metavar="N",
+        help="write N files OUTPUT-0000i-of-0000N, record k into file k %% N",
+    )
+    convert.add_argument(
+        "--overwrite", action="store_true", help="replace output files that already exist"
+    )
+    _add_read_options(convert)
+    convert.add_argument(
+        "--output-compression",
+        type=str.upper,
+        choices=_COMPRESSIONS,
+        help="compression of the output (TFRecord; default: from its suffix, .gz is GZIP)",
+    )
     convert.set_defaults(run=_cmd_convert)
 
     demo = commands.add_parser(
@@ -191,8 +296,14 @@ def _plugins_json(registry: plugins.Registry) -> dict[str, Any]:
 def _cmd_inspect(args: argparse.Namespace) -> int:
     if args.sample < 0:
         raise ValueError(f"--sample must be non-negative, got {args.sample}.")
+    if args.schema_sample < 1:
+        raise ValueError(f"--schema-sample must be at least 1, got {args.schema_sample}.")
     fmt = plugins.get_format(args.format) if args.format else plugins.format_for_path(args.path)
-    info = fmt.get("inspector")(args.path, args.sample)
+    options = _read_options(args)
+    inspector = fmt.get("inspector")
+    if "schema_sample" in inspect.signature(inspector).parameters:
+        options["schema_sample"] = args.schema_sample
+    info = _call(inspector, fmt, "inspector", args.path, args.sample, options=options)
     if args.json:
         summary = {
             "path": args.path,
@@ -230,41 +341,157 @@ def _cmd_convert(args: argparse.Namespace) -> int:
         else plugins.format_for_path(args.output)
     )
     make_writer = target_format.get("writer")
-    records, total = _records_of(source_format, args.input)
+    records, total = _records_of(source_format, args.input, _read_options(args))
+    outputs = _output_paths(args.output, args.shards)
+    existing = [path for path in outputs if storage.exists(path)]
+    if existing and not args.overwrite:
+        raise FileExistsError(
+            f"{existing[0]} already exists"
+            + (f" (and {len(existing) - 1} more of the outputs)" if len(existing) > 1 else "")
+            + "; grain-core convert replaces files only with --overwrite."
+        )
+    write_options = {}
+    if args.output_compression is not None:
+        write_options["compression"] = args.output_compression
+    rows = _RowsOf(source_format, args.input)
     started = time.perf_counter()
     count = 0
-    # The output (a path or URL) appears complete or not at all, whatever the format's writer
-    # does: it writes a local temporary file whose name ends with the output's (so its suffix
-    # chooses the compression), moved or uploaded into place at the end.
-    with storage.AtomicWriter(args.output) as output:
-        output.file.close()
-        with make_writer(output.temp_path) as writer:
-            for record in progress(records, total, "rec"):
-                try:
-                    writer.write(record)
-                except TypeError as err:
-                    raise ValueError(
+    # Each output (a path or URL) appears complete or not at all, whatever the format's
+    # writer does: it writes a local temporary file whose name ends with the output's (so its
+    # suffix chooses the compression), moved or uploaded into place at the end; on an error
+    # every output stays as it was.
+    with contextlib.ExitStack() as stack:
+        writers, temps = [], []
+        for path in outputs:
+            output = stack.enter_context(storage.AtomicWriter(path))
+            output.file.close()
+            temps.append(output.temp_path)
+            stack.enter_context(_named_as(path, output.temp_path))
+            with _named_as(path, output.temp_path):
+                writer = _call(
+                    make_writer, target_format, "writer", output.temp_path, options=write_options
+                )
+            writers.append(stack.enter_context(writer))
+        for record in progress(records, total, "rec"):
+            shard = count % len(outputs)
+            try:
+                with _named_as(outputs[shard], temps[shard]):
+                    rows.write(writers[shard], record, count)
+            except (TypeError, ValueError) as err:
+                raise ValueError(
+                    _as_user_path(
                         f"Record {count} of {args.input} ({source_format.name}, a "
-                        f"{type(record).__name__}) cannot be written as {target_format.name}: "
-                        f"{err}. Convert between formats that store the same kind of record."
-                    ) from None
-                count += 1
+                        f"{type(record).__name__}) cannot be written as {target_format.name} to "
+                        f"{outputs[shard]}: {err}",
+                        outputs[shard],
+                        temps[shard],
+                    )
+                ) from None
+            count += 1
     seconds = time.perf_counter() - started
+    written = args.output if len(outputs) == 1 else f"{len(outputs)} files {outputs[0]} ..."
     print(
-        f"{count} records: {args.input} ({source_format.name}) -> {args.output} "
+        f"{count} records: {args.input} ({source_format.name}) -> {written} "
         f"({target_format.name}) in {seconds:.2f} s"
     )
     return 0
 
 
-def _records_of(fmt: plugins.FormatSpec, path: str) -> tuple[Iterable[Any], int | None]:
+@contextlib.contextmanager
+def _named_as(output: str, temp_path: str) -> Iterator[None]:
+    """Reports an ``OSError`` about the temporary file ``output`` is written through (or a
+    writer's own temporary file beside it) as one about ``output``, the name the user gave."""
+    try:
+        yield
+    except OSError as err:
+        if err.errno is None or not str(err.filename or "").startswith(temp_path):
+            raise
+        raise OSError(err.errno, err.strerror, output) from None
+
+
+def _as_user_path(message: str, output: str, temp_path: str) -> str:
+    return re.sub(re.escape(temp_path) + r"[^\s'\"]*", output, message)
+
+
+def _output_paths(output: str, shards: int | None) -> list[str]:
+    """The files ``convert`` writes: ``output`` itself, or ``N`` shards named
+    ``base-0000i-of-0000N`` for ``--shards N``, ``base@N`` or ``base-?????-of-0000N``."""
+    match = _SHARDED_NAME.match(output)
+    named = None if match is None else int(match["at"] or match["of"])
+    if shards is not None and shards < 1:
+        raise ValueError(f"--shards must be at least 1, got {shards}.")
+    if named is not None and shards is not None and named != shards:
+        raise ValueError(f"The output {output} names {named} shards but --shards is {shards}.")
+    count = shards if named is None else named
+    if count is None:
+        return [output]
+    if count < 1:
+        raise ValueError(f"The output {output} names {count} shards; give at least 1.")
+    base = output if match is None else match["base"]
+    return [f"{base}-{i:05d}-of-{count:05d}" for i in range(count)]
+
+
+class _RowsOf:
+    """Writes one format's records into another's writer. A record the writer refuses
+    (``TypeError``) is decoded with the input format's ``record_decoder`` if it has one
+    (``tf.train.Example`` bytes to a row of features), and from then on every record is; rows
+    made that way must keep the first row's features and their types, as a column store
+    needs."""
+
+    def __init__(self, fmt: plugins.FormatSpec, path: str) -> None:
+        self._fmt = fmt
+        self._path = path
+        self._columns: dict[str, str] | None = None
+
+    def write(self, writer: plugins.RecordWriter, record: Any, index: int) -> None:
+        if self._columns is None:
+            try:
+                writer.write(record)
+                return
+            except TypeError:
+                if index > 0 or self._fmt.record_decoder is None:
+                    raise
+                self._columns = {}
+        writer.write(self._decode(record, index))
+
+    def _decode(self, record: Any, index: int) -> Any:
+        decoder, columns = self._fmt.record_decoder, self._columns
+        if decoder is None or columns is None:
+            raise TypeError(f"{self._fmt.name} records are not decoded")
+        row = decoder(record)
+        kinds = {name: _kind(value) for name, value in row.items()}
+        if not columns:
+            self._columns = kinds
+        elif kinds != columns:
+            raise ValueError(_column_mismatch(columns, kinds))
+        return row
+
+
+def _kind(value: Any) -> str:
+    return str(np.asarray(value).dtype)
+
+
+def _column_mismatch(first: dict[str, str], here: dict[str, str]) -> str:
+    missing = sorted(first.keys() - here.keys())
+    extra = sorted(here.keys() - first.keys())
+    if missing:
+        return f"it lacks the feature(s) {missing} of record 0; every record must have the same features"
+    if extra:
+        return f"it has feature(s) {extra} that record 0 lacks; every record must have the same features"
+    name = next(n for n in first if first[n] != here[n])
+    return f"its feature {name!r} holds {here[name]} values, record 0's holds {first[name]}; a column has one type"
+
+
+def _records_of(
+    fmt: plugins.FormatSpec, path: str, options: dict[str, Any]
+) -> tuple[Iterable[Any], int | None]:
     """The records of ``path`` in file order, streamed when the format can, and their number
     when it is known up front."""
     if fmt.iter_dataset is not None:
-        return fmt.iter_dataset(path), None
+        return _call(fmt.iter_dataset, fmt, "reader", path, options=options), None
     from grain_core.dataset.base import MapDataset
 
-    source = fmt.get("source")(path)
+    source = _call(fmt.get("source"), fmt, "source", path, options=options)
     return MapDataset.source(source).to_iter_dataset(), len(source)
 
 

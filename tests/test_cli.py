@@ -12,7 +12,9 @@ import textwrap
 import warnings
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
+import numpy as np
 import pytest
 
 import grain_core
@@ -283,7 +285,236 @@ def test_convert_rows_to_examples_and_reject_what_the_target_cannot_hold(
     assert decoded["a"].tolist() == [1] and decoded["b"].tolist() == [0.5, 1.5]
     back = tmp_path / "back.jsonl"
     code, _, err = grain_core_cli("convert", str(examples), str(back))
+    assert code == 0, err  # Examples are decoded for a format that stores rows
+    assert json.loads(back.read_text()) == {"a": [1], "b": [0.5, 1.5]}
+    raw = tmp_path / "raw.tfrecord"
+    with tfrecord.TFRecordWriter(str(raw)) as writer:
+        writer.write(b"\xff not an Example")
+    code, _, err = grain_core_cli("convert", str(raw), str(tmp_path / "raw.jsonl"))
     assert code == 1
     assert "Record 0 of" in err and "(tfrecord, a bytes) cannot be written as jsonl" in err
-    assert not back.exists()
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["in.jsonl", "out.tfrecord"]
+    assert not (tmp_path / "raw.jsonl").exists()
+
+
+# convert and inspect on real files: overwriting, options, shards, TFRecord to Parquet, pipes.
+
+
+def _write_examples(path: Path, rows: list[dict[str, Any]]) -> None:
+    tfrecord = pytest.importorskip("grain_tfrecord")
+    with tfrecord.TFRecordWriter(str(path)) as writer:
+        for row in rows:
+            writer.write(tfrecord.encode_example(row))
+
+
+def _examples(count: int) -> list[dict[str, Any]]:
+    return [
+        {"label": np.array([i]), "tokens": np.arange(i % 4), "weight": np.float32([i, 0.5])}
+        for i in range(count)
+    ]
+
+
+def test_convert_refuses_an_existing_output_unless_overwrite(
+    tmp_path: Path, grain_core_cli: RunCli
+) -> None:
+    tfrecord = pytest.importorskip("grain_tfrecord")
+    source, target = tmp_path / "in.tfrecord", tmp_path / "out.tfrecord"
+    _write_examples(source, _examples(5))
+    target.write_bytes(b"precious")
+    code, _, err = grain_core_cli("convert", str(source), str(target))
+    assert code == 1
+    assert f"{target} already exists" in err and "--overwrite" in err
+    assert target.read_bytes() == b"precious"
+    code, _, err = grain_core_cli("convert", str(source), str(target), "--overwrite")
+    assert code == 0, err
+    assert len(list(tfrecord.TFRecordIterDataset(str(target)))) == 5
+    shards = tmp_path / "s.tfrecord"
+    (tmp_path / "s.tfrecord-00001-of-00002").write_bytes(b"precious")
+    code, _, err = grain_core_cli("convert", str(source), f"{shards}@2")
+    assert code == 1 and "s.tfrecord-00001-of-00002 already exists" in err
+    assert not (tmp_path / "s.tfrecord-00000-of-00002").exists()
+
+
+def test_convert_errors_name_the_users_paths_and_the_cli_options(
+    tmp_path: Path, grain_core_cli: RunCli
+) -> None:
+    pytest.importorskip("grain_tfrecord")
+    gzipped = tmp_path / "in.tfrecord.gz"
+    _write_examples(gzipped, _examples(3))
+    unsuffixed = tmp_path / "in.tfrecord"
+    unsuffixed.write_bytes(gzipped.read_bytes())
+    code, _, err = grain_core_cli("convert", str(unsuffixed), str(tmp_path / "o.tfrecord"))
+    assert code == 1 and "--compression GZIP" in err and "compression=" not in err
+    code, _, err = grain_core_cli(
+        "convert", str(unsuffixed), str(tmp_path / "o.tfrecord"), "--compression", "gzip"
+    )
+    assert code == 0, err
+    damaged = tmp_path / "damaged.tfrecord"
+    _write_examples(damaged, _examples(3))
+    data = bytearray(damaged.read_bytes())
+    data[-5] ^= 0xFF  # the last record's payload: its data CRC no longer matches
+    damaged.write_bytes(bytes(data))
+    code, _, err = grain_core_cli("convert", str(damaged), str(tmp_path / "d.tfrecord"))
+    assert code == 1 and "--no-verify-crc" in err and "verify_crc" not in err
+    code, _, err = grain_core_cli(
+        "convert", str(damaged), str(tmp_path / "d.tfrecord"), "--no-verify-crc"
+    )
+    assert code == 0, err
+    nowhere = tmp_path / "no-such-dir" / "out.tfrecord"
+    code, _, err = grain_core_cli("convert", str(gzipped), str(nowhere))
+    assert code == 1 and f"'{nowhere}'" in err and ".tmp" not in err
+    code, _, err = grain_core_cli(
+        "convert", str(gzipped), str(tmp_path / "o.parquet"), "--compression", "ZLIB"
+    )
+    assert code == 1
+
+
+def test_convert_compression_on_read_and_write(tmp_path: Path, grain_core_cli: RunCli) -> None:
+    tfrecord = pytest.importorskip("grain_tfrecord")
+    plain = tmp_path / "plain.tfrecord"
+    _write_examples(plain, _examples(6))
+    records = list(tfrecord.TFRecordIterDataset(str(plain)))
+    for compression, magic in (("ZLIB", b"\x78"), ("GZIP", b"\x1f\x8b")):
+        packed = tmp_path / f"{compression}.tfrecord"
+        code, _, err = grain_core_cli(
+            "convert", str(plain), str(packed), "--output-compression", compression
+        )
+        assert code == 0, err
+        assert packed.read_bytes()[: len(magic)] == magic
+        back = tmp_path / f"{compression}-back.tfrecord"
+        code, _, err = grain_core_cli(
+            "convert", str(packed), str(back), "--compression", compression
+        )
+        assert code == 0, err
+        assert list(tfrecord.TFRecordIterDataset(str(back))) == records
+
+
+@pytest.mark.parametrize("spelling", ["--shards", "@", "-of-"])
+def test_convert_writes_shards_with_records_split_evenly(
+    tmp_path: Path, grain_core_cli: RunCli, spelling: str
+) -> None:
+    tfrecord = pytest.importorskip("grain_tfrecord")
+    source = tmp_path / "in.tfrecord"
+    _write_examples(source, _examples(11))
+    records = list(tfrecord.TFRecordIterDataset(str(source)))
+    base = tmp_path / "out.tfrecord"
+    output = {
+        "--shards": [str(base), "--shards", "3"],
+        "@": [f"{base}@3"],
+        "-of-": [f"{base}-00000-of-00003"],
+    }[spelling]
+    code, out, err = grain_core_cli("convert", str(source), *output)
+    assert code == 0, err
+    assert out.startswith(f"11 records: {source} (tfrecord) -> 3 files {base}-00000-of-00003")
+    shards = [list(tfrecord.TFRecordIterDataset(f"{base}-{i:05d}-of-00003")) for i in range(3)]
+    assert [len(s) for s in shards] == [4, 4, 3]
+    assert shards == [records[i::3] for i in range(3)]  # record k in file k % 3
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        "in.tfrecord",
+        *(f"out.tfrecord-{i:05d}-of-00003" for i in range(3)),
+    ]
+    code, _, err = grain_core_cli(
+        "convert", str(source), f"{base}@2", "--shards", "3", "--overwrite"
+    )
+    assert code == 1 and "names 2 shards but --shards is 3" in err
+
+
+def test_convert_tfrecord_examples_to_parquet_columns(
+    tmp_path: Path, grain_core_cli: RunCli
+) -> None:
+    parquet = pytest.importorskip("grain_parquet")
+    source = tmp_path / "in.tfrecord"
+    _write_examples(source, _examples(7))
+    target = tmp_path / "out.parquet"
+    code, _, err = grain_core_cli("convert", str(source), str(target))
+    assert code == 0, err
+    rows = parquet.ParquetDataSource(str(target)).__getitems__(range(7))
+    for i, row in enumerate(rows):
+        assert row["label"].tolist() == [i]
+        assert row["tokens"].tolist() == list(range(i % 4))
+        assert row["weight"].tolist() == [i, 0.5]
+    info = parquet.inspect_parquet(str(target), 0)
+    assert info.schema["tokens"] == "list<element: int64>"
+    for bad, message in (
+        ({"label": np.array([1])}, "it lacks the feature(s) ['tokens', 'weight'] of record 0"),
+        (
+            {
+                "label": np.array([b"x"], dtype=object),
+                "tokens": np.arange(2),
+                "weight": np.float32([1, 2]),
+            },
+            "its feature 'label' holds object values, record 0's holds int64",
+        ),
+    ):
+        mixed = tmp_path / "mixed.tfrecord"
+        _write_examples(mixed, [*_examples(2), bad])
+        code, _, err = grain_core_cli("convert", str(mixed), str(tmp_path / "mixed.parquet"))
+        assert code == 1
+        assert f"Record 2 of {mixed} (tfrecord, a bytes) cannot be written as parquet" in err
+        assert message in err
+        assert not (tmp_path / "mixed.parquet").exists()
+
+
+def test_a_closed_pipe_ends_the_command_quietly(tmp_path: Path) -> None:
+    source = tmp_path / "many.tfrecord"
+    _write_examples(source, _examples(3000))
+    reader = subprocess.Popen(
+        [str(CONSOLE_SCRIPT), "inspect", str(source), "--sample", "3000"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    )
+    assert reader.stdout is not None and reader.stderr is not None
+    assert reader.stdout.readline().startswith(b"path:")
+    reader.stdout.close()  # what `| head -1` does after its line
+    stderr = reader.stderr.read()
+    assert reader.wait() == 141  # 128 + SIGPIPE, as for coreutils
+    assert stderr == b""
+
+
+def test_inspect_takes_shard_patterns_and_writes_nothing_beside_the_data(
+    tmp_path: Path, grain_core_cli: RunCli
+) -> None:
+    pytest.importorskip("grain_tfrecord")
+    data = tmp_path / "data"
+    data.mkdir()
+    for i in range(2):
+        _write_examples(data / f"x.tfrecord-{i:05d}-of-00002", _examples(3 + i))
+    _write_examples(data / "z.tfrecord.gz-00000-of-00001", _examples(2))
+    data.chmod(0o555)  # read-only: nothing can be written there, and nothing should be tried
+    try:
+        for pattern in ("x.tfrecord@2", "x.tfrecord-*-of-00002", "x.tfrecord-?????-of-*"):
+            code, out, err = grain_core_cli("inspect", str(data / pattern), "--json")
+            assert code == 0, err
+            assert err == ""
+            assert json.loads(out)["num_records"] == 7
+        code, out, err = grain_core_cli("inspect", str(data / "z.tfrecord.gz@1"), "--json")
+        assert code == 0, err
+        assert json.loads(out)["details"]["compression"] == "GZIP"
+        assert sorted(p.name for p in data.iterdir()) == [
+            "x.tfrecord-00000-of-00002",
+            "x.tfrecord-00001-of-00002",
+            "z.tfrecord.gz-00000-of-00001",
+        ]
+    finally:
+        data.chmod(0o755)
+
+
+def test_inspect_reads_the_schema_from_a_sample_of_examples(
+    tmp_path: Path, grain_core_cli: RunCli
+) -> None:
+    pytest.importorskip("grain_tfrecord")
+    source = tmp_path / "x.tfrecord"
+    rows = _examples(10)
+    rows[9] = {"label": np.array([9]), "tokens": np.arange(6), "weight": np.float32([9, 0.5])}
+    del rows[4]["weight"]
+    _write_examples(source, rows)
+    code, out, err = grain_core_cli("inspect", str(source), "--json")
+    assert code == 0, err
+    summary = json.loads(out)
+    assert summary["schema"] == {
+        "label": {"dtype": "int64", "shape": [1]},
+        "tokens": {"dtype": "int64", "shape": [None], "lengths": [0, 6]},
+        "weight": {"dtype": "float32", "shape": [2], "missing": "in 1 of 10 records"},
+    }
+    assert summary["details"]["schema_from_records"] == 10
+    code, out, err = grain_core_cli("inspect", str(source), "--json", "--schema-sample", "1")
+    assert json.loads(out)["schema"]["tokens"] == {"dtype": "int64", "shape": [0]}

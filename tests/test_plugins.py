@@ -547,6 +547,7 @@ def test_unknown_public_name_is_attribute_error() -> None:
         ({"suffixes": ("jsonl",), "source": list}, "must look like '.ext'"),
         ({"suffixes": ".jsonl", "source": list}, "suffixes must be a tuple of str"),
         ({"suffixes": (".x",)}, "offers none of source, iter_dataset, writer, inspector"),
+        ({"suffixes": (".x",), "source": list, "record_decoder": 1}, "record_decoder must be"),
         ({"source": list}, "claims no suffixes and no URL patterns"),
         ({"url_patterns": ("(",), "source": list}, "not a valid regular expression"),
         ({"suffixes": (".x",), "writer": 3}, "writer must be callable"),

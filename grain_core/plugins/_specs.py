@@ -109,6 +109,9 @@ class FormatSpec:
       iter_dataset: ``iter_dataset(paths, **options)`` returns an ``IterDataset``.
       writer: ``writer(path, **options)`` returns a :class:`RecordWriter`.
       inspector: ``inspector(path, sample_size)`` returns a :class:`FormatInfo`.
+      record_decoder: ``record_decoder(record)`` turns one raw record of the format into a
+        mapping of feature name to value (TFRecord: ``tf.train.Example`` bytes to arrays);
+        ``grain-core convert`` uses it for an output format that stores rows, not bytes.
       exports: Public names the format provides, by module:
         ``{"grain_core.sources": {"JsonlDataSource": JsonlDataSource}}`` makes
         ``grain_core.sources.JsonlDataSource`` resolve to that object.
@@ -124,7 +127,8 @@ class FormatSpec:
     source: Callable[..., Any] | None = None
     iter_dataset: Callable[..., Any] | None = None
     writer: Callable[..., RecordWriter] | None = None
-    inspector: Callable[[str, int], FormatInfo] | None = None
+    inspector: Callable[..., FormatInfo] | None = None
+    record_decoder: Callable[[Any], Mapping[str, Any]] | None = None
     exports: Mapping[str, Mapping[str, object]] = dataclasses.field(default_factory=dict)
     description: str = ""
 
@@ -145,7 +149,7 @@ class FormatSpec:
                 ) from None
         if not suffixes and not patterns:
             raise ValueError(f"format {self.name!r} claims no suffixes and no URL patterns.")
-        for capability in CAPABILITIES:
+        for capability in (*CAPABILITIES, "record_decoder"):
             value = getattr(self, capability)
             if value is not None and not callable(value):
                 raise TypeError(f"format {self.name!r}: {capability} must be callable or None.")

@@ -135,7 +135,8 @@ def compression_for(path: str, compression: str | None) -> str | None:
       ValueError: If ``compression`` is not None, ``""``, ``"GZIP"`` or ``"ZLIB"``.
     """
     if compression is None:
-        suffix = os.path.splitext(path)[1].lower()
+        # The suffix before a shard's: x.tfrecord.gz-00000-of-00004 is GZIP-compressed too.
+        suffix = os.path.splitext(_SHARD_NAME.sub("", path))[1].lower()
         return _SUFFIX_COMPRESSION.get(suffix)
     name = compression.upper()
     if name in ("", "NONE"):
@@ -148,6 +149,7 @@ def compression_for(path: str, compression: str | None) -> str | None:
 
 
 _SHARD_SPEC = re.compile(r"^(?P<base>.+)@(?P<count>\d+)$")
+_SHARD_NAME = re.compile(r"-\d+-of-\d+$")
 
 
 def expand_paths(

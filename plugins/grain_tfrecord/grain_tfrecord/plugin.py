@@ -7,6 +7,7 @@ from collections.abc import Callable
 from grain_core import hookimpl
 from grain_core.plugins import FormatSpec
 from grain_tfrecord._dataset import TFRecordIterDataset
+from grain_tfrecord._example import decode_example
 from grain_tfrecord._inspect import inspect_tfrecord
 from grain_tfrecord._source import TFRecordDataSource
 from grain_tfrecord._writer import TFRecordWriter
@@ -25,6 +26,7 @@ def register_formats(register: Callable[[FormatSpec], None]) -> None:
             iter_dataset=TFRecordIterDataset,
             writer=TFRecordWriter,
             inspector=inspect_tfrecord,
+            record_decoder=decode_example,
             exports={
                 "grain_core.experimental": {
                     "TFRecordIterDataset": TFRecordIterDataset,
