@@ -6,6 +6,13 @@ plugin), ``tests-all`` (every package, JAX, Orbax and the test plugin), ``lint``
 ``typecheck``. ``nox -s bench`` runs the benchmarks beside Google Grain; ``nox -s
 tests-remote`` runs only the object-storage tests (against moto's S3 server, which they start).
 
+``tests-core`` and ``tests-all`` run once per supported CPython (the ``Programming Language ::
+Python :: 3.X`` classifiers of pyproject.toml), e.g. ``tests-all-3.13``; the worker engine
+builds on parts of the standard library that change between versions. A version that is not
+installed here is skipped, and nox says so (``Python interpreter 3.12 not found``); under CI
+(``CI`` set) a missing one fails instead. Interpreters are found on ``PATH``; on a pyenv
+machine every installed version of a supported series is made visible to the sessions.
+
 Test selection is by installed packages, not by markers: tests of plugin ``x`` live in
 ``tests/test_<x>*.py`` and start with ``pytest.importorskip("grain_<x>")``, so
 ``tests-core`` runs the whole suite and they skip there. Extra arguments go to pytest:
@@ -15,14 +22,19 @@ Test selection is by installed packages, not by markers: tests of plugin ``x`` l
 from __future__ import annotations
 
 import os
+import re
 import shutil
+import subprocess
 from pathlib import Path
 
 import nox
 
 nox.options.default_venv_backend = "uv|virtualenv"
+# A missing interpreter is a skipped session (a failed one under CI), never a download.
+nox.options.download_python = "never"
 
 ROOT = Path(__file__).resolve().parent
+PYTHONS = nox.project.python_versions(nox.project.load_toml(ROOT / "pyproject.toml"))
 TEST_PLUGIN = ROOT / "tests" / "plugin_jsonl"
 # Plugin distributions in this checkout, by short name: plugins/grain_parquet -> "parquet".
 PLUGINS = {
@@ -32,6 +44,37 @@ PLUGINS = {
 # Tools whose output must not change under us; the versions of the dev environment.
 RUFF = "ruff==0.17.6"
 MYPY = "mypy==2.4.1"
+# The slowest modules, all about worker processes and none about plugins: tests-core runs
+# them on every Python, tests-all only on the newest (CI's time limit).
+WORKER_ENGINE_TESTS = (
+    "tests/test_mp_prefetch.py",
+    "tests/test_mp_dispatch.py",
+    "tests/test_data_loader.py",
+)
+
+
+def _expose_pyenv_versions(series: list[str]) -> None:
+    """pyenv's ``python3.12`` shim runs only if 3.12 is an active version, so a machine with
+    every supported CPython installed through pyenv shows nox one of them. Activates, after
+    the active ones, the newest installed release of each supported series."""
+    pyenv = shutil.which("pyenv")
+    if pyenv is None:
+        return
+    listed = subprocess.run([pyenv, "versions", "--bare"], capture_output=True, text=True)
+    releases = sorted(
+        (v for v in listed.stdout.split() if re.fullmatch(r"\d+\.\d+\.\d+", v)),
+        key=lambda v: tuple(int(part) for part in v.split(".")),
+    )
+    newest = {v.rsplit(".", 1)[0]: v for v in releases}
+    active = subprocess.run([pyenv, "version-name"], capture_output=True, text=True)
+    names = os.environ.get("PYENV_VERSION") or (
+        active.stdout.strip() if active.returncode == 0 else ""
+    )
+    wanted = [*filter(None, names.split(":")), *(newest[s] for s in series if s in newest)]
+    os.environ["PYENV_VERSION"] = ":".join(dict.fromkeys(wanted))
+
+
+_expose_pyenv_versions(PYTHONS)
 
 
 def _pytest(session: nox.Session, *paths: str) -> None:
@@ -40,7 +83,7 @@ def _pytest(session: nox.Session, *paths: str) -> None:
     session.run("pytest", *(session.posargs or paths))
 
 
-@nox.session(name="tests-core")
+@nox.session(name="tests-core", python=PYTHONS)
 def tests_core(session: nox.Session) -> None:
     """grainpipe (the core) alone: imports and works with zero plugins; plugin names give install hints."""
     session.install(".[test]")
@@ -61,15 +104,19 @@ for _name, _directory in PLUGINS.items():
     _plugin_session(_name, _directory)
 
 
-@nox.session(name="tests-all")
+@nox.session(name="tests-all", python=PYTHONS)
 def tests_all(session: nox.Session) -> None:
-    """Every package, JAX (CPU), Orbax and the third-party test plugin: the whole suite."""
+    """Every package, JAX (CPU), Orbax and the third-party test plugin: the whole suite (on
+    older Pythons without the worker-engine modules, which tests-core runs there)."""
     plugins = [str(d) for d in PLUGINS.values()]
     session.install(
         ".[test,jax,progress,report,remote]", *plugins, str(TEST_PLUGIN), "orbax-checkpoint"
     )
     _ensure_chromium(session)
-    _pytest(session, "tests")
+    if session.python == PYTHONS[-1]:
+        _pytest(session, "tests")
+    else:
+        _pytest(session, "tests", *(f"--ignore={module}" for module in WORKER_ENGINE_TESTS))
 
 
 def _ensure_chromium(session: nox.Session) -> None:
