@@ -359,9 +359,11 @@ def test_convert_errors_name_the_users_paths_and_the_cli_options(
         "convert", str(damaged), str(tmp_path / "d.tfrecord"), "--no-verify-crc"
     )
     assert code == 0, err
-    nowhere = tmp_path / "no-such-dir" / "out.tfrecord"
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    nowhere = blocker / "out.tfrecord"  # its directory is a file: nothing can be written
     code, _, err = grain_core_cli("convert", str(gzipped), str(nowhere))
-    assert code == 1 and f"'{nowhere}'" in err and ".tmp" not in err
+    assert code == 1 and str(blocker) in err and ".tmp" not in err
     code, _, err = grain_core_cli(
         "convert", str(gzipped), str(tmp_path / "o.parquet"), "--compression", "ZLIB"
     )

@@ -30,11 +30,12 @@ FENCE = re.compile(r"^(?P<indent> {0,3})(?P<fence>`{3,}|~{3,})[ \t]*(?P<info>[^`
 # Kinds of block, by their info string (language, then an optional tag).
 PROGRAM = ("python", "")
 CLUSTER = ("python", "cluster")
+S3 = ("python", "s3")
 SHELL = ("bash", "")
 SETUP = ("bash", "setup")
 CONFIG = ("toml", "")
 DISPLAY = {("text", ""), ("markdown", "")}
-KNOWN = {PROGRAM, CLUSTER, SHELL, SETUP, CONFIG, *DISPLAY}
+KNOWN = {PROGRAM, CLUSTER, S3, SHELL, SETUP, CONFIG, *DISPLAY}
 CLUSTER_PROCESSES = 2
 # A hang guard, not a performance bound: each program imports JAX or starts workers.
 HANG_TIMEOUT_S = 600
@@ -195,6 +196,12 @@ def test_cluster_blocks_run_on_every_process_of_a_loopback_jax_cluster(
         processes.append(_run_program(page, CLUSTER, workdir, env))
     for process_id, process in enumerate(processes):
         _finish(process, f"{page.relative_to(ROOT)} [cluster] on process {process_id}")
+
+
+@pytest.mark.parametrize("page", _cases(S3), ids=lambda p: str(p.relative_to(ROOT)))
+def test_s3_blocks_compile(page: Path) -> None:
+    # Not yet run against the moto stand-in of tests/conftest.py: they only have to compile.
+    compile(_program(page, S3), str(page), "exec")
 
 
 @pytest.mark.parametrize("page", _cases(CONFIG), ids=lambda p: str(p.relative_to(ROOT)))
