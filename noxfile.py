@@ -44,6 +44,8 @@ PLUGINS = {
 # Tools whose output must not change under us; the versions of the dev environment.
 RUFF = "ruff==0.17.6"
 MYPY = "mypy==2.4.1"
+# pyright's rules, as pyright and Pylance users see our types; this build bundles Node.js.
+PYRIGHT = "basedpyright==1.40.2"
 # The slowest modules, all about worker processes and none about plugins: tests-core runs
 # them on every Python, tests-all only on the newest (CI's time limit).
 WORKER_ENGINE_TESTS = (
@@ -147,10 +149,13 @@ def lint(session: nox.Session) -> None:
 
 @nox.session
 def typecheck(session: nox.Session) -> None:
-    """mypy over grain_core and the three format plugins, with only the core's own
-    dependencies installed (array_record, pyarrow and crc32c have no type information)."""
-    session.install(".", MYPY)
+    """mypy and pyright (basedpyright's standard rules) over grain_core and the three format
+    plugins, with only the core's own dependencies installed (array_record, pyarrow and
+    crc32c have no type information). pyright reads this session's interpreter, not a
+    .venv it would otherwise find in the checkout."""
+    session.install(".", MYPY, PYRIGHT)
     session.run("mypy")
+    session.run("basedpyright", "--pythonpath", str(Path(session.bin) / "python"))
 
 
 @nox.session(default=False)

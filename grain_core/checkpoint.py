@@ -112,14 +112,16 @@ def _orbax_args() -> dict[str, type]:
     so that importing grain_core never imports Orbax and JAX)."""
     import orbax.checkpoint as ocp
 
-    @ocp.args.register_with_handler(CheckpointHandler, for_save=True)
+    # Orbax takes any class with its handler's methods; CheckpointHandler does not subclass
+    # Orbax's, so that importing grain_core never imports Orbax (pyright wants the subclass).
+    @ocp.args.register_with_handler(CheckpointHandler, for_save=True)  # pyright: ignore[reportArgumentType]
     @dataclasses.dataclass
     class CheckpointSave(ocp.args.CheckpointArgs):  # type: ignore[misc, name-defined]
         """Orbax argument: save ``item`` (a dataset or DataLoader iterator)."""
 
         item: Any
 
-    @ocp.args.register_with_handler(CheckpointHandler, for_restore=True)
+    @ocp.args.register_with_handler(CheckpointHandler, for_restore=True)  # pyright: ignore[reportArgumentType]
     @dataclasses.dataclass
     class CheckpointRestore(ocp.args.CheckpointArgs):  # type: ignore[misc, name-defined]
         """Orbax argument: restore ``item`` in place."""

@@ -36,8 +36,10 @@ from typing import Any
 
 import numpy as np
 
+# CPython's private module behind multiprocessing.shared_memory (no type information).
+_posixshmem: Any
 try:
-    import _posixshmem  # type: ignore[import-not-found]
+    import _posixshmem  # type: ignore[import-not-found, no-redef]
 except ImportError:  # Windows: no POSIX shared memory; arrays travel pickled instead.
     _posixshmem = None
 

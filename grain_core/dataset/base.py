@@ -596,7 +596,7 @@ class _WithSeedIterDataset(IterDataset[T]):
         self._seed_value = _random.validate_seed(seed, "`.seed()`", below_2_32=False)
 
     def __iter__(self) -> DatasetIterator[T]:
-        return iter(self._parents[0])
+        return self._parents[0].__iter__()
 
     def __repr__(self) -> str:
         return f"SeedIterDataset(seed={self._seed_value})"

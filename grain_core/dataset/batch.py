@@ -289,7 +289,7 @@ class BatchIterDataset(IterDataset[Any]):
         return self._batch_fn
 
     def __iter__(self) -> DatasetIterator[Any]:
-        return _BatchIterator(iter(self._parents[0]), self)
+        return _BatchIterator(self._parents[0].__iter__(), self)
 
     def __repr__(self) -> str:
         return (

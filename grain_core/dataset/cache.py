@@ -24,7 +24,7 @@ class CacheIterDataset(IterDataset[Any]):
         super().__init__(parent)
 
     def __iter__(self) -> DatasetIterator[Any]:
-        return _CacheIterator(iter(self._parents[0]))
+        return _CacheIterator(self._parents[0].__iter__())
 
 
 class _CacheIterator(DatasetIterator[Any]):

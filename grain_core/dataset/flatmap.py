@@ -112,7 +112,7 @@ class FlatMapMapDataset(MapDataset[Any]):
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
-        self.__dict__.update(state)
+        vars(self).update(state)
         self._cache_lock = threading.Lock()
 
     def _cached(self, j: int) -> tuple[bool, Sequence[Any] | None]:
@@ -192,7 +192,7 @@ class FlatMapIterDataset(IterDataset[Any]):
         self._split = _Splitter(transform, _max_fan_out(transform))
 
     def __iter__(self) -> DatasetIterator[Any]:
-        return _FlatMapIterator(iter(self._parents[0]), self._split)
+        return _FlatMapIterator(self._parents[0].__iter__(), self._split)
 
     def __repr__(self) -> str:
         return f"FlatMapIterDataset(transform={transform_name(self._transform)})"

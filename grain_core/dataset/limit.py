@@ -22,7 +22,7 @@ class LimitIterDataset(IterDataset[Any]):
         self.count = positive_int("LimitIterDataset count", count)
 
     def __iter__(self) -> DatasetIterator[Any]:
-        return _LimitIterator(iter(self._parents[0]), self.count)
+        return _LimitIterator(self._parents[0].__iter__(), self.count)
 
     def __repr__(self) -> str:
         return f"LimitIterDataset(count={self.count})"

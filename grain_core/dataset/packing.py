@@ -260,7 +260,7 @@ class _BinGroup:
         if len(lengths) == 1:
             feasible = self._first_room >= lengths[0]
         else:
-            feasible = (self._room >= np.asarray(lengths, dtype=np.int64)[:, None]).all(axis=0)
+            feasible = np.all(self._room >= np.asarray(lengths, dtype=np.int64)[:, None], axis=0)
         if self._open is not None:
             feasible &= self._open
         if self._used is None:
@@ -400,7 +400,7 @@ class _PackIterDataset(IterDataset[dict[str, Any]]):
         self._group_by = shuffle_bins_group_by_feature
 
     def __iter__(self) -> _PackDatasetIterator:
-        return _PackDatasetIterator(iter(self._parents[0]), self)
+        return _PackDatasetIterator(self._parents[0].__iter__(), self)
 
     def __repr__(self) -> str:
         return (

@@ -171,7 +171,7 @@ class ConcatThenSplitIterDataset(IterDataset[dict[str, Any]]):
         self._bos_token_id = bos_token_id
 
     def __iter__(self) -> _ConcatThenSplitIterator:
-        return _ConcatThenSplitIterator(iter(self._parents[0]), self)
+        return _ConcatThenSplitIterator(self._parents[0].__iter__(), self)
 
     def __repr__(self) -> str:
         return (
@@ -344,9 +344,8 @@ class _ConcatThenSplitIterator(DatasetIterator[dict[str, Any]]):
             first = pieces[0].features[key]
             values = np.zeros((target, *first.shape[1:]), dtype=first.dtype)
             is_sequence = key not in self._meta
-            if is_sequence:
-                segment_ids = np.zeros(target, dtype=np.int32)
-                positions = np.zeros(target, dtype=np.int32)
+            segment_ids = np.zeros(target if is_sequence else 0, dtype=np.int32)
+            positions = np.zeros(target if is_sequence else 0, dtype=np.int32)
             bos = key in self._bos_features
             end = 0
             for segment_id, piece in enumerate(pieces, 1):

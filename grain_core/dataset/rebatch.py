@@ -75,7 +75,7 @@ class RebatchIterDataset(IterDataset[Any]):
         return self._drop_remainder
 
     def __iter__(self) -> DatasetIterator[Any]:
-        return _RebatchIterator(iter(self._parents[0]), self._batch_size, self._drop_remainder)
+        return _RebatchIterator(self._parents[0].__iter__(), self._batch_size, self._drop_remainder)
 
     def __repr__(self) -> str:
         return (

@@ -28,7 +28,7 @@ class RepeatIterDataset(IterDataset[Any]):
         self.num_epochs = num_epochs
 
     def __iter__(self) -> DatasetIterator[Any]:
-        return _RepeatIterator(iter(self._parents[0]), self.num_epochs)
+        return _RepeatIterator(self._parents[0].__iter__(), self.num_epochs)
 
     def __repr__(self) -> str:
         return f"RepeatIterDataset(num_epochs={self.num_epochs})"

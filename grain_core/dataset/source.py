@@ -109,7 +109,8 @@ class SourceMapDataset(MapDataset[Any]):
         self._len = len(source)
 
     @property
-    def source(self) -> Any:
+    def source(self) -> Any:  # pyright: ignore[reportIncompatibleMethodOverride]
+        """The wrapped source (``MapDataset.source``, the factory, is called on the class)."""
         return self._source
 
     @property

@@ -310,7 +310,7 @@ def _timed_map_graph(
     stats = _StageStats(repr(node), "map", type(node).__name__, traced)
     for parent in timed.parents:
         if isinstance(parent, MapDataset) and hasattr(parent, "_stage_stats"):
-            stats.link(parent._stage_stats)
+            stats.link(parent._stage_stats)  # pyright: ignore[reportAttributeAccessIssue]
     timed._stage_stats = stats  # type: ignore[attr-defined]
     return timed
 

@@ -137,7 +137,7 @@ class WindowShuffleIterDataset(IterDataset[Any]):
         self._seed = self._resolve_seed(seed, "WindowShuffleIterDataset")
 
     def __iter__(self) -> DatasetIterator[Any]:
-        return _WindowShuffleIterator(iter(self._parents[0]), self._window_size, self._seed)
+        return _WindowShuffleIterator(self._parents[0].__iter__(), self._window_size, self._seed)
 
     def __repr__(self) -> str:
         return f"WindowShuffleIterDataset(window_size={self._window_size}, seed={self._seed})"

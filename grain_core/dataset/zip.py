@@ -64,7 +64,7 @@ class ZipIterDataset(IterDataset[tuple[Any, ...]]):
         self.strict = strict
 
     def __iter__(self) -> DatasetIterator[tuple[Any, ...]]:
-        return _ZipIterator([iter(p) for p in self._parents], self.strict)
+        return _ZipIterator([p.__iter__() for p in self._parents], self.strict)
 
     def __repr__(self) -> str:
         return f"ZipIterDataset(num_parents={len(self._parents)}, strict={self.strict})"

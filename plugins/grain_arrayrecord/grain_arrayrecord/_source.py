@@ -92,6 +92,7 @@ class ArrayRecordDataSource:
         self._lock = threading.Lock()  # guards opening readers, never reading
         self._readers: dict[str, Any] = {}
         plain = sorted({i.path for i in self._instructions if i.end is None})
+        counts: dict[str, int] = {}
         if plain:
             with concurrent.futures.ThreadPoolExecutor(min(16, len(plain))) as pool:
                 counts = dict(
@@ -201,6 +202,7 @@ class ArrayRecordDataSource:
 
     def _open(self, path: str) -> Any:
         reason: str | None
+        reader: Any = None  # set unless the reader failed to open (then reason says why)
         try:
             reader = array_record_module.ArrayRecordReader(path, self._reader_options)
         except ValueError as err:

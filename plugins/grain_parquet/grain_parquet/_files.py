@@ -81,7 +81,11 @@ class ParquetPath:
           OSError: If a read fails.
         """
         fs = self.filesystem
-        if isinstance(fs, pafs.PyFileSystem) and isinstance(fs.handler, pafs.FSSpecHandler):
+        if (
+            fs is not None
+            and isinstance(fs, pafs.PyFileSystem)
+            and isinstance(fs.handler, pafs.FSSpecHandler)
+        ):
             paths = [self.path] * len(ranges)
             starts = [start for start, _ in ranges]
             ends = [end for _, end in ranges]

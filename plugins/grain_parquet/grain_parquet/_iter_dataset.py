@@ -190,12 +190,11 @@ class _ParquetFileIterator(DatasetIterator[dict[str, Any]]):
     def __init__(self, ds: ParquetIterDataset) -> None:
         super().__init__()
         self._file = ds._files[0]
-        self._pf: pq.ParquetFile | None = open_parquet(self._file, ds._read_kwargs)
+        pf = open_parquet(self._file, ds._read_kwargs)
+        self._pf: pq.ParquetFile | None = pf
         if self._file != ds._schema_file:
-            check_same_schema(
-                ds._schema, ds._schema_file, self._pf.schema_arrow, self._file, ds._columns
-            )
-        metadata = self._pf.metadata
+            check_same_schema(ds._schema, ds._schema_file, pf.schema_arrow, self._file, ds._columns)
+        metadata = pf.metadata
         self._num_row_groups = metadata.num_row_groups
         self._row_groups = (
             ds._row_groups if ds._row_groups is not None else tuple(range(self._num_row_groups))

@@ -209,9 +209,10 @@ class ParquetWriter:
             self._pending_rows = rest.num_rows
 
     def _write(self, table: pa.Table) -> None:
-        if self._writer is None:
-            self._writer = pq.ParquetWriter(self._tmp_path, table.schema, **self._options)
-        self._writer.write_table(table, row_group_size=self._row_group_size)
+        writer = self._writer
+        if writer is None:
+            writer = self._writer = pq.ParquetWriter(self._tmp_path, table.schema, **self._options)
+        writer.write_table(table, row_group_size=self._row_group_size)
         self._written += table.num_rows
 
     def close(self) -> None:

@@ -117,7 +117,7 @@ class TFRecordIterDataset(IterDataset[bytes]):
         interleave = self._parents[0]
         if interleave.cycle_length == 1:
             return TFRecordChainIterator(interleave)
-        return iter(interleave)
+        return interleave.__iter__()
 
     def __repr__(self) -> str:
         return f"TFRecordIterDataset(path={list(self._paths)!r}, verify_crc={self._verify_crc})"

@@ -61,7 +61,7 @@ WBITS: Final = {"GZIP": 16 + zlib.MAX_WBITS, "ZLIB": zlib.MAX_WBITS}
 _SUFFIX_COMPRESSION: Final = {".gz": "GZIP", ".gzip": "GZIP", ".zz": "ZLIB", ".zlib": "ZLIB"}
 
 
-def masked_crc(data: bytes | memoryview) -> int:
+def masked_crc(data: bytes | bytearray | memoryview) -> int:
     """Returns the masked CRC32C of ``data``, as stored in TFRecord frames."""
     crc = crc32c.crc32c(data)
     return (((crc >> 15) | (crc << 17)) + MASK_DELTA) & 0xFFFFFFFF

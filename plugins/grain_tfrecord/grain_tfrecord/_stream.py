@@ -388,7 +388,7 @@ class FrameReader:
                 if stop + 16 <= size:
                     data_crc, next_length, next_length_crc = unpack_footer_and_header(buf, stop)
                 elif stop + 4 <= size:
-                    data_crc, next_length = U32.unpack_from(buf, stop)[0], -1
+                    data_crc, next_length, next_length_crc = U32.unpack_from(buf, stop)[0], -1, 0
                 else:
                     break
                 append(buf[pos + 12 : stop])
