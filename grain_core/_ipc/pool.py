@@ -28,6 +28,8 @@ import faulthandler
 import io
 import multiprocessing
 import multiprocessing.connection
+import multiprocessing.context as mp_context
+import multiprocessing.process
 import os
 import pickle
 import secrets
@@ -37,7 +39,6 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Sequence
-from multiprocessing import context as mp_context
 from multiprocessing import forkserver, popen_forkserver, reduction, spawn, util
 from typing import Any, Protocol
 
@@ -163,7 +164,7 @@ class _Popen(popen_forkserver.Popen):
         prep_data.pop("init_main_from_path", None)
         prep_data.pop("init_main_from_name", None)
         buf = io.BytesIO()
-        mp_context.set_spawning_popen(self)
+        mp_context.set_spawning_popen(self)  # pyright: ignore[reportArgumentType]  # typeshed names popen_fork.Popen only
         try:
             reduction.dump(prep_data, buf)
             reduction.dump(process_obj, buf)

@@ -30,7 +30,7 @@ import pickle
 import time
 import weakref
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, cast
 
 from grain_core._ipc import shm
 from grain_core._ipc.errors import (
@@ -226,7 +226,7 @@ class RotationWorkerLoop(WorkerLoop):
                 self._send_blobs(blobs)
                 self._waiting = pending
                 return
-            blobs.append(payload)
+            blobs.append(cast(bytes, payload))  # without shared memory: the pickled element
             now = time.perf_counter()
             if not (self._credits > 0 or self._may_overdraw()) or 2 * now - began >= deadline:
                 self._send_blobs(blobs)
