@@ -46,13 +46,16 @@ RUFF = "ruff==0.17.6"
 MYPY = "mypy==2.4.1"
 # pyright's rules, as pyright and Pylance users see our types; this build bundles Node.js.
 PYRIGHT = "basedpyright==1.40.2"
-# The slowest modules, all about worker processes and none about plugins: tests-core runs
-# them on every Python, tests-all only on the newest (CI's time limit).
+# The slowest modules (two thirds of the suite's time), all about worker processes and none
+# about plugins: only tests-all on the newest Python runs them, so the matrix stays within
+# CI's time limit. Every session still starts real workers through the forkserver
+# (tests/test_multiprocessing.py and others) on its own Python.
 WORKER_ENGINE_TESTS = (
     "tests/test_mp_prefetch.py",
     "tests/test_mp_dispatch.py",
     "tests/test_data_loader.py",
 )
+_IGNORE_WORKER_ENGINE_TESTS = tuple(f"--ignore={module}" for module in WORKER_ENGINE_TESTS)
 
 
 def _expose_pyenv_versions(series: list[str]) -> None:
@@ -87,9 +90,10 @@ def _pytest(session: nox.Session, *paths: str) -> None:
 
 @nox.session(name="tests-core", python=PYTHONS)
 def tests_core(session: nox.Session) -> None:
-    """grainpipe (the core) alone: imports and works with zero plugins; plugin names give install hints."""
+    """grainpipe (the core) alone: imports and works with zero plugins; plugin names give
+    install hints (the suite without the worker-engine modules, which tests-all runs)."""
     session.install(".[test]")
-    _pytest(session, "tests")
+    _pytest(session, "tests", *_IGNORE_WORKER_ENGINE_TESTS)
 
 
 def _plugin_session(name: str, directory: Path) -> None:
@@ -109,7 +113,7 @@ for _name, _directory in PLUGINS.items():
 @nox.session(name="tests-all", python=PYTHONS)
 def tests_all(session: nox.Session) -> None:
     """Every package, JAX (CPU), Orbax and the third-party test plugin: the whole suite (on
-    older Pythons without the worker-engine modules, which tests-core runs there)."""
+    older Pythons without the worker-engine modules)."""
     plugins = [str(d) for d in PLUGINS.values()]
     session.install(
         ".[test,jax,progress,report,remote]", *plugins, str(TEST_PLUGIN), "orbax-checkpoint"
@@ -118,7 +122,7 @@ def tests_all(session: nox.Session) -> None:
     if session.python == PYTHONS[-1]:
         _pytest(session, "tests")
     else:
-        _pytest(session, "tests", *(f"--ignore={module}" for module in WORKER_ENGINE_TESTS))
+        _pytest(session, "tests", *_IGNORE_WORKER_ENGINE_TESTS)
 
 
 def _ensure_chromium(session: nox.Session) -> None:

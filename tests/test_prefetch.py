@@ -2,6 +2,9 @@ from __future__ import annotations
 
 import gc
 import multiprocessing
+import subprocess
+import sys
+import textwrap
 import threading
 import time
 
@@ -187,6 +190,31 @@ def test_a_dropped_thread_prefetch_iterator_stops_its_thread_and_workers():
     thread.join(timeout=5)
     assert not thread.is_alive()
     assert not workers & {p.pid for p in multiprocessing.active_children()}
+
+
+def test_producer_threads_are_stopped_and_joined_before_the_interpreter_exits():
+    # A daemon thread still inside a C++ extension (a JAX device copy) when the interpreter
+    # finalizes aborts the process ("FATAL: exception not rethrown"). Here the producer waits
+    # on its full queue until stopped; atexit handlers run after threading's exit hook.
+    program = textwrap.dedent(
+        """
+        import atexit, threading
+        import grain_core as grain
+        from grain_core.dataset.prefetch import ThreadPrefetchIterDataset
+
+        ds = grain.MapDataset.range(100).to_iter_dataset()
+        it = iter(ThreadPrefetchIterDataset(ds, prefetch_buffer_size=1))
+        assert next(it) == 0
+        producers = [t for t in threading.enumerate() if t.name == "grain_core-thread-prefetch"]
+        assert producers
+        atexit.register(lambda: print("alive at exit:", [t.is_alive() for t in producers]))
+        """
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", program], capture_output=True, text=True, timeout=120
+    )
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "alive at exit: [False]"
 
 
 def test_thread_prefetch_over_foreign_iterators():

@@ -413,6 +413,24 @@ class ThreadPrefetchIterDataset(IterDataset[Any]):
 
 
 _END = object()
+# Producer threads alive now, with their stop events. They are daemon threads, so that a
+# forgotten iterator never keeps the interpreter alive; but one still inside a C++ extension
+# when the interpreter finalizes (a JAX device copy) is cut off there, and that aborts the
+# process. So they are stopped and joined before the interpreter exits, as concurrent.futures
+# does with its workers (threading's own exit hook, which runs before any atexit handler).
+_PRODUCERS: dict[threading.Thread, threading.Event] = {}
+_EXIT_JOIN_S = 5.0
+
+
+def _stop_producers_at_exit() -> None:
+    for stop in list(_PRODUCERS.values()):
+        stop.set()
+    deadline = time.monotonic() + _EXIT_JOIN_S
+    for thread in list(_PRODUCERS):
+        thread.join(timeout=max(0.0, deadline - time.monotonic()))
+
+
+threading._register_atexit(_stop_producers_at_exit)  # type: ignore[attr-defined]  # private, as used by concurrent.futures
 
 
 def _snapshot(source: Any, owns_state_copies: bool) -> Any:
@@ -425,6 +443,13 @@ def _produce(
     source: Any, owns_state_copies: bool, stop: threading.Event, q: queue.Queue[Any]
 ) -> None:
     """The producer thread of a ThreadPrefetchDatasetIterator: ``(element, state, error)``."""
+    try:
+        _fill(source, owns_state_copies, stop, q)
+    finally:
+        _PRODUCERS.pop(threading.current_thread(), None)
+
+
+def _fill(source: Any, owns_state_copies: bool, stop: threading.Event, q: queue.Queue[Any]) -> None:
     while not stop.is_set():
         try:
             item: tuple[Any, Any, BaseException | None] = (
@@ -482,6 +507,7 @@ class ThreadPrefetchDatasetIterator(DatasetIterator[Any]):
                 name="grain_core-thread-prefetch",
                 daemon=True,
             )
+            _PRODUCERS[self._thread] = self._stop
             self._thread.start()
 
     def start_prefetch(self) -> None:
