@@ -211,6 +211,18 @@ def test_malformed_examples_raise_with_the_feature_name() -> None:
         decode_example(_example(_entry(b"\xff", b"")))
 
 
+def test_field_number_zero_is_skipped_inside_an_unknown_group_only() -> None:
+    # protobuf (upb) skips a group's fields without checking their numbers, and refuses field
+    # number 0 everywhere else; found by the differential fuzz test below.
+    group_with_field_zero = b"\x0b\x01" + bytes(8) + b"\x0c"
+    assert decode_example(group_with_field_zero) == {}
+    assert decode_example(b"\x8b\x00\x01" + bytes(8) + b"\x0c") == {}
+    with pytest.raises(ExampleDecodeError, match="invalid number 0"):
+        decode_example(b"\x01" + bytes(8))
+    with pytest.raises(ExampleDecodeError, match="invalid number 0"):
+        decode_example(b"\x0a\x02\x00\x00")
+
+
 def test_unknown_fields_unpacked_lists_and_merge_rules() -> None:
     float_unpacked = b"\x0d" + np.float32(1.5).tobytes() + b"\x0d" + np.float32(-2).tobytes()
     ints_unpacked = b"\x08\x05\x08\xff\xff\xff\xff\xff\xff\xff\xff\xff\x01"

@@ -338,9 +338,15 @@ def _long_tag(buf: bytes, pos: int, end: int) -> tuple[int, int]:
 
 def _skip(buf: bytes, pos: int, end: int, tag: int) -> int:
     """Skips the value of an unknown field (any wire type; groups with what they hold)."""
-    wire_type = tag & 7
     if tag < 8:
         raise _Malformed(f"a field has the invalid number 0 before byte {pos}")
+    return _skip_value(buf, pos, end, tag)
+
+
+def _skip_value(buf: bytes, pos: int, end: int, tag: int) -> int:
+    """Skips one field's value. Field number 0 is not refused here: inside a skipped group
+    the protobuf runtime (upb) skips fields without checking their numbers."""
+    wire_type = tag & 7
     if wire_type == 0:
         return _varint(buf, pos, end)[1]
     if wire_type == 2:
@@ -359,7 +365,7 @@ def _skip(buf: bytes, pos: int, end: int, tag: int) -> int:
                 inner, pos = _long_tag(buf, pos, end)
             if inner == tag + 1:
                 return pos
-            pos = _skip(buf, pos, end, inner)
+            pos = _skip_value(buf, pos, end, inner)
         raise _Malformed(f"group {tag >> 3} has no end before byte {end}")
     if wire_type == 4:
         raise _Malformed(f"an end of group {tag >> 3} has no start, before byte {pos}")
