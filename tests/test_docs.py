@@ -3,8 +3,9 @@ paste it; the conventions are in docs/writing-docs.md.
 
 A page's untagged ``python`` blocks are one program, run in a fresh process in an empty
 directory; ``python cluster`` blocks are a second program, run as two JAX processes joined on
-127.0.0.1; ``bash`` blocks run afterwards in the same directory; ``toml`` blocks must parse;
-the README's ``bash setup`` block holds exactly the two set-up commands, the second of which
+127.0.0.1; ``python s3`` blocks a third, run against moto's S3 server on 127.0.0.1 (the
+``s3_server`` fixture of tests/conftest.py); ``bash`` blocks run afterwards in the same
+directory; ``toml`` blocks must parse; the README's ``bash setup`` block holds exactly the two set-up commands, the second of which
 ``.ci/run`` runs. Tracebacks name the page and its line numbers. A program that imports a
 package this session lacks (a plugin in tests-core, JAX) is skipped, naming the package.
 """
@@ -21,6 +22,7 @@ import subprocess
 import sys
 import tomllib
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -37,6 +39,8 @@ CONFIG = ("toml", "")
 DISPLAY = {("text", ""), ("markdown", "")}
 KNOWN = {PROGRAM, CLUSTER, S3, SHELL, SETUP, CONFIG, *DISPLAY}
 CLUSTER_PROCESSES = 2
+# The bucket that ``python s3`` blocks name (``s3://bucket/...``), created on the test server.
+S3_BUCKET = "bucket"
 # A hang guard, not a performance bound: each program imports JAX or starts workers.
 HANG_TIMEOUT_S = 600
 RUN_PROGRAM = "import sys; exec(compile(open(sys.argv[2]).read(), sys.argv[1], 'exec'))"
@@ -199,9 +203,41 @@ def test_cluster_blocks_run_on_every_process_of_a_loopback_jax_cluster(
 
 
 @pytest.mark.parametrize("page", _cases(S3), ids=lambda p: str(p.relative_to(ROOT)))
-def test_s3_blocks_compile(page: Path) -> None:
-    # Not yet run against the moto stand-in of tests/conftest.py: they only have to compile.
-    compile(_program(page, S3), str(page), "exec")
+def test_s3_blocks_run_against_a_loopback_s3_server(
+    page: Path, tmp_path: Path, s3_server: Any
+) -> None:
+    _skip_unless_importable(_program(page, S3), page)
+    import s3fs  # optional dependency (the s3_server fixture skips without it)
+
+    s3fs.S3FileSystem(**s3_server.storage_options()).makedirs(S3_BUCKET, exist_ok=True)
+    # What a reader of the page has: AWS profiles in the standard files, and the store's
+    # address where botocore looks for it (so URLs without options reach it too).
+    aws = tmp_path / "aws"
+    aws.mkdir()
+    profiles = ("default", "training")
+    (aws / "credentials").write_text(
+        "".join(
+            f"[{name}]\naws_access_key_id = testing\naws_secret_access_key = testing\n"
+            for name in profiles
+        )
+    )
+    region = s3_server.storage_options()["client_kwargs"]["region_name"]
+    (aws / "config").write_text(
+        "".join(
+            f"[{'default' if name == 'default' else f'profile {name}'}]\nregion = {region}\n"
+            for name in profiles
+        )
+    )
+    workdir = tmp_path / "work"
+    workdir.mkdir()
+    env = _env(
+        AWS_SHARED_CREDENTIALS_FILE=str(aws / "credentials"),
+        AWS_CONFIG_FILE=str(aws / "config"),
+        AWS_ENDPOINT_URL_S3=s3_server.endpoint,
+    )
+    for variable in ("AWS_PROFILE", "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "FSSPEC_S3"):
+        env.pop(variable, None)
+    _finish(_run_program(page, S3, workdir, env), f"{page.relative_to(ROOT)} [s3]")
 
 
 @pytest.mark.parametrize("page", _cases(CONFIG), ids=lambda p: str(p.relative_to(ROOT)))
