@@ -20,11 +20,14 @@ __all__ = [
     "load_coroutine",
     "process_file_name",
     "read_process_file",
+    "read_shard_process_file",
+    "read_shard_state_file",
     "read_shard_state_files",
     "save_coroutine",
     "shard_file",
     "write_process_file",
     "write_shard_state_files",
+    "written_process_counts",
 ]
 
 
@@ -35,19 +38,25 @@ def _process_index_and_count() -> tuple[int, int]:
     return jax.process_index(), jax.process_count()
 
 
-def process_file_name() -> str:
-    """File name of this process's checkpoint, ``process_{i}-of-{n}.json``."""
-    i, n = _process_index_and_count()
+def process_file_name(shard: tuple[int, int] | None = None) -> str:
+    """File name of a checkpoint, ``process_{i}-of-{n}.json``.
+
+    Args:
+      shard: ``(i, n)`` of the writer (an ``ElasticIterator``'s shard); default: this process
+        of the JAX processes.
+    """
+    i, n = shard if shard is not None else _process_index_and_count()
     return f"process_{i}-of-{n}.json"
 
 
-def write_process_file(directory: Any, text: str) -> str:
-    """Atomically writes this process's checkpoint file into ``directory``; returns its path.
+def write_process_file(directory: Any, text: str, shard: tuple[int, int] | None = None) -> str:
+    """Atomically writes a process's checkpoint file (``shard``: see ``process_file_name``)
+    into ``directory``; returns its path.
 
     Raises:
       OSError: If it cannot be written (disk full, read-only), naming the directory.
     """
-    path = storage.join(directory, process_file_name())
+    path = storage.join(directory, process_file_name(shard))
     storage.write_bytes(path, text.encode())
     return path
 
@@ -68,11 +77,10 @@ def read_process_file(directory: Any, *, any_process: bool = False) -> str:
         return _read_text(path)
     except FileNotFoundError:
         pass
-    files = storage.glob(storage.join(directory, "process_*-of-*.json"), allow_empty=True)
+    files = _process_files(directory)
     if any_process and files:
         return _read_text(files[0])
-    names = (f.rsplit("-of-", 1)[1].removesuffix(".json") for f in files)
-    written = sorted({int(n) for n in names if n.isdigit()})
+    written = sorted(written_process_counts(directory))
     count = _process_index_and_count()[1]
     if written and count not in written:
         raise ValueError(
@@ -86,6 +94,28 @@ def read_process_file(directory: Any, *, any_process: bool = False) -> str:
         f"File {path} does not exist. The checkpoint was not written by this process "
         "(check the directory and the JAX process count)."
     )
+
+
+def read_shard_process_file(directory: Any, shard: tuple[int, int]) -> str | None:
+    """The text of shard ``(i, n)``'s ``process_{i}-of-{n}.json``, or None if it is missing.
+
+    Raises:
+      ValueError: If the file is not UTF-8 text, naming it.
+    """
+    try:
+        return _read_text(storage.join(directory, process_file_name(shard)))
+    except FileNotFoundError:
+        return None
+
+
+def _process_files(directory: Any) -> list[str]:
+    return storage.glob(storage.join(directory, "process_*-of-*.json"), allow_empty=True)
+
+
+def written_process_counts(directory: Any) -> set[int]:
+    """The ``n`` of every ``process_{i}-of-{n}.json`` file in ``directory``."""
+    names = (f.rsplit("-of-", 1)[1].removesuffix(".json") for f in _process_files(directory))
+    return {int(n) for n in names if n.isdigit()}
 
 
 def _read_text(path: str) -> str:
@@ -102,6 +132,18 @@ def _read_text(path: str) -> str:
 def shard_file(directory: Any, key: int) -> str:
     """Path of the state file of input dataset ``key`` in ``directory``."""
     return storage.join(directory, f"shard_state_{key}.json")
+
+
+def read_shard_state_file(directory: Any, key: int) -> str | None:
+    """The text of ``shard_state_{key}.json``, or None if it is missing.
+
+    Raises:
+      ValueError: If the file is not UTF-8 text, naming it.
+    """
+    try:
+        return _read_text(shard_file(directory, key))
+    except FileNotFoundError:
+        return None
 
 
 def write_shard_state_files(directory: Any, texts: Mapping[int, str]) -> None:

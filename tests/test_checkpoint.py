@@ -219,7 +219,10 @@ def test_elastic_iterator_restores_under_another_process_count(tmp_path: Path) -
     ds = grain.MapDataset.range(40)
     two_hosts = [ElasticIterator(ds, 4, ShardOptions(i, 2)) for i in range(2)]
     for i, it in enumerate(two_hosts):
-        assert [b.tolist() for b in (next(it), next(it))] == [[i, i + 2], [4 + i, 6 + i]]
+        assert [b.tolist() for b in (next(it), next(it))] == [
+            [2 * i, 2 * i + 1],
+            [4 + 2 * i, 5 + 2 * i],
+        ]
         (tmp_path / f"process_{i}-of-2.json").write_text(json.dumps(it.get_state()))
     one_host = ElasticIterator(ds, 4, ShardOptions(0, 1))
     checkpoint.CheckpointHandler().restore(tmp_path, one_host)

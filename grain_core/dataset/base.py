@@ -493,6 +493,17 @@ class DatasetIterator(Iterator[T], abc.ABC):
             f"{type(self).__name__} cannot report how many elements it has produced."
         )
 
+    def _progress_held(self) -> str | None:
+        """What this iterator holds beyond its parent's position at the consumer's point, or
+        ``None``: its state is its parent's, plus counters that may restart.
+
+        ``ElasticIterator`` moves the progress of an IterDataset pipeline to another shard count
+        only when every iterator above the sliced node returns ``None``; a description (the
+        node and the elements it has handed out from a group it read, say) goes into the error.
+        The default holds back: an iterator with a state of its own must say when it is empty.
+        """
+        return f"{type(self).__name__} keeps a position of its own"
+
     def _set_next_index(self, index: int) -> None:
         raise NotImplementedError(
             f"{type(self).__name__} cannot jump to an element index without processing data."

@@ -253,6 +253,9 @@ class _BatchIterator(DatasetIterator[Any]):
     def set_state(self, state: dict[str, Any]) -> None:
         self._parents[0].set_state(state)
 
+    def _progress_held(self) -> None:
+        return None
+
     def _get_next_index(self) -> int:
         return -(-self._parents[0]._get_next_index() // self._batch_size)
 

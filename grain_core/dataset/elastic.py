@@ -1,14 +1,30 @@
 """``ElasticIterator``: batching and sharding owned by the iterator, so a checkpoint restores
 under a different number of shards.
 
-* MapDataset mode: the state is one number, the global index of the next element, identical on
-  every shard after the same number of steps. Shard ``s`` of ``S`` reads
-  ``ds[g + s :: S]`` in batches of ``global_batch_size // S``; any shard's state restores any
-  topology, and the union of what the shards read is the same for every ``S``.
+* MapDataset mode: the state is one number, the global index ``g`` of the next element,
+  identical on every shard after the same number of steps. Step ``t`` reads the global batch
+  ``ds[g + t*B : g + (t+1)*B]`` (``B = global_batch_size``); shard ``s`` of ``S`` takes its
+  ``s``-th block of ``B // S`` consecutive elements, so the shards' batches, joined in shard
+  order, are the global batch whatever ``S`` is: a restore under any shard count continues the
+  identical global stream (same elements, same order, every step). Only whole global batches
+  are read (a final partial one is dropped on every shard alike).
 * IterDataset mode (experimental): the pipeline is sliced at its interleave (or another
-  sliceable node) so shard ``s`` reads input datasets ``s, s + S, ...``; progress is saved per
-  input dataset (``get_shard_states``) and redistributed when ``S`` changes. The order after a
-  change of ``S`` is not the order of an uninterrupted run.
+  sliceable node) so shard ``s`` reads input datasets ``s, s + S, ...``.
+
+  - Same shard count: ``get_state()`` is the whole pipeline's state (window shuffle, packing
+    and prefetch positions included); restoring it continues exactly. ``CheckpointHandler``
+    writes it to ``process_{s}-of-{S}.json`` and restores it when the shard count matches.
+  - Another shard count: progress is saved per input dataset (``get_shard_states``, files
+    ``shard_state_{k}.json``), taken at the consumer's position, and redistributed. This is
+    exact -- every element not yet handed out is read once, none twice -- when no iterator
+    between the output and the sliced node holds elements it has partly handed out (a window
+    shuffle in mid-window, a packer in mid-group, a flat_map or rebatch in mid-input; also
+    ``repeat`` past its first epoch, ``limit`` after it counted). Otherwise the input states
+    carry ``"held"``, naming the shard and that node, and restoring them under another shard
+    count raises ``ValueError`` with that text: those elements exist only in that shard's
+    buffer. Counters that only number elements (``map_with_index``, ``random_map``, a
+    packer's bin-shuffle counter) restart at 0. The order after a change of ``S`` is not the
+    order of an uninterrupted run.
 
   When the sliceable node is a file reader rather than an ``InterleaveIterDataset`` (no
   interleave remains to read inputs concurrently: multi-file Parquet or TFRecord read their
@@ -25,12 +41,12 @@ from collections.abc import Mapping
 from typing import Any
 
 from grain_core import _checkpoint_io
+from grain_core._checks import non_negative_int
 from grain_core.capabilities import InPlaceSliceable, ShardStateOwner, WorkerSliceable
 from grain_core.dataset.base import DatasetIterator, IterDataset, MapDataset
 from grain_core.dataset.interleave import (
     InterleaveDatasetIterator,
     InterleaveIterDataset,
-    interleave_input_states,
     interleave_state,
 )
 from grain_core.dataset.map import FilterMapDataset
@@ -95,7 +111,8 @@ class ElasticIterator(DatasetIterator[Any]):
         self._mp_options = multiprocessing_options
         self._global_next_index = 0
         self._iterator: DatasetIterator[Any] | None = None
-        # IterDataset mode, split by threads: copy t of the shard's pipeline.
+        # IterDataset mode: this shard's pipeline, and with a split by threads copy t of it.
+        self._shard_ds: IterDataset[Any] | None = None
         self._thread_copies: list[IterDataset[Any]] = []
 
     @property
@@ -104,7 +121,7 @@ class ElasticIterator(DatasetIterator[Any]):
 
     @property
     def checkpoints_shard_states(self) -> bool:
-        """Whether ``CheckpointHandler`` saves this iterator as per-dataset shard-state files."""
+        """Whether ``CheckpointHandler`` saves this iterator with per-dataset shard-state files."""
         return isinstance(self._ds, IterDataset)
 
     @property
@@ -119,24 +136,28 @@ class ElasticIterator(DatasetIterator[Any]):
         index, count = self._shard_options.shard_index, self._shard_options.shard_count
         per_shard = self._global_batch_size // count
         if isinstance(self._ds, MapDataset):
-            start = self._global_next_index + index
-            ds = self._ds.slice(slice(start, None, count))
-            it_ds: IterDataset[Any] = ds.batch(per_shard, drop_remainder=True).to_iter_dataset(
+            rest = self._ds.slice(slice(self._global_next_index, None))
+            steps = len(rest) // self._global_batch_size
+            # Block k of per_shard elements is block k % count of step k // count's global batch.
+            blocks: MapDataset[Any] = rest.batch(per_shard, drop_remainder=True)
+            it_ds = blocks.slice(slice(index, steps * count, count)).to_iter_dataset(
                 self._read_options
             )
             if self._mp_options is not None:
                 it_ds = it_ds.mp_prefetch(self._mp_options)
             return it_ds
-        shard = slice_for_worker(self._ds, index, count)
-        threads = self._read_options.num_threads
-        if threads > 1 and not any(
-            isinstance(node, InterleaveIterDataset) for node in _sliceable_nodes(shard)
-        ):
-            self._thread_copies = [slice_for_worker(shard, t, threads) for t in range(threads)]
-            shard = InterleaveIterDataset(
-                self._thread_copies, cycle_length=threads, num_make_iter_threads=threads
-            )
-        return shard.batch(per_shard, drop_remainder=False)
+        if self._shard_ds is None:
+            shard = slice_for_worker(self._ds, index, count)
+            threads = self._read_options.num_threads
+            if threads > 1 and not any(
+                isinstance(node, InterleaveIterDataset) for node in _sliceable_nodes(shard)
+            ):
+                self._thread_copies = [slice_for_worker(shard, t, threads) for t in range(threads)]
+                shard = InterleaveIterDataset(
+                    self._thread_copies, cycle_length=threads, num_make_iter_threads=threads
+                )
+            self._shard_ds = shard.batch(per_shard, drop_remainder=False)
+        return self._shard_ds
 
     def __next__(self) -> Any:
         x = next(self.base_iterator)
@@ -155,7 +176,9 @@ class ElasticIterator(DatasetIterator[Any]):
 
     def set_state(self, state: dict[str, Any]) -> None:
         if isinstance(self._ds, MapDataset):
-            self._global_next_index = int(state["global_next_index"])
+            self._global_next_index = non_negative_int(
+                "ElasticIterator state global_next_index", state["global_next_index"]
+            )
             self._drop_iterator()
         else:
             self.base_iterator.set_state(state)
@@ -179,7 +202,10 @@ class ElasticIterator(DatasetIterator[Any]):
         )
 
     def get_shard_states(self) -> dict[int, dict[str, Any]]:
-        """Progress per input dataset, keyed by its index in the unsharded dataset list.
+        """Progress per input dataset at the consumer's position, keyed by the input's index in
+        the unsharded dataset list: ``{"exhausted": 0|1, "state": s}``, plus ``"held"`` (why
+        it cannot move to another shard count) when an iterator above the sliced node holds
+        elements it has partly handed out.
 
         Raises:
           ValueError: in MapDataset mode, or without an interleave in the pipeline.
@@ -187,25 +213,25 @@ class ElasticIterator(DatasetIterator[Any]):
         self._check_shard_states_mode()
         base = self.base_iterator
         if not self._thread_copies:
-            return self._global_keys(_shard_state_owner(base).get_shard_states(), 0, 1)
-        # Split by threads: the copies read ahead, so their consumed positions come from the
-        # merging interleave's state, converted to per-input states on scratch iterators.
-        merge_state = self._thread_interleave().get_state()
+            local, held = _consumed_progress(self._shard_dataset(), base.get_state())
+            return self._global_keys(local, held, 0, 1)
+        # Split by threads: the merging interleave's states of the copies are consumed
+        # positions; each copy's own pipeline is read out on a scratch iterator.
         out: dict[int, dict[str, Any]] = {}
         threads = len(self._thread_copies)
-        for t, copy_ds in enumerate(self._thread_copies):
-            with iter(copy_ds) as scratch:
-                copy_state = interleave_input_states(merge_state)[t]
-                if copy_state is not None:
-                    scratch.set_state(copy_state)
-                local = _shard_state_owner(scratch).get_shard_states()
-            out.update(self._global_keys(local, t, threads))
+        copies = self._thread_interleave().get_shard_states()
+        for t, (copy_ds, entry) in enumerate(zip(self._thread_copies, copies, strict=True)):
+            local, held = _consumed_progress(copy_ds, entry["state"])
+            out.update(self._global_keys(local, held, t, threads))
         return out
 
     def _global_keys(
-        self, local: list[dict[str, Any]], thread: int, threads: int
+        self, local: list[dict[str, Any]], held: list[str], thread: int, threads: int
     ) -> dict[int, dict[str, Any]]:
         index, count = self._shard_options.shard_index, self._shard_options.shard_count
+        if held:
+            note = f"shard {index} of {count}: {'; '.join(held)}"
+            local = [{**entry, "held": note} for entry in local]
         return {(j * threads + thread) * count + index: s for j, s in enumerate(local)}
 
     def set_shard_states(self, shard_states: Mapping[Any, dict[str, Any]]) -> None:
@@ -214,20 +240,22 @@ class ElasticIterator(DatasetIterator[Any]):
         Input datasets without an entry start from their beginning.
 
         Raises:
-          ValueError: in MapDataset mode, or without an interleave in the pipeline.
+          ValueError: in MapDataset mode, without an interleave in the pipeline, or if an entry
+            is ``"held"``: elements of its shard's buffers would be lost.
         """
         self._check_shard_states_mode()
         states = {int(k): v for k, v in shard_states.items()}
+        _refuse_held(states.values(), self._shard_options.shard_count)
         base = self.base_iterator
         if not self._thread_copies:
-            owner = _shard_state_owner(base)
+            owner, _ = _owner_below(base)
             owner.set_shard_states(self._local_states(owner, states, 0, 1))
             return
         threads = len(self._thread_copies)
         copy_states = []
         for t, copy_ds in enumerate(self._thread_copies):
             with iter(copy_ds) as scratch:
-                owner = _shard_state_owner(scratch)
+                owner, _ = _owner_below(scratch)
                 owner.set_shard_states(self._local_states(owner, states, t, threads))
                 copy_states.append(scratch.get_state())
         self._thread_interleave().set_state(interleave_state(copy_states))
@@ -235,7 +263,7 @@ class ElasticIterator(DatasetIterator[Any]):
     def _local_states(
         self, owner: Any, states: dict[int, dict[str, Any]], thread: int, threads: int
     ) -> list[dict[str, Any]]:
-        keys = self._global_keys(owner.get_shard_states(), thread, threads)
+        keys = self._global_keys(owner.get_shard_states(), [], thread, threads)
         fresh = {"exhausted": 0, "state": None}
         return [states.get(key, fresh) for key in keys]
 
@@ -261,15 +289,57 @@ def _iterators(it: DatasetIterator[Any]) -> Any:
         queue.extend(getattr(current, "_parents", ()))
 
 
-def _shard_state_owner(it: DatasetIterator[Any]) -> Any:
-    """The iterator nearest the output that keeps progress per input dataset."""
-    for current in _iterators(it):
-        if isinstance(current, ShardStateOwner):
-            return current
-    raise ValueError(
-        "This ElasticIterator's pipeline has no interleave (or other iterator with shard "
-        "states) to redistribute; use get_state()/set_state()."
-    )
+def _owner_below(top: DatasetIterator[Any]) -> tuple[Any, list[str]]:
+    """The iterator nearest ``top`` that keeps progress per input dataset, and what the
+    iterators above it hold (``_progress_held``).
+
+    Raises:
+      ValueError: if no such iterator is below ``top``.
+    """
+    held: list[str] = []
+    current: Any = top
+    while not isinstance(current, ShardStateOwner):
+        reason = current._progress_held()
+        if reason is not None:
+            held.append(reason)
+        parents = getattr(current, "_parents", ())
+        if not parents:
+            raise ValueError(
+                "This ElasticIterator's pipeline has no interleave (or other iterator with "
+                "shard states) to redistribute; use get_state()/set_state()."
+            )
+        current = parents[0]
+    return current, held
+
+
+def _consumed_progress(
+    ds: IterDataset[Any], state: dict[str, Any] | None
+) -> tuple[list[dict[str, Any]], list[str]]:
+    """Per-input progress of ``ds``'s sliced node when its pipeline is at ``state``, and what
+    the iterators above that node hold there.
+
+    Buffering iterators keep their parent's state at the start of what they buffer, and
+    prefetching ones the state as of the last element handed out, so a scratch pipeline restored
+    to ``state`` stands where the consumer is; the live one may have read ahead.
+    """
+    with iter(ds) as scratch:
+        if state is not None:
+            scratch.set_state(state)
+        owner, held = _owner_below(scratch)
+        return owner.get_shard_states(), held
+
+
+def _refuse_held(entries: Any, shard_count: int) -> None:
+    """Raises ``ValueError`` naming what holds elements if any entry is ``"held"``."""
+    notes = sorted({entry["held"] for entry in entries if entry.get("held")})
+    if notes:
+        raise ValueError(
+            f"Cannot move this checkpoint's progress to {shard_count} shard(s): when it was "
+            f"saved, {'; '.join(notes)}. Those elements were read from the inputs and exist only "
+            "in that shard's buffer, so they would be lost. Restore with the shard count that "
+            "saved the checkpoint (its process_*-of-*.json files), or save when no such buffer "
+            "is part-way through (e.g. after a whole window of a window shuffle)."
+        )
 
 
 def _sliceable_nodes(ds: IterDataset[Any]) -> list[Any]:
@@ -322,32 +392,67 @@ def _check_iter_graph(ds: IterDataset[Any]) -> None:
 
 
 # -------------------------------------------------------------------- checkpoint files
+def _load(text: str, path: str) -> Any:
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as e:
+        raise ValueError(
+            f"Checkpoint file {path} is not valid JSON ({e}); it is truncated or corrupt. "
+            "Restore an earlier checkpoint."
+        ) from e
+
+
+def _shard(options: ShardOptions) -> tuple[int, int]:
+    return options.shard_index, options.shard_count
+
+
 def write_shard_state_files(directory: Any, iterator: ElasticIterator) -> None:
-    """Writes ``shard_state_{k}.json`` for every input dataset ``k`` of this shard, atomically."""
+    """Writes this shard's pipeline state (``process_{s}-of-{S}.json``) and
+    ``shard_state_{k}.json`` for every input dataset ``k`` of this shard, each atomically."""
+    state = iterator.get_state()
     _checkpoint_io.write_shard_state_files(
         directory,
-        {key: json.dumps(state, indent=4) for key, state in iterator.get_shard_states().items()},
+        {key: json.dumps(s, indent=4) for key, s in iterator.get_shard_states().items()},
+    )
+    _checkpoint_io.write_process_file(
+        directory, json.dumps(state, indent=4), _shard(iterator.shard_options)
     )
 
 
 def restore_shard_state_files(directory: Any, iterator: ElasticIterator) -> None:
-    """Reads this shard's files ``k = shard_index, shard_index + shard_count, ...`` (until one is
-    missing) and restores them.
+    """Restores this shard's pipeline state if the checkpoint has one for this shard count
+    (exact, buffers included); else reads this shard's files ``k = shard_index, shard_index +
+    shard_count, ...`` (until one is missing) and redistributes them.
 
     Raises:
-      ValueError: if a file is not valid JSON, naming it.
+      ValueError: if the directory has neither kind of file; if a file is not valid JSON,
+        naming it; if a shard that saved the checkpoint held elements that another shard count
+        cannot take over (see ``set_shard_states``).
     """
     options = iterator.shard_options
+    shard = _shard(options)
+    text = _checkpoint_io.read_shard_process_file(directory, shard)
+    if text is not None:
+        iterator.set_state(_load(text, _checkpoint_io.process_file_name(shard)))
+        return
     texts = _checkpoint_io.read_shard_state_files(
         directory, options.shard_index, options.shard_count
     )
-    states: dict[int, dict[str, Any]] = {}
-    for key, text in texts.items():
-        try:
-            states[key] = json.loads(text)
-        except json.JSONDecodeError as e:
-            raise ValueError(
-                f"Shard state file {_checkpoint_io.shard_file(directory, key)} is not valid "
-                f"JSON ({e}); it is truncated or corrupt. Restore an earlier checkpoint."
-            ) from e
+    states = {k: _load(t, _checkpoint_io.shard_file(directory, k)) for k, t in texts.items()}
+    saved_counts = _checkpoint_io.written_process_counts(directory)
+    if not states and not saved_counts:
+        raise ValueError(
+            f"{directory} holds no ElasticIterator checkpoint: neither "
+            f"{_checkpoint_io.process_file_name(shard)} nor shard_state_*.json files. Check the "
+            "directory."
+        )
+    # Input k < n was saved by shard k of n: reading those, every shard refuses what any
+    # saving shard held, not only the shards that read its inputs.
+    first_inputs = [
+        _load(t, _checkpoint_io.shard_file(directory, k))
+        for n in saved_counts
+        for k in range(n)
+        if k not in states and (t := _checkpoint_io.read_shard_state_file(directory, k))
+    ]
+    _refuse_held([*states.values(), *first_inputs], options.shard_count)
     iterator.set_shard_states(states)

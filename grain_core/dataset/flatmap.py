@@ -230,6 +230,14 @@ class _FlatMapIterator(DatasetIterator[Any]):
             parent_state, offset = self._parents[0].get_state(), 0
         return {"parent": parent_state, "next_index_in_buffer": offset}
 
+    def _progress_held(self) -> str | None:
+        if not 0 < self._next_in_buffer < len(self._buffer):
+            return None
+        return (
+            f"FlatMapIterDataset has handed out {self._next_in_buffer} of the "
+            f"{len(self._buffer)} elements split from one input"
+        )
+
     def set_state(self, state: dict[str, Any]) -> None:
         self._parents[0].set_state(state["parent"])
         self._buffer = ()

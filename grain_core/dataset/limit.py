@@ -46,6 +46,11 @@ class _LimitIterator(DatasetIterator[Any]):
     def get_state(self) -> dict[str, Any]:
         return {"parent": self._parents[0].get_state(), "count_elements_read": self._read}
 
+    def _progress_held(self) -> str | None:
+        if not self._read:
+            return None
+        return f"LimitIterDataset(count={self._limit}) has let {self._read} element(s) through"
+
     def set_state(self, state: dict[str, Any]) -> None:
         self._parents[0].set_state(state["parent"])
         self._read = int(state["count_elements_read"])

@@ -179,6 +179,9 @@ class _MapIterator(DatasetIterator[Any]):
     def set_state(self, state: dict[str, Any]) -> None:
         self._parents[0].set_state(state)
 
+    def _progress_held(self) -> None:
+        return None
+
     def _get_next_index(self) -> int:
         return self._parents[0]._get_next_index()
 
@@ -217,6 +220,10 @@ class _IndexedIterator(DatasetIterator[Any]):
     def set_state(self, state: dict[str, Any]) -> None:
         self._parents[0].set_state(state["parent"])
         self._count = int(state[self._state_key])
+
+    def _progress_held(self) -> None:
+        # The count only numbers elements: under another shard count it restarts at 0.
+        return None
 
     def _get_next_index(self) -> int:
         return self._parents[0]._get_next_index()
@@ -306,6 +313,9 @@ class _FilterIterator(DatasetIterator[Any]):
 
     def set_state(self, state: dict[str, Any]) -> None:
         self._parents[0].set_state(state)
+
+    def _progress_held(self) -> None:
+        return None
 
 
 class FilterIterDataset(_ElementwiseIterDataset):

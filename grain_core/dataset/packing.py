@@ -605,6 +605,15 @@ class _PackDatasetIterator(DatasetIterator[dict[str, Any]]):
             "counter": self._counter,
         }
 
+    def _progress_held(self) -> str | None:
+        # At row 0 the state replays the group from its first input: nothing is handed out.
+        if not self._next_row:
+            return None
+        return (
+            f"{self._ds!r} has handed out {self._next_row} of the {len(self._emit_bins)} packed "
+            "rows of its current group"
+        )
+
     def set_state(self, state: dict[str, Any]) -> None:
         parent_state = state["parent"]
         self._parents[0].set_state(parent_state)

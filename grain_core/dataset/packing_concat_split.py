@@ -381,6 +381,14 @@ class _ConcatThenSplitIterator(DatasetIterator[dict[str, Any]]):
             "elements_from_buffer_after_checkpoint": self._handed_out,
         }
 
+    def _progress_held(self) -> str | None:
+        if self._checkpoint_slices is None and not self._handed_out:
+            return None
+        return (
+            f"ConcatThenSplitIterDataset has handed out {self._handed_out} packed elements of a "
+            "buffer whose inputs it read (or is splitting an input)"
+        )
+
     def set_state(self, state: dict[str, Any]) -> None:
         """Restores a state, re-reading the carried-over element and replaying outputs.
 

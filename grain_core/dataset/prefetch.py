@@ -549,6 +549,10 @@ class ThreadPrefetchDatasetIterator(DatasetIterator[Any]):
         self._state = self._snapshot()
         self._exhausted = False
 
+    def _progress_held(self) -> None:
+        # The state is the source's as of the last element handed out: read-ahead is not in it.
+        return None
+
     def _get_next_index(self) -> int:
         # The producer may have run ahead: rewind the source to what was handed out.
         self._stop_thread()

@@ -149,6 +149,14 @@ class _RebatchIterator(DatasetIterator[Any]):
             return {"parent": copy.deepcopy(self._input_state), "batch_idx": self._used}
         return {"parent": self._parents[0].get_state(), "batch_idx": 0}
 
+    def _progress_held(self) -> str | None:
+        if not 0 < self._used < self._rows:
+            return None
+        return (
+            f"RebatchIterDataset(batch_size={self._batch_size}) has handed out {self._used} of "
+            f"the {self._rows} rows of an input batch"
+        )
+
     def set_state(self, state: dict[str, Any]) -> None:
         self._parents[0].set_state(state["parent"])
         self._leaves, self._rows, self._used = [], 0, 0

@@ -68,6 +68,9 @@ class _RepeatIterator(DatasetIterator[Any]):
     def get_state(self) -> dict[str, Any]:
         return {"parent": self._parents[0].get_state(), "epoch": self._epoch}
 
+    def _progress_held(self) -> str | None:
+        return f"RepeatIterDataset is in epoch {self._epoch}" if self._epoch else None
+
     def set_state(self, state: dict[str, Any]) -> None:
         self._parents[0].set_state(state["parent"])
         self._epoch = int(state["epoch"])

@@ -193,6 +193,15 @@ class _WindowShuffleIterator(DatasetIterator[Any]):
             "pos_in_window": self._pos_in_window,
         }
 
+    def _progress_held(self) -> str | None:
+        if not self._remaining:
+            return None
+        return (
+            f"WindowShuffleIterDataset(window_size={self._window_size}) has handed out "
+            f"{self._pos_in_window} of the {self._pos_in_window + len(self._remaining)} elements "
+            "of its current window"
+        )
+
     def set_state(self, state: dict[str, Any]) -> None:
         self._parents[0].set_state(state["parent_window_start_state"])
         self._window_index = int(state["window_index"])
