@@ -5,7 +5,7 @@ from __future__ import annotations
 import operator
 from typing import Any
 
-__all__ = ["as_int", "non_negative_int", "positive_int"]
+__all__ = ["as_flag", "as_int", "non_negative_int", "positive_int"]
 
 
 def as_int(name: str, value: Any) -> int:
@@ -22,6 +22,23 @@ def as_int(name: str, value: Any) -> int:
         raise TypeError(
             f"{name} must be an integer, got {type(value).__name__} ({value!r})."
         ) from None
+
+
+def as_flag(name: str, value: Any) -> bool:
+    """``value`` as a ``bool``: ``True``/``False`` or the integers 0 and 1 (as states store them).
+
+    Raises:
+      TypeError: any other value.
+    """
+    if isinstance(value, bool):
+        return value
+    try:
+        n = operator.index(value)
+    except TypeError:
+        n = None
+    if n not in (0, 1):
+        raise TypeError(f"{name} must be a bool or 0/1, got {type(value).__name__} ({value!r}).")
+    return bool(n)
 
 
 def positive_int(name: str, value: Any) -> int:

@@ -35,7 +35,7 @@ import numpy as np
 
 from grain_core import transforms
 from grain_core._checkpoint_io import load_coroutine, save_coroutine
-from grain_core._checks import non_negative_int
+from grain_core._checks import as_int, non_negative_int
 from grain_core.capabilities import (
     CheckpointAliases,
     ColumnReadSource,
@@ -680,6 +680,8 @@ class DataLoaderIterator:
                     "a stable __repr__ that does not embed data."
                 )
         try:
+            if not loader._has_flat_map:
+                _check_positions(data)
             index_layout = loader._index_layout and self._in_index_layout(data)
             same_workers = data.get("worker_count") == loader._worker_count
             inner = self._inner_state(data, index_layout) if index_layout or same_workers else None
@@ -769,6 +771,22 @@ class DataLoaderIterator:
 
     def __str__(self) -> str:
         return f"PyGrainDatasetIterator(state={self.get_state().decode()})"
+
+
+def _check_positions(data: dict[str, Any]) -> None:
+    """Refuses positions that are not integers (``2.7`` would be truncated) or below -1 (the
+    index "seen" before the first record).
+
+    Raises:
+      TypeError / ValueError: naming the entry.
+    """
+    non_negative_int("DataLoader state `worker_count`", data.get("worker_count", 0))
+    positions = {f"last_seen_indices[{k}]": v for k, v in data["last_seen_indices"].items()}
+    if "last_worker_index" in data:
+        positions["last_worker_index"] = data["last_worker_index"]
+    for name, value in positions.items():
+        if as_int(f"DataLoader state `{name}`", value) < -1:
+            raise ValueError(f"DataLoader state `{name}` must be >= -1, got {value}.")
 
 
 def load(

@@ -10,7 +10,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import grain_core as grain
-from grain_core._checks import as_int, non_negative_int, positive_int
+from grain_core._checks import as_flag, as_int, non_negative_int, positive_int
 from grain_core.experimental import RebatchIterDataset
 
 
@@ -66,3 +66,15 @@ def test_public_arguments_share_the_checks(make: Any, name: str) -> None:
         make(True)
     with pytest.raises(ValueError, match=name):
         make(-1)
+
+
+@pytest.mark.parametrize(("value", "flag"), [(True, True), (False, False), (1, True), (0, False)])
+def test_flags_are_bools_or_0_and_1(value: Any, flag: bool) -> None:
+    assert as_flag("f", value) is flag
+    assert as_flag("f", np.int64(value)) is flag
+
+
+@pytest.mark.parametrize("value", [2, -1, 0.0, 1.0, "1", None])
+def test_other_flags_are_a_type_error(value: Any) -> None:
+    with pytest.raises(TypeError, match=r"f must be a bool or 0/1, got"):
+        as_flag("f", value)

@@ -584,3 +584,27 @@ def test_the_state_after_a_partial_last_batch_names_its_last_record(
         with iter(loader()) as restored:
             restored.set_state(json.dumps(state).encode())
             assert list(restored) == []
+
+
+@pytest.mark.parametrize(
+    ("key", "value", "message"),
+    [
+        ("last_seen_indices", {"0": 2.7}, r"`last_seen_indices\[0\]` must be an integer"),
+        ("last_seen_indices", {"0": -2}, r"`last_seen_indices\[0\]` must be >= -1"),
+        ("last_worker_index", True, "`last_worker_index` must be an integer, got a bool"),
+        ("worker_count", 0.0, "`worker_count` must be an integer"),
+    ],
+)
+def test_state_positions_that_are_not_integers_are_refused(
+    key: str, value: Any, message: str
+) -> None:
+    loader = grain.DataLoader(
+        data_source=list(range(10)),
+        sampler=IndexSampler(10, shard_options=NoSharding(), num_epochs=1),
+    )
+    it = iter(loader)
+    next(it)
+    state = json.loads(it.get_state())
+    state[key] = value
+    with pytest.raises(ValueError, match=f"DataLoader state is malformed.*{message}"):
+        iter(loader).set_state(json.dumps(state).encode())

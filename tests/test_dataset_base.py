@@ -212,3 +212,119 @@ def test_subclasses_written_for_grain_read_their_input_as_self_parent():
     assert list(restored.mp_prefetch(grain.MultiprocessingOptions(num_workers=2))) == [
         0, 4, 8, 12, 16
     ]  # fmt: skip
+
+
+# --------------------------------------------------- set_state refuses positions it would truncate
+def _pipelines() -> dict[str, tuple[object, tuple]]:
+    """name -> (make the iterable, path of a position in its state)."""
+    from grain_core.experimental import (
+        CacheIterDataset,
+        ConcatThenSplitIterDataset,
+        ElasticIterator,
+        FirstFitPackIterDataset,
+        FlatMapIterDataset,
+        InterleaveIterDataset,
+        LimitIterDataset,
+        RebatchIterDataset,
+        RepeatIterDataset,
+        WindowShuffleIterDataset,
+    )
+    from grain_core.sharding import ShardOptions
+
+    ints = MD.range(40).to_iter_dataset()
+    seqs = ints.map(lambda x: {"t": np.arange(x % 5 + 1)})
+    many = lambda: InterleaveIterDataset([MD.range(5), MD.range(5), MD.range(5)], cycle_length=2)  # noqa: E731
+    return {
+        "to_iter_dataset": (lambda: ints, ("next_index",)),
+        "window_shuffle": (
+            lambda: WindowShuffleIterDataset(ints, window_size=4, seed=1),
+            ("pos_in_window",),
+        ),
+        "window_index": (
+            lambda: WindowShuffleIterDataset(ints, window_size=4, seed=1),
+            ("window_index",),
+        ),
+        "mix": (lambda: grain.IterDataset.mix([ints, ints]), ("index",)),
+        "interleave": (many, ("next_index_in_datasets",)),
+        "interleave_slot": (many, ("iterators_in_use_indices", 0)),
+        "first_fit": (
+            lambda: FirstFitPackIterDataset(seqs, length_struct={"t": 8}, num_packing_bins=2),
+            ("next_row",),
+        ),
+        "concat_split": (
+            lambda: ConcatThenSplitIterDataset(seqs, length_struct={"t": 4}),
+            ("elements_from_buffer_after_checkpoint",),
+        ),
+        "flat_map": (lambda: FlatMapIterDataset(ints, lambda x: [x, x]), ("next_index_in_buffer",)),
+        "rebatch": (lambda: RebatchIterDataset(ints.batch(3), batch_size=2), ("batch_idx",)),
+        "limit": (lambda: LimitIterDataset(ints, count=9), ("count_elements_read",)),
+        "cache": (lambda: CacheIterDataset(ints), ("position",)),
+        "map_with_index": (lambda: ints.map_with_index(lambda i, x: x), ("counter",)),
+        "repeat": (lambda: RepeatIterDataset(ints, num_epochs=2), ("epoch",)),
+        "elastic": (
+            lambda: [ElasticIterator(MD.range(40), 2, ShardOptions(0, 1))],
+            ("global_next_index",),
+        ),
+    }
+
+
+PIPELINES = _pipelines()
+
+
+def _iterator(make: object) -> DatasetIterator:
+    made = make()  # type: ignore[operator]
+    return made[0] if isinstance(made, list) else iter(made)
+
+
+def _with(state: dict, path: tuple, value: object) -> dict:
+    state = json.loads(json.dumps(state))
+    node = state
+    for key in path[:-1]:
+        node = node[key]
+    node[path[-1]] = value
+    return state
+
+
+@pytest.mark.parametrize("name", sorted(PIPELINES))
+@pytest.mark.parametrize(
+    ("bad", "error", "message"),
+    [
+        (2.7, TypeError, r"must be an integer, got float \(2\.7\)"),
+        (True, TypeError, "must be an integer, got a bool"),
+        ("3", TypeError, "must be an integer, got str"),
+        (-1, (ValueError, IndexError), "must be >= 0|out of range"),
+    ],
+)
+def test_set_state_refuses_a_position_it_would_truncate(
+    name: str, bad: object, error: type, message: str
+) -> None:
+    make, path = PIPELINES[name]
+    it = _iterator(make)
+    next(it)
+    state = it.get_state()
+    with pytest.raises(error, match=message) as e:
+        _iterator(make).set_state(_with(state, path, bad))
+    if error is TypeError:
+        assert f"checkpoint `{path[0]}" in str(e.value)
+    _iterator(make).set_state(state)  # the state as saved still restores
+
+
+@pytest.mark.parametrize(
+    ("name", "path"),
+    [("mix", ("stop",)), ("interleave", ("exhausted", 0)), ("cache", ("cache_filled",))],
+)
+@pytest.mark.parametrize("bad", [2.7, 2, "no"])
+def test_set_state_refuses_a_flag_that_is_not_one(name: str, path: tuple, bad: object) -> None:
+    make = PIPELINES[name][0]
+    it = _iterator(make)
+    next(it)
+    with pytest.raises(TypeError, match=f"checkpoint `{path[0]}.*must be a bool or 0/1"):
+        _iterator(make).set_state(_with(it.get_state(), path, bad))
+
+
+def test_the_issue_state_is_refused_not_restored_as_position_2() -> None:
+    it = iter(MD.range(10).to_iter_dataset())
+    with pytest.raises(TypeError, match=r"PrefetchDatasetIterator checkpoint `next_index`"):
+        it.set_state({"next_index": 2.7})
+    it.set_state({"next_index": np.int64(2)})
+    assert next(it) == 2

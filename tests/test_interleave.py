@@ -268,3 +268,17 @@ def test_close_is_idempotent_and_stops_iteration() -> None:
     it.close()
     with pytest.raises(ValueError, match="closed iterator"):
         next(it)
+
+
+@pytest.mark.parametrize("key", ["2.7", "-1", -1, 2.7])
+def test_a_future_state_key_that_is_not_a_dataset_index_is_refused(key: Any) -> None:
+    ds = InterleaveIterDataset([MapDataset.range(3) for _ in range(4)], cycle_length=2)
+    it = iter(ds)
+    state = it.get_state()
+    state["future_states"] = {key: None}
+    with pytest.raises((TypeError, ValueError), match="checkpoint `future_states` key"):
+        iter(ds).set_state(state)
+    state["future_states"] = {"3": None}
+    restored = iter(ds)
+    restored.set_state(state)
+    assert sorted(restored) == [0, 0, 0, 1, 1, 1, 2, 2, 2]  # dataset 3 parked as exhausted

@@ -980,3 +980,13 @@ def test_any_batching_and_restore_point_match_strict_rotation(
 ) -> None:
     ds = _batched(length, batch, drop).mp_prefetch(_opts(workers))
     _check_restores_like_strict_rotation(ds, stop, lambda b: b[:, 0].tolist())
+
+
+def test_a_class_position_that_is_not_an_integer_is_refused() -> None:
+    ds = grain.MapDataset.range(20).to_iter_dataset()
+    with iter(ds.mp_prefetch(MultiprocessingOptions(num_workers=2))) as it:
+        next(it)
+        state = it.get_state()
+        state["iterators_in_use_states"][0]["next_index"] = 2.7
+        with pytest.raises(TypeError, match=r"DispatchedClassIterator checkpoint `next_index`"):
+            it.set_state(state)

@@ -1003,3 +1003,12 @@ def test_writer_never_follows_a_symlink_at_the_old_temporary_name(tmp_path: Path
         writer.write(_row(0))
     assert victim.read_bytes() == b"precious"
     assert _ids(list(grain_parquet.ParquetIterDataset(str(out)))) == [0]
+
+
+@pytest.mark.parametrize("bad", [1.5, True, -1])
+def test_a_row_position_that_is_not_an_integer_is_refused(one_file: str, bad: Any) -> None:
+    it = iter(ParquetIterDataset(one_file))
+    with pytest.raises((TypeError, ValueError), match="checkpoint `index_within_row_group`"):
+        it.set_state({"row_group": 1, "index_within_row_group": bad})
+    with pytest.raises((TypeError, ValueError), match="checkpoint `row_group`"):
+        it.set_state({"row_group": bad, "index_within_row_group": 0})

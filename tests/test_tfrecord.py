@@ -731,3 +731,12 @@ def test_write_stream_and_random_access_through_an_fsspec_url() -> None:
         f"/tfrecord-{os.getpid()}/part-{k}.tfrecord" for k in range(2)
     ]
     fsspec.filesystem("memory").rm(root, recursive=True)
+
+
+@pytest.mark.parametrize("bad", [16.5, True, -16])
+def test_a_byte_offset_that_is_not_an_integer_is_refused(
+    shards: tuple[list[Path], list[list[bytes]]], bad: object
+) -> None:
+    it = iter(TFRecordIterDataset(path=shards[0][0]))
+    with pytest.raises((TypeError, ValueError), match="checkpoint `reader_offset`"):
+        it.set_state({"reader_offset": bad})

@@ -23,6 +23,7 @@ import numpy as np
 
 from grain_core import random as _random
 from grain_core._checkpoint_io import load_coroutine, save_coroutine
+from grain_core._checks import non_negative_int
 from grain_core.dataset.options import DatasetOptions, ExecutionTrackingMode, pipeline_options
 
 if TYPE_CHECKING:
@@ -492,6 +493,20 @@ class DatasetIterator(Iterator[T], abc.ABC):
         raise NotImplementedError(
             f"{type(self).__name__} cannot report how many elements it has produced."
         )
+
+    def _state_int(self, state: Mapping[str, Any], key: str) -> int:
+        """``state[key]``, a position or count that ``get_state`` saved, for ``set_state``.
+
+        Raises:
+          KeyError: ``key`` is missing.
+          TypeError: the value is not an integer (``2.7``, ``True``, ``"3"``): never truncated.
+          ValueError: the value is negative.
+        """
+        return non_negative_int(self._state_name(key), state[key])
+
+    def _state_name(self, key: str) -> str:
+        """How errors name ``key`` of this iterator's checkpoint state."""
+        return f"{type(self).__name__.lstrip('_')} checkpoint `{key}`"
 
     def _progress_held(self) -> str | None:
         """What this iterator holds beyond its parent's position at the consumer's point, or

@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 from typing import Any
 
+from grain_core._checks import as_flag
 from grain_core.dataset.base import DatasetIterator, IterDataset
 
 __all__ = ["CacheIterDataset"]
@@ -72,15 +73,16 @@ class _CacheIterator(DatasetIterator[Any]):
         }
 
     def set_state(self, state: dict[str, Any]) -> None:
-        position = int(state["position"])
+        position = self._state_int(state, "position")
+        filled = as_flag(self._state_name("cache_filled"), state["cache_filled"])
         parent = self._parents[0]
         self._restored = None
         if self._filled and position <= len(self._cache):
             self._position = position
-            if not state["cache_filled"]:
+            if not filled:
                 self._restored = copy.deepcopy(state)
             return
-        if state["cache_filled"]:
+        if filled:
             self._rebuild(None)
         elif position <= len(self._cache) and not self._filled:
             del self._cache[position:]

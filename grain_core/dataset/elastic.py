@@ -41,7 +41,6 @@ from collections.abc import Mapping
 from typing import Any
 
 from grain_core import _checkpoint_io
-from grain_core._checks import non_negative_int
 from grain_core.capabilities import InPlaceSliceable, ShardStateOwner, WorkerSliceable
 from grain_core.dataset.base import DatasetIterator, IterDataset, MapDataset
 from grain_core.dataset.interleave import (
@@ -176,9 +175,7 @@ class ElasticIterator(DatasetIterator[Any]):
 
     def set_state(self, state: dict[str, Any]) -> None:
         if isinstance(self._ds, MapDataset):
-            self._global_next_index = non_negative_int(
-                "ElasticIterator state global_next_index", state["global_next_index"]
-            )
+            self._global_next_index = self._state_int(state, "global_next_index")
             self._drop_iterator()
         else:
             self.base_iterator.set_state(state)

@@ -242,7 +242,7 @@ class _FlatMapIterator(DatasetIterator[Any]):
         self._parents[0].set_state(state["parent"])
         self._buffer = ()
         self._next_in_buffer = 0
-        offset = int(state["next_index_in_buffer"])
+        offset = self._state_int(state, "next_index_in_buffer")
         if offset:
             self._read_input()
             # Equal to the number of splits: the input was used up, as Google Grain's states

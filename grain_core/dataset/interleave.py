@@ -19,7 +19,7 @@ import copy
 from collections.abc import Sequence
 from typing import Any
 
-from grain_core._checks import non_negative_int, positive_int
+from grain_core._checks import as_flag, non_negative_int, positive_int
 from grain_core.dataset.base import DatasetIterator, IteratorContext, IterDataset, MapDataset
 from grain_core.dataset.prefetch import PrefetchIterDataset, ThreadPrefetchDatasetIterator
 
@@ -136,6 +136,13 @@ class InterleaveIterDataset(IterDataset[Any]):
 def _read_ahead_is_useful(ds: Any) -> bool:
     """Whether an input benefits from a per-input thread (see the module docstring)."""
     return isinstance(ds, IterDataset) and not isinstance(ds, PrefetchIterDataset)
+
+
+def _dataset_key(name: str, key: Any) -> int:
+    """A dataset index used as a state key: JSON makes it a string of digits."""
+    if isinstance(key, str) and key.isascii() and key.isdigit():
+        return int(key)
+    return non_negative_int(f"{name} key", key)
 
 
 class InterleaveDatasetIterator(DatasetIterator[Any]):
@@ -329,21 +336,32 @@ class InterleaveDatasetIterator(DatasetIterator[Any]):
 
     def set_state(self, state: dict[str, Any]) -> None:
         c = self._cycle_length
-        indices = [int(i) for i in state["iterators_in_use_indices"]]
+        name = self._state_name
+        indices = [
+            non_negative_int(f"{name('iterators_in_use_indices')}[{slot}]", i)
+            for slot, i in enumerate(state["iterators_in_use_indices"])
+        ]
         states = list(state["iterators_in_use_states"])
-        exhausted = [bool(e) for e in state["exhausted"]]
+        exhausted = [
+            as_flag(f"{name('exhausted')}[{slot}]", e) for slot, e in enumerate(state["exhausted"])
+        ]
         if not len(indices) == len(states) == len(exhausted) == c:
             raise ValueError(
                 f"Interleave checkpoint has {len(indices)} slots but this pipeline has "
                 f"cycle_length {c} over {self._num_datasets} datasets: the checkpoint belongs to "
                 "a different pipeline."
             )
-        next_in_datasets = int(state["next_index_in_datasets"])
-        cycle_index = int(state["next_index_in_cycle"])
-        if not 0 <= next_in_datasets <= self._num_datasets or not 0 <= cycle_index < max(c, 1):
+        next_in_datasets = self._state_int(state, "next_index_in_datasets")
+        cycle_index = self._state_int(state, "next_index_in_cycle")
+        if (
+            not 0 <= next_in_datasets <= self._num_datasets
+            or not 0 <= cycle_index < max(c, 1)
+            or any(i >= self._num_datasets for i in indices)
+        ):
             raise ValueError(
-                f"Interleave checkpoint position (dataset {next_in_datasets}, slot {cycle_index}) "
-                f"is out of range for {self._num_datasets} datasets and cycle_length {c}."
+                f"Interleave checkpoint position (dataset {next_in_datasets}, slot {cycle_index}, "
+                f"datasets in use {indices}) is out of range for {self._num_datasets} datasets "
+                f"and cycle_length {c}."
             )
         live = {self._indices[s]: it for s, it in enumerate(self._iters) if it is not None}
         self._iters = [None] * c
@@ -367,7 +385,8 @@ class InterleaveDatasetIterator(DatasetIterator[Any]):
         self._cycle_index = cycle_index
         self._next_index_in_datasets = next_in_datasets
         self._future_states = {
-            int(k): copy.deepcopy(v) for k, v in state.get("future_states", {}).items()
+            _dataset_key(name("future_states"), k): copy.deepcopy(v)
+            for k, v in state.get("future_states", {}).items()
         }
         for index in [i for i in self._made_ahead if i < next_in_datasets]:
             self._close_future(self._made_ahead.pop(index))

@@ -53,7 +53,7 @@ class _LimitIterator(DatasetIterator[Any]):
 
     def set_state(self, state: dict[str, Any]) -> None:
         self._parents[0].set_state(state["parent"])
-        self._read = int(state["count_elements_read"])
+        self._read = self._state_int(state, "count_elements_read")
 
     def _get_next_index(self) -> int:
         return self._parents[0]._get_next_index()

@@ -219,7 +219,7 @@ class _IndexedIterator(DatasetIterator[Any]):
 
     def set_state(self, state: dict[str, Any]) -> None:
         self._parents[0].set_state(state["parent"])
-        self._count = int(state[self._state_key])
+        self._count = self._state_int(state, self._state_key)
 
     def _progress_held(self) -> None:
         # The count only numbers elements: under another shard count it restarts at 0.

@@ -10,6 +10,7 @@ from typing import Any
 import numpy as np
 
 from grain_core import _tree
+from grain_core._checks import as_flag
 from grain_core.dataset.base import INFINITE, DatasetIterator, Indices, IterDataset, MapDataset
 from grain_core.transforms import DatasetSelectionMap
 
@@ -238,8 +239,8 @@ class _MixedIterator(DatasetIterator[Any]):
                 )
             for it, s in zip(self._parents, parents, strict=True):
                 it.set_state(s)
-        self._index = int(state["index"])
-        self._stop = bool(state["stop"])
+        self._index = self._state_int(state, "index")
+        self._stop = as_flag(self._state_name("stop"), state["stop"])
 
 
 class MixedIterDataset(IterDataset[Any]):

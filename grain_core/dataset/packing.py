@@ -619,8 +619,8 @@ class _PackDatasetIterator(DatasetIterator[dict[str, Any]]):
         self._parents[0].set_state(parent_state)
         self._start(
             copy.deepcopy(parent_state),
-            next_row=int(state["next_row"]),
-            counter=int(state["counter"]),
+            next_row=self._state_int(state, "next_row"),
+            counter=self._state_int(state, "counter"),
         )
 
 

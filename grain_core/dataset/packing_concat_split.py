@@ -418,7 +418,7 @@ class _ConcatThenSplitIterator(DatasetIterator[dict[str, Any]]):
                 ) from e
             carry = _Piece(copy.deepcopy(parent_state), self._features(element), slices)
         self._reset(carry)
-        replay = int(state["elements_from_buffer_after_checkpoint"])
+        replay = self._state_int(state, "elements_from_buffer_after_checkpoint")
         started = time.perf_counter()
         for _ in range(replay):
             next(self)

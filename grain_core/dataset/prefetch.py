@@ -11,6 +11,7 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
+from grain_core._checks import as_int
 from grain_core.dataset.base import (
     DatasetIterator,
     IterDataset,
@@ -267,14 +268,15 @@ class PrefetchDatasetIterator(DatasetIterator[Any]):
         return {"next_index": self._next_index}
 
     def set_state(self, state: dict[str, Any]) -> None:
-        next_index = state["next_index"]
+        # Out of range is an IndexError, as in Grain; only the type is checked first.
+        next_index = as_int(self._state_name("next_index"), state["next_index"])
         if not 0 <= next_index <= self._len:
             raise IndexError(
                 f"Checkpoint `next_index` {next_index} is out of range [0, {self._len}] for "
                 f"{self._map_ds!r}: the checkpoint belongs to a different pipeline."
             )
         self._cancel_pending()
-        self._reset(int(next_index))
+        self._reset(next_index)
 
     def source_extended(self) -> None:
         """Reads on into indices appended to a growing MapDataset (the positions assigned to an

@@ -160,7 +160,7 @@ class _RebatchIterator(DatasetIterator[Any]):
     def set_state(self, state: dict[str, Any]) -> None:
         self._parents[0].set_state(state["parent"])
         self._leaves, self._rows, self._used = [], 0, 0
-        batch_idx = int(state["batch_idx"])
+        batch_idx = self._state_int(state, "batch_idx")
         if batch_idx:
             try:
                 self._read_input()

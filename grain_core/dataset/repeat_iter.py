@@ -73,5 +73,5 @@ class _RepeatIterator(DatasetIterator[Any]):
 
     def set_state(self, state: dict[str, Any]) -> None:
         self._parents[0].set_state(state["parent"])
-        self._epoch = int(state["epoch"])
+        self._epoch = self._state_int(state, "epoch")
         self._rewound = False

@@ -204,8 +204,8 @@ class _WindowShuffleIterator(DatasetIterator[Any]):
 
     def set_state(self, state: dict[str, Any]) -> None:
         self._parents[0].set_state(state["parent_window_start_state"])
-        self._window_index = int(state["window_index"])
-        pos = int(state["pos_in_window"])
+        self._window_index = self._state_int(state, "window_index")
+        pos = self._state_int(state, "pos_in_window")
         self._remaining = []
         self._pos_in_window = 0
         if pos:

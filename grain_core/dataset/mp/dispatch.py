@@ -720,7 +720,7 @@ class DispatchedClassIterator(DatasetIterator[Any]):
         return {"next_index": self._dispatcher.state_index(self._index)}
 
     def set_state(self, state: dict[str, Any]) -> None:
-        self._dispatcher.restore(self._index, int(state["next_index"]))
+        self._dispatcher.restore(self._index, self._state_int(state, "next_index"))
 
     def close(self) -> None:
         if self._closed:

@@ -329,8 +329,8 @@ class _ParquetFileIterator(DatasetIterator[dict[str, Any]]):
         return {"row_group": row_group, "index_within_row_group": index}
 
     def set_state(self, state: dict[str, Any]) -> None:
-        row_group = int(state["row_group"])
-        index = int(state["index_within_row_group"])
+        row_group = self._state_int(state, "row_group")
+        index = self._state_int(state, "index_within_row_group")
         if row_group == self._num_row_groups and index == 0:
             self._seek(len(self._row_groups), 0)
             return

@@ -194,7 +194,7 @@ class TFRecordFileIterator(DatasetIterator[bytes]):
         return block.ends[taken - 1] if taken else block.start
 
     def set_state(self, state: dict[str, Any]) -> None:
-        offset = int(state["reader_offset"])
+        offset = self._state_int(state, "reader_offset")
         self._check_open()
         block = self._block
         taken = bisect.bisect_left(block.ends, offset) + 1 if offset != block.start else 0
