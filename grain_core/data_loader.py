@@ -774,19 +774,17 @@ class DataLoaderIterator:
 
 
 def _check_positions(data: dict[str, Any]) -> None:
-    """Refuses positions that are not integers (``2.7`` would be truncated) or below -1 (the
-    index "seen" before the first record).
+    """Refuses positions that are not integers (``2.7`` would be truncated). A last-seen index
+    may be negative: it is the one before a worker's first record.
 
     Raises:
-      TypeError / ValueError: naming the entry.
+      TypeError: naming the entry.
     """
     non_negative_int("DataLoader state `worker_count`", data.get("worker_count", 0))
-    positions = {f"last_seen_indices[{k}]": v for k, v in data["last_seen_indices"].items()}
+    for key, value in data["last_seen_indices"].items():
+        as_int(f"DataLoader state `last_seen_indices[{key}]`", value)
     if "last_worker_index" in data:
-        positions["last_worker_index"] = data["last_worker_index"]
-    for name, value in positions.items():
-        if as_int(f"DataLoader state `{name}`", value) < -1:
-            raise ValueError(f"DataLoader state `{name}` must be >= -1, got {value}.")
+        as_int("DataLoader state `last_worker_index`", data["last_worker_index"])
 
 
 def load(

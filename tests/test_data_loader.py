@@ -590,7 +590,7 @@ def test_the_state_after_a_partial_last_batch_names_its_last_record(
     ("key", "value", "message"),
     [
         ("last_seen_indices", {"0": 2.7}, r"`last_seen_indices\[0\]` must be an integer"),
-        ("last_seen_indices", {"0": -2}, r"`last_seen_indices\[0\]` must be >= -1"),
+        ("last_seen_indices", {"0": "5"}, r"`last_seen_indices\[0\]` must be an integer"),
         ("last_worker_index", True, "`last_worker_index` must be an integer, got a bool"),
         ("worker_count", 0.0, "`worker_count` must be an integer"),
     ],

@@ -512,3 +512,9 @@ def test_map_mode_restore_yields_the_identical_global_stream(
         it.set_state(state)
     assert head + _global_steps(news) == reference
     assert len(reference) == size // gbs
+
+
+def test_restore_from_a_directory_without_a_checkpoint_says_so(tmp_path: Path) -> None:
+    it = ElasticIterator(_files_ds(), 2, _shard(0, 2))
+    with pytest.raises(ValueError, match="holds no ElasticIterator checkpoint.*process_0-of-2"):
+        CheckpointHandler().restore(tmp_path, it)
