@@ -227,7 +227,10 @@ def test_elastic_shard_state_files_in_the_bucket(s3: Any) -> None:
     it = make()
     before = [x for _ in range(3) for x in next(it).ravel().tolist()]
     CheckpointHandler().save(f"{s3.url}/elastic", it)
-    assert _objects(s3) == [f"{s3.url}/elastic/shard_state_{k}.json" for k in range(4)]
+    # The shard's whole state (restored under the same shard count), and each input's progress.
+    assert _objects(s3) == [f"{s3.url}/elastic/process_0-of-1.json"] + [
+        f"{s3.url}/elastic/shard_state_{k}.json" for k in range(4)
+    ]
     fresh = make()
     CheckpointHandler().restore(f"{s3.url}/elastic", fresh)
     after = [x for batch in fresh for x in batch.ravel().tolist()]
