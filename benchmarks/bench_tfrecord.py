@@ -9,6 +9,10 @@ Needs the grainpipe-tfrecord plugin (skipped without it). Workloads and their sa
 * ``tfrecord_full_pass_crc_varied``: the same with record sizes drawn from 512-1535 bytes
   (mean 1 KiB), so no two neighbours share a length: frames are checked one by one instead
   of as runs of equal-length frames. Same baselines; no target, reported for visibility.
+* ``tfrecord_interleave_4_files``: the general API a user writes,
+  ``InterleaveIterDataset([TFRecordIterDataset(f) for f in files], cycle_length=4)``, with
+  CRCs checked, against the plugin's own multi-file reader ``TFRecordIterDataset(files)`` on
+  the same files (target: >= 0.8x of it), timed in alternation.
 * ``tfrecord_random_access``: ``MapDataset.source(TFRecordDataSource).shuffle().batch(256)``,
   steady state (``PASS_BATCHES`` batches per timed pass of a long-lived iterator), against
   the same pipeline over ArrayRecord files holding the same records (when grainpipe-arrayrecord
@@ -244,6 +248,28 @@ if _HAVE_PLUGIN:
         _full_pass.baseline("grain TFRecordIterDataset (no CRC)", requires="grain")(
             functools.partial(_grain_reader, _varied)
         )
+
+    @workload(
+        "tfrecord_interleave_4_files",
+        elements=RECORDS,
+        description="InterleaveIterDataset of 4 TFRecordIterDatasets (one per file), cycle 4",
+        alternate=True,
+    )
+    def tfrecord_interleave_4_files() -> Callable[[], None]:
+        from grain_tfrecord import TFRecordIterDataset
+
+        from grain_core.experimental import InterleaveIterDataset
+
+        files = [TFRecordIterDataset(p) for p in _tfrecord_paths()]
+        ds = InterleaveIterDataset(files, cycle_length=FILES)
+        return lambda: _count(iter(ds))
+
+    @tfrecord_interleave_4_files.baseline("plugin's multi-file TFRecordIterDataset")
+    def _plugin_reader() -> Callable[[], None]:
+        from grain_tfrecord import TFRecordIterDataset
+
+        ds = TFRecordIterDataset(_tfrecord_paths())
+        return lambda: _count(iter(ds))
 
     @workload(
         "tfrecord_random_access",

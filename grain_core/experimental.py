@@ -10,6 +10,7 @@ from typing import Any
 
 from grain_core.dataset.apply import apply_transformations
 from grain_core.dataset.autotune import PerformanceConfig, pick_performance_config
+from grain_core.dataset.base import ElementBlock, SupportsNextBlock
 from grain_core.dataset.cache import CacheIterDataset
 from grain_core.dataset.debug import DatasetGraph, GraphNode, dataset_graph
 from grain_core.dataset.elastic import ElasticIterator
@@ -52,6 +53,7 @@ __all__ = [
     "DatasetGraph",
     "DatasetOptions",
     "ElasticIterator",
+    "ElementBlock",
     "ExecutionSummary",
     "ExecutionTrackingMode",
     "FirstFitPackIterDataset",
@@ -70,6 +72,7 @@ __all__ = [
     "ShapeDtypeStruct",
     "ShapeDtypeStructProtocol",
     "StageSummary",
+    "SupportsNextBlock",
     "ThreadPrefetchDatasetIterator",
     "ThreadPrefetchIterDataset",
     "Trace",

@@ -6,8 +6,10 @@ import json
 from typing import Any
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
-from grain_core.dataset.base import DatasetIterator, IterDataset, MapDataset
+from grain_core.dataset.base import DatasetIterator, IterDataset, MapDataset, SupportsNextBlock
 from grain_core.dataset.interleave import InterleaveIterDataset
 from grain_core.experimental import DatasetOptions, WithOptionsIterDataset
 from grain_core.testing import assert_equal_output_after_checkpoint, check_iterator_conformance
@@ -282,3 +284,75 @@ def test_a_future_state_key_that_is_not_a_dataset_index_is_refused(key: Any) -> 
     restored = iter(ds)
     restored.set_state(state)
     assert sorted(restored) == [0, 0, 0, 1, 1, 1, 2, 2, 2]  # dataset 3 parked as exhausted
+
+
+# ------------------------------------------------------------------ block reading
+def _fails_at(bad: int) -> Any:
+    def read(x: int) -> int:
+        if x == bad:
+            raise KeyError(f"element {x}")
+        return x
+
+    return read
+
+
+def _element_by_element(x: Any) -> Any:
+    return x
+
+
+def _block_inputs(sizes: list[int], bad: int | None) -> list[IterDataset[Any]]:
+    """to_iter_dataset readers (next_block) over ranges with holes (multiples of 5)."""
+    inputs = []
+    start = 0
+    for size in sizes:
+        ds = MapDataset.range(start, start + size).filter(lambda x: x % 5 != 0)
+        if bad is not None:
+            ds = ds.map(_fails_at(bad))
+        inputs.append(ds.to_iter_dataset())
+        start += size
+    return inputs
+
+
+def _drain(it: Any) -> tuple[list[Any], list[dict[str, Any]], str | None]:
+    out, states = [], [it.get_state()]
+    try:
+        for x in it:
+            out.append(x)
+            states.append(it.get_state())
+    except KeyError as e:
+        return out, states, str(e)
+    return out, states, None
+
+
+@given(
+    sizes=st.lists(st.integers(0, 40), min_size=1, max_size=5),
+    cycle_length=st.integers(1, 4),
+    bad=st.one_of(st.none(), st.integers(0, 120)),
+    restore_at=st.integers(0, 150),
+)
+@settings(max_examples=40, deadline=None)
+def test_block_inputs_give_the_elements_errors_and_states_of_next(
+    sizes: list[int], cycle_length: int, bad: int | None, restore_at: int
+) -> None:
+    blockwise = InterleaveIterDataset(_block_inputs(sizes, bad), cycle_length=cycle_length)
+    # The same inputs behind a map, whose iterator has no next_block: read with `next`.
+    reference = InterleaveIterDataset(
+        [ds.map(_element_by_element) for ds in _block_inputs(sizes, bad)],
+        cycle_length=cycle_length,
+        iter_buffer_size=0,
+    )
+    assert isinstance(iter(_block_inputs([3], None)[0]), SupportsNextBlock)
+    expected = _drain(iter(reference))
+    assert _drain(iter(blockwise)) == expected
+    out, states, _ = expected
+    k = min(restore_at, len(out))
+    restored = iter(blockwise)
+    restored.set_state(states[k])
+    assert _drain(restored)[0] == out[k:]
+    # A state taken from a block part handed out restores in the element-by-element reader.
+    it = iter(blockwise)
+    for _ in range(k):
+        next(it)
+    ref = iter(reference)
+    ref.set_state(it.get_state())
+    assert _drain(ref)[0] == out[k:]

@@ -25,6 +25,7 @@ import pyarrow.parquet as pq  # noqa: E402
 import grain_core as grain  # noqa: E402
 from grain_core import cli, plugins  # noqa: E402
 from grain_core.experimental import (  # noqa: E402
+    SupportsNextBlock,
     WindowShuffleMapDataset,
     get_next_index,
     set_next_index,
@@ -338,6 +339,46 @@ def test_any_layout_restores_anywhere(
         restored = iter(ds)
         restored.set_state(it.get_state())
         assert [np.atleast_1d(e["id"]).tolist() for e in restored] == ids[position:]
+
+
+@given(
+    num_rows=st.integers(0, 30),
+    row_group_size=st.integers(1, 8),
+    read_batch_size=st.integers(1, 6),
+    column_batch_size=st.one_of(st.none(), st.integers(1, 7)),
+    sizes=st.lists(st.integers(1, 9), min_size=1, max_size=5),
+)
+def test_blocks_are_the_rows_and_states_of_next(
+    num_rows: int,
+    row_group_size: int,
+    read_batch_size: int,
+    column_batch_size: int | None,
+    sizes: list[int],
+) -> None:
+    import itertools
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as directory:
+        path = _write(Path(directory) / "b.parquet", 0, num_rows, row_group_size)
+        ds = ParquetIterDataset(
+            path,
+            columns=["id"],
+            read_batch_size=read_batch_size,
+            column_batch_size=column_batch_size,
+        )
+        blocks, single = iter(ds), iter(ds)
+        assert isinstance(blocks, SupportsNextBlock)
+        for max_size in itertools.cycle(sizes):
+            block = blocks.next_block(max_size)
+            assert len(block) <= max_size
+            for k, element in enumerate(block.elements):
+                assert block.state_after(k) == single.get_state()
+                assert np.array_equal(next(single)["id"], element["id"])
+            assert block.state_after(len(block)) == single.get_state() == blocks.get_state()
+            if not block.elements:
+                break
+        with pytest.raises(StopIteration):
+            next(single)
 
 
 def test_null_and_variable_length_values(tmp_path: Path) -> None:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import functools
 import gzip
+import itertools
 import os
 import pickle
 import struct
@@ -31,13 +32,13 @@ from grain_tfrecord import (  # noqa: E402
     decode_example,
     encode_example,
 )
-from grain_tfrecord._dataset import TFRecordChainIterator  # noqa: E402
+from grain_tfrecord._dataset import TFRecordFileIterator  # noqa: E402
 from grain_tfrecord._source import _cached_index_path, index_path_for  # noqa: E402
 from grain_tfrecord._stream import Block, FrameReader  # noqa: E402
 
 import grain_core  # noqa: E402
 from grain_core import plugins  # noqa: E402
-from grain_core.dataset.interleave import InterleaveDatasetIterator  # noqa: E402
+from grain_core.experimental import InterleaveIterDataset, SupportsNextBlock  # noqa: E402
 from grain_core.options import MultiprocessingOptions  # noqa: E402
 from grain_core.testing import (  # noqa: E402
     assert_equal_output_after_checkpoint,
@@ -344,42 +345,92 @@ def test_equal_length_frames_are_checked_as_runs_and_unchecked_when_asked(
     assert unchecked[250] != records[250]
 
 
-def test_files_read_one_after_another_skip_the_interleave_hop_but_keep_its_state(
-    tmp_path: Path,
+def _record_by_record(x: bytes) -> bytes:
+    return x
+
+
+@pytest.mark.parametrize("cycle_length", [1, 2])
+def test_files_read_in_blocks_keep_the_order_and_states_of_record_by_record_reading(
+    tmp_path: Path, cycle_length: int
 ) -> None:
     contents = [_run_records([(30, 50), (7, 3), (30, 40)], k) for k in range(3)]
     paths = [_write(tmp_path / f"run.tfrecord-{k:05d}-of-00003", r) for k, r in enumerate(contents)]
-    everything = [r for records in contents for r in records]
     with mock.patch.object(grain_tfrecord._stream, "_BLOCK_BYTES", 1024):
-        ds = TFRecordIterDataset(paths)
-        it = iter(ds)
-        assert isinstance(it, TFRecordChainIterator)
-        out = check_iterator_conformance(ds, positions=range(0, len(everything) + 1, 11))
-        assert out == everything
+        ds = TFRecordIterDataset(paths, cycle_length=cycle_length)
+        # The same interleave over inputs read one record per `next` (a map has no next_block).
+        reference = InterleaveIterDataset(
+            [TFRecordIterDataset(p).map(_record_by_record) for p in paths],
+            cycle_length=cycle_length,
+            iter_buffer_size=0,
+        )
+        expected = list(reference)
+        assert len(expected) == sum(map(len, contents))
+        out = check_iterator_conformance(ds, positions=range(0, len(expected) + 1, 11))
+        assert out == expected
         assert_equal_output_after_checkpoint(ds)
-        # State for state, the same as the generic interleave iterator over the same files.
-        generic = iter(ds._parents[0])
-        assert type(generic) is InterleaveDatasetIterator
-        for k in range(len(everything) + 1):
-            assert it.get_state() == generic.get_state(), f"after {k} records"
-            if k < len(everything):
-                assert next(it) == next(generic) == everything[k]
+        it, ref = iter(ds), iter(reference)
+        for k in range(len(expected) + 1):
+            assert it.get_state() == ref.get_state(), f"after {k} records"
+            if k < len(expected):
+                assert next(it) == next(ref) == expected[k]
         with pytest.raises(StopIteration):
             next(it)
-        # A state of either restores in the other; restoring reuses the live file iterator.
-        generic = iter(ds._parents[0])
+        # A state of either restores in the other, also while a block is part taken.
+        ref = iter(reference)
         for _ in range(60):
-            next(generic)
+            next(ref)
         it = iter(ds)
         next(it)
-        it.set_state(generic.get_state())
-        assert list(it) == everything[60:]
-        it.set_state(generic.get_state())
-        assert next(it) == everything[60]
+        it.set_state(ref.get_state())
+        assert list(it) == expected[60:]
+        it.set_state(ref.get_state())
+        assert next(it) == expected[60]
+        ref.set_state(it.get_state())
+        assert next(ref) == expected[61]
         it.close()
         with pytest.raises(ValueError, match="closed iterator"):
             next(it)
-    assert not isinstance(iter(TFRecordIterDataset(paths, cycle_length=2)), TFRecordChainIterator)
+
+
+def test_file_iterator_blocks_match_next_record_for_record(tmp_path: Path) -> None:
+    records = _run_records([(30, 50), (7, 3), (300, 20), (30, 40)])
+    path = _write(tmp_path / "blocks.tfrecord", records)
+    with mock.patch.object(grain_tfrecord._stream, "_BLOCK_BYTES", 1024):
+        blocks = TFRecordFileIterator(str(path), None, True)
+        single = TFRecordFileIterator(str(path), None, True)
+        assert isinstance(blocks, SupportsNextBlock)
+        taken: list[bytes] = []
+        for max_size in itertools.cycle([1, 7, 1000]):
+            block = blocks.next_block(max_size)
+            assert 0 < len(block) <= max_size or not block.elements
+            for k in range(len(block)):
+                assert block.state_after(k) == single.get_state()
+                assert next(single) == block.elements[k]
+            assert block.state_after(len(block)) == single.get_state() == blocks.get_state()
+            taken.extend(block.elements)
+            if not block.elements:
+                break
+        assert taken == records
+        with pytest.raises(StopIteration):
+            next(single)
+        # A state inside a taken block restores the iterator that handed the block out.
+        assert block.state_after(0) == blocks.get_state()  # the end
+        blocks.set_state({"reader_offset": 0})
+        first = blocks.next_block(5)
+        blocks.next_block(5)
+        blocks.set_state(first.state_after(2))
+        assert next(blocks) == records[2]
+
+
+def test_damage_is_raised_by_the_block_after_the_intact_records(tmp_path: Path) -> None:
+    records = _records(0, 9)
+    path = _write(tmp_path / "bad.tfrecord", records)
+    _corrupt(path, _frame_offset(records, 5) + 12 + 3)  # a payload byte of record 5
+    it = TFRecordFileIterator(str(path), None, True)
+    block = it.next_block(100)
+    assert list(block.elements) == records[:5]
+    with pytest.raises(CorruptRecordError, match="data CRC"):
+        it.next_block(100)
 
 
 def test_gzip_reader_restores_offsets_in_the_decompressed_stream(tmp_path: Path) -> None:

@@ -17,7 +17,7 @@ import json
 import os
 import sys
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
-from typing import TYPE_CHECKING, Any, Generic, TypeVar, overload
+from typing import TYPE_CHECKING, Any, Generic, Protocol, TypeVar, overload, runtime_checkable
 
 import numpy as np
 
@@ -32,10 +32,12 @@ if TYPE_CHECKING:
 
 __all__ = [
     "DatasetIterator",
+    "ElementBlock",
     "IterDataset",
     "IteratorContext",
     "MapDataset",
     "MultiprocessingContext",
+    "SupportsNextBlock",
 ]
 
 T = TypeVar("T")
@@ -530,6 +532,50 @@ class DatasetIterator(Iterator[T], abc.ABC):
 
     async def load(self, directory: Any) -> Any:
         return load_coroutine(directory, lambda text: self.set_state(json.loads(text)))
+
+
+class ElementBlock(Generic[T]):
+    """Consecutive elements taken from an iterator in one call, and the iterator's state
+    after each of them.
+
+    Args:
+      elements: The elements, in stream order (empty: the iterator is exhausted).
+      state_after: ``state_after(k)`` is the iterator's ``get_state()`` once the first ``k``
+        elements are taken (``0 <= k <= len(elements)``). It must stay right after the
+        iterator moves on: it keeps what it needs, never reads the iterator's later position.
+    """
+
+    __slots__ = ("elements", "state_after")
+
+    def __init__(self, elements: Sequence[T], state_after: Callable[[int], dict[str, Any]]) -> None:
+        self.elements = elements
+        self.state_after = state_after
+
+    def __len__(self) -> int:
+        return len(self.elements)
+
+    def __repr__(self) -> str:
+        return f"ElementBlock(len={len(self.elements)})"
+
+
+@runtime_checkable
+class SupportsNextBlock(Protocol[T]):
+    """An iterator that can hand out a block of its next elements in one call.
+
+    ``next_block`` is a faster ``next``: the elements, their order, the errors and the states
+    are exactly those of calling ``next`` as many times. Consumers that move many elements at
+    a time (``InterleaveIterDataset``, ``mix``, ``concatenate`` over streams) use it when
+    an input's iterator has it; an iterator without it is read with ``next``.
+    """
+
+    def next_block(self, max_size: int) -> ElementBlock[T]:
+        """Takes the next elements, at least one and at most ``max_size`` (>= 1).
+
+        Afterwards the iterator stands after the block's last element. An empty block means
+        the iterator is exhausted. An error that ``next`` would raise after some elements is
+        raised by the call after the block that holds them.
+        """
+        ...
 
 
 class IterDataset(_Node, Iterable[T], Generic[T], abc.ABC):

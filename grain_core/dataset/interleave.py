@@ -10,17 +10,33 @@ of its contract):
   it). ``iter_buffer_size=0`` never starts input threads.
 * iterators of upcoming datasets are created ahead on ``num_make_iter_threads`` threads only when
   there are more datasets than slots (otherwise every iterator is created once, up front).
+
+An input whose iterator has ``next_block`` (``SupportsNextBlock``: file readers, ``to_iter_dataset``)
+is read a block at a time: the slot keeps the rest of the block, and the round-robin takes its
+elements from there, one ``next`` on a list iterator per element instead of a call through the
+input's iterator chain. The slot's checkpoint state is the block's state after the elements
+taken, so order and states are those of reading one element at a time. Such an input gets no
+read-ahead thread either: it reads in blocks already, and a thread would add a hand-off per
+element.
 """
 
 from __future__ import annotations
 
 import concurrent.futures
 import copy
-from collections.abc import Sequence
-from typing import Any
+import operator
+from collections.abc import Iterator, Sequence
+from typing import Any, Final
 
 from grain_core._checks import as_flag, non_negative_int, positive_int
-from grain_core.dataset.base import DatasetIterator, IteratorContext, IterDataset, MapDataset
+from grain_core.dataset.base import (
+    DatasetIterator,
+    ElementBlock,
+    IteratorContext,
+    IterDataset,
+    MapDataset,
+    SupportsNextBlock,
+)
 from grain_core.dataset.prefetch import PrefetchIterDataset, ThreadPrefetchDatasetIterator
 
 __all__ = [
@@ -54,6 +70,13 @@ def interleave_input_states(state: dict[str, Any]) -> list[Any]:
 def interleave_next_input(state: dict[str, Any]) -> int:
     """The slot the next element comes from in interleave state ``state``."""
     return int(state["next_index_in_cycle"])
+
+# Most elements a slot takes from a block-reading input at once (inputs hand out at most what
+# they have read already, usually less).
+_BLOCK_SIZE: Final = 4096
+# What ``next(iterator, _NOTHING)`` returns at the end of a slot's block.
+_NOTHING: Final = object()
+_NO_ELEMENTS: Iterator[Any] = iter(())
 
 
 class InterleaveIterDataset(IterDataset[Any]):
@@ -168,6 +191,11 @@ class InterleaveDatasetIterator(DatasetIterator[Any]):
         c = self._cycle_length
         self._indices = list(range(c))
         self._iters: list[DatasetIterator[Any] | None] = [None] * c
+        # Per slot: whether its iterator has next_block, the block it is handing out and the
+        # rest of that block's elements (one empty slot without inputs: `next` reads slot 0).
+        self._blockwise = [False] * c
+        self._blocks: list[ElementBlock[Any] | None] = [None] * c
+        self._buffered: list[Iterator[Any]] = [_NO_ELEMENTS] * max(c, 1)
         # State to apply when a slot's iterator is created; for exhausted slots, the final state.
         self._slot_states: list[dict[str, Any] | None] = [None] * c
         self._exhausted = [False] * c
@@ -188,7 +216,11 @@ class InterleaveDatasetIterator(DatasetIterator[Any]):
                 "IterDataset or a MapDataset."
             )
         it = iter(ds)
-        if self._iter_buffer_size > 0 and _read_ahead_is_useful(ds):
+        if (
+            self._iter_buffer_size > 0
+            and _read_ahead_is_useful(ds)
+            and not isinstance(it, SupportsNextBlock)
+        ):
             return ThreadPrefetchDatasetIterator(it, self._iter_buffer_size)
         return it
 
@@ -231,7 +263,32 @@ class InterleaveDatasetIterator(DatasetIterator[Any]):
         if state is not None:
             it.set_state(state)
             self._slot_states[slot] = None
+        self._install(slot, it)
+        return it
+
+    def _install(self, slot: int, it: DatasetIterator[Any] | None) -> None:
+        """Makes ``it`` the slot's iterator, with no block taken from it yet."""
         self._iters[slot] = it
+        self._blockwise[slot] = isinstance(it, SupportsNextBlock)
+        self._drop_block(slot)
+
+    def _drop_block(self, slot: int) -> None:
+        self._blocks[slot] = None
+        self._buffered[slot] = _NO_ELEMENTS
+
+    def _slot_state(self, slot: int, it: DatasetIterator[Any]) -> dict[str, Any]:
+        """The state of the slot's input after the elements handed out (not those buffered)."""
+        block = self._blocks[slot]
+        if block is None:
+            return it.get_state()
+        return block.state_after(len(block) - operator.length_hint(self._buffered[slot]))
+
+    def _settle(self, slot: int) -> DatasetIterator[Any]:
+        """Moves the slot's iterator back to the elements handed out and drops its block."""
+        it = self._iters[slot] or self._materialise(slot)
+        if self._blocks[slot] is not None:
+            it.set_state(self._slot_state(slot, it))
+            self._drop_block(slot)
         return it
 
     def _open(self, slot: int, index: int) -> None:
@@ -239,7 +296,7 @@ class InterleaveDatasetIterator(DatasetIterator[Any]):
         old = self._iters[slot]
         if old is not None:
             old.close()
-        self._iters[slot] = None
+        self._install(slot, None)
         self._indices[slot] = index
         self._next_index_in_datasets = index + 1
         if index in self._future_states:
@@ -257,11 +314,21 @@ class InterleaveDatasetIterator(DatasetIterator[Any]):
     def _retire(self, slot: int) -> None:
         it = self._iters[slot]
         self._slot_states[slot] = it.get_state() if it is not None else None
+        self._drop_block(slot)
         self._exhausted[slot] = True
         self._num_active -= 1
 
     # ------------------------------------------------------------------- hot path
     def __next__(self) -> Any:
+        slot = self._cycle_index
+        x = next(self._buffered[slot], _NOTHING)
+        if x is _NOTHING:
+            return self._next_unbuffered()
+        self._cycle_index = slot + 1 if slot + 1 < self._cycle_length else 0
+        return x
+
+    def _next_unbuffered(self) -> Any:
+        """``next`` when the current slot has no block elements left to hand out."""
         if not self._started:
             self._check_open()
             self.start_prefetch()
@@ -272,22 +339,31 @@ class InterleaveDatasetIterator(DatasetIterator[Any]):
         while True:
             slot = self._cycle_index
             if not exhausted[slot]:
-                it = iters[slot]
-                if it is None:
-                    it = self._materialise(slot)
-                try:
-                    x = next(it)
-                except StopIteration:
-                    self._retire(slot)
-                else:
+                x = next(self._buffered[slot], _NOTHING)
+                if x is _NOTHING:
+                    x = self._next_from_input(slot, iters[slot] or self._materialise(slot))
+                if x is not _NOTHING:
                     self._cycle_index = slot + 1 if slot + 1 < self._cycle_length else 0
                     return x
+                self._retire(slot)
             elif self._next_index_in_datasets < self._num_datasets:
                 self._open(slot, self._next_index_in_datasets)
                 continue
             elif self._num_active == 0:
                 raise StopIteration
             self._cycle_index = slot + 1 if slot + 1 < self._cycle_length else 0
+
+    def _next_from_input(self, slot: int, it: DatasetIterator[Any]) -> Any:
+        """The slot's next element read from its iterator (a new block for a block reader);
+        ``_NOTHING`` when the input is exhausted."""
+        if not self._blockwise[slot]:
+            return next(it, _NOTHING)
+        block = it.next_block(_BLOCK_SIZE)  # type: ignore[attr-defined]
+        if not block.elements:
+            return _NOTHING
+        self._blocks[slot] = block
+        buffered = self._buffered[slot] = iter(block.elements)
+        return next(buffered)
 
     def start_prefetch(self) -> None:
         """Creates the active slots' iterators and starts their background reading."""
@@ -324,7 +400,7 @@ class InterleaveDatasetIterator(DatasetIterator[Any]):
                 states.append(copy.deepcopy(self._slot_states[slot]))
             else:
                 it = self._iters[slot] or self._materialise(slot)
-                states.append(it.get_state())
+                states.append(self._slot_state(slot, it))
         return {
             "next_index_in_cycle": self._cycle_index,
             "next_index_in_datasets": self._next_index_in_datasets,
@@ -364,14 +440,15 @@ class InterleaveDatasetIterator(DatasetIterator[Any]):
                 f"and cycle_length {c}."
             )
         live = {self._indices[s]: it for s, it in enumerate(self._iters) if it is not None}
-        self._iters = [None] * c
+        for slot in range(c):
+            self._install(slot, None)
         for slot, (index, sub_state, done) in enumerate(
             zip(indices, states, exhausted, strict=True)
         ):
             it = live.pop(index, None)
             if it is not None and not done and sub_state is not None:
                 it.set_state(sub_state)  # reuse: no iterator (or worker process) is rebuilt
-                self._iters[slot] = it
+                self._install(slot, it)
                 self._slot_states[slot] = None
             else:
                 if it is not None:
@@ -452,7 +529,7 @@ class InterleaveDatasetIterator(DatasetIterator[Any]):
                 "get_next_index/set_next_index on an interleave needs exactly one input "
                 f"dataset; this one has {self._num_datasets}."
             )
-        return self._iters[0] or self._materialise(0)
+        return self._settle(0)
 
     def _get_next_index(self) -> int:
         return self._single_input()._get_next_index()
@@ -487,4 +564,5 @@ class InterleaveDatasetIterator(DatasetIterator[Any]):
         for it in self._iters:
             if it is not None:
                 it.close()
-        self._iters = [None] * self._cycle_length
+        for slot in range(self._cycle_length):
+            self._install(slot, None)

@@ -9,11 +9,12 @@ import queue
 import threading
 import time
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, NoReturn
 
 from grain_core._checks import as_int
 from grain_core.dataset.base import (
     DatasetIterator,
+    ElementBlock,
     IterDataset,
     MapDataset,
     stop_iteration_error,
@@ -132,8 +133,9 @@ class PrefetchDatasetIterator(DatasetIterator[Any]):
 
     def _reset(self, next_index: int) -> None:
         self._next_index = next_index  # parent indices consumed, holes included
-        self._chunk: list[Any] = []
+        self._chunk: Sequence[Any] = []
         self._chunk_pos = 0
+        self._chunk_holes = 0
         self._read_index = next_index  # first index not yet requested
         self._chunk_size = 1
         self._pending: collections.deque[tuple[int, int, concurrent.futures.Future[Any]]] = (
@@ -197,12 +199,13 @@ class PrefetchDatasetIterator(DatasetIterator[Any]):
         if self._threaded:
             self._concurrency.block_done(len(chunk), self._cpu_share, time.perf_counter())
             self._fill()
+        holes = 0
         if not self._allow_nones:
-            self._checker.record(
-                len(chunk), sum(x is None for x in chunk), self._ctx.dataset_options
-            )
+            holes = sum(x is None for x in chunk)
+            self._checker.record(len(chunk), holes, self._ctx.dataset_options)
         self._chunk = chunk
         self._chunk_pos = 0
+        self._chunk_holes = holes
 
     def _read_one_by_one(self, start: int, count: int) -> list[Any]:
         """Re-reads a failed block element by element so the good elements before the bad one
@@ -224,8 +227,7 @@ class PrefetchDatasetIterator(DatasetIterator[Any]):
                 x = self._chunk[self._chunk_pos]
                 self._chunk_pos += 1
                 if type(x) is _Raise:
-                    self._reset(self._next_index)
-                    raise x.error
+                    self._raise(x)
                 self._next_index += 1
                 if x is None and not self._allow_nones:
                     continue
@@ -233,6 +235,43 @@ class PrefetchDatasetIterator(DatasetIterator[Any]):
             if self._next_index >= self._len:
                 raise StopIteration
             self._load_chunk()
+
+    def next_block(self, max_size: int) -> ElementBlock[Any]:
+        """Takes up to ``max_size`` next elements of the block read last (see
+        ``grain_core.experimental.SupportsNextBlock``).
+
+        Raises:
+          Exception: What reading an index raised, once the elements before it are taken.
+        """
+        if self._closed:
+            self._check_open()
+        while True:
+            while self._chunk_pos >= len(self._chunk):
+                if self._next_index >= self._len:
+                    return _indexed_block([], self._next_index, None)
+                self._load_chunk()
+            chunk, pos, first = self._chunk, self._chunk_pos, self._next_index
+            stop = min(pos + max_size, len(chunk))
+            if type(chunk[stop - 1]) is _Raise:  # only a block's last element is an error
+                stop -= 1
+                if stop == pos:
+                    self._raise(chunk[pos])
+            if not self._chunk_holes:
+                self._chunk_pos = stop
+                self._next_index = first + stop - pos
+                return _indexed_block(chunk[pos:stop], first, None)
+            # Holes are skipped: the state after an element is the index after it.
+            ends = [k + 1 for k in range(stop - pos) if chunk[pos + k] is not None]
+            used = ends[-1] if ends else stop - pos
+            self._chunk_pos = pos + used
+            self._next_index = first + used
+            if ends:
+                return _indexed_block([chunk[pos + k - 1] for k in ends], first, ends)
+
+    def _raise(self, failed: _Raise) -> NoReturn:
+        """Raises a read's error in its turn; the next read starts again at its index."""
+        self._reset(self._next_index)
+        raise failed.error
 
     def read_ahead(self) -> bool:
         """Reads the next block in the calling thread, unless read threads are in use or the
@@ -306,6 +345,16 @@ class PrefetchDatasetIterator(DatasetIterator[Any]):
         if self._executor is not None:
             self._executor.shutdown(wait=False, cancel_futures=True)
             self._executor = None
+
+
+def _indexed_block(
+    elements: Sequence[Any], first: int, ends: Sequence[int] | None
+) -> ElementBlock[Any]:
+    """A block of a ``to_iter_dataset`` reader: its elements start at index ``first``, and
+    the ``k``-th is followed by index ``first + ends[k - 1]`` (``first + k`` without holes)."""
+    if ends is None:
+        return ElementBlock(elements, lambda k: {"next_index": first + k})
+    return ElementBlock(elements, lambda k: {"next_index": first + (ends[k - 1] if k else 0)})
 
 
 class ReadConcurrency:

@@ -23,7 +23,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from grain_core import DatasetIterator, IterDataset
-from grain_core.experimental import InterleaveIterDataset
+from grain_core.experimental import ElementBlock, InterleaveIterDataset
 from grain_parquet._files import (
     ParquetPath,
     PathLike,
@@ -293,6 +293,29 @@ class _ParquetFileIterator(DatasetIterator[dict[str, Any]]):
         self._offset = self._batch_len
         return next(self._rows)
 
+    def next_block(self, max_size: int) -> ElementBlock[dict[str, Any]]:
+        """Takes up to ``max_size`` next rows of the current record batch, or the next column
+        batch (see ``grain_core.experimental.SupportsNextBlock``).
+
+        Raises:
+          OSError: If the file cannot be read, naming it and the row group.
+        """
+        if self._column_batch_size is not None or not operator.length_hint(self._unbuilt):
+            before = self.get_state()
+            first = next(self, None)  # rows and column batches are dicts, never None
+            if first is None:
+                return ElementBlock([], lambda _: before)
+            if self._column_batch_size is not None:
+                after = self.get_state()
+                return ElementBlock([first], lambda k: after if k else before)
+            pos = self._pos
+            index = self._batch_start + self._offset - operator.length_hint(self._unbuilt) - 1
+            rows = [first, *itertools.islice(self._rows, max_size - 1)]
+        else:
+            pos, index = self._position()
+            rows = list(itertools.islice(self._rows, max_size))
+        return ElementBlock(rows, lambda k: self._state_at(pos, index + k))
+
     def _next_column_batch(self, size: int) -> dict[str, Any]:
         pieces: list[list[np.ndarray]] = []
         needed = size
@@ -316,17 +339,24 @@ class _ParquetFileIterator(DatasetIterator[dict[str, Any]]):
     # -------------------------------------------------------------------- state
     def _position(self) -> tuple[int, int]:
         """``(pos, row)`` of the next row to produce, moved past finished row groups."""
-        pos = self._pos
-        index = self._batch_start + self._offset - operator.length_hint(self._unbuilt)
+        return self._moved_past_finished(
+            self._pos, self._batch_start + self._offset - operator.length_hint(self._unbuilt)
+        )
+
+    def _moved_past_finished(self, pos: int, index: int) -> tuple[int, int]:
         while pos < len(self._sizes) and index >= self._sizes[pos]:
             pos += 1
             index = 0
         return pos, index
 
-    def get_state(self) -> dict[str, Any]:
-        pos, index = self._position()
+    def _state_at(self, pos: int, index: int) -> dict[str, Any]:
+        """The state of the row ``index`` of the ``pos``-th row group read."""
+        pos, index = self._moved_past_finished(pos, index)
         row_group = self._row_groups[pos] if pos < len(self._row_groups) else self._num_row_groups
         return {"row_group": row_group, "index_within_row_group": index}
+
+    def get_state(self) -> dict[str, Any]:
+        return self._state_at(*self._position())
 
     def set_state(self, state: dict[str, Any]) -> None:
         row_group = self._state_int(state, "row_group")

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import bisect
 import operator
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
-from grain_core.dataset.base import DatasetIterator, IterDataset
-from grain_core.dataset.interleave import InterleaveDatasetIterator, InterleaveIterDataset
+from grain_core import DatasetIterator, IterDataset
+from grain_core.experimental import ElementBlock, InterleaveIterDataset
 from grain_tfrecord._framing import PathLike, compression_for, expand_paths
 from grain_tfrecord._stream import Block, FrameReader
 
@@ -22,8 +22,9 @@ class TFRecordIterDataset(IterDataset[bytes]):
     the state ``{"reader_offset": byte offset of the next record}`` (for compressed files, an
     offset in the decompressed stream; restoring it re-reads the file up to there). Several
     files are read through an ``InterleaveIterDataset`` of one dataset per file (state: the
-    interleave state), which ``mp_prefetch`` slices by file; files read one after the other
-    (``cycle_length=1``) hand out their records without a hop through the interleave.
+    interleave state), which ``mp_prefetch`` slices by file. A file's iterator hands out its
+    records a block at a time (``next_block``), so the interleave moves them without a call
+    through the file iterator per record.
 
     Args:
       path: A path, a sequence of paths, or a pattern (``train.tfrecord-*-of-00016``,
@@ -114,17 +115,15 @@ class TFRecordIterDataset(IterDataset[bytes]):
             return TFRecordFileIterator(
                 self._paths[0], self._file_compression, self._verify_crc, self._storage_options
             )
-        interleave = self._parents[0]
-        if interleave.cycle_length == 1:
-            return TFRecordChainIterator(interleave)
-        return interleave.__iter__()
+        return self._parents[0].__iter__()
 
     def __repr__(self) -> str:
         return f"TFRecordIterDataset(path={list(self._paths)!r}, verify_crc={self._verify_crc})"
 
 
 class TFRecordFileIterator(DatasetIterator[bytes]):
-    """Hands out the records of one file from blocks parsed by a :class:`FrameReader`.
+    """Hands out the records of one file from blocks parsed by a :class:`FrameReader`, one at
+    a time (``next``) or the rest of a parsed block at once (``next_block``).
 
     Args:
       path: The file.
@@ -161,18 +160,42 @@ class TFRecordFileIterator(DatasetIterator[bytes]):
         # An iterator over the block's records: its length hint tells how many are left.
         self._records = iter(self._block.records)
 
-    @property
-    def block_records(self) -> Iterator[bytes]:
-        """The rest of the current block: taking a record from it advances this iterator."""
-        return self._records
-
     def __next__(self) -> bytes:
         record = next(self._records, None)
         if record is None:
-            return self._next_block()
+            if not self._read_block():
+                raise StopIteration
+            return next(self._records)
         return record
 
-    def _next_block(self) -> bytes:
+    def next_block(self, max_size: int) -> ElementBlock[bytes]:
+        """Takes up to ``max_size`` next records: the rest of the parsed block (see
+        ``grain_core.experimental.SupportsNextBlock``).
+
+        Raises:
+          CorruptRecordError: For a damaged or truncated file, once the records before the
+            damage are taken.
+        """
+        if not operator.length_hint(self._records) and not self._read_block():
+            end_state = self.get_state()
+            return ElementBlock([], lambda _: end_state)
+        block = self._block
+        records = block.records
+        taken = len(records) - operator.length_hint(self._records)
+        end = min(taken + max_size, len(records))
+        self._records.__setstate__(end)  # type: ignore[attr-defined]
+        return ElementBlock(
+            records if taken == 0 and end == len(records) else records[taken:end],
+            # block.ends is computed on first use: most blocks are never checkpointed.
+            lambda k: {"reader_offset": block.ends[taken + k - 1] if taken + k else block.start},
+        )
+
+    def _read_block(self) -> bool:
+        """Parses the next block of records; False at the end of the file.
+
+        Raises:
+          CorruptRecordError: If the block before ended at damage.
+        """
         self._check_open()
         if self._block.error is not None:
             raise self._block.error
@@ -182,8 +205,8 @@ class TFRecordFileIterator(DatasetIterator[bytes]):
         if not self._block.records:
             if self._block.error is not None:
                 raise self._block.error
-            raise StopIteration
-        return next(self._records)
+            return False
+        return True
 
     def get_state(self) -> dict[str, Any]:
         return {"reader_offset": self._offset()}
@@ -214,49 +237,3 @@ class TFRecordFileIterator(DatasetIterator[bytes]):
 
     def __repr__(self) -> str:
         return f"TFRecordFileIterator({self._path!r})"
-
-
-class TFRecordChainIterator(InterleaveDatasetIterator):
-    """The interleave iterator over one dataset per file, read one after the other.
-
-    Records are taken straight from the current file iterator's block (its
-    :attr:`~TFRecordFileIterator.block_records`), which advances that iterator exactly as its
-    own ``__next__`` would: the state stays the interleave state and every check
-    is unchanged, while the per-record hop through the interleave and the file iterator is
-    skipped. At the end of a block, the record comes through the interleave as usual.
-
-    Args:
-      ds: An interleave with ``cycle_length=1`` over ``TFRecordIterDataset`` s of one file.
-    """
-
-    def __init__(self, ds: InterleaveIterDataset) -> None:
-        super().__init__(ds)
-        self._records: Iterator[bytes] = iter(())
-
-    def __next__(self) -> bytes:
-        record = next(self._records, None)
-        if record is None:
-            return self._next_through_interleave()
-        return record
-
-    def _next_through_interleave(self) -> bytes:
-        record = super().__next__()
-        current = self._iters[0]  # the only slot, which has just produced the record
-        if isinstance(current, TFRecordFileIterator):
-            self._records = current.block_records
-        return record
-
-    def set_state(self, state: dict[str, Any]) -> None:
-        self._records = iter(())  # the file iterators may be repositioned or replaced
-        super().set_state(state)
-
-    def _set_next_index(self, index: int) -> None:
-        self._records = iter(())
-        super()._set_next_index(index)
-
-    def close(self) -> None:
-        self._records = iter(())
-        super().close()
-
-    def __repr__(self) -> str:
-        return f"TFRecordChainIterator(num_files={self._num_datasets})"
