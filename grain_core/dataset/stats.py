@@ -159,8 +159,10 @@ def _timed_iterator_class(cls: type[Any]) -> type[Any]:
     if timed is not None:
         return timed
     untimed_next = cls.__next__
+    untimed_next_block = getattr(cls, "next_block", None)
 
-    def __next__(self: Any) -> Any:
+    def timed_call(self: Any, call: Any, *args: Any) -> tuple[Any, int]:
+        """``call(self, *args)`` timed as this stage; returns its result and own time."""
         stats = self._stage_stats
         clock = _clock
         consumer = clock.stage
@@ -173,7 +175,7 @@ def _timed_iterator_class(cls: type[Any]) -> type[Any]:
         clock.stage = stats
         start = _now()
         try:
-            element = untimed_next(self)
+            result = call(self, *args)
         finally:
             elapsed = _now() - start
             own = elapsed - clock.nested_ns
@@ -183,8 +185,13 @@ def _timed_iterator_class(cls: type[Any]) -> type[Any]:
             clock.stage = consumer
             if stats.traced:
                 _record_span((clock.tid, stats.name, stats.category, start, elapsed))
+        return result, own
+
+    def __next__(self: Any) -> Any:
+        element, own = timed_call(self, untimed_next)
+        stats = self._stage_stats
         if not stats.count:
-            stats.first_element(element, own, clock.tid)
+            stats.first_element(element, own, _clock.tid)
         elif own > stats.max_ns:
             stats.max_ns = own
         elif own < stats.min_ns:
@@ -192,12 +199,25 @@ def _timed_iterator_class(cls: type[Any]) -> type[Any]:
         stats.count += 1
         return element
 
+    def next_block(self: Any, max_size: int) -> Any:
+        # A block of elements (SupportsNextBlock) counts as many elements as it holds.
+        block, own = timed_call(self, untimed_next_block, max_size)
+        stats = self._stage_stats
+        if block.elements and not stats.count:
+            stats.first_element(block.elements[0], own, _clock.tid)
+        stats.count += len(block.elements)
+        return block
+
+    methods: dict[str, Any] = {"__next__": __next__}
+    if untimed_next_block is not None:
+        methods["next_block"] = next_block
+
     timed = type(
         cls.__name__,
         (cls,),
         {
             "__slots__": (),
-            "__next__": __next__,
+            **methods,
             "__module__": cls.__module__,
             "__qualname__": cls.__qualname__,
             "_untimed_class": cls,
