@@ -305,14 +305,25 @@ def _feed(controller, rate, cpu_share, windows, clock):
         controller.block_done(100, cpu_share, clock[0])
 
 
-def _controller(max_value, min_value=1):
-    controller, clock = ReadConcurrency(max_value, min_value), [0.0]
-    controller.block_done(10, 1.0, clock[0])
+def _controller(max_value, first_share=1.0, overlaps_consumer=False):
+    """A controller after its first block (``first_share``: that block's CPU share)."""
+    controller, clock = ReadConcurrency(max_value, overlaps_consumer=overlaps_consumer), [0.0]
+    assert controller.value == 0 and not controller.measured  # the consumer reads the first
+    controller.block_done(10, first_share, clock[0])
     return controller, clock
+
+
+def test_read_concurrency_after_the_first_block():
+    assert _controller(8, first_share=0.1)[0].value == 8  # waiting on I/O: full width at once
+    assert _controller(8, first_share=0.9)[0].value == 0  # CPU-bound: the consumer reads
+    controller = ReadConcurrency(6)
+    controller.waits_on_io()  # seen waiting before it finished
+    assert controller.measured and controller.value == 6
 
 
 def test_read_concurrency_keeps_probes_that_raise_the_rate():
     controller, clock = _controller(8)
+    controller.value = 1
     _feed(controller, 1000, 0.1, 1, clock)
     assert controller.value == 2  # low load: probing
     _feed(controller, 2000, 0.1, 1, clock)
@@ -325,6 +336,7 @@ def test_read_concurrency_undoes_probes_that_do_not_pay_and_backs_off():
     # A GIL-bound read on a busy machine: its thread is descheduled half the time, which looks
     # like I/O, but more threads deliver nothing more.
     controller, clock = _controller(8)
+    controller.value = 1
     probes = []
     for _ in range(40):
         before = controller.value
@@ -336,6 +348,7 @@ def test_read_concurrency_undoes_probes_that_do_not_pay_and_backs_off():
 
 def test_read_concurrency_shrinks_when_reads_load_the_cpu():
     controller, clock = _controller(8)
+    controller.value = 1
     for rate in (1000, 2000, 4000, 8000):
         _feed(controller, rate, 0.05, 2, clock)
     grown = controller.value
@@ -345,7 +358,7 @@ def test_read_concurrency_shrinks_when_reads_load_the_cpu():
 
 
 def test_read_concurrency_from_the_consumer_thread_probes_two_threads_and_comes_back():
-    controller, clock = _controller(8, min_value=0)
+    controller, clock = _controller(8)
     assert controller.value == 0
     _feed(controller, 1000, 1.0, 4, clock)
     assert controller.value == 0  # CPU-bound reads stay in the consumer's thread
@@ -364,19 +377,36 @@ def test_read_concurrency_from_the_consumer_thread_probes_two_threads_and_comes_
     assert controller.value == 0
 
 
+def test_read_concurrency_of_a_parent_measures_one_thread_for_cpu_bound_reads():
+    controller, clock = _controller(8, overlaps_consumer=True)
+    assert controller.value == 0
+    _feed(controller, 1000, 1.0, 1, clock)
+    assert controller.value == 1  # tried although the reads are busy on the CPU
+    _feed(controller, 1000, 1.0, 1, clock)
+    assert controller.value == 0  # it did not pay (reads holding the GIL)
+    for _ in range(2):
+        _feed(controller, 1000, 1.0, 1, clock)
+    assert controller.value == 1  # tried again, after twice as many windows
+    _feed(controller, 1500, 1.0, 1, clock)
+    assert controller.value == 1  # it paid (reads releasing the GIL overlap the consumer)
+    for _ in range(5):
+        _feed(controller, 1500, 1.0, 1, clock)
+    assert controller.value == 1  # the load alone never takes the last thread away
+
+
 @given(
     st.lists(
         st.tuples(st.integers(1, 100), st.floats(0.0, 1.0), st.floats(1e-4, 0.1)), max_size=200
     ),
     st.integers(1, 16),
-    st.integers(0, 1),
+    st.booleans(),
 )
-def test_read_concurrency_stays_within_bounds(blocks, max_value, min_value):
-    controller, now = ReadConcurrency(max_value, min_value), 0.0
+def test_read_concurrency_stays_within_bounds(blocks, max_value, overlaps_consumer):
+    controller, now = ReadConcurrency(max_value, overlaps_consumer=overlaps_consumer), 0.0
     for elements, share, dt in blocks:
         now += dt
         controller.block_done(elements, share, now)
-        assert min_value <= controller.value <= max_value
+        assert 0 <= controller.value <= max_value
 
 
 @pytest.fixture
@@ -390,49 +420,30 @@ def _reading_thread(x):
     return threading.current_thread().name
 
 
-def test_reads_start_in_the_consumer_thread(inline_reads):
+@pytest.mark.parametrize("worker", [False, True], ids=["parent", "worker"])
+def test_cpu_bound_reads_stay_in_the_consumer_thread(worker, monkeypatch):
+    monkeypatch.setattr(prefetch, "_inline_while_cpu_bound", worker)
     # Threads come only with a probe, once a window of four blocks after the first has passed:
     # blocks of 1, 2, 4, 8 and 16 elements here (whether a probe stays is ReadConcurrency's).
     names = list(MD.range(1000).map(_reading_thread).to_iter_dataset(grain.ReadOptions(4, 64)))
     assert set(names[:31]) == {threading.current_thread().name}
 
 
-def test_reads_waiting_on_io_move_to_threads(inline_reads):
-    def io_like(x):
-        time.sleep(0.002)
+def _first_wait_for(barrier):
+    def read(x):
+        if x < barrier.parties:
+            barrier.wait(timeout=60)  # broken (an error) unless these reads all wait at once
         return x
 
-    with iter(MD.range(300).map(io_like).to_iter_dataset(grain.ReadOptions(8, 64))) as it:
-        assert [next(it) for _ in range(200)] == list(range(200))
-        assert it._concurrency.value >= 2
+    return read
 
 
-def test_reading_ahead_inline_reads_blocks_without_consuming(inline_reads):
-    read = []
-
-    def recorded(x):
-        if x == 5:
-            raise ValueError("bad 5")
-        read.append(x)
-        return x
-
-    with iter(MD.range(100).map(recorded).to_iter_dataset(grain.ReadOptions(4, 8))) as it:
-        assert it.read_ahead()
-        while it.read_ahead():
-            pass
-        assert read[:5] == [0, 1, 2, 3, 4] and it.get_state() == {"next_index": 0}
-        assert [next(it) for _ in range(5)] == [0, 1, 2, 3, 4]
-        with pytest.raises(ValueError, match="bad 5"):
-            next(it)  # a block that failed ahead raises at its element's turn
-
-
-def test_reading_ahead_inline_waits_for_room_and_leaves_threads_alone(inline_reads):
-    with iter(MD.range(100).to_iter_dataset(grain.ReadOptions(4, 8))) as it:
-        while it.read_ahead():
-            pass
-        assert it._in_flight == 8  # the read-ahead is full
-        next(it)
-        assert it._in_flight == 8 - len(it._chunk)  # the first block was taken
-    with iter(MD.range(100).to_iter_dataset(grain.ReadOptions(4, 8))) as threaded:
-        threaded._concurrency.value = 2  # read threads in use: they read ahead
-        assert not threaded.read_ahead()
+@pytest.mark.parametrize("worker", [False, True], ids=["parent", "worker"])
+def test_reads_waiting_on_io_go_full_width_from_the_first(worker, monkeypatch):
+    monkeypatch.setattr(prefetch, "_inline_while_cpu_bound", worker)
+    # The first 6 reads each wait until all 6 wait together: they get past the barrier only
+    # if 6 reads are in flight from the start, the first one included.
+    barrier = threading.Barrier(6)
+    ds = MD.range(60).map(_first_wait_for(barrier)).to_iter_dataset(grain.ReadOptions(6, 60))
+    with iter(ds) as it:
+        assert list(it) == list(range(60))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import _thread
 import collections
 import concurrent.futures
 import copy
@@ -35,7 +36,10 @@ __all__ = [
 # at one element (the first element arrives quickly) and double while a block takes less than
 # _FAST_BLOCK_S, so cheap elements amortise per-call overhead; they halve above _SLOW_BLOCK_S so
 # that heavy elements (whole batches) are not materialised thousands at a time, which would
-# thrash memory. Block sizes never change which elements are produced or their order.
+# thrash memory. The cost is the block's CPU time on its thread, or its wall time for reads that
+# mostly wait (I/O): blocks of slow I/O-bound elements stay small, so they spread over the
+# threads instead of waiting one after the other in one. Block sizes never change which
+# elements are produced or their order.
 _MAX_CHUNK = 1024
 _FAST_BLOCK_S = 0.004
 _SLOW_BLOCK_S = 0.016
@@ -47,20 +51,25 @@ _WINDOW_BLOCKS = 4
 _WINDOW_S = 0.02
 _PROBE_GAIN = 1.2
 _MAX_PROBE_WAIT = 64
+# The consumer's thread reads the first block while a watcher looks at that thread's CPU time
+# every _FIRST_LOOK_S: a read that spends most of that wall time off the CPU waits on I/O, and
+# the next reads start on threads at once (full width). A first read shorter than _FIRST_LOOK_S
+# is too cheap to be worth threads whatever its CPU share.
+_FIRST_LOOK_S = 0.002
 # Whether threaded readers of this process start reading in the consumer's thread (see
 # read_inline_while_cpu_bound).
 _inline_while_cpu_bound = False
 
 
 def read_inline_while_cpu_bound() -> None:
-    """Makes the threaded ``to_iter_dataset`` readers of this process read in the consumer's
-    thread, and hand reads to their threads only while that raises the delivery rate (reads
-    that wait on I/O).
+    """Makes the threaded ``to_iter_dataset`` readers of this process never try read threads
+    for reads that keep the CPU busy: they use threads only while reads wait on I/O.
 
     Called by ``mp_prefetch`` workers: their processes already use every core, so a read
     thread gives CPU-bound reads no parallelism, only a hand-off per block (measured: a
-    quarter of a worker's CPU on 256-row Parquet batches). A parent keeps its threads: they
-    overlap reading with the consumer's own work.
+    quarter of a worker's CPU on 256-row Parquet batches). A parent also tries one read
+    thread for them now and then, kept only where it raises the delivery rate (reads that
+    release the GIL overlap with the consumer's own work).
     """
     global _inline_while_cpu_bound
     _inline_while_cpu_bound = True
@@ -129,6 +138,10 @@ class PrefetchDatasetIterator(DatasetIterator[Any]):
         self._chunk_cap = max(1, min(_MAX_CHUNK, opts.prefetch_buffer_size))
         self._executor: concurrent.futures.ThreadPoolExecutor | None = None
         self._checker = FilterRatioChecker(f"to_iter_dataset over {self._map_ds!r}")
+        # Kept across set_state: what was learnt about the reads still holds.
+        self._concurrency = ReadConcurrency(
+            self._num_threads, overlaps_consumer=not _inline_while_cpu_bound
+        )
         self._reset(0)
 
     def _reset(self, next_index: int) -> None:
@@ -142,9 +155,6 @@ class PrefetchDatasetIterator(DatasetIterator[Any]):
             collections.deque()
         )
         self._in_flight = 0
-        self._concurrency = ReadConcurrency(
-            self._num_threads, min_value=0 if _inline_while_cpu_bound else 1
-        )
         self._cpu_share = 1.0
 
     def _next_chunk_range(self, limit: int) -> tuple[int, int]:
@@ -164,26 +174,32 @@ class PrefetchDatasetIterator(DatasetIterator[Any]):
         values = self._map_ds._getitems(range(start, start + count))
         elapsed = time.thread_time() - began_cpu
         wall = time.perf_counter() - began_wall
-        self._cpu_share = elapsed / wall if wall > 0 else 1.0
-        if elapsed < _FAST_BLOCK_S:
+        share = elapsed / wall if wall > 0 else 1.0
+        # Too short to tell waiting from computing: counted as computing (see _FIRST_LOOK_S).
+        self._cpu_share = share if wall >= _FIRST_LOOK_S or self._concurrency.measured else 1.0
+        cost = elapsed if share >= _IO_BOUND_LOAD else wall
+        if cost < _FAST_BLOCK_S:
             self._chunk_size = min(self._chunk_size * 2, self._chunk_cap)
-        elif elapsed > _SLOW_BLOCK_S:
+        elif cost > _SLOW_BLOCK_S:
             self._chunk_size = max(self._chunk_size // 2, 1)
         return values
 
     def _fill(self) -> None:
-        while (
-            self._read_index < self._len
-            and self._in_flight < self._buffer_size
-            and len(self._pending) < self._concurrency.value
-        ):
+        self._pending.extend(self._start_reads(self._concurrency.value - len(self._pending)))
+
+    def _start_reads(self, blocks: int) -> list[tuple[int, int, concurrent.futures.Future[Any]]]:
+        """Starts up to ``blocks`` reads of the next blocks on the read threads."""
+        started = []
+        while self._read_index < self._len and self._in_flight < self._buffer_size and blocks > 0:
             if self._executor is None:
                 self._executor = concurrent.futures.ThreadPoolExecutor(
                     self._num_threads, thread_name_prefix="grain_core-read"
                 )
             start, count = self._next_chunk_range(self._buffer_size - self._in_flight)
-            self._pending.append((start, count, self._executor.submit(self._read, start, count)))
+            started.append((start, count, self._executor.submit(self._read, start, count)))
             self._in_flight += count
+            blocks -= 1
+        return started
 
     def _load_chunk(self) -> None:
         if self._threaded:
@@ -289,13 +305,18 @@ class PrefetchDatasetIterator(DatasetIterator[Any]):
         """Reads the next block (at most ``limit`` elements) in this thread and queues it as
         the threads' blocks are: an error is raised when its turn comes."""
         start, count = self._next_chunk_range(limit)
+        self._in_flight += count
+        watch = None
+        if self._threaded and not self._concurrency.measured:
+            watch = _FirstReadWatch(self)
         block: concurrent.futures.Future[Sequence[Any]] = concurrent.futures.Future()
         try:
             block.set_result(self._read(start, count))
         except Exception as e:  # noqa: BLE001 - re-read one by one when its turn comes
             block.set_exception(e)
         self._pending.append((start, count, block))
-        self._in_flight += count
+        if watch is not None:
+            self._pending.extend(watch.stop())
 
     def buffered(self) -> bool:
         """Whether ``next`` has an element read already (a hole skipped counts as one)."""
@@ -357,39 +378,98 @@ def _indexed_block(
     return ElementBlock(elements, lambda k: {"next_index": first + (ends[k - 1] if k else 0)})
 
 
-class ReadConcurrency:
-    """How many blocks a threaded ``to_iter_dataset`` reads at once.
+class _FirstReadWatch:
+    """Looks at the consumer's thread while it reads an iterator's first block: if the read
+    waits on I/O (the thread off the CPU most of the time), starts the next reads on threads
+    at once instead of after the first read.
 
-    Reads that wait on I/O or release the GIL gain from running in parallel threads; reads
-    that hold the GIL (pure-Python maps over in-memory data) gain nothing and lose a lot to
-    contention, and so do reads in processes that already use every core (``mp_prefetch``
-    workers). The signal that more reads might help is the *load*: the CPU the reads in
-    flight use together, in cores (the last block's share of its wall time on its thread's
-    CPU, times the blocks in flight). It cannot tell a thread waiting for I/O from one waiting
-    for a busy CPU, so a low load only triggers a *probe*: twice the blocks in flight, kept if
-    the delivery rate rises by ``_PROBE_GAIN`` over the next window, else undone, with the
-    next probe waiting twice as many windows. A load above ``_CPU_BOUND_LOAD`` (reads busy on
-    the CPU or contending for the GIL) halves the blocks in flight. One block in flight still
-    overlaps reading with the consumer; none (a ``min_value`` of 0) means the consumer's thread
-    reads, and a probe from there tries two blocks on threads (one alone reads no faster than
-    the consumer's thread; reads waiting on I/O gain from running side by side).
+    The watching thread is started without waiting for it to run (``_thread``), so a first
+    read that ends quickly pays nothing for it.
+    """
+
+    def __init__(self, it: PrefetchDatasetIterator) -> None:
+        self._it = it
+        self._stop = threading.Event()
+        self._lock = threading.Lock()
+        self._started: list[tuple[int, int, concurrent.futures.Future[Any]]] = []
+        self._reader = threading.get_ident()
+        self._began = time.thread_time(), time.perf_counter()
+        _thread.start_new_thread(self._watch, ())
+
+    def _watch(self) -> None:
+        try:
+            clock = time.pthread_getcpuclockid(self._reader)
+        except (AttributeError, OSError):  # no per-thread CPU clocks here: nothing to look at
+            return
+        began_cpu, began_wall = self._began
+        while not self._stop.wait(_FIRST_LOOK_S):
+            try:
+                cpu = time.clock_gettime(clock) - began_cpu
+            except OSError:  # the reading thread has ended
+                return
+            if cpu < _IO_BOUND_LOAD * (time.perf_counter() - began_wall):
+                with self._lock:
+                    if not self._stop.is_set():
+                        it = self._it
+                        it._concurrency.waits_on_io()
+                        self._started = it._start_reads(it._concurrency.value)
+                return
+
+    def stop(self) -> list[tuple[int, int, concurrent.futures.Future[Any]]]:
+        """Ends the watch (the first read is done); returns the reads it started, in order."""
+        self._stop.set()
+        with self._lock:
+            return self._started
+
+
+class ReadConcurrency:
+    """How many blocks a threaded ``to_iter_dataset`` reads at once (0: the consumer's thread
+    reads).
+
+    The consumer's thread reads the first block, and it is measured (a watcher also looks at
+    it while it runs): a read that waits on I/O (its thread off the CPU) puts ``max_value``
+    blocks in flight at once, since slow I/O-bound elements gain most from overlapping early;
+    after any other read the consumer's thread reads on, which is fastest for reads that hold
+    the GIL (no hand-off, no contention), and the first element comes with no delay.
+
+    Later, the signal that more reads might help is the *load*: the CPU the reads in flight use
+    together, in cores (the last block's share of its wall time on its thread's CPU, times the
+    blocks in flight). It cannot tell a thread waiting for I/O from one waiting for a busy CPU,
+    so a low load only triggers a *probe*: twice the blocks in flight, kept if the delivery
+    rate rises by ``_PROBE_GAIN`` over the next window, else undone, with the next probe
+    waiting twice as many windows. A load above ``_CPU_BOUND_LOAD`` (reads busy on the CPU or
+    contending for the GIL) halves the blocks in flight. From the consumer's thread a probe
+    tries one read thread where it may overlap the consumer's own work (``overlaps_consumer``:
+    reads that release the GIL gain; this is measured whatever the load), else two threads and
+    only under a low load (one alone reads no faster than the consumer's thread; reads waiting
+    on I/O gain from running side by side). With ``overlaps_consumer``, a load alone never
+    takes the last thread away: only a probe measures that.
 
     Args:
       max_value: The most blocks in flight (``ReadOptions.num_threads``).
-      min_value: The fewest, and the start.
+      overlaps_consumer: Whether a read thread may overlap work of the consumer (a parent
+        process), or the process uses every core already (an ``mp_prefetch`` worker).
     """
 
-    def __init__(self, max_value: int, min_value: int = 1) -> None:
-        self.value = min_value
-        self._min = min_value
+    def __init__(self, max_value: int, *, overlaps_consumer: bool = True) -> None:
+        self.value = 0
+        self.measured = False
         self._max = max_value
+        self._floor = 1 if overlaps_consumer else 0
+        self._first_probe = 1 if overlaps_consumer else 2
+        self._probe_cpu_bound = overlaps_consumer
         self._window_start = -1.0
         self._window_elements = 0
         self._window_blocks = 0
         self._rate_before_probe = 0.0  # > 0 while a probe runs
-        self._value_before_probe = min_value
+        self._value_before_probe = 0
         self._probe_wait = 1
         self._windows_since_probe = 0
+
+    def waits_on_io(self) -> None:
+        """The first read was seen waiting on I/O: puts every block in flight at once."""
+        self.measured = True
+        self.value = self._max
 
     def block_done(self, elements: int, cpu_share: float, now: float) -> None:
         """Accounts for one delivered block and adapts :attr:`value` at the end of a window.
@@ -399,6 +479,9 @@ class ReadConcurrency:
           cpu_share: The block's CPU time on its thread over its wall time.
           now: ``time.perf_counter()`` when the block was delivered.
         """
+        if not self.measured:
+            self.measured = True
+            self.value = self._max if cpu_share < _IO_BOUND_LOAD else 0
         if self._window_start < 0:
             self._window_start = now
             return
@@ -419,17 +502,18 @@ class ReadConcurrency:
             self._windows_since_probe = 0
             return
         load = cpu_share * max(1, self.value)
-        if load > _CPU_BOUND_LOAD and self.value > self._min:
-            self.value //= 2
+        if load > _CPU_BOUND_LOAD and self.value > self._floor:
+            self.value = max(self.value // 2, self._floor)
             return
         self._windows_since_probe += 1
+        worth_probing = load < _IO_BOUND_LOAD or (self.value == 0 and self._probe_cpu_bound)
         if (
-            load < _IO_BOUND_LOAD
+            worth_probing
             and self.value < self._max
             and self._windows_since_probe >= self._probe_wait
         ):
             self._rate_before_probe, self._value_before_probe = rate, self.value
-            self.value = min(max(2, self.value * 2), self._max)
+            self.value = min(self.value * 2 if self.value else self._first_probe, self._max)
 
 
 class _Raise:
