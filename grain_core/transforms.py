@@ -30,7 +30,13 @@ __all__ = [
 
 
 class Map(abc.ABC):
-    """1:1 transformation: ``map(element) -> element``."""
+    """1:1 transformation: ``map(element) -> element``.
+
+    A subclass with ``batched = True`` maps a batch of elements to a batch of results
+    instead (see ``MapDataset.map(..., batched=True)``).
+    """
+
+    batched: bool = False
 
     @abc.abstractmethod
     def map(self, element: Any) -> Any: ...

@@ -2,6 +2,8 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import grain_core as grain
 from grain_core import transforms
@@ -153,3 +155,78 @@ def test_batched_reads_match_single_reads():
     ds = MD.range(50).seed(3).shuffle().random_map(AddNoise()).map_with_index(lambda i, x: i * x)
     idx = np.array([49, 0, 7, 7, 120])
     assert ds._getitems(idx) == [ds[int(i)] for i in idx]
+
+
+# ------------------------------------------------------------------------ batched map
+def _normalise(element):
+    return {"image": element["image"].astype(np.float32) / 255, "label": element["label"] + 1}
+
+
+class _Normalise(transforms.Map):
+    batched = True
+
+    def map(self, batch):
+        return _normalise(batch)
+
+
+@given(
+    n=st.integers(1, 30),
+    batch_size=st.integers(1, 8),
+    drop_remainder=st.booleans(),
+    seed=st.integers(0, 3),
+    as_class=st.booleans(),
+    restore_at=st.integers(0, 40),
+)
+@settings(max_examples=50, deadline=None)
+def test_batched_map_gives_the_elements_of_the_element_map(
+    n, batch_size, drop_remainder, seed, as_class, restore_at
+):
+    image = np.arange(n * 4, dtype=np.uint8).reshape(n, 2, 2)
+    base = grain.MapDataset.source({"image": image, "label": np.arange(n)}).seed(seed).shuffle()
+    batched = base.map(_Normalise()) if as_class else base.map(_normalise, batched=True)
+    element_wise = base.map(_normalise)
+    for i in (0, n - 1, n + 2):
+        _assert_same_tree(batched[i], element_wise[i])
+    _assert_same_tree(list(batched._getitems([2, 0, n])), element_wise._getitems([2, 0, n]))
+    _assert_same_tree(list(batched.to_iter_dataset()), list(element_wise.to_iter_dataset()))
+    batches = batched.batch(batch_size, drop_remainder=drop_remainder)
+    expected = element_wise.batch(batch_size, drop_remainder=drop_remainder)
+    _assert_same_tree(list(batches), list(expected))
+    # Checkpoints are interchangeable.
+    it = iter(batches.to_iter_dataset())
+    for _ in range(min(restore_at, len(batches))):
+        next(it)
+    other = iter(expected.to_iter_dataset())
+    other.set_state(it.get_state())
+    _assert_same_tree(list(other), list(it))
+
+
+def _assert_same_tree(a, b):
+    from grain_core._tree import flatten
+
+    leaves_a, leaves_b = flatten(a), flatten(b)
+    assert len(leaves_a) == len(leaves_b)
+    for x, y in zip(leaves_a, leaves_b, strict=True):
+        assert np.asarray(x).dtype == np.asarray(y).dtype and np.array_equal(x, y)
+
+
+def test_batched_map_runs_once_per_batch():
+    calls = []
+
+    def double(batch):
+        calls.append(len(batch))
+        return batch * 2
+
+    ds = grain.MapDataset.source(np.arange(10)).map(double, batched=True).batch(4)
+    assert [b.tolist() for b in ds] == [[0, 2, 4, 6], [8, 10, 12, 14], [16, 18]]
+    assert sum(calls) == 10 and len(calls) <= 3  # once per block read: one or more batches
+    calls.clear()
+    assert ds[1].tolist() == [8, 10, 12, 14] and calls == [4]
+
+
+def test_batched_map_refuses_holes_and_results_of_another_length():
+    with pytest.raises(ValueError, match="cannot follow `FilterMapDataset`"):
+        grain.MapDataset.range(5).filter(lambda x: x > 1).map(lambda b: b, batched=True)
+    ds = grain.MapDataset.source(np.arange(10)).map(lambda b: b[:1], batched=True)
+    with pytest.raises(ValueError, match=r"lengths \[1\] for a batch of 3 elements"):
+        ds.batch(3)[0]

@@ -2,9 +2,12 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import grain_core as grain
-from grain_core.dataset.source import batched_read, columns_wanted
+from grain_core._tree import flatten as tree_leaves
+from grain_core.dataset.source import StackedBlock, batched_read, columns_wanted
 from grain_core.sources import ColumnBlock
 
 MD = grain.MapDataset
@@ -205,3 +208,80 @@ def test_batched_read_reads_columns_only_when_asked():
         assert isinstance(batched_read(source, [0, 1]), ColumnBlock)
         assert isinstance(batched_read(CountingSource(3), [0, 1]), list)
     assert isinstance(batched_read(source, [2]), list)
+
+
+# ------------------------------------------------------------------ sources of arrays
+_NUMERIC_DTYPES = st.sampled_from(["uint8", "int32", "int64", "float32", "float64", "bool"])
+
+
+def _arrays(rng: np.random.Generator, n: int, dtype: str, shape: tuple[int, ...]) -> np.ndarray:
+    return (rng.integers(0, 200, (n, *shape)) % (2 if dtype == "bool" else 200)).astype(dtype)
+
+
+def _assert_same_batches(a: list, b: list) -> None:
+    assert len(a) == len(b)
+    for x, y in zip(a, b, strict=True):
+        for leaf_x, leaf_y in zip(tree_leaves(x), tree_leaves(y), strict=True):
+            assert leaf_x.dtype == leaf_y.dtype and np.array_equal(leaf_x, leaf_y)
+
+
+@given(
+    n=st.integers(1, 40),
+    dtype=_NUMERIC_DTYPES,
+    shape=st.sampled_from([(), (3,), (2, 2)]),
+    as_dict=st.booleans(),
+    batch_size=st.integers(1, 9),
+    drop_remainder=st.booleans(),
+    seed=st.integers(0, 3),
+)
+@settings(max_examples=60, deadline=None)
+def test_arrays_gather_whole_batches_equal_to_the_element_path(
+    n, dtype, shape, as_dict, batch_size, drop_remainder, seed
+):
+    rng = np.random.default_rng(n)
+    image = _arrays(rng, n, dtype, shape)
+    source = {"image": image, "label": np.arange(n, dtype=np.int64)} if as_dict else image
+    rows = [{"image": image[i], "label": np.int64(i)} for i in range(n)] if as_dict else list(image)
+
+    def pipeline(src):
+        return grain.MapDataset.source(src).seed(seed).shuffle().repeat(2)
+
+    gathered = pipeline(source).batch(batch_size, drop_remainder=drop_remainder)
+    element_wise = pipeline(rows).batch(batch_size, drop_remainder=drop_remainder)
+    _assert_same_batches(list(gathered), list(element_wise))
+    assert len(gathered) == len(element_wise)
+    if len(gathered):
+        _assert_same_batches([gathered[3]], [element_wise[3]])
+    _assert_same_batches(
+        pipeline(source)._getitems([0, n + 1]), pipeline(rows)._getitems([0, n + 1])
+    )
+    # One read of the block, as one fancy index per array.
+    with columns_wanted():
+        block = pipeline(source)._getitems(range(batch_size))
+    assert isinstance(block, ColumnBlock if as_dict else StackedBlock)
+    # Checkpoints are interchangeable between the two.
+    it, other = iter(gathered.to_iter_dataset()), iter(element_wise.to_iter_dataset())
+    next(it, None)
+    other.set_state(it.get_state())
+    _assert_same_batches(list(other), list(it))
+
+
+def test_only_dicts_of_equally_long_numeric_arrays_are_read_as_arrays():
+    assert grain.MapDataset.source({"a": np.zeros(3), "b": np.ones(3)})[1] == {"a": 0.0, "b": 1.0}
+    assert len(grain.MapDataset.source({"a": np.zeros(3), "b": np.ones(3)})) == 3
+    # Other dicts are sources as they are: keys are the indices.
+    assert len(grain.MapDataset.source({0: "x", 1: "y"})) == 2
+    assert grain.MapDataset.source({0: np.zeros(3), 1: np.ones(3)})[1].tolist() == [1, 1, 1]
+    assert len(grain.MapDataset.source({"a": np.zeros(3), "b": np.ones(4)})) == 2
+    strings = np.array(["a", "bb", "c"])
+    assert not grain.MapDataset.source(strings).reads_columns
+    assert list(grain.MapDataset.source(strings).batch(2)[0]) == ["a", "bb"]
+
+
+def test_stacked_block_is_the_sequence_of_its_elements():
+    block = StackedBlock({"x": np.arange(6).reshape(3, 2), "y": np.arange(3)}, 3)
+    assert len(block) == 3 and block[1]["x"].tolist() == [2, 3] and block[-1]["y"] == 2
+    assert [e["y"] for e in block] == [0, 1, 2]
+    assert [e["y"] for e in block[1:]] == [1, 2]
+    with pytest.raises(IndexError):
+        block[3]

@@ -246,10 +246,24 @@ class MapDataset(_Node, Generic[T], abc.ABC):
 
         return FilterMapDataset(self, transform)
 
-    def map(self, transform: Any) -> MapDataset[Any]:
-        """Applies ``transform`` (a callable or ``transforms.Map``) to every element."""
-        from grain_core.dataset.map import MapMapDataset
+    def map(self, transform: Any, *, batched: bool = False) -> MapDataset[Any]:
+        """Applies ``transform`` (a callable or ``transforms.Map``) to every element.
 
+        Args:
+          transform: The function, or an object with a ``map`` method.
+          batched: ``transform`` takes a batch of elements (``make_batch`` of them: the
+            leaves stacked) and returns a batch of as many results, leaf ``[i]`` being
+            element ``i``'s. It then runs once per block of elements read together (a whole
+            batch under ``.batch``) instead of once per element; the elements are the same.
+            Also set by ``batched = True`` on a ``transforms.Map`` subclass.
+
+        Raises:
+          ValueError: If ``batched`` and a node below leaves holes (``filter``).
+        """
+        from grain_core.dataset.map import BatchedMapMapDataset, MapMapDataset
+
+        if batched or getattr(transform, "batched", False) is True:
+            return BatchedMapMapDataset(self, transform)
         return MapMapDataset(self, transform)
 
     def map_with_index(self, transform: Any) -> MapDataset[Any]:

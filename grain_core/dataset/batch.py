@@ -12,9 +12,15 @@ import numpy as np
 from grain_core import _tree
 from grain_core._checks import positive_int
 from grain_core.dataset.base import INFINITE, DatasetIterator, Indices, IterDataset, MapDataset
-from grain_core.dataset.source import ColumnBlock, columns_wanted
+from grain_core.dataset.source import ColumnBlock, StackedBlock, columns_wanted
 
-__all__ = ["BatchIterDataset", "BatchMapDataset", "has_holes_upstream", "make_batch"]
+__all__ = [
+    "BatchIterDataset",
+    "BatchMapDataset",
+    "has_holes_upstream",
+    "make_batch",
+    "reads_blocks",
+]
 
 
 def _stack_leaves(*leaves: Any) -> np.ndarray:
@@ -60,6 +66,8 @@ def make_batch(values: Sequence[Any]) -> Any:
         raise ValueError("Cannot batch 0 values: make_batch needs at least one element.")
     if isinstance(values, ColumnBlock):
         return _stack_columns(values)
+    if isinstance(values, StackedBlock):
+        return values.batch
     first = values[0]
     if isinstance(first, (int, float, np.generic)):
         return _stack_leaves(*values)
@@ -115,8 +123,9 @@ def _resolve_batch_fn(batch_fn: Callable[[Sequence[Any]], Any] | None) -> Callab
     return make_batch if batch_fn is None else batch_fn
 
 
-def _source_reads_columns(ds: MapDataset[Any]) -> bool:
-    """Whether ``ds`` is a source reading whole columns, under nodes that pass values through."""
+def reads_blocks(ds: MapDataset[Any]) -> bool:
+    """Whether ``ds`` is a source reading whole columns (``ColumnBlock``/``StackedBlock``),
+    under nodes that pass values through: reads under ``columns_wanted()`` then give blocks."""
     while ds.passes_values:
         ds = ds.parents[0]
     return bool(getattr(ds, "reads_columns", False))
@@ -159,7 +168,7 @@ class BatchMapDataset(MapDataset[Any]):
         self._drop_remainder = drop_remainder
         self._batch_fn = _resolve_batch_fn(batch_fn)
         self._reads_columns = getattr(self._batch_fn, STACKS_COLUMN_BLOCKS, False) and (
-            _source_reads_columns(parent)
+            reads_blocks(parent)
         )
         n = len(parent)
         self._parent_len = n

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
 import numpy as np
 
+from grain_core import _tree
 from grain_core import random as _random
 from grain_core.dataset.base import (
     DatasetIterator,
@@ -16,9 +18,12 @@ from grain_core.dataset.base import (
     stop_iteration_error,
     transform_name,
 )
+from grain_core.dataset.batch import has_holes_upstream, make_batch, reads_blocks
 from grain_core.dataset.options import FilterRatioChecker
+from grain_core.dataset.source import StackedBlock, columns_wanted
 
 __all__ = [
+    "BatchedMapMapDataset",
     "FilterIterDataset",
     "FilterMapDataset",
     "MapIterDataset",
@@ -61,6 +66,56 @@ class MapMapDataset(_ElementwiseMapDataset):
     def _getitems(self, indices: Indices) -> list[Any]:
         fn = self._fn
         return [None if x is None else fn(x) for x in self._parent._getitems(indices)]
+
+
+class BatchedMapMapDataset(_ElementwiseMapDataset):
+    """``ds[i] = fn(make_batch([parent[i]]))`` leaf ``[0]``: ``fn`` maps a batch to a batch.
+
+    A block of indices is read from the parent as one batch (whole gathered columns where the
+    source holds arrays, see ``grain_core.dataset.source``), mapped with one call, and handed
+    on as a ``StackedBlock``, which a ``batch`` above takes as its batch.
+
+    Raises:
+      ValueError: If a node below leaves holes (the elements of a batch must all exist).
+    """
+
+    def __init__(self, parent: MapDataset[Any], transform: Any) -> None:
+        super().__init__(parent, transform)
+        holes = has_holes_upstream(parent)
+        if holes is not None:
+            raise ValueError(
+                f"A batched map cannot follow `{holes}`, which leaves holes in the index "
+                "space; map element by element (batched=False), or batch after "
+                "`to_iter_dataset()` and map the batches."
+            )
+        self._fn = _transform_fn(transform, "map")
+        self._reads_blocks = reads_blocks(parent)
+
+    def __getitem__(self, index: Any) -> Any:
+        if isinstance(index, slice):
+            return self.slice(index)
+        return self._getitems([index])[0]
+
+    def _getitems(self, indices: Indices) -> StackedBlock:
+        with columns_wanted() if self._reads_blocks else contextlib.nullcontext():
+            values = self._parent._getitems(indices)
+        if len(values) == 0:
+            return StackedBlock((), 0)
+        try:
+            out = self._fn(make_batch(values))
+        except StopIteration as e:
+            raise stop_iteration_error(transform_name(self._transform)) from e
+        lengths = {len(leaf) for leaf in _tree.flatten(out)}
+        if lengths != {len(values)}:
+            raise ValueError(
+                f"The batched map {transform_name(self._transform)} returned leaves of "
+                f"lengths {sorted(lengths)} for a batch of {len(values)} elements; a batched "
+                "map returns one result per element along the first axis of every leaf."
+            )
+        return StackedBlock(out, len(values))
+
+    def __repr__(self) -> str:
+        return f"BatchedMapMapDataset(transform={transform_name(self._transform)})"
 
 
 class MapWithIndexMapDataset(_ElementwiseMapDataset):

@@ -1,19 +1,34 @@
 """Leaf MapDatasets: ``MapDataset.source(...)`` and ``MapDataset.range(...)``, and the columnar
-reads a batch may ask of a source."""
+reads a batch may ask of a source.
+
+A source that holds its elements in NumPy arrays of numbers (an array, or a dict of equally long
+arrays whose rows are the elements) is read with one fancy index per array for a whole block
+of indices; under ``columns_wanted()`` the gathered arrays are handed up as they are (a
+``StackedBlock``, or a ``ColumnBlock`` for a dict), so a batch is one gather instead of a read
+and a stack per element.
+"""
 
 from __future__ import annotations
 
 import contextlib
 import contextvars
 import itertools
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any, overload
 
 import numpy as np
 
+from grain_core import _tree
 from grain_core.dataset.base import Indices, MapDataset
 
-__all__ = ["ColumnBlock", "RangeMapDataset", "SourceMapDataset", "batched_read", "columns_wanted"]
+__all__ = [
+    "ColumnBlock",
+    "RangeMapDataset",
+    "SourceMapDataset",
+    "StackedBlock",
+    "batched_read",
+    "columns_wanted",
+]
 
 
 class ColumnBlock(Sequence[dict[str, Any]]):
@@ -63,6 +78,68 @@ class ColumnBlock(Sequence[dict[str, Any]]):
         return f"ColumnBlock(rows={len(self)}, names={list(self.names)})"
 
 
+class StackedBlock(Sequence[Any]):
+    """Elements kept stacked: element ``i`` is ``leaf[i]`` of every leaf of ``batch``.
+
+    What a source of arrays gathers for a block of indices and what a batched map returns;
+    ``make_batch`` of a block is its ``batch``, with no element taken apart and stacked again.
+    As a sequence it is the elements, built on access.
+
+    Args:
+      batch: A tree (dicts, lists, tuples) of NumPy arrays, all ``length`` long.
+      length: The number of elements.
+    """
+
+    __slots__ = ("batch", "_length")
+
+    def __init__(self, batch: Any, length: int) -> None:
+        self.batch = batch
+        self._length = length
+
+    def __len__(self) -> int:
+        return self._length
+
+    @overload
+    def __getitem__(self, index: int) -> Any: ...
+
+    @overload
+    def __getitem__(self, index: slice) -> StackedBlock: ...
+
+    def __getitem__(self, index: int | slice) -> Any:
+        if isinstance(index, slice):
+            return StackedBlock(
+                _tree.map_structure(lambda leaf: leaf[index], self.batch),
+                len(range(*index.indices(self._length))),
+            )
+        if not -self._length <= index < self._length:
+            raise IndexError(f"Element {index} of a block of {self._length}.")
+        return _tree.map_structure(lambda leaf: leaf[index], self.batch)
+
+    def __repr__(self) -> str:
+        return f"StackedBlock(len={self._length}, batch={_tree.spec_str(self.batch)})"
+
+
+def _numeric_arrays(source: Any) -> np.ndarray | dict[str, np.ndarray] | None:
+    """``source`` if it holds its elements in arrays of numbers: an array (elements are its
+    rows), or a dict of equally long arrays with ``str`` keys (elements are dicts of rows)."""
+    if isinstance(source, np.ndarray):
+        return source if _is_numeric_array(source) else None
+    if (
+        isinstance(source, Mapping)
+        and source
+        and all(isinstance(k, str) and _is_numeric_array(v) for k, v in source.items())
+        and len({len(v) for v in source.values()}) == 1
+    ):
+        return dict(source)
+    return None
+
+
+def _is_numeric_array(x: Any) -> bool:
+    # Rows of numbers stack back into exactly the gathered array (same dtype and shape);
+    # strings and objects may not (np.array picks the itemsize from the values).
+    return isinstance(x, np.ndarray) and x.ndim > 0 and x.dtype.kind in "biufc"
+
+
 _columns_wanted: contextvars.ContextVar[bool] = contextvars.ContextVar(
     "grain_core_columns_wanted", default=False
 )
@@ -101,12 +178,21 @@ def batched_read(source: Any, keys: list[int]) -> Sequence[Any]:
 
 
 class SourceMapDataset(MapDataset[Any]):
-    """Wraps any object with ``__len__``/``__getitem__``; ``ds[i]`` reads ``source[i % len]``."""
+    """Wraps any object with ``__len__``/``__getitem__``; ``ds[i]`` reads ``source[i % len]``.
+
+    A dict of equally long NumPy arrays of numbers with ``str`` keys is a source too: element
+    ``i`` is ``{key: array[i]}``. Sources of arrays are read with one fancy index per array
+    for a block of indices (see the module docstring).
+    """
 
     def __init__(self, source: Any) -> None:
         super().__init__()
         self._source = source
-        self._len = len(source)
+        self._arrays = _numeric_arrays(source)
+        if isinstance(self._arrays, dict):
+            self._len = len(next(iter(self._arrays.values())))
+        else:
+            self._len = len(source)
 
     @property
     def source(self) -> Any:  # pyright: ignore[reportIncompatibleMethodOverride]
@@ -115,8 +201,9 @@ class SourceMapDataset(MapDataset[Any]):
 
     @property
     def reads_columns(self) -> bool:
-        """Whether the source reads rows as a ``ColumnBlock`` (``read_columns``)."""
-        return hasattr(self._source, "read_columns")
+        """Whether a block of elements can be read as a ``ColumnBlock`` (the source's
+        ``read_columns``, or a dict of arrays) or a ``StackedBlock`` (an array)."""
+        return self._arrays is not None or hasattr(self._source, "read_columns")
 
     def __len__(self) -> int:
         return self._len
@@ -126,13 +213,22 @@ class SourceMapDataset(MapDataset[Any]):
             return self.slice(index)
         if self._len == 0:
             raise IndexError("Cannot read from an empty source.")
+        if isinstance(self._arrays, dict):
+            return {k: v[index % self._len] for k, v in self._arrays.items()}
         return self._source[index % self._len]
 
     def _getitems(self, indices: Indices) -> Sequence[Any]:
         if self._len == 0:
             raise IndexError("Cannot read from an empty source.")
-        keys = (np.asarray(indices, dtype=np.int64) % self._len).tolist()
-        return batched_read(self._source, keys)
+        keys = np.asarray(indices, dtype=np.int64) % self._len
+        arrays = self._arrays
+        if arrays is None:
+            return batched_read(self._source, keys.tolist())
+        if isinstance(arrays, dict):
+            block = ColumnBlock(list(arrays), [v[keys] for v in arrays.values()])
+            return block if _columns_wanted.get() else list(block)
+        rows = arrays[keys]
+        return StackedBlock(rows, len(rows)) if _columns_wanted.get() else list(rows)
 
     def __repr__(self) -> str:
         src = self._source
