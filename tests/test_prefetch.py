@@ -423,10 +423,11 @@ def _reading_thread(x):
 @pytest.mark.parametrize("worker", [False, True], ids=["parent", "worker"])
 def test_cpu_bound_reads_stay_in_the_consumer_thread(worker, monkeypatch):
     monkeypatch.setattr(prefetch, "_inline_while_cpu_bound", worker)
-    # Threads come only with a probe, once a window of four blocks after the first has passed:
-    # blocks of 1, 2, 4, 8 and 16 elements here (whether a probe stays is ReadConcurrency's).
+    # Threads come only with a probe, at the end of a window of blocks (never here: whether a
+    # probe stays is ReadConcurrency's, tested above).
+    monkeypatch.setattr(prefetch, "_WINDOW_S", float("inf"))
     names = list(MD.range(1000).map(_reading_thread).to_iter_dataset(grain.ReadOptions(4, 64)))
-    assert set(names[:31]) == {threading.current_thread().name}
+    assert set(names) == {threading.current_thread().name}
 
 
 def _first_wait_for(barrier):

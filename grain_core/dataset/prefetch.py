@@ -170,13 +170,23 @@ class PrefetchDatasetIterator(DatasetIterator[Any]):
     def _read(self, start: int, count: int) -> Sequence[Any]:
         # Thread CPU time, not wall time: with several read threads, waiting for the GIL
         # would otherwise look like expensive elements and shrink the blocks.
+        first = self._threaded and not self._concurrency.measured
+        busy = _BusyClock() if first else None
+        began_busy = busy.read() if busy is not None else None
         began_cpu, began_wall = time.thread_time(), time.perf_counter()
         values = self._map_ds._getitems(range(start, start + count))
         elapsed = time.thread_time() - began_cpu
         wall = time.perf_counter() - began_wall
         share = elapsed / wall if wall > 0 else 1.0
-        # Too short to tell waiting from computing: counted as computing (see _FIRST_LOOK_S).
-        self._cpu_share = share if wall >= _FIRST_LOOK_S or self._concurrency.measured else 1.0
+        self._cpu_share = share
+        if first:
+            # The first block decides between waiting on I/O and computing: a busy machine's
+            # run queue is computing too, and a block too short to tell counts as computing.
+            ended_busy = busy.read() if busy is not None else None
+            if began_busy is not None and ended_busy is not None and wall > 0:
+                self._cpu_share = (ended_busy - began_busy) / wall
+            if wall < _FIRST_LOOK_S:
+                self._cpu_share = 1.0
         cost = elapsed if share >= _IO_BOUND_LOAD else wall
         if cost < _FAST_BLOCK_S:
             self._chunk_size = min(self._chunk_size * 2, self._chunk_cap)
@@ -378,6 +388,43 @@ def _indexed_block(
     return ElementBlock(elements, lambda k: {"next_index": first + (ends[k - 1] if k else 0)})
 
 
+class _BusyClock:
+    """The time the calling thread spends on a CPU or ready to run on one (waiting in the run
+    queue of a busy machine), in seconds, readable from any thread: the rest of its wall time
+    it waits on something else (I/O, a sleep, a lock). Linux's per-thread ``schedstat`` has
+    both; elsewhere it is the thread's CPU time, where a busy machine makes computing look
+    like waiting (reads then widen, and the load brings them back)."""
+
+    def __init__(self) -> None:
+        self._schedstat = f"/proc/self/task/{threading.get_native_id()}/schedstat"
+        self._cpu_clock: int | None = None
+        if self._read_schedstat() is None:
+            self._schedstat = ""
+            try:
+                self._cpu_clock = time.pthread_getcpuclockid(threading.get_ident())
+            except (AttributeError, OSError):  # no per-thread CPU clocks either
+                pass
+
+    def _read_schedstat(self) -> float | None:
+        try:
+            with open(self._schedstat, "rb") as stats:
+                on_cpu_ns, run_queue_ns, _ = stats.read().split()
+        except (OSError, ValueError):
+            return None
+        return (int(on_cpu_ns) + int(run_queue_ns)) / 1e9
+
+    def read(self) -> float | None:
+        """The time so far; None where it cannot be known or the thread has ended."""
+        if self._schedstat:
+            return self._read_schedstat()
+        if self._cpu_clock is None:
+            return None
+        try:
+            return time.clock_gettime(self._cpu_clock)
+        except OSError:
+            return None
+
+
 class _FirstReadWatch:
     """Looks at the consumer's thread while it reads an iterator's first block: if the read
     waits on I/O (the thread off the CPU most of the time), starts the next reads on threads
@@ -392,22 +439,19 @@ class _FirstReadWatch:
         self._stop = threading.Event()
         self._lock = threading.Lock()
         self._started: list[tuple[int, int, concurrent.futures.Future[Any]]] = []
-        self._reader = threading.get_ident()
-        self._began = time.thread_time(), time.perf_counter()
+        self._reader = _BusyClock()
+        self._began = self._reader.read(), time.perf_counter()
         _thread.start_new_thread(self._watch, ())
 
     def _watch(self) -> None:
-        try:
-            clock = time.pthread_getcpuclockid(self._reader)
-        except (AttributeError, OSError):  # no per-thread CPU clocks here: nothing to look at
+        began_busy, began_wall = self._began
+        if began_busy is None:  # nothing to look at on this platform
             return
-        began_cpu, began_wall = self._began
         while not self._stop.wait(_FIRST_LOOK_S):
-            try:
-                cpu = time.clock_gettime(clock) - began_cpu
-            except OSError:  # the reading thread has ended
+            busy = self._reader.read()
+            if busy is None:  # the reading thread has ended
                 return
-            if cpu < _IO_BOUND_LOAD * (time.perf_counter() - began_wall):
+            if busy - began_busy < _IO_BOUND_LOAD * (time.perf_counter() - began_wall):
                 with self._lock:
                     if not self._stop.is_set():
                         it = self._it
