@@ -9,7 +9,7 @@ a seeded global shuffle, normalise to float32, batches of 128; one pass is one e
   Python loop over the same arrays (index, normalise each element, stack each batch; target
   >= 1x) and the same pipeline with ``ReadOptions(num_threads=0)`` (the default must not be
   slower).
-* ``range_shuffle_map_batch``: ``range(1M).shuffle().map(add one).batch(256)``, whose
+* ``range_default_read_options``: ``range(1M).shuffle().map(add one).batch(256)``, whose
   per-element work holds the GIL: the default ``ReadOptions`` against ``num_threads=0``.
 
 tf.data (``tensorflow``) is an optional peer, skipped where it is not importable.
@@ -178,15 +178,15 @@ def _range_pipeline(read_options: grain.ReadOptions | None) -> Callable[[], None
 
 
 @workload(
-    "range_shuffle_map_batch",
+    "range_default_read_options",
     elements=RANGE,
     description="range(1M).shuffle().map(add one).batch(256), default ReadOptions",
     alternate=True,
 )
-def range_shuffle_map_batch() -> Callable[[], None]:
+def range_default_read_options() -> Callable[[], None]:
     return _range_pipeline(None)
 
 
-range_shuffle_map_batch.baseline("ReadOptions(num_threads=0)")(
+range_default_read_options.baseline("ReadOptions(num_threads=0)")(
     functools.partial(_range_pipeline, grain.ReadOptions(num_threads=0))
 )

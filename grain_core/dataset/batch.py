@@ -170,6 +170,7 @@ class BatchMapDataset(MapDataset[Any]):
         self._reads_columns = getattr(self._batch_fn, STACKS_COLUMN_BLOCKS, False) and (
             reads_blocks(parent)
         )
+        self._maps_batches = getattr(parent, "maps_batches", False)
         n = len(parent)
         self._parent_len = n
         if n >= INFINITE:
@@ -212,6 +213,10 @@ class BatchMapDataset(MapDataset[Any]):
 
     def _getitems(self, indices: Indices) -> list[Any]:
         ranges = [self._parent_range(int(i)) for i in indices]
+        if self._maps_batches:
+            # One batched map call per batch: arrays of one batch stay in the CPU's caches,
+            # where those of many batches at once would not (3x slower on 28x28 images).
+            return [self._make(self._read(r)) for r in ranges]
         flat = np.concatenate([np.arange(r.start, r.stop, dtype=np.int64) for r in ranges])
         values = self._read(flat)
         out = []

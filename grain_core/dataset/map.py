@@ -79,6 +79,9 @@ class BatchedMapMapDataset(_ElementwiseMapDataset):
       ValueError: If a node below leaves holes (the elements of a batch must all exist).
     """
 
+    #: A ``batch`` right above reads one batch per call, not many at once.
+    maps_batches = True
+
     def __init__(self, parent: MapDataset[Any], transform: Any) -> None:
         super().__init__(parent, transform)
         holes = has_holes_upstream(parent)
