@@ -7,6 +7,7 @@ import collections
 import concurrent.futures
 import copy
 import queue
+import sys
 import threading
 import time
 from collections.abc import Sequence
@@ -51,11 +52,20 @@ _WINDOW_BLOCKS = 4
 _WINDOW_S = 0.02
 _PROBE_GAIN = 1.2
 _MAX_PROBE_WAIT = 64
-# The consumer's thread reads the first block while a watcher looks at that thread's CPU time
-# every _FIRST_LOOK_S: a read that spends most of that wall time off the CPU waits on I/O, and
-# the next reads start on threads at once (full width). A first read shorter than _FIRST_LOOK_S
-# is too cheap to be worth threads whatever its CPU share.
+# The consumer's thread reads the first block while a watcher looks at that thread every
+# _FIRST_LOOK_S: a read that has run for _IO_VERDICT_SWITCHES GIL switch intervals and spent
+# most of that wall time off the CPU waits on I/O, and the next reads start on threads at once
+# (full width). A thread waiting for the GIL is off the CPU too, but not for several switch
+# intervals in a row; a shorter first read is too cheap to be worth threads anyway.
 _FIRST_LOOK_S = 0.002
+_IO_VERDICT_SWITCHES = 3
+
+
+def _io_verdict_s() -> float:
+    """How long a first read must have run to be judged waiting on I/O."""
+    return max(_FIRST_LOOK_S, _IO_VERDICT_SWITCHES * sys.getswitchinterval())
+
+
 # Whether threaded readers of this process start reading in the consumer's thread (see
 # read_inline_while_cpu_bound).
 _inline_while_cpu_bound = False
@@ -185,7 +195,7 @@ class PrefetchDatasetIterator(DatasetIterator[Any]):
             ended_busy = busy.read() if busy is not None else None
             if began_busy is not None and ended_busy is not None and wall > 0:
                 self._cpu_share = (ended_busy - began_busy) / wall
-            if wall < _FIRST_LOOK_S:
+            if wall < _io_verdict_s():
                 self._cpu_share = 1.0
         cost = elapsed if share >= _IO_BOUND_LOAD else wall
         if cost < _FAST_BLOCK_S:
@@ -447,11 +457,15 @@ class _FirstReadWatch:
         began_busy, began_wall = self._began
         if began_busy is None:  # nothing to look at on this platform
             return
+        verdict_s = _io_verdict_s()
         while not self._stop.wait(_FIRST_LOOK_S):
+            wall = time.perf_counter() - began_wall
+            if wall < verdict_s:
+                continue
             busy = self._reader.read()
             if busy is None:  # the reading thread has ended
                 return
-            if busy - began_busy < _IO_BOUND_LOAD * (time.perf_counter() - began_wall):
+            if busy - began_busy < _IO_BOUND_LOAD * wall:
                 with self._lock:
                     if not self._stop.is_set():
                         it = self._it
@@ -482,12 +496,12 @@ class ReadConcurrency:
     so a low load only triggers a *probe*: twice the blocks in flight, kept if the delivery
     rate rises by ``_PROBE_GAIN`` over the next window, else undone, with the next probe
     waiting twice as many windows. A load above ``_CPU_BOUND_LOAD`` (reads busy on the CPU or
-    contending for the GIL) halves the blocks in flight. From the consumer's thread a probe
-    tries one read thread where it may overlap the consumer's own work (``overlaps_consumer``:
-    reads that release the GIL gain; this is measured whatever the load), else two threads and
-    only under a low load (one alone reads no faster than the consumer's thread; reads waiting
-    on I/O gain from running side by side). With ``overlaps_consumer``, a load alone never
-    takes the last thread away: only a probe measures that.
+    contending for the GIL) halves the blocks in flight. From the consumer's thread, a low load
+    tries two threads (one alone reads no faster than the consumer's thread; reads waiting on
+    I/O gain from running side by side); a high load tries one read thread where it may
+    overlap the consumer's own work (``overlaps_consumer``: reads that release the GIL gain). With ``overlaps_consumer``, a load alone never
+    takes the last thread away: a probe back to the consumer's thread does, kept unless the
+    rate falls.
 
     Args:
       max_value: The most blocks in flight (``ReadOptions.num_threads``).
@@ -500,7 +514,6 @@ class ReadConcurrency:
         self.measured = False
         self._max = max_value
         self._floor = 1 if overlaps_consumer else 0
-        self._first_probe = 1 if overlaps_consumer else 2
         self._probe_cpu_bound = overlaps_consumer
         self._window_start = -1.0
         self._window_elements = 0
@@ -537,11 +550,16 @@ class ReadConcurrency:
         rate = self._window_elements / elapsed
         self._window_start, self._window_elements, self._window_blocks = now, 0, 0
         if self._rate_before_probe > 0:
-            if rate < self._rate_before_probe * _PROBE_GAIN:
+            # A probe up must raise the rate; one down (to the consumer's thread) must not
+            # lower it: the consumer's thread is the cheaper way to read.
+            upward = self.value > self._value_before_probe
+            if rate < self._rate_before_probe * (_PROBE_GAIN if upward else 1.0):
                 self.value = self._value_before_probe
                 self._probe_wait = min(self._probe_wait * 2, _MAX_PROBE_WAIT)
-            else:
+            elif upward:
                 self._probe_wait = 1
+            else:  # back to the consumer's thread: the next probe up waits longer
+                self._probe_wait = min(self._probe_wait * 2, _MAX_PROBE_WAIT)
             self._rate_before_probe = 0.0
             self._windows_since_probe = 0
             return
@@ -550,14 +568,19 @@ class ReadConcurrency:
             self.value = max(self.value // 2, self._floor)
             return
         self._windows_since_probe += 1
-        worth_probing = load < _IO_BOUND_LOAD or (self.value == 0 and self._probe_cpu_bound)
-        if (
-            worth_probing
-            and self.value < self._max
-            and self._windows_since_probe >= self._probe_wait
-        ):
-            self._rate_before_probe, self._value_before_probe = rate, self.value
-            self.value = min(self.value * 2 if self.value else self._first_probe, self._max)
+        if self._windows_since_probe < self._probe_wait:
+            return
+        if load < _IO_BOUND_LOAD:  # reads waiting: would twice as many deliver faster?
+            if self.value < self._max:
+                self._probe(rate, min(max(2, self.value * 2), self._max))
+        elif self._probe_cpu_bound and self.value == 0:  # would one thread overlap the consumer?
+            self._probe(rate, 1)
+        elif self._probe_cpu_bound and self.value == 1:  # ... or is the consumer as fast alone?
+            self._probe(rate, 0)
+
+    def _probe(self, rate: float, value: int) -> None:
+        self._rate_before_probe, self._value_before_probe = rate, self.value
+        self.value = value
 
 
 class _Raise:
