@@ -1,6 +1,8 @@
 from __future__ import annotations
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import grain_core as grain
 from grain_core.dataset.mix import select_by_proportions
@@ -158,3 +160,71 @@ def test_iter_mix_error_is_sticky_and_annotated():
 def test_iter_mix_mapping_weight_keys_must_match():
     with pytest.raises(ValueError, match="do not match"):
         ID.mix({"a": MD.range(2).to_iter_dataset()}, {"b": 1.0})
+
+
+# ------------------------------------------------------------------ block reading
+def _fails_at(bad):
+    def read(x):
+        if x == bad:
+            raise KeyError(f"element {x}")
+        return x
+
+    return read
+
+
+def _element_by_element(x):
+    return x
+
+
+def _block_inputs(sizes, bad):
+    """to_iter_dataset readers (next_block) over ranges with holes (multiples of 5)."""
+    inputs, start = [], 0
+    for size in sizes:
+        ds = grain.MapDataset.range(start, start + size).filter(lambda x: x % 5 != 0)
+        if bad is not None:
+            ds = ds.map(_fails_at(bad))
+        inputs.append(ds.to_iter_dataset())
+        start += size
+    return inputs
+
+
+def _drain(it):
+    out, states = [], [it.get_state()]
+    try:
+        for x in it:
+            out.append(x)
+            states.append(it.get_state())
+    except KeyError as e:
+        return out, states, str(e)
+    return out, states, None
+
+
+@given(
+    sizes=st.lists(st.integers(0, 40), min_size=1, max_size=4),
+    weights=st.lists(st.integers(1, 4), min_size=4, max_size=4),
+    bad=st.one_of(st.none(), st.integers(0, 100)),
+    restore_at=st.integers(0, 100),
+)
+@settings(max_examples=40, deadline=None)
+def test_block_components_give_the_elements_errors_and_states_of_next(
+    sizes, weights, bad, restore_at
+):
+    weights = weights[: len(sizes)]
+    blockwise = grain.IterDataset.mix(_block_inputs(sizes, bad), weights)
+    # The same components behind a map, whose iterator has no next_block: read with `next`.
+    reference = grain.IterDataset.mix(
+        [ds.map(_element_by_element) for ds in _block_inputs(sizes, bad)], weights
+    )
+    expected = _drain(iter(reference))
+    assert _drain(iter(blockwise)) == expected
+    out, states, _ = expected
+    k = min(restore_at, len(out))
+    restored = iter(blockwise)
+    restored.set_state(states[k])
+    assert _drain(restored)[0] == out[k:]
+    it = iter(blockwise)
+    for _ in range(k):
+        next(it)
+    ref = iter(reference)
+    ref.set_state(it.get_state())
+    assert _drain(ref)[0] == out[k:]

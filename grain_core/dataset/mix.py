@@ -4,15 +4,27 @@ from __future__ import annotations
 
 import bisect
 import itertools
-from collections.abc import Mapping, Sequence
-from typing import Any
+import operator
+from collections.abc import Iterator, Mapping, Sequence
+from typing import Any, Final
 
 import numpy as np
 
 from grain_core import _tree
 from grain_core._checks import as_flag
-from grain_core.dataset.base import INFINITE, DatasetIterator, Indices, IterDataset, MapDataset
+from grain_core.dataset.base import (
+    INFINITE,
+    DatasetIterator,
+    ElementBlock,
+    Indices,
+    IterDataset,
+    MapDataset,
+    SupportsNextBlock,
+)
 from grain_core.transforms import DatasetSelectionMap
+
+# Most elements taken from a block-reading component at once.
+_BLOCK_SIZE: Final = 4096
 
 __all__ = [
     "ConcatenateMapDataset",
@@ -196,20 +208,48 @@ class ConcatenateMapDataset(MapDataset[Any]):
 
 
 # ----------------------------------------------------------------------------- iter mix
+_NOTHING = object()
+_NO_ELEMENTS: Iterator[Any] = iter(())
+
+
 class _MixedIterator(DatasetIterator[Any]):
+    """Draws each element from the component ``select_by_proportions`` names. A component whose
+    iterator has ``next_block`` is read a block at a time: the rest of its block is kept here
+    and its state is the block's state after the elements drawn (see ``InterleaveIterDataset``).
+    """
+
     def __init__(self, ds: MixedIterDataset) -> None:
         self._keys = ds._keys
         super().__init__([iter(p) for p in ds._parents])
         self._proportions = ds._proportions
         self._index = 0
         self._stop = False
+        self._blockwise = [isinstance(p, SupportsNextBlock) for p in self._parents]
+        self._blocks: list[ElementBlock[Any] | None] = [None] * len(self._parents)
+        self._buffered: list[Iterator[Any]] = [_NO_ELEMENTS] * len(self._parents)
 
     def __next__(self) -> Any:
         if self._stop:
             raise StopIteration
         d, _ = select_by_proportions(self._index, self._proportions)
+        value = next(self._buffered[d], _NOTHING)
+        if value is _NOTHING:
+            value = self._next_from(d)
+        self._index += 1
+        return value
+
+    def _next_from(self, d: int) -> Any:
+        parent = self._parents[d]
         try:
-            value = next(self._parents[d])
+            if not self._blockwise[d]:
+                return next(parent)
+            block = parent.next_block(_BLOCK_SIZE)
+            if not block.elements:
+                self._blocks[d], self._buffered[d] = None, _NO_ELEMENTS
+                raise StopIteration
+            self._blocks[d] = block
+            self._buffered[d] = buffered = iter(block.elements)
+            return next(buffered)
         except StopIteration:
             self._stop = True
             raise
@@ -217,11 +257,15 @@ class _MixedIterator(DatasetIterator[Any]):
             self._stop = True
             e.add_note(f"Raised while reading mixed dataset {self._keys[d] if self._keys else d}.")
             raise
-        self._index += 1
-        return value
+
+    def _parent_state(self, d: int) -> dict[str, Any]:
+        block = self._blocks[d]
+        if block is None:
+            return self._parents[d].get_state()
+        return block.state_after(len(block) - operator.length_hint(self._buffered[d]))
 
     def get_state(self) -> dict[str, Any]:
-        states = [p.get_state() for p in self._parents]
+        states = [self._parent_state(d) for d in range(len(self._parents))]
         parents: Any = dict(zip(self._keys, states, strict=True)) if self._keys else states
         return {"parents": parents, "index": self._index, "stop": self._stop}
 
@@ -241,6 +285,8 @@ class _MixedIterator(DatasetIterator[Any]):
                 it.set_state(s)
         self._index = self._state_int(state, "index")
         self._stop = as_flag(self._state_name("stop"), state["stop"])
+        self._blocks = [None] * len(self._parents)
+        self._buffered = [_NO_ELEMENTS] * len(self._parents)
 
 
 class MixedIterDataset(IterDataset[Any]):
