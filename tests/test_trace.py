@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import threading
 from typing import Any
 
 import numpy as np
@@ -81,8 +82,18 @@ def test_spans_of_every_stage_nest_on_one_clock(tmp_path: Any) -> None:
 
 
 def test_reader_threads_get_their_own_named_tracks() -> None:
+    # The first two reads wait for each other (as reads waiting on I/O do), so they run on
+    # read threads: reads that keep the CPU busy stay in the consumer's thread.
+    barrier = threading.Barrier(2)
+
+    def waits_on_the_other(x: int) -> int:
+        if x < 2:
+            barrier.wait(timeout=60)
+        return x
+
+    ds = grain.MapDataset.range(16).map(waits_on_the_other)
     with Trace() as recording:
-        list(iter(_pipeline(read=grain.ReadOptions(num_threads=2, prefetch_buffer_size=4))))
+        list(iter(ds.to_iter_dataset(grain.ReadOptions(num_threads=2, prefetch_buffer_size=4))))
     events = recording.events()
     validate_trace_events(events)
     threads = {e["args"]["name"] for e in events if e["name"] == "thread_name"}
