@@ -9,9 +9,14 @@ them by defining the methods; no base class is needed.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar, runtime_checkable
 
 import numpy as np
+
+if TYPE_CHECKING:
+    from grain_core.dataset.base import ElementBlock
+
+T = TypeVar("T")
 
 __all__ = [
     "CheckpointAliases",
@@ -21,6 +26,7 @@ __all__ = [
     "RecordKeysSampler",
     "ShardStateOwner",
     "SharedMemoryBatchFn",
+    "SupportsNextBlock",
     "WorkerSliceable",
 ]
 
@@ -108,4 +114,24 @@ class ShardStateOwner(Protocol):
 
     def set_shard_states(self, states: Any) -> None:
         """Restores the progress of each input dataset."""
+        ...
+
+
+@runtime_checkable
+class SupportsNextBlock(Protocol[T]):
+    """An iterator that can hand out a block of its next elements in one call.
+
+    ``next_block`` is a faster ``next``: the elements, their order, the errors and the states
+    are exactly those of calling ``next`` as many times. Consumers that move many elements at
+    a time (``InterleaveIterDataset``, ``mix``, ``concatenate`` over streams) use it when
+    an input's iterator has it; an iterator without it is read with ``next``.
+    """
+
+    def next_block(self, max_size: int) -> ElementBlock[T]:
+        """Takes the next elements, at least one and at most ``max_size`` (>= 1).
+
+        Afterwards the iterator stands after the block's last element. An empty block means
+        the iterator is exhausted. An error that ``next`` would raise after some elements is
+        raised by the call after the block that holds them.
+        """
         ...

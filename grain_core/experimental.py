@@ -8,9 +8,10 @@ from __future__ import annotations
 
 from typing import Any
 
+from grain_core.capabilities import SupportsNextBlock
 from grain_core.dataset.apply import apply_transformations
 from grain_core.dataset.autotune import PerformanceConfig, pick_performance_config
-from grain_core.dataset.base import ElementBlock, SupportsNextBlock
+from grain_core.dataset.base import ElementBlock
 from grain_core.dataset.cache import CacheIterDataset
 from grain_core.dataset.debug import DatasetGraph, GraphNode, dataset_graph
 from grain_core.dataset.elastic import ElasticIterator

@@ -9,7 +9,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from grain_core.dataset.base import DatasetIterator, IterDataset, MapDataset, SupportsNextBlock
+from grain_core.capabilities import SupportsNextBlock
+from grain_core.dataset.base import DatasetIterator, IterDataset, MapDataset
 from grain_core.dataset.interleave import InterleaveIterDataset
 from grain_core.experimental import DatasetOptions, WithOptionsIterDataset
 from grain_core.testing import assert_equal_output_after_checkpoint, check_iterator_conformance

@@ -25,12 +25,7 @@ ENGINES = "grain_core.dataset.mp"
 
 #: Imports that break a rule today, each with the work that removes it. An entry that no
 #: longer matches anything fails too, so the list only shrinks.
-KNOWN_EXCEPTIONS: dict[tuple[str, str], str] = {
-    # The TFRecord plugin's block fast path subclasses InterleaveDatasetIterator and reads its
-    # private _iters/_num_datasets until a public block protocol replaces it (issue 29.2).
-    ("plugins/grain_tfrecord/grain_tfrecord/_dataset.py", "grain_core.dataset.base"): "29.2",
-    ("plugins/grain_tfrecord/grain_tfrecord/_dataset.py", "grain_core.dataset.interleave"): "29.2",
-}
+KNOWN_EXCEPTIONS: dict[tuple[str, str], str] = {}
 
 
 @dataclasses.dataclass(frozen=True)

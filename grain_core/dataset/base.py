@@ -17,7 +17,7 @@ import json
 import os
 import sys
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
-from typing import TYPE_CHECKING, Any, Generic, Protocol, TypeVar, overload, runtime_checkable
+from typing import TYPE_CHECKING, Any, Generic, TypeVar, overload
 
 import numpy as np
 
@@ -37,7 +37,6 @@ __all__ = [
     "IteratorContext",
     "MapDataset",
     "MultiprocessingContext",
-    "SupportsNextBlock",
 ]
 
 T = TypeVar("T")
@@ -570,26 +569,6 @@ class ElementBlock(Generic[T]):
 
     def __repr__(self) -> str:
         return f"ElementBlock(len={len(self.elements)})"
-
-
-@runtime_checkable
-class SupportsNextBlock(Protocol[T]):
-    """An iterator that can hand out a block of its next elements in one call.
-
-    ``next_block`` is a faster ``next``: the elements, their order, the errors and the states
-    are exactly those of calling ``next`` as many times. Consumers that move many elements at
-    a time (``InterleaveIterDataset``, ``mix``, ``concatenate`` over streams) use it when
-    an input's iterator has it; an iterator without it is read with ``next``.
-    """
-
-    def next_block(self, max_size: int) -> ElementBlock[T]:
-        """Takes the next elements, at least one and at most ``max_size`` (>= 1).
-
-        Afterwards the iterator stands after the block's last element. An empty block means
-        the iterator is exhausted. An error that ``next`` would raise after some elements is
-        raised by the call after the block that holds them.
-        """
-        ...
 
 
 class IterDataset(_Node, Iterable[T], Generic[T], abc.ABC):

@@ -29,13 +29,13 @@ from collections.abc import Iterator, Sequence
 from typing import Any, Final
 
 from grain_core._checks import as_flag, non_negative_int, positive_int
+from grain_core.capabilities import SupportsNextBlock
 from grain_core.dataset.base import (
     DatasetIterator,
     ElementBlock,
     IteratorContext,
     IterDataset,
     MapDataset,
-    SupportsNextBlock,
 )
 from grain_core.dataset.prefetch import PrefetchIterDataset, ThreadPrefetchDatasetIterator
 
@@ -70,6 +70,7 @@ def interleave_input_states(state: dict[str, Any]) -> list[Any]:
 def interleave_next_input(state: dict[str, Any]) -> int:
     """The slot the next element comes from in interleave state ``state``."""
     return int(state["next_index_in_cycle"])
+
 
 # Most elements a slot takes from a block-reading input at once (inputs hand out at most what
 # they have read already, usually less).

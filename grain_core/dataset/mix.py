@@ -12,6 +12,7 @@ import numpy as np
 
 from grain_core import _tree
 from grain_core._checks import as_flag
+from grain_core.capabilities import SupportsNextBlock
 from grain_core.dataset.base import (
     INFINITE,
     DatasetIterator,
@@ -19,7 +20,6 @@ from grain_core.dataset.base import (
     Indices,
     IterDataset,
     MapDataset,
-    SupportsNextBlock,
 )
 from grain_core.transforms import DatasetSelectionMap
 
