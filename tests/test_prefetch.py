@@ -450,3 +450,19 @@ def test_reads_waiting_on_io_go_full_width_from_the_first(worker, monkeypatch):
     ds = MD.range(60).map(_first_wait_for(barrier)).to_iter_dataset(grain.ReadOptions(6, 60))
     with iter(ds) as it:
         assert list(it) == list(range(60))
+
+
+def _exit_at_one(x: int) -> int:
+    if x == 1:
+        raise SystemExit(3)
+    return x
+
+
+def test_reading_ahead_defers_an_exit_in_user_code_to_its_turn():
+    # An mp_prefetch worker reads ahead while it waits for credits: user code that exits
+    # there must not lose the element read before it, which was not sent yet.
+    it = iter(MD.range(4).map(_exit_at_one).to_iter_dataset(grain.ReadOptions(num_threads=0)))
+    assert next(it) == 0
+    assert it.read_ahead()
+    with pytest.raises(SystemExit):
+        next(it)

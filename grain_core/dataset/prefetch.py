@@ -332,7 +332,9 @@ class PrefetchDatasetIterator(DatasetIterator[Any]):
         block: concurrent.futures.Future[Sequence[Any]] = concurrent.futures.Future()
         try:
             block.set_result(self._read(start, count))
-        except Exception as e:  # noqa: BLE001 - re-read one by one when its turn comes
+        except BaseException as e:  # noqa: BLE001 - re-read one by one when its turn comes
+            # A read thread's SystemExit waits for its turn too: a worker reading ahead while
+            # it waits for credits sends what it computed before user code exits.
             block.set_exception(e)
         self._pending.append((start, count, block))
         if watch is not None:
