@@ -28,6 +28,7 @@ __all__ = [
     "SharedMemoryBatchFn",
     "SupportsNextBlock",
     "WorkerSliceable",
+    "WorkerStageReceiver",
 ]
 
 
@@ -134,4 +135,21 @@ class SupportsNextBlock(Protocol[T]):
         the iterator is exhausted. An error that ``next`` would raise after some elements is
         raised by the call after the block that holds them.
         """
+        ...
+
+
+@runtime_checkable
+class WorkerStageReceiver(Protocol):
+    """An iterator that receives the stage statistics of a worker process (``mp_prefetch``'s
+    inputs), which it asks for whenever the parent reports: an execution summary, the dataset
+    graph or a trace then shows what the workers had done, never an older snapshot. Asking
+    every receiver before waiting for any lets the workers answer at the same time."""
+
+    def request_worker_stages(self) -> None:
+        """Asks the worker for its stage statistics now."""
+        ...
+
+    def receive_worker_stages(self) -> None:
+        """Waits for the answer to the last request (elements that arrive first are kept for
+        the consumer); returns at once if the worker has ended."""
         ...

@@ -36,7 +36,10 @@ from grain_core.dataset.mp.protocol import (
     ELEMENTS,
     PICKLED_ELEMENTS,
     SMALL_AHEAD,
+    STATS,
+    STATS_GENERATION,
     WANTS_CREDIT,
+    stats_request_message,
 )
 from grain_core.dataset.mp.rotation import RotationWorkerLoop, credit_message, set_state_message
 from grain_core.dataset.mp.worker import WorkerSpec
@@ -279,13 +282,12 @@ def test_steps_and_their_time_reach_the_execution_summary() -> None:
     with iter(ds) as it:
         for _ in range(50):
             next(it)
-            time.sleep(0.002)  # a slow consumer: the workers wait for credits
         summary = get_execution_summary(it)
     assert summary.stages[1].name == "DispatchedClass"
     step = next(s for s in summary.stages if s.in_workers and "_sleepy" in s.name)
-    assert step.name.startswith("Map(_sleepy") and step.self_time_ns >= 20 * 2_000_000
-    # Workers waiting for credits report what they produced (not once a second).
-    assert step.num_produced_elements >= 25
+    # Asked when the summary is taken, the workers report every element handed out.
+    assert step.name.startswith("Map(_sleepy") and step.num_produced_elements >= 50
+    assert step.self_time_ns >= 50 * 2_000_000
 
 
 def test_steps_after_filters_or_other_steps_rotate() -> None:
@@ -697,10 +699,11 @@ def _worker_loop_in_thread(
     monkeypatch: pytest.MonkeyPatch,
     dispatch: bool = True,
     dropped: Sequence[str] = (),
+    options: Any = None,
 ) -> Iterator[tuple[Callable[..., None], Any]]:
     """Runs a worker's loop over ``ds`` (dispatching, or streaming its share for strict
-    rotation) in a thread of this process, its block pool having freed blocks ``dropped``;
-    yields a function sending it a control message and its output pipe."""
+    rotation) in a thread of this process, its block pool having freed blocks ``dropped``,
+    with the parent's ``options``; yields a function sending it a control message and its output pipe."""
     import multiprocessing
     import pickle
     import warnings
@@ -718,7 +721,7 @@ def _worker_loop_in_thread(
         sequential_slice=False,
         state=None,
         plugins=None,
-        options=None,
+        options=options,
         shm_prefix=f"gc{os.getpid():x}t",
         pool_size=1,
         buffer_size=buffer_size,
@@ -782,6 +785,45 @@ def test_a_worker_computes_its_assigned_positions_while_it_has_no_credit(
         assert not output.poll()  # nothing sent without a credit
         control(assign_message(0, [], 3, []))
         assert _results(output, 3) == [0, 1, 2]  # computed ahead: it goes out at once
+
+
+def _answer(output: Any, number: int) -> Any:
+    """The snapshot of the statistics message answering request ``number`` (what comes before
+    it is skipped)."""
+    import pickle
+
+    while output.poll(10):
+        generation, kind, value, extra, *_ = pickle.loads(output.recv_bytes())
+        if generation == STATS_GENERATION and kind == STATS and extra == number:
+            return value
+    raise AssertionError(f"no answer to statistics request {number}")
+
+
+@pytest.mark.parametrize("tracked", [False, True], ids=["untracked", "tracked"])
+@pytest.mark.parametrize("dispatch", [True, False], ids=["dispatch", "rotation"])
+def test_a_worker_answers_every_statistics_request(
+    dispatch: bool, tracked: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The parent waits for the answer, so every worker gives one: before any work or credit,
+    # and again later; one that does not track its stages answers with no snapshot.
+    ds = grain.MapDataset.range(8).to_iter_dataset()
+    timing = grain.experimental.DatasetOptions(
+        execution_tracking_mode=grain.experimental.ExecutionTrackingMode.STAGE_TIMING
+    )
+    options = timing if tracked else None
+    with _worker_loop_in_thread(ds, 1, monkeypatch, dispatch, options=options) as (
+        control,
+        output,
+    ):
+        control(stats_request_message(1))
+        first = _answer(output, 1)
+        control(stats_request_message(2))
+        second = _answer(output, 2)
+    if not tracked:
+        assert first is None and second is None
+    else:
+        rows, index, *_ = second
+        assert index == 0 and rows and rows[0][0]
 
 
 def _pickled_100_kib(x: int) -> bytes:

@@ -1022,7 +1022,7 @@ def _stuck_after_three(x: int) -> int:
 def test_close_gives_busy_workers_one_timeout_in_all(monkeypatch: pytest.MonkeyPatch) -> None:
     # Three workers inside a long user function cannot take the stop message: they are killed
     # after one stop timeout together, not one each in turn.
-    monkeypatch.setattr(ipc_pool, "_STOP_TIMEOUT_S", 1.0)
+    monkeypatch.setattr(ipc_pool, "STOP_TIMEOUT_S", 1.0)
     ds = (
         grain.MapDataset.range(100)
         .map(_stuck_after_three)
@@ -1165,12 +1165,11 @@ def test_worker_stages_reach_the_parent_summary(
     assert summary.stages[1].instances == 2
     workers = [s for s in summary.stages if s.in_workers]
     assert workers and all(s.depth >= 2 and s.instances == 2 for s in workers)
-    # The slow map ran 12 times in each worker: summed over workers it is the top stage,
-    # above the parent's wait for the workers (which ran in parallel).
-    slowest = summary.slowest()
-    assert slowest.in_workers and "transform=_slow" in slowest.name
-    assert slowest.num_produced_elements == 24
-    assert slowest.self_time_ns >= 24 * 40_000_000
+    # The slow map ran 12 times in each worker, each sleeping 40 ms (a lower bound of its self
+    # time whatever the load); the workers' last statistics came before their END.
+    slow = next(s for s in workers if "transform=_slow" in s.name)
+    assert slow.num_produced_elements == 24
+    assert slow.self_time_ns >= 24 * 40_000_000
     by_kind = {s.name.split("(")[0]: s for s in workers}
     assert by_kind["Map"].num_produced_elements == 24
     text = str(summary)
@@ -1179,13 +1178,29 @@ def test_worker_stages_reach_the_parent_summary(
     print(text)
 
 
-def test_worker_stages_arrive_with_the_first_element() -> None:
-    ds = WithOptionsIterDataset(grain.MapDataset.range(40).to_iter_dataset(), TIMING)
-    with iter(ds.mp_prefetch(_opts(2))) as it:
-        for _ in range(4):  # each worker's second element follows its first snapshot
-            next(it)
-        workers = [s for s in get_execution_summary(it).stages if s.in_workers]
-    assert workers and workers[0].num_produced_elements >= 2
+@pytest.mark.parametrize("dispatch", [True, False], ids=["dispatch", "rotation"])
+def test_every_summary_has_what_the_workers_did_when_it_was_taken(
+    dispatch: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A summary asks the workers and waits for their answers: after each element, the
+    # workers' stages have read at least every element handed out (more: they read ahead),
+    # and asking, with elements in flight, changes neither the output nor its order.
+    if not dispatch:
+        monkeypatch.setattr(mp_dispatch, "dispatchable", lambda *_: False)
+    ds = grain.MapDataset.range(40).map(_times_ten).to_iter_dataset()
+    ds = WithOptionsIterDataset(ds, TIMING).mp_prefetch(_opts(2))
+    seen: list[int] = []
+    counts = [0]
+    with iter(ds) as it:
+        for x in it:
+            seen.append(x)
+            summary = get_execution_summary(it)
+            (mapped,) = [s for s in summary.stages if s.in_workers and "_times_ten" in s.name]
+            assert len(seen) <= mapped.num_produced_elements <= 40
+            assert mapped.num_produced_elements >= counts[-1]
+            counts.append(mapped.num_produced_elements)
+    assert seen == [x * 10 for x in range(40)]
+    assert counts[-1] == 40
 
 
 def test_options_downstream_of_mp_prefetch_reach_the_workers() -> None:

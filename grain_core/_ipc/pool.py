@@ -47,6 +47,7 @@ from grain_core._ipc.errors import WorkerDiedError, unreadable_element_error
 from grain_core.config import config
 
 __all__ = [
+    "STOP_TIMEOUT_S",
     "PooledWorker",
     "WorkerPool",
     "readiness_check",
@@ -316,7 +317,7 @@ _SIGNAL_HINTS = {
 
 
 #: Seconds that stopping a pool gives its workers to exit before they are killed.
-_STOP_TIMEOUT_S = 5.0
+STOP_TIMEOUT_S = 5.0
 
 
 class WorkerPool:
@@ -461,14 +462,14 @@ class WorkerPool:
     def shutdown(self) -> None:
         """Stops every worker, frees shared memory left in flight. Idempotent.
 
-        Workers get ``_STOP_TIMEOUT_S`` in all to exit (one busy in a long user function is
+        Workers get ``STOP_TIMEOUT_S`` in all to exit (one busy in a long user function is
         killed after it), not that long each."""
         if self._closed:
             return
         self._closed = True
         for conn in self._controls:
             conn.close()  # the worker's next read of its control pipe ends it
-        self._drain_until_exit(time.monotonic() + _STOP_TIMEOUT_S)
+        self._drain_until_exit(time.monotonic() + STOP_TIMEOUT_S)
         for proc in self._procs:
             if proc.exitcode is None:
                 proc.kill()

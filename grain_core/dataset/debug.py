@@ -8,8 +8,7 @@
 * ``grain_core.config.update("py_dataset_visualization_output_dir", d)``: when the output
   produces its first element, the dataset graph is logged (``d == ""``) and, for a directory
   ``d``, also written there as ``dataset_graph-<pid>-<n>.txt`` and ``.json``. Behind
-  ``mp_prefetch`` it waits until every worker-receiving stage knows its workers' stages (each
-  worker sends them with its first element), or for the end of iteration.
+  ``mp_prefetch`` the parent first asks its workers for their stages and waits for them.
 
 How. An iterator built while either switch is on (and whose pipeline therefore tracks stage
 timing) gets a reporting subclass of its timed class and marks itself the output of its
@@ -41,7 +40,6 @@ from grain_core.config import config
 from grain_core.dataset.base import DatasetIterator
 from grain_core.dataset.stats import (
     ExecutionSummary,
-    awaits_worker_stages,
     format_table,
     get_execution_summary,
 )
@@ -168,8 +166,6 @@ class _Reporter:
 
     def produced(self, it: DatasetIterator[Any]) -> None:
         if self.graph_dir is not None:
-            if awaits_worker_stages(it):
-                return
             directory, self.graph_dir = self.graph_dir, None
             _report_graph(dataset_graph(it), directory)
             if not self.debug:

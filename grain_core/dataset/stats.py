@@ -25,11 +25,14 @@ stage records its least and largest self time per element and describes its firs
 buffer (``grain_core.dataset.trace``).
 
 Worker processes (``mp_prefetch``). A tracked worker pipeline sends ``worker_stage_snapshot`` of
-its stages to the parent with its first element, then at most once a second and before it ends
-(nothing is sent, and nothing is checked per element, when tracking is off). The parent keeps the
-latest snapshot of each worker under that worker's receiving stage (``attach_worker_stages``), so
-the summary shows the worker stages, summed over workers and marked ``[worker]``, below the
-``mp_prefetch`` stage whose self time is the parent's wait for its workers.
+its stages to the parent before its stream ends or stops at an error, and whenever the parent
+asks (nothing is sent, and nothing is checked per element, when tracking is off). The parent's
+stage receiving a worker's elements is a ``capabilities.WorkerStageReceiver``: every summary
+first asks all of them and waits for the answers (``refresh_worker_stages``), so it shows what
+the workers had done when it was taken. The parent keeps the latest snapshot of each worker
+under its receiving stage (``attach_worker_stages``), so the summary shows the worker stages,
+summed over workers and marked ``[worker]``, below the ``mp_prefetch`` stage whose self time is
+the parent's wait for its workers.
 
 Self time is measured per thread: a stage's children run either on the same thread (their
 time is subtracted) or on reader/prefetch threads (then the stage's self time is the time it
@@ -44,10 +47,12 @@ from __future__ import annotations
 import copy
 import dataclasses
 import threading
+import weakref
 from collections.abc import Iterator, Sequence
 from typing import Any
 
 from grain_core import _tree
+from grain_core.capabilities import WorkerStageReceiver
 from grain_core.dataset import trace
 from grain_core.dataset.base import DatasetIterator, Indices, MapDataset, transform_name
 from grain_core.dataset.options import ExecutionTrackingMode
@@ -56,9 +61,9 @@ __all__ = [
     "ExecutionSummary",
     "StageSummary",
     "attach_worker_stages",
-    "awaits_worker_stages",
     "get_execution_summary",
     "is_tracking",
+    "refresh_worker_stages",
     "time_stages",
     "worker_stage_snapshot",
 ]
@@ -97,6 +102,9 @@ class _StageStats:
     that an interleave finished and dropped still counts. Links come from the iterator's
     attributes when it is prepared and, for inputs created later, from the first ``next`` call
     a consumer stage makes on them.
+
+    ``receiver`` (a weak reference) is the iterator of a stage that receives a worker process's
+    stages, which ``refresh_worker_stages`` asks for fresh ones.
     """
 
     __slots__ = (
@@ -117,6 +125,7 @@ class _StageStats:
         "inputs",
         "has_consumer",
         "in_workers",
+        "receiver",
     )
 
     def __init__(self, name: str, kind: str, type_name: str = "", traced: bool = False) -> None:
@@ -137,6 +146,7 @@ class _StageStats:
         self.inputs: list[_StageStats] = []
         self.has_consumer = False
         self.in_workers = False
+        self.receiver: weakref.ref[Any] | None = None
 
     def first_element(self, element: Any, own_ns: int, tid: int) -> None:
         """Records what only the first element tells: its spec, and the thread."""
@@ -392,10 +402,14 @@ def _prepare(it: DatasetIterator[Any]) -> None:
     for child in _child_iterators(it):
         time_stages(child)
         stats.link(child._stage_stats)  # type: ignore[attr-defined]
+    if isinstance(it, WorkerStageReceiver):
+        stats.receiver = weakref.ref(it)
     stats.prepared = True
 
 
 def _prepare_reachable(iterator: DatasetIterator[Any]) -> None:
+    """Prepares every timed iterator under ``iterator`` and links those created since their
+    consumer was prepared (inputs that have not produced yet, e.g. an interleave's)."""
     stack = [iterator]
     seen: set[int] = set()
     while stack:
@@ -403,9 +417,13 @@ def _prepare_reachable(iterator: DatasetIterator[Any]) -> None:
         if id(it) in seen or "_stage_stats" not in vars(it):
             continue
         seen.add(id(it))
-        if not it._stage_stats.prepared:  # type: ignore[attr-defined]
+        stats = it._stage_stats  # type: ignore[attr-defined]
+        if not stats.prepared:
             _prepare(it)
-        stack.extend(_child_iterators(it))
+        for child in _child_iterators(it):
+            if "_stage_stats" in vars(child):
+                stats.link(child._stage_stats)  # type: ignore[attr-defined]
+                stack.append(child)
 
 
 # ---------------------------------------------------------------------- worker processes
@@ -486,10 +504,12 @@ def attach_worker_stages(iterator: DatasetIterator[Any], snapshot: WorkerSnapsho
     receiver.link(nodes[0])
 
 
-def awaits_worker_stages(iterator: DatasetIterator[Any]) -> bool:
-    """Whether a stage under ``iterator`` that receives from a worker process has not had the
-    worker's stages yet (a worker sends them with its first element)."""
+def refresh_worker_stages(iterator: DatasetIterator[Any]) -> None:
+    """Asks every stage under ``iterator`` that receives a worker process's stages for fresh
+    ones, and waits for them (call it from the thread that iterates: the answers come on the
+    pipes its elements come on)."""
     _prepare_reachable(iterator)
+    receivers = []
     stack: list[_StageStats] = [iterator._stage_stats]  # type: ignore[attr-defined]
     seen: set[int] = set()
     while stack:
@@ -497,10 +517,14 @@ def awaits_worker_stages(iterator: DatasetIterator[Any]) -> bool:
         if id(stats) in seen or stats.in_workers:
             continue
         seen.add(id(stats))
-        if stats.category == "transport" and not stats.inputs:
-            return True
+        receiver = stats.receiver() if stats.receiver is not None else None
+        if receiver is not None:
+            receivers.append(receiver)
         stack.extend(stats.inputs)
-    return False
+    for receiver in receivers:  # all ask first: the workers answer at the same time
+        receiver.request_worker_stages()
+    for receiver in receivers:
+        receiver.receive_worker_stages()
 
 
 def _category(description: str, kind: str) -> str:
@@ -704,7 +728,9 @@ def _wait_shares(rows: list[dict[str, Any]], total_wait: int) -> list[float]:
 def get_execution_summary(iterator: DatasetIterator[Any]) -> ExecutionSummary:
     """Returns the per-stage statistics of the pipeline ``iterator`` is the output of.
 
-    Interleave inputs with the same structure are merged into one row per stage.
+    Interleave inputs with the same structure are merged into one row per stage. Stages in
+    ``mp_prefetch`` worker processes are as the workers report them when asked, here (call it
+    from the thread that iterates).
 
     Raises:
       ValueError: if the pipeline does not track execution statistics.
@@ -720,6 +746,7 @@ def get_execution_summary(iterator: DatasetIterator[Any]) -> ExecutionSummary:
             "grain_core.experimental.DatasetOptions(execution_tracking_mode="
             "grain_core.experimental.ExecutionTrackingMode.STAGE_TIMING))`, before iterating."
         )
+    refresh_worker_stages(iterator)
     rows: list[dict[str, Any]] = []
     # Siblings merge into one row: by name, and for worker stages by position, since every
     # worker runs the same pipeline but names its own slice ("SliceMapDataset[1:24:2]").
@@ -757,7 +784,6 @@ def get_execution_summary(iterator: DatasetIterator[Any]) -> ExecutionSummary:
         for i, child in enumerate(stats.inputs):
             walk(child, row, depth + 1, i)
 
-    _prepare_reachable(iterator)
     walk(iterator._stage_stats, -1, 0, 0)  # type: ignore[attr-defined]
     for r in rows:
         produced = [s for s in r["stats"] if s.count]

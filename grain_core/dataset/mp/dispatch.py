@@ -52,7 +52,7 @@ from typing import Any
 
 from grain_core._ipc import shm
 from grain_core._ipc.errors import UnreadableElementError, WorkerDiedError, remote_error
-from grain_core._ipc.pool import WorkerPool
+from grain_core._ipc.pool import STOP_TIMEOUT_S, WorkerPool
 from grain_core.config import config
 from grain_core.dataset.base import DatasetIterator, IterDataset
 from grain_core.dataset.mp.pickling import FIXED_SIZE_TYPES, dumps_message
@@ -67,6 +67,7 @@ from grain_core.dataset.mp.protocol import (
     credit_batch,
     overdraft_room,
     receive_side_message,
+    stats_request_message,
 )
 from grain_core.dataset.mp.worker import GROUP_S, WorkerLoop, WorkerSpec, run_worker, start_workers
 from grain_core.dataset.options import DatasetOptions, FilterRatioChecker
@@ -248,7 +249,7 @@ class DispatchWorkerLoop(WorkerLoop):
             except Exception:  # noqa: BLE001 - one of them cannot be pickled: each alone below
                 pass
             else:
-                self._write_element(data)
+                self._write(data)
                 self._result_bytes = len(data) // len(group)
                 return
         for element in group:  # one, or one of them cannot be pickled
@@ -340,6 +341,9 @@ class PositionDispatcher:
         self._recycled = [shm.RecycledBlocks() for _ in range(n)]
         self._warning_registry: dict[Any, Any] = {}
         self._slots: list[Any] = [None] * n
+        # Per worker: statistics requests sent, and the last one it answered.
+        self._stats_requests = [0] * n
+        self._stats_answered = [0] * n
         self._generation = 0
         self._restarted = False
         self._pool: WorkerPool | None = None
@@ -358,6 +362,7 @@ class PositionDispatcher:
         """A registered iterator was closed; the last one stops the workers."""
         self._open_iterators -= 1
         if self._open_iterators == 0 and self._finalizer is not None:
+            self._receive_last_stats()
             self._finalizer()  # the workers' blocks go with them
             self._finalizer = self._pool = None
             self._held.clear()
@@ -390,6 +395,8 @@ class PositionDispatcher:
         self._finalizer = weakref.finalize(self, pool.shutdown)
         self._cpu_mark = [0.0] * self._count
         self._since_learned = [0] * self._count
+        self._stats_requests = [0] * self._count
+        self._stats_answered = [0] * self._count
         self._generation = 0
         self.error = None
         self._forget_work()
@@ -438,6 +445,47 @@ class PositionDispatcher:
                 if value is None:
                     continue
             return shm.open_from_shm(value, self._recycled[worker]) if names else value
+
+    def request_stats(self, worker: int) -> None:
+        """Asks ``worker`` for its stage statistics (``stats.refresh_worker_stages``)."""
+        if self._pool is not None and self.error is None:
+            self._stats_requests[worker] += 1
+            self._pool.send(worker, stats_request_message(self._stats_requests[worker]))
+
+    def receive_stats(self, worker: int, deadline: float | None = None) -> None:
+        """Receives what the workers send until ``worker`` has answered the last request (or
+        a worker ended: its error is raised to the consumer, as by ``next_of``), or until
+        ``time.monotonic()`` reaches ``deadline``."""
+        pool = self._pool
+        while (
+            pool is not None
+            and self.error is None
+            and self._stats_answered[worker] < self._stats_requests[worker]
+        ):
+            timeout = None if deadline is None else max(0.0, deadline - time.monotonic())
+            ready: list[int] = []
+            try:
+                ready = pool.ready_workers(timeout)
+                for w in ready:
+                    self._receive(w)
+            except (WorkerDiedError, UnreadableElementError) as e:
+                self.error = e
+            if not ready and deadline is not None:
+                return
+
+    def _receive_last_stats(self) -> None:
+        """Before the workers stop: those whose statistics are tracked send their last ones
+        (and trace spans). A worker busy in a long function gets the time shutting it down
+        would give it."""
+        tracked = []
+        for worker, slot in enumerate(self._slots):
+            iterator = None if slot is None else slot()
+            if iterator is not None and "_stage_stats" in vars(iterator):
+                tracked.append(worker)
+                self.request_stats(worker)
+        deadline = time.monotonic() + STOP_TIMEOUT_S
+        for worker in tracked:
+            self.receive_stats(worker, deadline)
 
     def state_index(self, cls: int) -> int:
         """Class ``cls``'s ``next_index`` as its worker reports it under strict rotation."""
@@ -563,7 +611,11 @@ class PositionDispatcher:
             if generation == STATS_GENERATION:
                 slot = self._slots[worker]
                 iterator = None if slot is None else slot()
-                receive_side_message(kind, value, iterator, self._warning_registry)
+                answers = receive_side_message(
+                    kind, value, cpu_total, iterator, self._warning_registry
+                )
+                if answers is not None:
+                    self._stats_answered[worker] = answers
             else:
                 recycled.released.extend(names)
             return
@@ -718,6 +770,15 @@ class DispatchedClassIterator(DatasetIterator[Any]):
 
     def get_state(self) -> dict[str, Any]:
         return {"next_index": self._dispatcher.state_index(self._index)}
+
+    def request_worker_stages(self) -> None:
+        """Asks worker ``index``, whose statistics this iterator receives, for them."""
+        if not self._closed:
+            self._dispatcher.request_stats(self._index)
+
+    def receive_worker_stages(self) -> None:
+        """Waits for worker ``index``'s answer."""
+        self._dispatcher.receive_stats(self._index)
 
     def set_state(self, state: dict[str, Any]) -> None:
         self._dispatcher.restore(self._index, self._state_int(state, "next_index"))

@@ -5,8 +5,9 @@ once (``pickling.dumps_message``) and sent as bytes over the worker's pipes
 (``grain_core._ipc.pool``).
 
 * Control (parent → worker): ``(kind, ...)``: ``CREDIT`` and ``SET_STATE`` for strict
-  rotation (``rotation.py``), ``ASSIGN`` for dispatch (``dispatch.py``). No message stops a
-  worker: the parent closes its control pipe (``WorkerPool.shutdown``).
+  rotation (``rotation.py``), ``ASSIGN`` for dispatch (``dispatch.py``), and
+  ``STATS_REQUEST`` for both. No message stops a worker: the parent closes its control pipe
+  (``WorkerPool.shutdown``).
 * Output (worker → parent): ``(generation, kind, payload, extra, shm_names, dropped)``, six
   fields always, so one unpacking reads any of them. ``generation`` counts the parent's
   restores (a message of an older one is discarded, its blocks freed); ``extra`` is the
@@ -15,7 +16,11 @@ once (``pickling.dumps_message``) and sent as bytes over the worker's pipes
   worker freed (the parent forgets its mappings of them). Here: ``ELEMENT``, ``ERROR``, and
   the side messages ``STATS`` and ``WARNING`` (generation ``STATS_GENERATION``, which no
   restore has, so the element path never looks at them; ``receive_side_message`` reads
-  them). Rotation adds ``END``, ``PICKLED_ELEMENTS`` and ``WANTS_CREDIT``; dispatch adds
+  them). A worker sends ``STATS`` before ``END`` and ``ERROR``, and in answer to
+  ``STATS_REQUEST`` (``extra`` then is the request's number, the snapshot None if the worker
+  does not track its stages): the parent asks whenever it reports (an execution summary, the
+  dataset graph, a trace) and waits for the answers, so what it shows is what the workers had
+  done when it asked, never an older snapshot. Rotation adds ``END``, ``PICKLED_ELEMENTS`` and ``WANTS_CREDIT``; dispatch adds
   ``ELEMENTS``.
 
 Kinds are numbered here for both engines so that no two mean the same.
@@ -51,6 +56,7 @@ __all__ = [
     "SMALL_AHEAD",
     "STATS",
     "STATS_GENERATION",
+    "STATS_REQUEST",
     "WANTS_CREDIT",
     "WARNING",
     "credit_batch",
@@ -59,11 +65,12 @@ __all__ = [
     "overdraft_room",
     "receive_side_message",
     "stats_message",
+    "stats_request_message",
     "warning_message",
 ]
 
-# Control kinds (parent → worker).
-CREDIT, SET_STATE, ASSIGN = range(3)
+# Control kinds (parent → worker). STATS_REQUEST: both engines.
+CREDIT, SET_STATE, ASSIGN, STATS_REQUEST = range(4)
 # Output kinds (worker → parent). END, PICKLED_ELEMENTS, WANTS_CREDIT: rotation only;
 # ELEMENTS: dispatch only.
 ELEMENT, END, ERROR, STATS, ELEMENTS, WARNING, PICKLED_ELEMENTS, WANTS_CREDIT = range(8)
@@ -94,6 +101,11 @@ def credit_batch(buffer_size: int, room: int = 0) -> int:
 
 
 # ---------------------------------------------------------------------------- builders
+def stats_request_message(number: int) -> tuple[Any, ...]:
+    """Control: send the stage statistics now, answering request ``number``."""
+    return (STATS_REQUEST, number)
+
+
 def element_message(
     generation: int, value: Any, extra: Any, names: list[str], dropped: Sequence[str]
 ) -> tuple[Any, ...]:
@@ -108,9 +120,10 @@ def error_message(
     return (generation, ERROR, error, None, (), dropped)
 
 
-def stats_message(snapshot: Any) -> tuple[Any, ...]:
-    """Output, side: the worker pipeline's stage statistics."""
-    return (STATS_GENERATION, STATS, snapshot, None, (), ())
+def stats_message(snapshot: Any, answers: int | None = None) -> tuple[Any, ...]:
+    """Output, side: the worker pipeline's stage statistics (None: it does not track them),
+    answering request number ``answers`` (None: sent unasked)."""
+    return (STATS_GENERATION, STATS, snapshot, answers, (), ())
 
 
 def warning_message(
@@ -122,15 +135,25 @@ def warning_message(
 
 # ----------------------------------------------------------------------------- readers
 def receive_side_message(
-    kind: int, value: Any, iterator: DatasetIterator[Any] | None, registry: dict[Any, Any]
-) -> None:
+    kind: int,
+    value: Any,
+    extra: Any,
+    iterator: DatasetIterator[Any] | None,
+    registry: dict[Any, Any],
+) -> int | None:
     """Takes a side message (generation ``STATS_GENERATION``): statistics go to ``iterator``
     (if it is still there), a warning is issued again in this process under its filters
     (``pytest.warns``, ``-W error``, ``logging.captureWarnings`` see it), ``registry`` (one per
-    iterator) showing a warning at one place once across all workers."""
+    iterator) showing a warning at one place once across all workers.
+
+    Returns:
+      The number of the ``STATS_REQUEST`` the message answers, or None.
+    """
     if kind == STATS:
-        if iterator is not None:
+        if iterator is not None and value is not None:
             attach_worker_stages(iterator, value)
-    elif kind == WARNING:
+        return extra  # type: ignore[no-any-return]
+    if kind == WARNING:
         category, text, filename, lineno = value
         warnings.warn_explicit(text, category, filename, lineno, registry=registry)
+    return None

@@ -39,7 +39,7 @@ from grain_core._ipc.errors import (
     remote_error,
     unreadable_element_error,
 )
-from grain_core._ipc.pool import WorkerPool
+from grain_core._ipc.pool import STOP_TIMEOUT_S, WorkerPool
 from grain_core.dataset.base import DatasetIterator, IterDataset, MultiprocessingContext
 from grain_core.dataset.mp.pickling import dumps, dumps_message
 from grain_core.dataset.mp.protocol import (
@@ -53,6 +53,7 @@ from grain_core.dataset.mp.protocol import (
     credit_batch,
     overdraft_room,
     receive_side_message,
+    stats_request_message,
 )
 from grain_core.dataset.mp.shm_batch import with_shared_memory_output
 from grain_core.dataset.mp.worker import GROUP_S, WorkerLoop, WorkerSpec, run_worker, start_workers
@@ -190,7 +191,7 @@ class RotationWorkerLoop(WorkerLoop):
                     element = next(it)
                 except StopIteration:
                     self._send_blobs(blobs)
-                    self._report_stats()
+                    self._send_stats()
                     self._send(end_message(self._generation, it.get_state()))
                     self._finished = True
                     self._credits -= 1
@@ -243,7 +244,7 @@ class RotationWorkerLoop(WorkerLoop):
         freed."""
         if blobs:
             message = pickled_elements_message(self._generation, blobs, shm.take_dropped())
-            self._write_element(dumps(message))
+            self._write(dumps(message))
 
 
 def worker_main(spec: WorkerSpec, control: Any, output: Any) -> None:
@@ -285,6 +286,11 @@ class RotationIterator(DatasetIterator[Any]):
         self._warning_registry: dict[Any, Any] = {}
         # Elements received, not handed out yet, each pickled with its state.
         self._received: collections.deque[bytes] = collections.deque()
+        # Messages read while waiting for the answer to a statistics request, for __next__ in
+        # order; an error that reading raised stands in the place of its message.
+        self._early: collections.deque[tuple[Any, ...] | BaseException] = collections.deque()
+        self._stats_requests = 0  # requests sent
+        self._stats_answered = 0  # the last request answered
 
     def _start(self) -> None:
         mp_ds = self._mp_ds
@@ -333,7 +339,7 @@ class RotationIterator(DatasetIterator[Any]):
             self._grant(1)  # on request only
         while True:
             try:
-                generation, kind, element, state, names, dropped = pool.recv(0)
+                generation, kind, element, state, names, dropped = self._recv(pool)
             except (WorkerDiedError, UnreadableElementError) as e:
                 self._error = e
                 raise
@@ -348,7 +354,7 @@ class RotationIterator(DatasetIterator[Any]):
                     self._grant(self._buffer - self._outstanding)
                 continue
             if generation == STATS_GENERATION:
-                receive_side_message(kind, element, self, self._warning_registry)
+                self._take_side_message(kind, element, state)
                 continue
             self._recycled.released.extend(names)  # produced before the last set_state
         if kind == PICKLED_ELEMENTS:
@@ -368,6 +374,49 @@ class RotationIterator(DatasetIterator[Any]):
             raise StopIteration
         self._error = remote_error(element, self._index, self._count)
         raise self._error
+
+    def _recv(self, pool: WorkerPool) -> tuple[Any, ...]:
+        """The worker's next message: first those read while waiting for statistics."""
+        if not self._early:
+            return pool.recv(0)
+        message = self._early.popleft()
+        if isinstance(message, BaseException):
+            raise message
+        return message
+
+    def _take_side_message(self, kind: int, value: Any, extra: Any) -> None:
+        answers = receive_side_message(kind, value, extra, self, self._warning_registry)
+        if answers is not None:
+            self._stats_answered = answers
+
+    def request_worker_stages(self) -> None:
+        """Asks the worker for its stage statistics (``stats.refresh_worker_stages``)."""
+        if self._pool is not None and not self._closed and self._error is None:
+            self._stats_requests += 1
+            self._pool.send(0, stats_request_message(self._stats_requests))
+
+    def receive_worker_stages(self, deadline: float | None = None) -> None:
+        """Reads the worker's messages until it has answered the last request (or until
+        ``time.monotonic()`` reaches ``deadline``); elements read meanwhile wait in order for
+        ``__next__``."""
+        pool = self._pool
+        while pool is not None and self._stats_answered < self._stats_requests:
+            if self._early and isinstance(self._early[-1], BaseException):
+                return  # the worker has ended, or its stream cannot be read further
+            try:
+                if deadline is not None and not pool.ready_workers(
+                    max(0.0, deadline - time.monotonic())
+                ):
+                    return
+                message = pool.recv(0)
+            except (WorkerDiedError, UnreadableElementError) as e:
+                self._early.append(e)  # raised by __next__ after what came before it
+                continue
+            generation, kind, value, extra, _, _ = message
+            if generation == STATS_GENERATION:
+                self._take_side_message(kind, value, extra)
+            else:
+                self._early.append(message)
 
     def _hand_out_pickled(self) -> Any:
         blob = self._received.popleft()
@@ -424,16 +473,18 @@ class RotationIterator(DatasetIterator[Any]):
         Raises:
           WorkerDiedError: The worker process ended.
         """
-        assert self._pool is not None
+        pool = self._pool
+        assert pool is not None
         try:
-            while self._pool.ready_workers():
+            while self._early or pool.ready_workers():
                 try:
-                    generation, kind, element, _, names, dropped = self._pool.recv(0, ready=True)
+                    message = self._recv(pool) if self._early else pool.recv(0, ready=True)
                 except UnreadableElementError:
                     continue  # dropped anyway
+                generation, kind, element, extra, names, dropped = message
                 self._recycled.forget(dropped)
                 if generation == STATS_GENERATION:
-                    receive_side_message(kind, element, self, self._warning_registry)
+                    self._take_side_message(kind, element, extra)
                 else:
                     self._recycled.released.extend(names)
         except WorkerDiedError as e:
@@ -444,6 +495,12 @@ class RotationIterator(DatasetIterator[Any]):
     def close(self) -> None:
         if self._closed:
             return
+        if self._pool is not None and not self._exhausted and "_stage_stats" in vars(self):
+            # Tracked: the worker's last statistics and trace spans reach the parent (at its
+            # end they came before END). A worker busy in a long function gets the time
+            # shutting it down would give it.
+            self.request_worker_stages()
+            self.receive_worker_stages(time.monotonic() + STOP_TIMEOUT_S)
         if self._finalizer is not None:
             self._finalizer()
         super().close()

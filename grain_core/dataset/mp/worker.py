@@ -5,7 +5,8 @@ An engine starts its workers with ``start_workers``, naming its entry point
 (``rotation.worker_main`` or ``dispatch.worker_main``), which runs ``run_worker`` with its
 subclass of ``WorkerLoop``. The loop owns what both engines do alike: credits and the
 overdraft (``protocol``), sending elements (in shared memory or pickled), errors, warnings and
-stage statistics. The engine's subclass says what producing means and which control messages
+stage statistics (before an error or the end, and whenever the parent asks: ``STATS_REQUEST``
+is answered by every worker, tracking or not, so the parent can wait for the answer). The engine's subclass says what producing means and which control messages
 it takes.
 """
 
@@ -14,7 +15,6 @@ from __future__ import annotations
 import collections
 import os
 import pickle
-import time
 import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -27,6 +27,7 @@ from grain_core.dataset.mp.pickling import dumps, dumps_message, register_numpy_
 from grain_core.dataset.mp.protocol import (
     OVERDRAFT_BYTES,
     SMALL_AHEAD,
+    STATS_REQUEST,
     element_message,
     error_message,
     stats_message,
@@ -50,10 +51,6 @@ WORKER_PRELOAD = ("grain_core.dataset.mp.rotation", "grain_core.dataset.mp.dispa
 #: Seconds a worker may spend gathering elements that need no shared memory into one message
 #: (the first of them waits that long for the others at most).
 GROUP_S = 0.0005
-#: Seconds between two statistics messages of a worker while it produces elements.
-STATS_INTERVAL_S = 1.0
-#: Seconds since the last statistics message after which a worker about to wait sends one.
-STATS_WAITING_INTERVAL_S = 0.02
 
 
 class WorkerSpec:
@@ -141,8 +138,6 @@ class WorkerLoop:
         self._build_error: BaseException | None = None
         self._min_shm_size = shm.DEFAULT_MIN_SHM_SIZE
         self._tracking = False
-        self._next_report = 0.0
-        self._unreported = False  # elements were sent since the last statistics message
         self._control_ready = readiness_check(control)
         # Warnings from any thread of the worker, sent by the main thread (the only writer).
         self._warnings: collections.deque[tuple[Any, ...]] = collections.deque()
@@ -167,12 +162,10 @@ class WorkerLoop:
                     if self._warnings:
                         self._send_warnings()
                     self._ask_for_credit()
-                    if self._tracking:
-                        self._report_before_waiting()
-                    self._handle(pickle.loads(self._control.recv_bytes()))
+                    self._take(pickle.loads(self._control.recv_bytes()))
                     continue
                 while self._control_ready():
-                    self._handle(pickle.loads(self._control.recv_bytes()))
+                    self._take(pickle.loads(self._control.recv_bytes()))
                 if self._can_produce():
                     self._produce()
         except (EOFError, BrokenPipeError, ConnectionResetError):
@@ -197,10 +190,7 @@ class WorkerLoop:
         except Exception as e:  # noqa: BLE001 - reported to the parent on its next request
             self._build_error = e
             return
-        if is_tracking(self._pipeline()):
-            # Chosen once: an untracked pipeline runs the plain _produce, with no check.
-            self._tracking = True
-            self._produce = self._produce_and_report  # type: ignore[method-assign]
+        self._tracking = is_tracking(self._pipeline())
 
     def _build_pipeline(self, ds: Any) -> None:
         """Builds the engine's iterator over the unpickled pipeline ``ds``."""
@@ -276,8 +266,14 @@ class WorkerLoop:
         """The iterator whose stage statistics are reported."""
         return self._it
 
+    def _take(self, message: tuple[Any, ...]) -> None:
+        if message[0] == STATS_REQUEST:
+            self._send_stats(message[1])
+        else:
+            self._handle(message)
+
     def _handle(self, message: tuple[Any, ...]) -> None:
-        """Takes control message ``message``."""
+        """Takes control message ``message`` of the engine's kinds."""
         raise NotImplementedError
 
     def _send(self, message: tuple[Any, ...]) -> None:
@@ -287,10 +283,6 @@ class WorkerLoop:
         if self._warnings:
             self._send_warnings()
         self._output.send_bytes(data)
-
-    def _write_element(self, data: bytes) -> None:
-        self._write(data)
-        self._unreported = True  # statistics are due before the worker next waits
 
     def _queue_warning(
         self,
@@ -317,7 +309,7 @@ class WorkerLoop:
     def _send_error(self, error: BaseException, dropped: Sequence[str] = ()) -> None:
         """Sends ``error``, and ``dropped``: blocks freed that a message which could not be
         sent was to name (the parent forgets them with any message)."""
-        self._report_stats()
+        self._send_stats()
         self._send(error_message(self._generation, error_payload(error), dropped))
 
     def _send_element(
@@ -339,7 +331,7 @@ class WorkerLoop:
             shm.release_blocks(names)
             self._send_unpicklable(failure, dropped)
             return None
-        self._write_element(data)
+        self._write(data)
         return len(data)
 
     def _send_unpicklable(self, failure: Exception, dropped: Sequence[str] = ()) -> None:
@@ -356,29 +348,14 @@ class WorkerLoop:
         """Produces and sends what the credits (or the overdraft) allow now."""
         raise NotImplementedError
 
-    def _produce_and_report(self) -> None:
-        type(self)._produce(self)
-        if not self._finished and time.monotonic() >= self._next_report:
-            self._report_stats()
-
-    def _report_before_waiting(self) -> None:
-        # Waiting for credits or work may last (a dispatching worker never ends, and the last
-        # elements of an epoch are followed by no request): elements not reported yet are, once
-        # STATS_WAITING_INTERVAL_S passed since the last report and no message came meanwhile.
-        if not self._unreported:
-            return
-        wait = self._next_report - STATS_INTERVAL_S + STATS_WAITING_INTERVAL_S - time.monotonic()
-        if wait > 0 and self._control.poll(wait):
-            return  # the worker goes on
-        self._report_stats()
-
-    def _report_stats(self) -> None:
-        """Sends the pipeline's stage statistics, if it tracks them (before END and ERROR)."""
-        if not self._tracking:
-            return
-        self._send(stats_message(worker_stage_snapshot(self._pipeline())))
-        self._next_report = time.monotonic() + STATS_INTERVAL_S
-        self._unreported = False
+    def _send_stats(self, answers: int | None = None) -> None:
+        """Sends the pipeline's stage statistics: unasked (before END and ERROR) if it tracks
+        them, and always in answer to request number ``answers`` (None if it does not track
+        them), which the parent waits for."""
+        if self._tracking:
+            self._send(stats_message(worker_stage_snapshot(self._pipeline()), answers))
+        elif answers is not None:
+            self._send(stats_message(None, answers))
 
 
 def _min_shm_size(it: Any) -> int:
