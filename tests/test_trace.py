@@ -211,3 +211,37 @@ def test_every_worker_process_appears_on_the_same_clock(
     # One clock: every worker span lies within the window the parent saw.
     end = max(s["ts"] + s["dur"] for s in main)
     assert all(0 <= s["ts"] <= end for s in spans)
+
+
+def _wide(x: int) -> np.ndarray:
+    return np.full(1 << 16, x, np.float32)  # batches of four go through shared memory
+
+
+@pytest.mark.parametrize("dispatch", [True, False], ids=["dispatching", "strided"])
+def test_workers_trace_their_sends_and_their_waits_for_the_parent(
+    dispatch: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Batches in shared memory need a credit each (a buffer of one): every worker waits for
+    # the parent at least once, and every wait and send is a span on its main thread, nested
+    # with its stages' spans, on the parent's clock.
+    from grain_core.dataset.mp import dispatch as mp_dispatch
+    from grain_core.dataset.mp.worker import SEND_SPAN, WAIT_SPAN
+
+    if not dispatch:
+        monkeypatch.setattr(mp_dispatch, "dispatchable", lambda *_: False)
+    ds = grain.MapDataset.range(32).map(_wide).to_iter_dataset(SYNC).batch(4)
+    options = grain.MultiprocessingOptions(num_workers=2, per_worker_buffer_size=1)
+    with Trace() as recording:
+        with iter(ds.mp_prefetch(options)) as it:
+            assert len(list(it)) == 8
+    events = recording.events()
+    validate_trace_events(events)  # nesting, per-thread order, named tracks
+    spans = _spans(events)
+    main = [s for s in spans if s["pid"] == os.getpid()]
+    end = max(s["ts"] + s["dur"] for s in main)
+    workers = {s["pid"] for s in spans} - {os.getpid()}
+    assert len(workers) == 2
+    for pid in workers:
+        own = {(s["name"], s["cat"]) for s in spans if s["pid"] == pid}
+        assert (SEND_SPAN, "transport") in own and (WAIT_SPAN, "wait") in own, own
+        assert all(0 <= s["ts"] <= end for s in spans if s["pid"] == pid)

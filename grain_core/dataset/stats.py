@@ -62,6 +62,7 @@ __all__ = [
     "StageSummary",
     "attach_worker_stages",
     "get_execution_summary",
+    "is_tracing",
     "is_tracking",
     "refresh_worker_stages",
     "time_stages",
@@ -453,6 +454,12 @@ def is_tracking(iterator: DatasetIterator[Any]) -> bool:
     """Whether ``iterator`` records stage timing (``STAGE_TIMING`` or ``STAGE_TRACING``)."""
     mode = iterator._ctx.dataset_options.execution_tracking_mode
     return mode is not ExecutionTrackingMode.DISABLED and "_stage_stats" in vars(iterator)
+
+
+def is_tracing(iterator: DatasetIterator[Any]) -> bool:
+    """Whether ``iterator`` also records trace spans (``STAGE_TRACING``)."""
+    mode = iterator._ctx.dataset_options.execution_tracking_mode
+    return mode is _TRACING and "_stage_stats" in vars(iterator)
 
 
 def worker_stage_snapshot(iterator: DatasetIterator[Any]) -> WorkerSnapshot:

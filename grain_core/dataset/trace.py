@@ -2,7 +2,9 @@
 
 ``Trace`` (``grain_core.experimental.Trace``) records, while it is open, one span per call of
 every stage of the pipelines built meanwhile: reads, each transform, batching, the parent's
-wait for its threads and worker processes, and the consumer's ``next``. ``Trace.save(path)``
+wait for its threads and worker processes, and the consumer's ``next``; in each worker process
+also every message it sends to the parent (category ``transport``) and every wait for the
+parent's credits or work (``wait``). ``Trace.save(path)``
 writes them in the trace-event format that ``ui.perfetto.dev`` and ``chrome://tracing`` open,
 with one track per process and thread.
 

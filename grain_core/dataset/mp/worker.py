@@ -6,7 +6,11 @@ An engine starts its workers with ``start_workers``, naming its entry point
 subclass of ``WorkerLoop``. The loop owns what both engines do alike: credits and the
 overdraft (``protocol``), sending elements (in shared memory or pickled), errors, warnings and
 stage statistics (before an error or the end, and whenever the parent asks: ``STATS_REQUEST``
-is answered by every worker, tracking or not, so the parent can wait for the answer). The engine's subclass says what producing means and which control messages
+is answered by every worker, tracking or not, so the parent can wait for the answer). A
+traced worker (``STAGE_TRACING``) also records spans of its own: each message it writes to the
+parent (``SEND_SPAN``, category ``transport``) and each wait for a control message, a credit
+or work (``WAIT_SPAN``, category ``wait``), on the clock and in the ring buffer of its stages'
+spans (``grain_core.dataset.trace``), so they travel with its statistics. The engine's subclass says what producing means and which control messages
 it takes.
 """
 
@@ -23,6 +27,7 @@ from grain_core import plugins
 from grain_core._ipc import shm
 from grain_core._ipc.errors import error_payload
 from grain_core._ipc.pool import WorkerPool, readiness_check
+from grain_core.dataset import trace
 from grain_core.dataset.mp.pickling import dumps, dumps_message, register_numpy_scalar_reducers
 from grain_core.dataset.mp.protocol import (
     OVERDRAFT_BYTES,
@@ -34,7 +39,7 @@ from grain_core.dataset.mp.protocol import (
     warning_message,
 )
 from grain_core.dataset.prefetch import read_inline_while_cpu_bound
-from grain_core.dataset.stats import is_tracking, worker_stage_snapshot
+from grain_core.dataset.stats import is_tracing, is_tracking, worker_stage_snapshot
 
 __all__ = [
     "GROUP_S",
@@ -51,6 +56,9 @@ WORKER_PRELOAD = ("grain_core.dataset.mp.rotation", "grain_core.dataset.mp.dispa
 #: Seconds a worker may spend gathering elements that need no shared memory into one message
 #: (the first of them waits that long for the others at most).
 GROUP_S = 0.0005
+#: Trace span names of a worker's own work: writing a message, waiting for the parent.
+SEND_SPAN = "send to the main process"
+WAIT_SPAN = "wait for the main process"
 
 
 class WorkerSpec:
@@ -138,6 +146,7 @@ class WorkerLoop:
         self._build_error: BaseException | None = None
         self._min_shm_size = shm.DEFAULT_MIN_SHM_SIZE
         self._tracking = False
+        self._thread_id = 0  # the main thread's, in trace spans
         self._control_ready = readiness_check(control)
         # Warnings from any thread of the worker, sent by the main thread (the only writer).
         self._warnings: collections.deque[tuple[Any, ...]] = collections.deque()
@@ -162,7 +171,7 @@ class WorkerLoop:
                     if self._warnings:
                         self._send_warnings()
                     self._ask_for_credit()
-                    self._take(pickle.loads(self._control.recv_bytes()))
+                    self._take(self._wait_for_control())
                     continue
                 while self._control_ready():
                     self._take(pickle.loads(self._control.recv_bytes()))
@@ -191,6 +200,11 @@ class WorkerLoop:
             self._build_error = e
             return
         self._tracking = is_tracking(self._pipeline())
+        if is_tracing(self._pipeline()):
+            # Chosen once: an untraced worker runs the plain methods, with no check.
+            self._thread_id = trace.register_thread()
+            self._write = self._write_traced  # type: ignore[method-assign]
+            self._wait_for_control = self._wait_for_control_traced  # type: ignore[method-assign]
 
     def _build_pipeline(self, ds: Any) -> None:
         """Builds the engine's iterator over the unpickled pipeline ``ds``."""
@@ -283,6 +297,23 @@ class WorkerLoop:
         if self._warnings:
             self._send_warnings()
         self._output.send_bytes(data)
+
+    def _write_traced(self, data: bytes) -> None:
+        start = trace.span_clock()
+        type(self)._write(self, data)
+        trace.record_span(
+            (self._thread_id, SEND_SPAN, "transport", start, trace.span_clock() - start)
+        )
+
+    def _wait_for_control(self) -> tuple[Any, ...]:
+        """Waits for the parent's next control message."""
+        return pickle.loads(self._control.recv_bytes())  # type: ignore[no-any-return]
+
+    def _wait_for_control_traced(self) -> tuple[Any, ...]:
+        start = trace.span_clock()
+        data = self._control.recv_bytes()
+        trace.record_span((self._thread_id, WAIT_SPAN, "wait", start, trace.span_clock() - start))
+        return pickle.loads(data)  # type: ignore[no-any-return]
 
     def _queue_warning(
         self,
