@@ -194,6 +194,7 @@ def test_every_worker_process_appears_on_the_same_clock(
     with Trace() as recording:
         with iter(ds.mp_prefetch(grain.MultiprocessingOptions(num_workers=2))) as it:
             assert len(list(it)) == 16
+        closed = trace.span_clock()  # the workers' last spans came before close returned
     events = recording.events()
     validate_trace_events(events)
     processes = {e["pid"]: e["args"]["name"] for e in events if e["name"] == "process_name"}
@@ -208,9 +209,10 @@ def test_every_worker_process_appears_on_the_same_clock(
         assert any(n.startswith("MapMapDataset(transform=_double") for n in names), names
     main = [s for s in spans if s["pid"] == os.getpid()]
     assert {s["cat"] for s in main} >= {"transport"}
-    # One clock: every worker span lies within the window the parent saw.
-    end = max(s["ts"] + s["dur"] for s in main)
-    assert all(0 <= s["ts"] <= end for s in spans)
+    # One clock: every span lies between the trace's start and the iterator's close.
+    assert recording.start_ns is not None
+    end = (closed - recording.start_ns) / 1000
+    assert all(0 <= s["ts"] and s["ts"] + s["dur"] <= end for s in spans)
 
 
 def _wide(x: int) -> np.ndarray:
@@ -221,9 +223,10 @@ def _wide(x: int) -> np.ndarray:
 def test_workers_trace_their_sends_and_their_waits_for_the_parent(
     dispatch: bool, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    # Batches in shared memory need a credit each (a buffer of one): every worker waits for
-    # the parent at least once, and every wait and send is a span on its main thread, nested
-    # with its stages' spans, on the parent's clock.
+    # Every worker waits for the parent at least once (after its last element, until the
+    # iterator closes and asks for its last spans; batches in shared memory with a buffer of
+    # one also wait for credits), and every wait and send is a span on its main thread,
+    # nested with its stages' spans, on the parent's clock.
     from grain_core.dataset.mp import dispatch as mp_dispatch
     from grain_core.dataset.mp.worker import SEND_SPAN, WAIT_SPAN
 
@@ -234,14 +237,15 @@ def test_workers_trace_their_sends_and_their_waits_for_the_parent(
     with Trace() as recording:
         with iter(ds.mp_prefetch(options)) as it:
             assert len(list(it)) == 8
+        closed = trace.span_clock()
     events = recording.events()
     validate_trace_events(events)  # nesting, per-thread order, named tracks
     spans = _spans(events)
-    main = [s for s in spans if s["pid"] == os.getpid()]
-    end = max(s["ts"] + s["dur"] for s in main)
+    assert recording.start_ns is not None
+    end = (closed - recording.start_ns) / 1000
     workers = {s["pid"] for s in spans} - {os.getpid()}
     assert len(workers) == 2
     for pid in workers:
         own = {(s["name"], s["cat"]) for s in spans if s["pid"] == pid}
         assert (SEND_SPAN, "transport") in own and (WAIT_SPAN, "wait") in own, own
-        assert all(0 <= s["ts"] <= end for s in spans if s["pid"] == pid)
+        assert all(0 <= s["ts"] and s["ts"] + s["dur"] <= end for s in spans if s["pid"] == pid)

@@ -495,10 +495,10 @@ class RotationIterator(DatasetIterator[Any]):
     def close(self) -> None:
         if self._closed:
             return
-        if self._pool is not None and not self._exhausted and "_stage_stats" in vars(self):
-            # Tracked: the worker's last statistics and trace spans reach the parent (at its
-            # end they came before END). A worker busy in a long function gets the time
-            # shutting it down would give it.
+        if self._pool is not None and "_stage_stats" in vars(self):
+            # Tracked: the worker's last statistics and trace spans reach the parent (its wait
+            # since END included). A worker busy in a long function gets the time shutting it
+            # down would give it.
             self.request_worker_stages()
             self.receive_worker_stages(time.monotonic() + STOP_TIMEOUT_S)
         if self._finalizer is not None:
