@@ -8,6 +8,7 @@ import errno
 import gc
 import os
 import pickle
+import subprocess
 import sys
 
 import numpy as np
@@ -56,6 +57,39 @@ def test_unlink_on_del_frees_the_block() -> None:
     del view
     gc.collect()
     assert not _exists(name)
+
+
+_FORK_SCRIPT = """
+import gc
+import os
+
+import numpy as np
+
+from grain_core.multiprocessing import SharedMemoryArray
+
+arr = SharedMemoryArray(16, np.int64)
+path = "/dev/shm/" + arr.metadata.name.lstrip("/")
+arr.unlink_on_del()
+pid = os.fork()
+if pid == 0:
+    del arr
+    gc.collect()  # the child's finalizer runs here, and must leave the block alone
+    os._exit(0 if os.path.exists(path) else 1)
+_, status = os.waitpid(pid, 0)
+print(os.waitstatus_to_exitcode(status), os.path.exists(path))
+del arr
+gc.collect()
+print(os.path.exists(path))
+"""
+
+
+def test_a_forked_childs_copy_of_an_array_leaves_the_block_to_the_parent() -> None:
+    # In a fresh interpreter: forking this one, with JAX's threads, could deadlock the child.
+    out = subprocess.run(
+        [sys.executable, "-c", _FORK_SCRIPT], capture_output=True, text=True, timeout=60
+    )
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["0", "True", "False"]
 
 
 def test_without_unlink_on_del_only_the_mapping_goes() -> None:

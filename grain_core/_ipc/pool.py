@@ -38,6 +38,7 @@ import signal
 import sys
 import threading
 import time
+import weakref
 from collections.abc import Callable, Sequence
 from multiprocessing import forkserver, popen_forkserver, reduction, spawn, util
 from typing import Any, Protocol
@@ -157,6 +158,20 @@ def _restore_environ(values: dict[str, str | None]) -> None:
 _FORKSERVER = _WorkerForkServer()
 
 
+def _forkserver_after_fork_in_child() -> None:
+    """A process forked from the parent starts its own forkserver when it starts workers:
+    the parent's is not its child (it cannot wait for it), and its copy of the forkserver's
+    "alive" pipe would keep the parent's server running after the parent exits."""
+    global _FORKSERVER
+    alive_fd = getattr(_FORKSERVER, "_forkserver_alive_fd", None)
+    if alive_fd is not None:
+        try:
+            os.close(alive_fd)
+        except OSError:
+            pass
+    _FORKSERVER = _WorkerForkServer()
+
+
 class _Popen(popen_forkserver.Popen):
     """Starts a process from our forkserver without re-importing the parent's ``__main__``."""
 
@@ -173,7 +188,7 @@ class _Popen(popen_forkserver.Popen):
             mp_context.set_spawning_popen(None)
         self.sentinel, w = _FORKSERVER.connect_to_new_process(self._fds)  # type: ignore[attr-defined]
         # The child watches this pipe to learn that the parent died.
-        parent_w = os.dup(w)
+        parent_w = self.parent_watch_fd = os.dup(w)
         self.finalizer = util.Finalize(self, util.close_fds, (parent_w, self.sentinel))  # type: ignore[attr-defined]
         with open(w, "wb", closefd=True) as f:
             f.write(buf.getbuffer())
@@ -342,6 +357,8 @@ class WorkerPool:
         preload: Sequence[str] = (),
     ) -> None:
         self._closed = False
+        #: The process whose workers these are; another one is a child forked from it.
+        self._owner_pid = os.getpid()
         self._procs: list[Any] = []
         self._controls: list[Any] = []
         self._outputs: list[Any] = []
@@ -384,7 +401,10 @@ class WorkerPool:
         except BaseException:
             self.shutdown()
             raise
-        self._poller = _WorkersPoller(self._outputs, [proc.sentinel for proc in self._procs])
+        self._poller: _WorkersPoller | _EndedWorkers = _WorkersPoller(
+            self._outputs, [proc.sentinel for proc in self._procs]
+        )
+        _LIVE_POOLS.add(self)
 
     @staticmethod
     def new_prefix(index: int) -> str:
@@ -443,6 +463,13 @@ class WorkerPool:
 
     def _died(self, index: int) -> WorkerDiedError:
         proc = self._procs[index]
+        if self._owner_pid != os.getpid():
+            return WorkerDiedError(
+                f"Worker process {self._labels[index]} (pid {proc.pid}) belongs to process "
+                f"{self._owner_pid}, which forked this process: a forked process cannot use "
+                "its parent's iterator. Create a new iterator in this process (it starts its "
+                "own workers)."
+            )
         proc.join(timeout=5)
         code = proc.exitcode
         shm.unlink_prefix(self._prefixes[index])
@@ -482,6 +509,32 @@ class WorkerPool:
             if proc.exitcode is not None:
                 proc.close()
 
+    def _leave_to_parent(self) -> None:
+        """Makes this pool inert in a process forked from its owner: the workers, their pipes
+        and shared memory stay the parent's. The child closes only its copies of the pipes (so
+        a worker still sees its control pipe close, and the parent's death, when the parent
+        stops or dies while the child lives on), never stops, kills, reaps or reads from a
+        worker, and never unlinks a block; using the pool raises ``_died``'s error."""
+        if self._closed:
+            return
+        self._closed = True
+        for proc in self._procs:
+            # multiprocessing's exit hook in the child would otherwise terminate and join
+            # every "child" it lists, the parent's workers included (and read their exit
+            # status from the parent's sentinel pipe). There is no public way to forget one.
+            multiprocessing.process._children.discard(proc)  # type: ignore[attr-defined]
+            for fd in (proc.sentinel, getattr(proc._popen, "parent_watch_fd", None)):
+                if fd is not None:
+                    try:
+                        os.close(fd)
+                    except OSError:
+                        pass
+        for conn in (*self._controls, *self._outputs):
+            conn.close()
+        # Every later wait answers at once: each worker "ended", i.e. ``_died``'s error.
+        self._output_ready = [_always_ready] * len(self._outputs)
+        self._poller = _EndedWorkers(len(self._outputs))
+
     def _drain_until_exit(self, deadline: float) -> None:
         # A worker blocked writing a large message exits only once that message is read.
         running = dict(zip(self._outputs, self._procs, strict=True))
@@ -502,3 +555,32 @@ class WorkerPool:
                 except (EOFError, OSError):
                     running[conn].join(timeout=max(deadline - time.monotonic(), 0))
                     del running[conn]
+
+
+def _always_ready() -> bool:
+    return True
+
+
+class _EndedWorkers:
+    """The poller of a pool left to the parent after a fork: every worker has ended."""
+
+    def __init__(self, count: int) -> None:
+        self._all = list(range(count))
+
+    def poll(self, timeout: float | None) -> tuple[list[int], list[int]]:
+        return [], self._all
+
+
+#: Pools with workers of this process: a forked child makes each inert (``_leave_to_parent``).
+_LIVE_POOLS: weakref.WeakSet[WorkerPool] = weakref.WeakSet()
+
+
+def _after_fork_in_child() -> None:
+    _forkserver_after_fork_in_child()
+    for pool in list(_LIVE_POOLS):
+        pool._leave_to_parent()
+    _LIVE_POOLS.clear()
+
+
+if hasattr(os, "register_at_fork"):  # POSIX
+    os.register_at_fork(after_in_child=_after_fork_in_child)

@@ -308,6 +308,25 @@ class _AsyncDeleter:
 _deleter = _AsyncDeleter()
 
 
+def _unlink_if_owner(owner_pid: int, name: str) -> None:
+    if os.getpid() == owner_pid:
+        _deleter.unlink(name)
+
+
+def _after_fork_in_child() -> None:
+    """A forked child owns none of its parent's blocks: it names new ones after itself, and
+    neither recycles a worker's pool (the worker's blocks) nor queues deletions to the
+    parent's deleting threads (which the child does not have)."""
+    global _name_prefix, _pool, _deleter
+    _name_prefix = f"gc{os.getpid():x}{secrets.token_hex(3)}_"
+    _pool = None
+    _deleter = _AsyncDeleter()
+
+
+if hasattr(os, "register_at_fork"):  # POSIX
+    os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
 class SharedMemoryArray(np.ndarray):  # type: ignore[type-arg]
     """A NumPy array whose buffer is a POSIX shared-memory block.
 
@@ -394,10 +413,11 @@ class SharedMemoryArray(np.ndarray):  # type: ignore[type-arg]
         return cls._over(shm.buf, name, tuple(shape), np.dtype(dtype))
 
     def unlink_on_del(self) -> None:
-        """Frees the block when this array is garbage-collected."""
+        """Frees the block when this array is garbage-collected (in this process: a forked
+        child's copy of the array leaves the block to its parent)."""
         name = self._shm_name
         if name is not None:
-            weakref.finalize(self, _deleter.unlink, name)
+            weakref.finalize(self, _unlink_if_owner, os.getpid(), name)
 
     @classmethod
     def enable_async_del(cls, num_threads: int = 1, max_outstanding_requests: int = 50) -> None:
