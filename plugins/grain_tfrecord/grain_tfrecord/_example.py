@@ -12,11 +12,15 @@ A small codec of the protobuf wire format of the published schema::
     BytesList { repeated bytes value = 1; }   FloatList { repeated float value = 1; }
     Int64List { repeated int64 value = 1; }
 
-Packed floats decode with one ``np.frombuffer``, short packed integer lists in a Python loop
-and long ones with the protobuf runtime's C parser where it is installed (NumPy otherwise).
-Measured against the protobuf runtime (published schema, then the same conversion to NumPy;
-``benchmarks/bench_example.py``), the codec is faster on Examples of scalars and short
-lists and on long float lists, and decoding long integer lists in C closes the gap there;
+Float lists decode with one ``np.frombuffer``. Integer lists, whose varints a Python loop
+reads slowly, go to the protobuf runtime's C parser where it is installed (``upb`` or
+``cpp``), from one value up, except a packed run of one-byte values, which NumPy reads
+directly; without protobuf, short lists decode in a Python loop and long ones with NumPy.
+Where protobuf refuses an integer list, the codec's own parser reads it again to name the
+fault and the feature. Measured per record against the protobuf runtime (published schema,
+then the conversion to NumPy; ``benchmarks/bench_example.py``), the codec is faster on
+Examples of scalars, of short integer lists and of long float lists, and on par with it on
+long integer lists (the same C parse and conversion, plus the codec's framing in Python);
 it needs no protobuf and names the feature in its errors. For a batch of records,
 :func:`grain_tfrecord.parse_example_batch` is several times faster still.
 
@@ -64,6 +68,11 @@ _LE_FLOAT32 = np.dtype("<f4")
 _SEVEN_BITS = np.arange(10, dtype=np.uint64) * np.uint64(7)
 # Packed varint lists up to this many bytes decode faster in a Python loop than with NumPy.
 _SHORT_VARINTS = 96
+# Where the protobuf runtime's C parser is installed, it decodes every int64_list but one
+# packed run of one-byte values longer than this, which NumPy reads directly; it is faster
+# for every other shape, from one value up (benchmarks/bench_example.py).
+_ONE_BYTE_RUN_MIN_BYTES = 8
+_FROMITER_MAX_VALUES = 48
 
 Parsed = tuple[int, np.ndarray | None]  # (kind, values); kind 0 = a Feature with no list set
 
@@ -572,6 +581,15 @@ def _parse_float_list(buf: bytes, pos: int, end: int) -> np.ndarray:
 
 
 def _parse_int64_list(buf: bytes, pos: int, end: int) -> np.ndarray:
+    parse = _compiled_int64_list()
+    if parse is not None:
+        if end - pos > _ONE_BYTE_RUN_MIN_BYTES and buf[pos] == 0x0A:
+            start, stop = _length(buf, pos + 1, end)
+            if stop == end and buf[start:stop].isascii():  # one packed run of one-byte values
+                return np.frombuffer(buf, np.uint8, stop - start, start).astype(np.int64)
+        values = parse(buf[pos:end])
+        if values is not None:
+            return values
     chunks = []
     while pos < end:
         tag = buf[pos]
@@ -601,9 +619,6 @@ def _packed_varints(packed: bytes) -> np.ndarray:
     if packed[-1] >= 0x80:
         raise _Malformed("a packed int64_list ends inside a varint")
     if len(packed) > _SHORT_VARINTS:
-        parse = _compiled_int64_list()
-        if parse is not None:
-            return parse(packed)
         return decode_varints(np.frombuffer(packed, np.uint8)).view(np.int64)
     values = []
     value = shift = 0
@@ -639,10 +654,10 @@ def decode_varints(raw: np.ndarray) -> np.ndarray:
 
 
 @functools.cache
-def _compiled_int64_list() -> Callable[[bytes], np.ndarray] | None:
-    """The protobuf runtime's compiled parser for packed int64 lists, or None where protobuf
-    is absent or pure Python. Its C varint loop decodes long lists of multi-byte values
-    3-4x faster than NumPy can (``benchmarks/bench_tfrecord.py``)."""
+def _compiled_int64_list() -> Callable[[bytes], np.ndarray | None] | None:
+    """The protobuf runtime's compiled parser of an ``Int64List`` message, or None where
+    protobuf is absent or pure Python. The parser returns None for a message protobuf
+    refuses: the codec's own parser then finds the fault and names it."""
     try:
         # optional dependency: protobuf is only used where installed
         from google.protobuf.internal import api_implementation  # type: ignore[import-untyped]
@@ -653,12 +668,17 @@ def _compiled_int64_list() -> Callable[[bytes], np.ndarray] | None:
         return None
     from_string = example_message_classes().Int64List.FromString
 
-    def parse(packed: bytes) -> np.ndarray:
+    def parse(message: bytes) -> np.ndarray | None:
         try:
-            message = from_string(b"\x0a" + _varint_bytes(len(packed)) + packed)
+            values = from_string(message).value
         except DecodeError:
-            raise _Malformed("a varint in an int64_list is longer than 10 bytes") from None
-        return np.array(message.value, dtype=np.int64)
+            return None
+        count = len(values)
+        # np.array costs about 2 us whatever the length (it probes the container's type
+        # first); np.fromiter costs 0.35 us plus 35 ns a value.
+        if count < _FROMITER_MAX_VALUES:
+            return np.fromiter(values, np.int64, count)
+        return np.array(values, dtype=np.int64)
 
     return parse
 
