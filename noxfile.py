@@ -8,14 +8,15 @@ tests-remote`` runs only the object-storage tests (against moto's S3 server, whi
 
 ``tests-core`` and ``tests-all`` run once per supported CPython (the ``Programming Language ::
 Python :: 3.X`` classifiers of pyproject.toml), e.g. ``tests-all-3.13``; the worker engine
-builds on parts of the standard library that change between versions. A version that is not
+builds on parts of the standard library that change between versions (its slowest test
+modules run once, in ``tests-all`` on the newest version). A version that is not
 installed here is skipped, and nox says so (``Python interpreter 3.12 not found``); under CI
 (``CI`` set) a missing one fails instead. Interpreters are found on ``PATH``; on a pyenv
 machine every installed version of a supported series is made visible to the sessions.
 
 Test selection is by installed packages, not by markers: tests of plugin ``x`` live in
 ``tests/test_<x>*.py`` and start with ``pytest.importorskip("grain_<x>")``, so
-``tests-core`` runs the whole suite and they skip there. Extra arguments go to pytest:
+``tests-core`` runs the suite and they skip there. Extra arguments go to pytest:
 ``nox -s tests-core -- -k sharding``.
 """
 
