@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import functools
+import itertools
 import os
 import sys
 import threading
@@ -741,23 +742,40 @@ def _worker_loop_in_thread(
     assert not thread.is_alive()
 
 
-def _results(output: Any, count: int) -> list[Any]:
+_FENCES = itertools.count(1)
+
+
+def _results(control: Callable[..., None], output: Any, count: int) -> list[Any]:
     """The next ``count`` results a worker sends (ints; for other results, their message
-    kind), after which it sends no result for 0.3 s."""
+    kind), after which it sends none until it has answered two statistics requests: it reads
+    control messages between two steps of its loop, so a result it should not send comes
+    before the second answer."""
     import pickle
 
     results: list[Any] = []
-    deadline = time.monotonic() + 10
-    while output.poll(max(0.0, deadline - time.monotonic()) if len(results) < count else 0.3):
-        _, kind, value, *_ = pickle.loads(output.recv_bytes())
+
+    def take(message: tuple[Any, ...]) -> int | None:
+        """Files a result; returns the number of the request a statistics message answers."""
+        generation, kind, value, extra, *_ = message
+        if generation == STATS_GENERATION and kind == STATS:
+            return int(extra)
         if kind == WANTS_CREDIT:  # strict rotation, about to wait: not a result
-            continue
+            return None
         if kind == PICKLED_ELEMENTS:  # strict rotation: each with its state
             results.extend(pickle.loads(blob)[0] for blob in value)
         else:
             results.extend(value if kind == ELEMENTS else [value if kind == ELEMENT else kind])
-        assert len(results) <= count, "more results than allowed"
-    assert len(results) == count, f"{results} of {count}"
+        assert len(results) <= count, f"more results than allowed: {results}"
+        return None
+
+    with fails_after(60):
+        while len(results) < count:
+            take(pickle.loads(output.recv_bytes()))
+        for _ in range(2):
+            number = next(_FENCES)
+            control(stats_request_message(number))
+            while take(pickle.loads(output.recv_bytes())) != number:
+                pass
     return results
 
 
@@ -784,7 +802,7 @@ def test_a_worker_computes_its_assigned_positions_while_it_has_no_credit(
         assert log.read_text().split() == [str(x) for x in range(8)]  # the read-ahead only
         assert not output.poll()  # nothing sent without a credit
         control(assign_message(0, [], 3, []))
-        assert _results(output, 3) == [0, 1, 2]  # computed ahead: it goes out at once
+        assert _results(control, output, 3) == [0, 1, 2]  # computed ahead: it goes out at once
 
 
 def _answer(output: Any, number: int) -> Any:
@@ -792,11 +810,11 @@ def _answer(output: Any, number: int) -> Any:
     it is skipped)."""
     import pickle
 
-    while output.poll(10):
-        generation, kind, value, extra, *_ = pickle.loads(output.recv_bytes())
-        if generation == STATS_GENERATION and kind == STATS and extra == number:
-            return value
-    raise AssertionError(f"no answer to statistics request {number}")
+    with fails_after(60):
+        while True:
+            generation, kind, value, extra, *_ = pickle.loads(output.recv_bytes())
+            if generation == STATS_GENERATION and kind == STATS and extra == number:
+                return value
 
 
 @pytest.mark.parametrize("tracked", [False, True], ids=["untracked", "tracked"])
@@ -861,9 +879,9 @@ def test_small_results_go_beyond_the_credits_within_the_overdraft(
     ):
         if dispatch:
             control(assign_message(0, [(0, 0, 200)], 0, []))
-        sent = _results(output, overdraft)
+        sent = _results(control, output, overdraft)
         control(assign_message(0, [], 3, []) if dispatch else credit_message(3, []))
-        sent += _results(output, 3)
+        sent += _results(control, output, 3)
         if result == "int":
             assert sent == list(range(overdraft + 3))
 
@@ -921,9 +939,9 @@ def test_results_too_big_to_overdraw_a_few_are_pickled_once(
     ds = grain.MapDataset.range(20).map(_MakeLoggedPickle(str(log))).to_iter_dataset()
     with _worker_loop_in_thread(ds, 1, monkeypatch) as (control, output):
         control(assign_message(0, [(0, 0, 20)], 0, []))
-        _results(output, 1)
+        _results(control, output, 1)
         control(assign_message(0, [], 3, []))  # the first covers the result overdrawn
-        _results(output, 2)
+        _results(control, output, 2)
     assert log.read_text().split() == ["0", "0", "1", "2"]
 
 

@@ -6,6 +6,7 @@ import collections
 import functools
 import gc
 import multiprocessing
+import multiprocessing.connection
 import os
 import pickle
 import re
@@ -597,13 +598,26 @@ def test_a_worker_exiting_in_user_code_delivers_what_it_sent_first(
     ds = grain.MapDataset.range(4).map(_exit_at_one).to_iter_dataset()
     grain.config.update("py_mp_prefetch_dispatch", dispatch)
     try:
-        with iter(ds.mp_prefetch(_opts(1, buffer=2))) as it:
-            time.sleep(0.5)  # the worker has sent element 0 and exited
+        with iter(ds.mp_prefetch(_opts(1, buffer=2))) as it, fails_after(60):
+            it.start_prefetch()
+            # The worker has sent element 0 and exited before the parent reads anything.
+            multiprocessing.connection.wait([p.sentinel for p in _worker_processes(it)])
             assert float(next(it)[0]) == 0.0
             with pytest.raises(ipc_errors.WorkerDiedError, match="exit code 3"):
                 next(it)
     finally:
         grain.config.update("py_mp_prefetch_dispatch", True)
+
+
+def _worker_processes(it: Any) -> list[Any]:
+    """The processes of a started mp_prefetch iterator's workers."""
+    pools = []
+    for merge_input in it._iters:
+        if isinstance(merge_input, rotation.RotationIterator):
+            pools.append(merge_input._pool)
+        else:
+            pools.append(merge_input._dispatcher._pool)
+    return [proc for pool in {id(p): p for p in pools}.values() for proc in pool._procs]
 
 
 class _SignalSelfOnThree:

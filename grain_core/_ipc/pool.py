@@ -471,8 +471,9 @@ class WorkerPool:
                 "own workers)."
             )
         proc.join(timeout=5)
+        # Its blocks stay until shutdown: elements it sent before may not be mapped yet (the
+        # dispatching parent holds results ahead of the consumer).
         code = proc.exitcode
-        shm.unlink_prefix(self._prefixes[index])
         how = f"exit code {code}"
         hint = ""
         if code is not None and code < 0:

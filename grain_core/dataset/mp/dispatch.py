@@ -44,6 +44,7 @@ for its position and the worker goes on with the next one.
 from __future__ import annotations
 
 import collections
+import contextlib
 import pickle
 import time
 import weakref
@@ -433,7 +434,10 @@ class PositionDispatcher:
             self._consumed[worker] += 1
             due = self._consumed[worker] + self._ahead - self._granted[worker]
             if due >= self._credit_batch[worker]:
-                self._pump(block=False)  # credits due: the worker may be waiting for them
+                # Credits due: the worker may be waiting for them. A worker found ended here
+                # is reported by the next call (``self.error``), after this element.
+                with contextlib.suppress(WorkerDiedError, UnreadableElementError):
+                    self._pump(block=False)
             if not self._allow_nones:
                 counts = self._filter_counts[cls]
                 counts[0] += 1
