@@ -266,6 +266,7 @@ def _provides_text(report: plugins.PluginReport) -> str:
         "formats": "formats",
         "shuffle_strategies": "shuffle",
         "sharding_policies": "sharding",
+        "worker_backends": "workers",
         "exports": "exports",
     }
     return "; ".join(

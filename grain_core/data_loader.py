@@ -393,6 +393,9 @@ class DataLoader:
       shard_options: This process's shard; default: the sampler's.
       read_options: Threads and read-ahead for reading records.
       enable_profiling: Accepted for compatibility (no effect).
+      worker_backend: Where the workers run: ``"local"`` processes, or a worker backend
+        (``"ray"`` with ``grainpipe-ray``): see ``MultiprocessingOptions.backend``. The
+        output and the checkpoints are the same.
 
     Raises:
       ValueError: For negative counts, missing shard options, or a random operation with a
@@ -411,6 +414,7 @@ class DataLoader:
         shard_options: ShardOptions | None = None,
         read_options: ReadOptions | None = None,
         enable_profiling: bool = False,
+        worker_backend: str | Any = "local",
     ) -> None:
         if worker_count is None:
             worker_count = os.cpu_count()
@@ -437,6 +441,7 @@ class DataLoader:
         self._shard_options = shard_options
         self._read_options = read_options or ReadOptions()
         self._enable_profiling = enable_profiling
+        self._worker_backend = worker_backend
         self._index_layout = all(
             isinstance(op, (*_ONE_TO_ONE, transforms.Batch)) for op in operations
         )
@@ -452,6 +457,7 @@ class DataLoader:
             num_workers=self._worker_count,
             per_worker_buffer_size=self._worker_buffer_size,
             enable_profiling=self._enable_profiling,
+            backend=self._worker_backend,
         )
 
     def _dataset_for(self, index_layout: bool) -> IterDataset[Any]:
@@ -485,7 +491,10 @@ class DataLoader:
         )
         #: Records in this shard: the last batch of the index layout may be partial.
         self._shard_records = len(records)
-        shm_batch_at = _last_batch_position(self._operations) if self._worker_count else -1
+        # A batch sent to the parent through pipes is written into shared memory; a backend's
+        # workers send theirs their own way.
+        local_workers = self._worker_count and self._worker_backend == "local"
+        shm_batch_at = _last_batch_position(self._operations) if local_workers else -1
         if index_layout:
             ds: Any = records
             for position, op in enumerate(self._operations):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import warnings
+from typing import Any
 
 from grain_core._checks import non_negative_int
 
@@ -51,17 +52,28 @@ class MultiprocessingOptions:
         per element); 0 means no read-ahead at all.
       enable_profiling: accepted for API compatibility; use ``DatasetOptions`` execution
         tracking for per-stage timing.
+      backend: where the workers run: ``"local"`` (processes on this host), the name of a
+        worker backend a plugin registers (``"ray"``: Ray actors, from ``grainpipe-ray``), or
+        a ``grain_core.plugins.WorkerBackend`` object (e.g. ``grain_ray.RayBackend(...)``
+        with placement options). Output and checkpoints are the same on every backend;
+        ``num_workers`` still says how the output is laid out.
 
     Raises:
-      ValueError: if a count is negative.
+      ValueError: if a count is negative or ``backend`` is an empty name.
     """
 
     num_workers: int = 0
     per_worker_buffer_size: int = 1
     enable_profiling: bool = False
+    backend: str | Any = "local"
 
     def __post_init__(self) -> None:
         non_negative_int("MultiprocessingOptions.num_workers", self.num_workers)
         non_negative_int(
             "MultiprocessingOptions.per_worker_buffer_size", self.per_worker_buffer_size
         )
+        if self.backend == "":
+            raise ValueError(
+                'MultiprocessingOptions.backend must be "local", a worker backend name or '
+                "a WorkerBackend object, got an empty name."
+            )

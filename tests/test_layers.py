@@ -18,6 +18,7 @@ FORMAT_PLUGINS = [
     ROOT / "plugins" / "grain_arrayrecord" / "grain_arrayrecord",
     ROOT / "plugins" / "grain_parquet" / "grain_parquet",
     ROOT / "plugins" / "grain_tfrecord" / "grain_tfrecord",
+    ROOT / "plugins" / "grain_ray" / "grain_ray",
     ROOT / "tests" / "plugin_jsonl" / "grain_jsonl",
 ]
 TRANSPORT = "grain_core._ipc"

@@ -47,10 +47,12 @@ def error_payload(error: BaseException) -> ErrorPayload:
     return _pickled_error(error), name, str(error), tb
 
 
-def remote_error(payload: ErrorPayload, index: int, count: int) -> BaseException:
+def remote_error(
+    payload: ErrorPayload, index: int, count: int, where: str | None = None
+) -> BaseException:
     """The exception worker ``index`` of ``count`` sent (``error_payload``), with its type
     when it can be unpickled here (else a ``RuntimeError`` naming it), noted with the worker's
-    traceback."""
+    traceback and ``where`` it ran (default: a local worker process)."""
     exc_bytes, type_name, message, tb = payload
     error: BaseException | None = None
     if exc_bytes is not None:
@@ -60,9 +62,9 @@ def remote_error(payload: ErrorPayload, index: int, count: int) -> BaseException
             error = None
     if error is None:
         error = RuntimeError(f"{type_name}: {message}")
-    error.add_note(
-        f"Raised in mp_prefetch worker process {index} of {count}. Worker traceback:\n{tb}"
-    )
+    if where is None:
+        where = f"mp_prefetch worker process {index} of {count}"
+    error.add_note(f"Raised in {where}. Worker traceback:\n{tb}")
     return error
 
 

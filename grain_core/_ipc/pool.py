@@ -53,6 +53,7 @@ __all__ = [
     "WorkerPool",
     "readiness_check",
     "worker_glibc_tunables",
+    "worker_jax_platforms",
 ]
 
 
@@ -67,6 +68,13 @@ class PooledWorker(Protocol):
 #: Environment variable a worker gets for ``JAX_PLATFORMS`` unless the parent sets
 #: ``GRAIN_CORE_WORKER_JAX_PLATFORMS``: workers never claim an accelerator by default.
 _WORKER_JAX_PLATFORMS_ENV = "GRAIN_CORE_WORKER_JAX_PLATFORMS"
+
+
+def worker_jax_platforms() -> str:
+    """The ``JAX_PLATFORMS`` every worker gets, local or remote: ``cpu`` unless the parent
+    sets ``GRAIN_CORE_WORKER_JAX_PLATFORMS``."""
+    return os.environ.get(_WORKER_JAX_PLATFORMS_ENV, "cpu")
+
 
 # ---------------------------------------------------------------------------------- starting
 #: glibc's environment variable for its tunables, read once when a program starts.
@@ -379,7 +387,7 @@ class WorkerPool:
             _FORKSERVER.set_forkserver_preload(list(preload))
         setup = _ProcessSetup(
             environ={name: os.environ.get(name) for name in _IMPORT_PATH_ENV},
-            jax_platforms=os.environ.get(_WORKER_JAX_PLATFORMS_ENV, "cpu"),
+            jax_platforms=worker_jax_platforms(),
         )
         try:
             for spec in specs:

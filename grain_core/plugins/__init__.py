@@ -1,8 +1,10 @@
-"""The plugin system: formats, shuffle strategies and sharding policies from entry points.
+"""The plugin system: formats, shuffle strategies, sharding policies and worker backends from
+entry points.
 
 A plugin is a module named by an entry point in the ``grain_core`` group whose
 :func:`hookimpl`-marked functions register typed objects (:class:`FormatSpec`,
-:class:`ShuffleStrategy`, :class:`ShardingPolicy`). See ``docs/writing-a-plugin.md``.
+:class:`ShuffleStrategy`, :class:`ShardingPolicy`, :class:`WorkerBackend`). See
+``docs/writing-a-plugin.md``.
 
 Environment:
   GRAIN_CORE_PLUGINS: comma-separated plugin names to load; empty loads none (the
@@ -33,9 +35,11 @@ from grain_core.plugins._manager import (
     get_format,
     get_sharding_policy,
     get_shuffle_strategy,
+    get_worker_backend,
     list_formats,
     list_sharding_policies,
     list_shuffle_strategies,
+    list_worker_backends,
     loaded_plugin_names,
     registry,
     reset,
@@ -48,6 +52,10 @@ from grain_core.plugins._specs import (
     RecordWriter,
     ShardingPolicy,
     ShuffleStrategy,
+    WorkerBackend,
+    WorkerGroup,
+    WorkerJob,
+    WorkerLostError,
 )
 from grain_core.plugins.hookspecs import hookimpl
 
@@ -72,14 +80,20 @@ __all__ = [
     "ShardingPolicy",
     "ShuffleStrategy",
     "UnknownPluginObjectError",
+    "WorkerBackend",
+    "WorkerGroup",
+    "WorkerJob",
+    "WorkerLostError",
     "format_for_path",
     "get_format",
     "get_sharding_policy",
     "get_shuffle_strategy",
+    "get_worker_backend",
     "hookimpl",
     "list_formats",
     "list_sharding_policies",
     "list_shuffle_strategies",
+    "list_worker_backends",
     "loaded_plugin_names",
     "registry",
     "reset",

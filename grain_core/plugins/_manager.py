@@ -35,6 +35,7 @@ from grain_core.plugins._specs import (
     FormatSpec,
     ShardingPolicy,
     ShuffleStrategy,
+    WorkerBackend,
     check_object_name,
     path_for_matching,
 )
@@ -53,9 +54,11 @@ __all__ = [
     "get_format",
     "get_sharding_policy",
     "get_shuffle_strategy",
+    "get_worker_backend",
     "list_formats",
     "list_sharding_policies",
     "list_shuffle_strategies",
+    "list_worker_backends",
     "loaded_plugin_names",
     "registry",
     "reset",
@@ -83,7 +86,8 @@ _SHUFFLES = _Kind(
 _SHARDINGS = _Kind(
     "sharding_policies", "sharding policy", "register_sharding_policies", ShardingPolicy
 )
-_KINDS = (_FORMATS, _SHUFFLES, _SHARDINGS)
+_BACKENDS = _Kind("worker_backends", "worker backend", "register_worker_backends", WorkerBackend)
+_KINDS = (_FORMATS, _SHUFFLES, _SHARDINGS, _BACKENDS)
 # Public names from FormatSpec.exports, keyed "module.Name", share the conflict rules.
 _EXPORTS = _Kind("exports", "public name", "", object)
 
@@ -141,7 +145,7 @@ class PluginReport:
       traceback: Full traceback when failed.
       hooks: Hooks the plugin implements.
       provides: Registered names by kind (``formats``, ``shuffle_strategies``,
-        ``sharding_policies``, ``exports``).
+        ``sharding_policies``, ``worker_backends``, ``exports``).
     """
 
     name: str
@@ -510,6 +514,33 @@ def list_shuffle_strategies() -> list[ShuffleStrategy]:
 def list_sharding_policies() -> list[ShardingPolicy]:
     """Returns the installed sharding policies, by name."""
     return registry().objects(_SHARDINGS.key)
+
+
+def list_worker_backends() -> list[WorkerBackend]:
+    """Returns the installed worker backends, by name."""
+    return registry().objects(_BACKENDS.key)
+
+
+#: The project's own worker backends: the distribution that provides each.
+_FIRST_PARTY_BACKENDS = {"ray": _FirstParty("grainpipe-ray", "grain_ray", (), ("RayBackend",))}
+
+
+def get_worker_backend(name: str) -> WorkerBackend:
+    """Returns the worker backend called ``name`` (``"ray"``, ...).
+
+    Raises:
+      MissingPluginError: If it is a first-party backend whose plugin is not installed.
+      UnknownPluginObjectError / PluginConflictError: See :meth:`Registry.get`.
+    """
+    reg = registry()
+    owner = _FIRST_PARTY_BACKENDS.get(name)
+    if owner is not None and name not in reg._objects[_BACKENDS.key]:
+        raise MissingPluginError(
+            f"Worker backend {name!r} is provided by the {owner.distribution} plugin, which "
+            f"is not installed or not loaded: {owner.install_hint}.",
+            name=owner.package,
+        )
+    return reg.get(_BACKENDS.key, name)  # type: ignore[no-any-return]
 
 
 def get_format(name: str) -> FormatSpec:

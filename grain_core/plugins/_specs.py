@@ -21,6 +21,10 @@ __all__ = [
     "RecordWriter",
     "ShardingPolicy",
     "ShuffleStrategy",
+    "WorkerBackend",
+    "WorkerGroup",
+    "WorkerJob",
+    "WorkerLostError",
     "check_object_name",
     "path_for_matching",
 ]
@@ -230,6 +234,80 @@ class ShardingPolicy(Protocol):
 
         Raises:
           ValueError: If the policy needs options and got none, or they do not fit it.
+        """
+        ...
+
+
+class WorkerLostError(RuntimeError):
+    """A worker of a :class:`WorkerGroup` is gone (killed, its node lost); the message names
+    it. A group returns it in place of the results of every task the worker had."""
+
+
+@dataclasses.dataclass(frozen=True)
+class WorkerJob:
+    """What ``mp_prefetch`` asks a :class:`WorkerBackend` to run.
+
+    Attributes:
+      num_workers: The pipeline's ``num_workers``: how many workers to start unless the
+        backend was told otherwise (the output does not depend on it).
+      make_worker: Picklable, shipped once to each worker: ``make_worker(index, count)``
+        called there returns ``compute``; ``compute(task)`` returns the task's result (a
+        picklable value; NumPy arrays in it may arrive read-only). A worker computes its tasks
+        one at a time, in the order they were submitted to it.
+      environ: Variables to set in a worker's process before ``make_worker`` runs, before
+        anything there imports JAX (``JAX_PLATFORMS``: workers claim no accelerator).
+    """
+
+    num_workers: int
+    make_worker: Callable[[int, int], Callable[[Any], Any]]
+    environ: Mapping[str, str]
+
+
+@runtime_checkable
+class WorkerGroup(Protocol):
+    """Running workers of a backend, as the ``mp_prefetch`` parent drives them."""
+
+    def workers(self) -> list[int]:
+        """The indices of the workers that can take tasks (not lost), ascending."""
+        ...
+
+    def submit(self, worker: int, task: Any) -> int:
+        """Queues ``task`` on ``worker``; returns a ticket that ``wait`` reports it under."""
+        ...
+
+    def wait(self, timeout: float | None) -> list[tuple[int, Any]]:
+        """Finished tasks as ``(ticket, result)``, waiting up to ``timeout`` seconds (None:
+        until one finishes) when none has. ``result`` is ``compute``'s return value, a
+        :class:`WorkerLostError` when its worker is gone (that worker then leaves
+        ``workers()``), or the exception with which the call failed otherwise."""
+        ...
+
+    def describe(self, worker: int) -> str:
+        """``worker`` for messages: what it is and where it runs."""
+        ...
+
+    def close(self) -> None:
+        """Stops every worker and releases what they hold. Idempotent."""
+        ...
+
+
+@runtime_checkable
+class WorkerBackend(Protocol):
+    """Where ``mp_prefetch`` runs its workers when they are not local processes
+    (``MultiprocessingOptions(backend=...)``): a name registered by a plugin, or the object.
+
+    The parent keeps the pipeline's state and hands workers tasks (blocks of positions), so
+    the output and the checkpoints are those of local workers.
+    """
+
+    name: str
+    description: str
+
+    def start(self, job: WorkerJob) -> WorkerGroup:
+        """Starts the workers of ``job``.
+
+        Raises:
+          RuntimeError: If the workers cannot be started (the message says why).
         """
         ...
 

@@ -16,7 +16,7 @@ from collections.abc import Callable
 
 import pluggy
 
-from grain_core.plugins._specs import FormatSpec, ShardingPolicy, ShuffleStrategy
+from grain_core.plugins._specs import FormatSpec, ShardingPolicy, ShuffleStrategy, WorkerBackend
 
 __all__ = [
     "PROJECT_NAME",
@@ -25,6 +25,7 @@ __all__ = [
     "register_formats",
     "register_sharding_policies",
     "register_shuffle_strategies",
+    "register_worker_backends",
 ]
 
 PROJECT_NAME = "grain_core"
@@ -46,3 +47,8 @@ def register_shuffle_strategies(register: Callable[[ShuffleStrategy], None]) -> 
 @hookspec
 def register_sharding_policies(register: Callable[[ShardingPolicy], None]) -> None:
     """Registers sharding policies by calling ``register(policy)`` for each."""
+
+
+@hookspec
+def register_worker_backends(register: Callable[[WorkerBackend], None]) -> None:
+    """Registers worker backends for ``mp_prefetch`` by calling ``register(backend)`` for each."""

@@ -30,7 +30,7 @@ from typing import Any
 
 from grain_core.dataset.base import DatasetIterator, IterDataset
 from grain_core.dataset.interleave import InterleaveIterDataset
-from grain_core.dataset.mp import dispatch, rotation
+from grain_core.dataset.mp import dispatch, remote, rotation
 from grain_core.dataset.mp.pickling import pickle_init_fn, pickle_pipeline
 from grain_core.dataset.mp.shm_batch import shared_memory_batch_fn
 from grain_core.dataset.multithread import multithread_prefetch
@@ -69,7 +69,7 @@ def mp_prefetch(
         options = MultiprocessingOptions(num_workers=10)
     if options.num_workers == 0:
         return ds
-    if not _gil_enabled():
+    if options.backend == "local" and not _gil_enabled():
         if worker_init_fn is not None:
             warnings.warn(
                 "mp_prefetch runs its workers as threads on free-threaded Python (the GIL is "
@@ -128,6 +128,12 @@ class MultiprocessPrefetchIterDataset(IterDataset[Any]):
         self.worker_init_fn = worker_init_fn
         self.sequential_slice = sequential_slice
         self._payload: tuple[bytes, bytes | None] | None = None
+        #: Where the workers run: None for local processes.
+        self.backend = remote.worker_backend(options)
+        if self.backend is not None:
+            remote.check_remote_pipeline(
+                parent, self.backend, worker_init_fn is not None, sequential_slice
+            )
 
     @property
     def num_workers(self) -> int:
@@ -153,7 +159,12 @@ class MultiprocessPrefetchIterDataset(IterDataset[Any]):
         make: Callable[[int], DatasetIterator[Any]]
         # What a worker_init_fn sets up may differ by worker: element k then has to come from
         # worker k % N, as in a single strided share each, for the output to be deterministic.
-        if self.worker_init_fn is None and dispatch.dispatchable(
+        # (A worker backend takes none: check_remote_pipeline.)
+        if self.backend is not None:
+            make = functools.partial(
+                dispatch.DispatchedClassIterator, remote.BlockDispatcher(self, self.backend)
+            )
+        elif self.worker_init_fn is None and dispatch.dispatchable(
             self._parents[0], self.num_workers, self.sequential_slice
         ):
             make = functools.partial(

@@ -49,7 +49,7 @@ import pickle
 import time
 import weakref
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, Protocol
 
 from grain_core._ipc import shm
 from grain_core._ipc.errors import UnreadableElementError, WorkerDiedError, remote_error
@@ -75,6 +75,7 @@ from grain_core.dataset.options import DatasetOptions, FilterRatioChecker
 from grain_core.plugins import loaded_plugin_names
 
 __all__ = [
+    "ClassDispatcher",
     "DispatchWorkerLoop",
     "DispatchedClassIterator",
     "PositionDispatcher",
@@ -754,11 +755,28 @@ class PositionDispatcher:
         return count - given
 
 
+class ClassDispatcher(Protocol):
+    """What a ``DispatchedClassIterator`` reads its class from: ``PositionDispatcher`` (local
+    workers) or ``remote.BlockDispatcher`` (a worker backend's)."""
+
+    def register(self, cls: int, iterator: DatasetIterator[Any]) -> None: ...
+
+    def unregister(self) -> None: ...
+
+    def start(self, options: DatasetOptions) -> None: ...
+
+    def next_of(self, cls: int, options: DatasetOptions) -> Any: ...
+
+    def state_index(self, cls: int) -> int: ...
+
+    def restore(self, cls: int, next_index: int) -> None: ...
+
+
 class DispatchedClassIterator(DatasetIterator[Any]):
     """The elements of class ``index`` in order: one input of the parent-side interleave;
     state ``{"next_index": j}``, as the class's worker reports under strict rotation."""
 
-    def __init__(self, dispatcher: PositionDispatcher, index: int) -> None:
+    def __init__(self, dispatcher: ClassDispatcher, index: int) -> None:
         super().__init__()
         self._dispatcher = dispatcher
         self._index = index

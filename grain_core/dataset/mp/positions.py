@@ -43,6 +43,7 @@ __all__ = [
     "ClassBatchesMapDataset",
     "DispatchView",
     "PositionReader",
+    "dispatch_obstacle",
     "dispatch_view",
 ]
 
@@ -74,6 +75,18 @@ def dispatch_view(ds: IterDataset[Any], count: int) -> DispatchView | None:
       the steps. After a filter the k-th element of a share depends on which elements were
       dropped before it, so those pipelines are not dispatched.
     """
+    view = _view_or_obstacle(ds, count)
+    return view if isinstance(view, DispatchView) else None
+
+
+def dispatch_obstacle(ds: IterDataset[Any]) -> str | None:
+    """What keeps ``ds`` from being computed by position (``dispatch_view``): the node, said
+    for a user; None when nothing does."""
+    view = _view_or_obstacle(ds, 1)
+    return None if isinstance(view, DispatchView) else view
+
+
+def _view_or_obstacle(ds: IterDataset[Any], count: int) -> DispatchView | str:
     node = _past_options(ds)
     batch = node if type(node) is BatchIterDataset else None
     if batch is not None:
@@ -83,13 +96,20 @@ def dispatch_view(ds: IterDataset[Any], count: int) -> DispatchView | None:
         transforms.append(node.transform)  # type: ignore[attr-defined]
         node = _past_options(node.parents[0])
     if type(node) is not PrefetchIterDataset:
-        return None
+        return (
+            f"{node!r} ({type(node).__name__}): only a MapDataset read by to_iter_dataset(), "
+            "then IterDataset map steps and at most one final batch, are computed by position"
+        )
     reader: PrefetchIterDataset = node
     if batch is None and not transforms:
         return DispatchView(reader, None)
     source = reader.map_parent
-    if has_holes_upstream(source) is not None:
-        return None
+    holes = has_holes_upstream(source)
+    if holes is not None:
+        return (
+            f"{holes} above to_iter_dataset(), followed by IterDataset steps: which elements "
+            "it drops decides what each later position holds"
+        )
     steps = _StepsAfterReading(
         source,
         transforms[::-1],
@@ -346,6 +366,8 @@ class PositionReader:
       ds: The pipeline given to ``mp_prefetch``.
       index / count: This worker and the number of workers (= classes).
       options: The parent's ``DatasetOptions``.
+      shared_memory: A final batch writes into shared memory (local workers; a remote
+        worker's results travel by its backend).
     """
 
     def __init__(
@@ -354,8 +376,9 @@ class PositionReader:
         index: int,
         count: int,
         options: DatasetOptions | None,
+        shared_memory: bool = True,
     ) -> None:
-        view = dispatch_view(with_shared_memory_output(ds), count)
+        view = dispatch_view(with_shared_memory_output(ds) if shared_memory else ds, count)
         assert view is not None, "the parent dispatches only pipelines with a view"
         self._source = view.reader.map_parent
         self._read_options = view.reader.read_options
