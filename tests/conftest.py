@@ -22,6 +22,25 @@ settings.register_profile(
 settings.register_profile("ci", parent=settings.get_profile("grain_core"), derandomize=True)
 settings.load_profile("ci" if os.environ.get("CI") else "grain_core")
 
+#: Set to 1 to run the tests marked ``slow`` under CI too (a two-node Ray cluster, ...).
+SLOW_TESTS_ENV = "GRAIN_CORE_SLOW_TESTS"
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line(
+        "markers", f"slow: minutes of set-up; skipped under CI unless {SLOW_TESTS_ENV}=1"
+    )
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if not os.environ.get("CI") or os.environ.get(SLOW_TESTS_ENV) == "1":
+        return
+    skip = pytest.mark.skip(reason=f"slow: CI runs it with {SLOW_TESTS_ENV}=1")
+    for item in items:
+        if "slow" in item.keywords:
+            item.add_marker(skip)
+
+
 # Worker processes receive this module's helpers by value (they cannot import conftest).
 cloudpickle.register_pickle_by_value(sys.modules[__name__])
 
