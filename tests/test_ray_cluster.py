@@ -88,8 +88,8 @@ def test_one_actor_per_node_and_a_node_lost_midstream(cluster: Any) -> None:
     got = [next(it) for _ in range(3)]
     group = backend.groups[0]
     head, second = cluster.head_node, cluster.list_all_nodes()[1]
-    on_second = [w for w in (0, 1) if second.unique_id[:12] in group.describe(w)]
-    assert len(on_second) == 1 and head.unique_id[:12] in group.describe(1 - on_second[0])
+    on_second = [w for w in (0, 1) if second.node_id[:12] in group.describe(w)]
+    assert len(on_second) == 1 and head.node_id[:12] in group.describe(1 - on_second[0])
     cluster.remove_node(second)
     got += list(it)
     assert len(got) == len(expected)
