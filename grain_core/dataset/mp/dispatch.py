@@ -771,6 +771,10 @@ class ClassDispatcher(Protocol):
 
     def restore(self, cls: int, next_index: int) -> None: ...
 
+    def request_stats(self, worker: int) -> None: ...
+
+    def receive_stats(self, worker: int) -> None: ...
+
 
 class DispatchedClassIterator(DatasetIterator[Any]):
     """The elements of class ``index`` in order: one input of the parent-side interleave;

@@ -252,6 +252,14 @@ class BlockDispatcher:
             self._tasks.clear()
             self._queued.clear()
 
+    def request_stats(self, worker: int) -> None:
+        """Remote workers send no stage statistics: nothing to ask for."""
+        del worker
+
+    def receive_stats(self, worker: int) -> None:
+        """Remote workers send no stage statistics: nothing to wait for."""
+        del worker
+
     def start(self, options: DatasetOptions) -> None:
         """Starts the workers, unless they are running, and gives them their first tasks.
 
