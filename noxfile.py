@@ -14,6 +14,11 @@ installed here is skipped, and nox says so (``Python interpreter 3.12 not found`
 (``CI`` set) a missing one fails instead. Interpreters are found on ``PATH``; on a pyenv
 machine every installed version of a supported series is made visible to the sessions.
 
+Worker backends (``plugins/grain_ray``) start a cluster runtime, so only their own session
+(``tests-ray``) installs them: it runs their tests and the code blocks of the pages that use
+them (tests marked ``slow``, a two-node Ray cluster, run under CI only with
+``GRAIN_CORE_SLOW_TESTS=1``).
+
 Test selection is by installed packages, not by markers: tests of plugin ``x`` live in
 ``tests/test_<x>*.py`` and start with ``pytest.importorskip("grain_<x>")``, so
 ``tests-core`` runs the suite and they skip there. Extra arguments go to pytest:
@@ -57,6 +62,8 @@ WORKER_ENGINE_TESTS = (
     "tests/test_data_loader.py",
 )
 _IGNORE_WORKER_ENGINE_TESTS = tuple(f"--ignore={module}" for module in WORKER_ENGINE_TESTS)
+# Worker backends: plugin short name -> the doc pages whose code blocks need it.
+WORKER_BACKENDS = {"ray": ("docs/ray.md", "plugins/grain_ray/README.md")}
 
 
 def _expose_pyenv_versions(series: list[str]) -> None:
@@ -103,6 +110,9 @@ def _plugin_session(name: str, directory: Path) -> None:
         session.install(".[test]", str(directory))
         own_tests = sorted(str(p.relative_to(ROOT)) for p in ROOT.glob(f"tests/test_{name}*.py"))
         _pytest(session, "tests/test_plugins.py", *own_tests)
+        pages = WORKER_BACKENDS.get(name)
+        if pages and not session.posargs:
+            _pytest(session, "tests/test_docs.py", "-k", " or ".join(pages))
 
     tests_plugin.__doc__ = f"the core + {directory.name}: its tests and the registry's."
 
@@ -113,9 +123,9 @@ for _name, _directory in PLUGINS.items():
 
 @nox.session(name="tests-all", python=PYTHONS)
 def tests_all(session: nox.Session) -> None:
-    """Every package, JAX (CPU), Orbax and the third-party test plugin: the whole suite (on
-    older Pythons without the worker-engine modules)."""
-    plugins = [str(d) for d in PLUGINS.values()]
+    """Every package but the worker backends, JAX (CPU), Orbax and the third-party test
+    plugin: the whole suite (on older Pythons without the worker-engine modules)."""
+    plugins = [str(d) for name, d in PLUGINS.items() if name not in WORKER_BACKENDS]
     session.install(
         ".[test,jax,progress,report,remote]", *plugins, str(TEST_PLUGIN), "orbax-checkpoint"
     )
