@@ -11,6 +11,8 @@ Ray instance this module starts (2 CPUs, 100 MB object store, no dashboard; shut
 * ``ray_first_batch``: seconds from ``iter()`` to the first batch with 2 actors, the Ray
   instance already running (each pass starts and kills its actors); baseline: 2 local workers
   (each pass starts their processes). elements/s = 1 / seconds.
+
+Figures and what they mean: docs/ray.md.
 """
 
 from __future__ import annotations

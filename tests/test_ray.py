@@ -146,6 +146,18 @@ def test_every_actor_killed_is_an_error_naming_them(
     assert _equal(got, local_output[: len(got)])  # nothing lost or repeated before
 
 
+def _large(x: int) -> np.ndarray:
+    return np.full((256, 1024), x, np.float32)  # 1 MiB: Ray keeps it in the object store
+
+
+def test_large_arrays_arrive_as_views_of_the_object_store(ray_instance: None) -> None:
+    ds = grain.MapDataset.range(6).map(_large).to_iter_dataset()
+    got = list(ds.mp_prefetch(_opts(2, "ray")))
+    assert [int(a[0, 0]) for a in got] == list(range(6))
+    # Not copied out of the store: read-only views (np.array(a) makes a writable copy).
+    assert not any(a.flags.writeable for a in got)
+
+
 class _UnknownLabelError(LookupError):
     pass
 
