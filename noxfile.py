@@ -57,7 +57,8 @@ PYRIGHT = "basedpyright==1.40.2"
 # CI's time limit. Every session still starts real workers through the forkserver
 # (tests/test_multiprocessing.py and others) on its own Python.
 WORKER_ENGINE_TESTS = (
-    "tests/test_mp_prefetch.py",
+    "tests/test_mp.py",
+    "tests/test_mp_rotation.py",
     "tests/test_mp_dispatch.py",
     "tests/test_data_loader.py",
 )

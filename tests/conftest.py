@@ -3,16 +3,22 @@
 from __future__ import annotations
 
 import contextlib
+import gc
 import os
 import signal
 import sys
+import time
 import types
 from collections.abc import Iterator
 from typing import Any
 
 import cloudpickle
+import numpy as np
 import pytest
 from hypothesis import HealthCheck, settings
+
+import grain_core as grain
+from grain_core.dataset.mp import dispatch as mp_dispatch
 
 settings.register_profile(
     "grain_core", max_examples=50, deadline=None, suppress_health_check=[HealthCheck.too_slow]
@@ -110,3 +116,79 @@ def s3(s3_server: Any, monkeypatch: pytest.MonkeyPatch) -> Any:
     options = s3_server.storage_options()
     monkeypatch.setitem(fsspec.config.conf, "s3", options)
     return types.SimpleNamespace(url=s3_server.make_bucket(), options=options, server=s3_server)
+
+
+# --------------------------------------------------------- mp_prefetch's worker processes
+def mp_options(n: int, buffer: int = 1) -> grain.MultiprocessingOptions:
+    """``MultiprocessingOptions`` with ``n`` workers and ``per_worker_buffer_size`` ``buffer``."""
+    return grain.MultiprocessingOptions(num_workers=n, per_worker_buffer_size=buffer)
+
+
+def shm_names() -> set[str]:
+    """Blocks created by this process or its workers (all names carry our pid)."""
+    prefix = f"gc{os.getpid():x}"
+    return {e for e in os.listdir("/dev/shm") if e.startswith(prefix)}
+
+
+@pytest.fixture
+def no_shm_leak() -> Iterator[None]:
+    """Fails a test whose worker processes leave shared-memory blocks behind once closed (the
+    parent unlinks a worker's blocks when its pool stops: this waits for that, at most 5 s)."""
+    before = shm_names()
+    yield
+    gc.collect()
+    deadline = time.monotonic() + 5
+    while shm_names() - before and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert shm_names() - before == set()
+
+
+@pytest.fixture
+def strict_rotation(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``mp_prefetch`` runs every pipeline by strict rotation (no dispatching)."""
+    monkeypatch.setattr(mp_dispatch, "dispatchable", lambda *_: False)
+
+
+def big_element(x: int) -> dict[str, Any]:
+    """An element whose array goes through shared memory, with a number and a string."""
+    return {"z": np.full((128, 256), x, np.float32), "a": x, "s": np.array(["x" * (x + 1)])}
+
+
+# ------------------------------------------------------- the pipeline debugging tools watch
+def normalize(x: np.ndarray) -> np.ndarray:
+    return x.astype(np.float32) / 255
+
+
+def image_pipeline(n: int = 64, read: grain.ReadOptions | None = None) -> grain.IterDataset:
+    """The pipeline of docs/debugging.md on ``n`` one-pixel images: seed, shuffle, read (by
+    default in the consumer's thread), normalize, batches of 8."""
+    source = np.arange(n, dtype=np.uint8).reshape(n, 1)
+    return (
+        grain.MapDataset.source(source)
+        .seed(42)
+        .shuffle()
+        .to_iter_dataset(read or grain.ReadOptions(num_threads=0))
+        .map(normalize)
+        .batch(8)
+    )
+
+
+# ------------------------------------------------------------------ protobuf wire bytes
+def varint_size(value: int) -> int:
+    """Bytes of ``value``'s canonical varint (as a 64-bit two's complement number)."""
+    return max(1, -(-(value & (1 << 64) - 1).bit_length() // 7))
+
+
+def encode_varint(value: int, extra: int = 0) -> bytes:
+    """``value`` (as a 64-bit two's complement number) as a protobuf varint, over-long by
+    ``extra`` zero groups (decoders must take them, up to 10 bytes in all)."""
+    value &= (1 << 64) - 1
+    out = bytearray()
+    while value >= 0x80:
+        out.append(value & 0x7F | 0x80)
+        value >>= 7
+    out.append(value)
+    if extra:
+        out[-1] |= 0x80
+        out += b"\x80" * (extra - 1) + b"\x00"
+    return bytes(out)

@@ -9,6 +9,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+from conftest import image_pipeline
 
 import grain_core as grain
 from grain_core.config import config
@@ -55,24 +56,8 @@ def _messages(caplog: pytest.LogCaptureFixture, text: str) -> list[str]:
     return [r.getMessage() for r in caplog.records if text in r.getMessage()]
 
 
-def _normalize(x: np.ndarray) -> np.ndarray:
-    return x.astype(np.float32) / 255
-
-
-def _seed_pipeline(n: int = 64) -> grain.IterDataset:
-    source = np.arange(n, dtype=np.uint8).reshape(n, 1)
-    return (
-        grain.MapDataset.source(source)
-        .seed(42)
-        .shuffle()
-        .to_iter_dataset(SYNC)
-        .map(_normalize)
-        .batch(8)
-    )
-
-
 def test_switches_off_install_nothing(switches: Any) -> None:
-    it = iter(_seed_pipeline())
+    it = iter(image_pipeline())
     next(it)
     assert "_stage_stats" not in vars(it) and "_debug_reporter" not in vars(it)
     with pytest.raises(ValueError, match="py_debug_mode"):
@@ -83,11 +68,11 @@ def test_debug_mode_logs_the_summary_once_at_the_end(
     switches: Any, logs: pytest.LogCaptureFixture, debug_clock: FakeClock
 ) -> None:
     switches.update("py_debug_mode", True)
-    it = iter(_seed_pipeline())
+    it = iter(image_pipeline())
     assert len(list(it)) == 8
     summaries = _messages(logs, "Execution summary")
     assert len(summaries) == 1 and "(at the end of iteration)" in summaries[0]
-    assert "grain_core execution summary" in summaries[0] and "Map(_normalize" in summaries[0]
+    assert "grain_core execution summary" in summaries[0] and "Map(normalize" in summaries[0]
     it.close()  # the end was reported already
     assert len(_messages(logs, "Execution summary")) == 1
     # Only the output reports: its inputs reverted to their timed classes.
@@ -127,7 +112,7 @@ def test_the_graph_is_logged_when_the_first_element_is_produced(
     switches: Any, logs: pytest.LogCaptureFixture
 ) -> None:
     switches.update("py_dataset_visualization_output_dir", "")
-    it = iter(_seed_pipeline())
+    it = iter(image_pipeline())
     assert not _messages(logs, GRAPH_TITLE)
     next(it)
     graphs = _messages(logs, GRAPH_TITLE)
@@ -147,7 +132,7 @@ def test_the_graph_is_logged_when_the_first_element_is_produced(
     assert [c[3] for c in cells] == ["1", "2", "3", "4", "5", "-"]
     assert {c[4] for c in cells} == {"main"}
     assert cells[0][5] == "ndarray[float32[8, 1]]" and cells[-1][5] == "ndarray[uint8[1]]"
-    assert cells[1][1].startswith("<- Map(_normalize")
+    assert cells[1][1].startswith("<- Map(normalize")
     list(it)
     assert len(_messages(logs, GRAPH_TITLE)) == 1
     # Without debug mode the output stops reporting after the graph; no summary is logged.
@@ -160,7 +145,7 @@ def test_the_graph_is_written_to_the_directory(
     out = tmp_path / "graphs" / "nested"
     switches.update("py_dataset_visualization_output_dir", str(out))
     assert out.is_dir()  # created when set
-    it = iter(_seed_pipeline())
+    it = iter(image_pipeline())
     next(it)
     (text,) = out.glob("dataset_graph-*.txt")
     (js,) = out.glob("dataset_graph-*.json")
@@ -198,7 +183,7 @@ def test_a_directory_that_became_unwritable_fails_with_its_name(
     switches.update("py_dataset_visualization_output_dir", str(out))
     out.rmdir()
     out.write_text("now a file")
-    it = iter(_seed_pipeline())
+    it = iter(image_pipeline())
     with pytest.raises(OSError, match=r"Cannot write '.*graphs/dataset_graph-.*\.txt'"):
         next(it)
 
@@ -209,15 +194,15 @@ def test_reporting_is_hinted_when_info_logs_are_hidden(
     monkeypatch.setattr(debug, "_hinted_at_logging", False)
     caplog.set_level(logging.WARNING, logger="grain_core.debug")
     switches.update("py_dataset_visualization_output_dir", "")
-    next(iter(_seed_pipeline()))
-    next(iter(_seed_pipeline()))
+    next(iter(image_pipeline()))
+    next(iter(image_pipeline()))
     hints = _messages(caplog, "logging.basicConfig(level=logging.INFO)")
     assert len(hints) == 1
 
 
 def test_summary_has_the_information_grain_logs(switches: Any) -> None:
     switches.update("py_debug_mode", True)
-    it = iter(_seed_pipeline())
+    it = iter(image_pipeline())
     list(it)
     summary = get_execution_summary(it)
     for s in summary.stages:

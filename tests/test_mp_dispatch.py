@@ -17,7 +17,7 @@ from typing import Any
 import cloudpickle
 import numpy as np
 import pytest
-from conftest import LogProduced, fails_after
+from conftest import LogProduced, fails_after, mp_options
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -50,10 +50,6 @@ from grain_core.testing import check_iterator_conformance
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="POSIX shm + /dev/shm")
 
 cloudpickle.register_pickle_by_value(sys.modules[__name__])
-
-
-def _opts(n: int, buffer: int = 1) -> MultiprocessingOptions:
-    return MultiprocessingOptions(num_workers=n, per_worker_buffer_size=buffer)
 
 
 def _keep_non_multiples_of_three(x: int) -> bool:
@@ -112,7 +108,7 @@ def _fail_on_seven(x: int) -> int:
 
 def test_an_error_names_the_pipeline_index_once() -> None:
     # The worker's own reader of its assigned positions must not add its internal index.
-    ds = grain.MapDataset.range(20).map(_fail_on_seven).to_iter_dataset().mp_prefetch(_opts(2))
+    ds = grain.MapDataset.range(20).map(_fail_on_seven).to_iter_dataset().mp_prefetch(mp_options(2))
     with pytest.raises(ValueError, match="bad 7") as info:
         list(ds)
     read_notes = [n for n in info.value.__notes__ if n.startswith("Raised while reading")]
@@ -135,7 +131,7 @@ def test_position_reader_goes_on_past_a_failing_position() -> None:
 def test_output_and_states_equal_strict_rotation(
     workers: int, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    ds = _filtered().mp_prefetch(_opts(workers))
+    ds = _filtered().mp_prefetch(mp_options(workers))
     dispatched = _run(ds, 26)
     monkeypatch.setattr(mp_dispatch, "dispatchable", lambda *_: False)
     assert _run(ds, 26) == dispatched
@@ -143,7 +139,7 @@ def test_output_and_states_equal_strict_rotation(
 
 
 def test_checkpoints_move_between_the_engines(monkeypatch: pytest.MonkeyPatch) -> None:
-    ds = _filtered().mp_prefetch(_opts(3))
+    ds = _filtered().mp_prefetch(mp_options(3))
     with iter(ds) as it:
         for _ in range(7):
             next(it)
@@ -193,7 +189,7 @@ def _batch_firsts(elements: list[Any]) -> list[list[int]]:
 def test_batches_after_to_iter_dataset_are_dispatched_as_rotation_makes_them(
     length: int, batch: int, drop: bool, workers: int, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    ds = _batched(length, batch, drop).mp_prefetch(_opts(workers))
+    ds = _batched(length, batch, drop).mp_prefetch(mp_options(workers))
     assert mp_dispatch.dispatchable(ds.parents[0], workers, False)
     # Batches are read as far ahead as the elements they hold would be (500 by default).
     view = positions.dispatch_view(ds.parents[0], workers)
@@ -221,7 +217,7 @@ def test_batches_after_to_iter_dataset_are_dispatched_as_rotation_makes_them(
 
 
 def test_batch_checkpoints_move_between_the_engines(monkeypatch: pytest.MonkeyPatch) -> None:
-    ds = _batched(40, 3, True).mp_prefetch(_opts(3))
+    ds = _batched(40, 3, True).mp_prefetch(mp_options(3))
     with monkeypatch.context() as m:
         m.setattr(mp_dispatch, "dispatchable", lambda *_: False)
         with iter(ds) as it:
@@ -237,7 +233,7 @@ def test_batch_checkpoints_move_between_the_engines(monkeypatch: pytest.MonkeyPa
 
 
 def test_batch_state_not_at_a_batch_start_is_a_clear_error() -> None:
-    ds = _batched(20, 4, False).mp_prefetch(_opts(2))
+    ds = _batched(20, 4, False).mp_prefetch(mp_options(2))
     with iter(ds) as it:
         state = it.get_state()
         state["iterators_in_use_states"] = [{"next_index": 4}, {"next_index": 3}]
@@ -254,9 +250,9 @@ def test_maps_after_to_iter_dataset_are_dispatched_as_rotation_makes_them(
     if batch is not None:
         ds = ds.map(repr).batch(batch)
     assert mp_dispatch.dispatchable(ds, 3, False)
-    dispatched = _run(ds.mp_prefetch(_opts(3)), 7 if batch else 13)
+    dispatched = _run(ds.mp_prefetch(mp_options(3)), 7 if batch else 13)
     monkeypatch.setattr(mp_dispatch, "dispatchable", lambda *_: False)
-    rotating = _run(ds.mp_prefetch(_opts(3)), 7 if batch else 13)
+    rotating = _run(ds.mp_prefetch(mp_options(3)), 7 if batch else 13)
     if batch is None:
         assert dispatched == rotating and None in dispatched[0]
     else:
@@ -278,7 +274,7 @@ def test_steps_and_their_time_reach_the_execution_summary() -> None:
     # Options set in the pipeline do not stop dispatch: they reach the workers with the
     # parent's. A buffer of 0: no overdraft, the workers wait for each credit.
     ds = grain.MapDataset.range(60).to_iter_dataset().map(_sleepy)
-    ds = grain.experimental.WithOptionsIterDataset(ds, timing).mp_prefetch(_opts(2, 0))
+    ds = grain.experimental.WithOptionsIterDataset(ds, timing).mp_prefetch(mp_options(2, 0))
     assert mp_dispatch.dispatchable(ds.parents[0], 2, False)
     with iter(ds) as it:
         for _ in range(50):
@@ -300,7 +296,7 @@ def test_steps_after_filters_or_other_steps_rotate() -> None:
     mapped_after_batch = grain.MapDataset.range(10).to_iter_dataset().batch(2).map(_double)
     assert positions.dispatch_view(mapped_after_batch, 2) is None
     # The output is what the rotating engine gives (filters make the classes drift).
-    with iter(filtered.mp_prefetch(_opts(2))) as it:
+    with iter(filtered.mp_prefetch(mp_options(2))) as it:
         assert [b.tolist() for b in it][:3] == [[2, 4], [1, 5], [8, 10]]
 
 
@@ -344,11 +340,13 @@ def test_steps_after_to_iter_dataset_run_in_the_workers_main_thread() -> None:
 
 
 def test_checkpoint_conformance_with_filters() -> None:
-    check_iterator_conformance(lambda: _filtered(20).mp_prefetch(_opts(3)), positions=[0, 5, 9])
+    check_iterator_conformance(
+        lambda: _filtered(20).mp_prefetch(mp_options(3)), positions=[0, 5, 9]
+    )
 
 
 def test_restore_before_the_first_element_starts_there() -> None:
-    ds = grain.MapDataset.range(10).to_iter_dataset().mp_prefetch(_opts(2))
+    ds = grain.MapDataset.range(10).to_iter_dataset().mp_prefetch(mp_options(2))
     with iter(ds) as it:
         state = it.get_state()
         state["iterators_in_use_states"] = [{"next_index": 3}, {"next_index": 2}]
@@ -357,7 +355,7 @@ def test_restore_before_the_first_element_starts_there() -> None:
 
 
 def test_restore_outside_the_class_is_a_clear_error() -> None:
-    ds = grain.MapDataset.range(10).to_iter_dataset().mp_prefetch(_opts(2))
+    ds = grain.MapDataset.range(10).to_iter_dataset().mp_prefetch(mp_options(2))
     with iter(ds) as it:
         state = it.get_state()
         state["iterators_in_use_states"] = [{"next_index": 0}, {"next_index": 9}]
@@ -366,7 +364,12 @@ def test_restore_outside_the_class_is_a_clear_error() -> None:
 
 
 def test_set_state_mid_stream_discards_results_in_flight() -> None:
-    ds = grain.MapDataset.range(30).map(lambda x: x * 2).to_iter_dataset().mp_prefetch(_opts(2, 4))
+    ds = (
+        grain.MapDataset.range(30)
+        .map(lambda x: x * 2)
+        .to_iter_dataset()
+        .mp_prefetch(mp_options(2, 4))
+    )
     with iter(ds) as it:
         states = [it.get_state()]
         out = []
@@ -390,7 +393,7 @@ def test_a_worker_init_fn_keeps_each_worker_on_its_share() -> None:
     # What the function set up differs by worker: element k comes from worker k % N on every
     # run, as the config switch makes it for any pipeline.
     ds = grain.MapDataset.range(9).map(_read_worker_id).to_iter_dataset()
-    assert list(ds.mp_prefetch(_opts(3), worker_init_fn=_worker_id)) == [
+    assert list(ds.mp_prefetch(mp_options(3), worker_init_fn=_worker_id)) == [
         (x, str(x % 3)) for x in range(9)
     ]
     grain.config.update("py_mp_prefetch_dispatch", False)
@@ -423,7 +426,7 @@ def test_a_slow_worker_does_not_hold_back_the_fast_one(tmp_path: Any) -> None:
     # positions to the worker that is free, and the output order does not change.
     timed = functools.partial(_timed_identity, flag=str(tmp_path / "slow"))
     ds = grain.MapDataset.range(60).map(timed).to_iter_dataset()
-    with iter(ds.mp_prefetch(_opts(2))) as it:
+    with iter(ds.mp_prefetch(mp_options(2))) as it:
         out = list(it)
     assert [x for x, _ in out] == list(range(60))
     by_fast = sum(1 for _, who in out if who == "fast")
@@ -521,12 +524,12 @@ def test_small_elements_read_already_travel_several_to_a_message(
 
     monkeypatch.setattr(WorkerPool, "recv", recording_recv)
     ds = grain.MapDataset.range(2000).to_iter_dataset()
-    assert list(ds.mp_prefetch(_opts(2, buffer=16))) == list(range(2000))
+    assert list(ds.mp_prefetch(mp_options(2, buffer=16))) == list(range(2000))
     assert ELEMENTS in kinds and len(kinds) < 2000
     # One element of a group cannot be pickled: the ones before it arrive, then its error
     # (at its own position, not at the first of its group).
     ds = grain.MapDataset.range(60).map(_lock_at_25).to_iter_dataset()
-    with iter(ds.mp_prefetch(_opts(2, buffer=16))) as it:
+    with iter(ds.mp_prefetch(mp_options(2, buffer=16))) as it:
         assert [next(it) for _ in range(25)] == list(range(25))
         with pytest.raises(TypeError, match="cannot be pickled"):
             next(it)
@@ -537,7 +540,7 @@ def _dispatcher(buffer: int = 2, read_ahead: int = 50) -> PositionDispatcher:
     ds = grain.MapDataset.range(100).to_iter_dataset(
         grain.ReadOptions(num_threads=2, prefetch_buffer_size=read_ahead)
     )
-    return PositionDispatcher(ds.mp_prefetch(_opts(2, buffer)))
+    return PositionDispatcher(ds.mp_prefetch(mp_options(2, buffer)))
 
 
 def test_commitments_follow_the_cpu_cost_of_an_element() -> None:
@@ -636,7 +639,7 @@ def test_credits_bound_the_shared_memory_in_flight() -> None:
     prefix = f"gc{os.getpid():x}"
     read_options = grain.ReadOptions(num_threads=2, prefetch_buffer_size=64)
     ds = grain.MapDataset.range(400).map(_quarter_mib).to_iter_dataset(read_options)
-    with iter(ds.mp_prefetch(_opts(2))) as it:
+    with iter(ds.mp_prefetch(mp_options(2))) as it:
         for x in range(40):
             assert float(next(it)[0]) == x
         time.sleep(0.5)  # the workers go as far ahead as they are allowed
@@ -649,7 +652,7 @@ def test_large_elements_through_dispatched_workers() -> None:
     def big(x: int) -> np.ndarray:
         return np.full((256, 256), x, np.float32)
 
-    ds = grain.MapDataset.range(12).map(big).to_iter_dataset().mp_prefetch(_opts(3, 2))
+    ds = grain.MapDataset.range(12).map(big).to_iter_dataset().mp_prefetch(mp_options(3, 2))
     with iter(ds) as it:
         for x, arr in enumerate(it):
             assert arr.shape == (256, 256) and float(arr[0, 0]) == x
@@ -663,7 +666,7 @@ def test_large_batches_made_after_to_iter_dataset_arrive_through_shared_memory()
     import mmap
 
     ds = grain.MapDataset.range(30).map(_big_row).to_iter_dataset().batch(8)
-    with iter(ds.mp_prefetch(_opts(2, 2))) as it:
+    with iter(ds.mp_prefetch(mp_options(2, 2))) as it:
         batches = list(it)
     assert [b[:, 0].tolist() for b in batches[:2]] == [[0, 2, 4, 6, 8, 10, 12, 14]] + [
         [1, 3, 5, 7, 9, 11, 13, 15]
@@ -688,7 +691,7 @@ def test_reads_that_wait_overlap_in_each_worker() -> None:
     # (as each worker's read-ahead does under strict rotation).
     read_options = grain.ReadOptions(num_threads=8, prefetch_buffer_size=64)
     ds = grain.MapDataset.range(600).map(_waiting_read).to_iter_dataset(read_options)
-    out = list(ds.mp_prefetch(_opts(2)))
+    out = list(ds.mp_prefetch(mp_options(2)))
     assert [x for x, _ in out] == list(range(600))
     assert max(most for _, most in out) > 1
 
@@ -972,7 +975,10 @@ def test_overdrawn_and_waiting_results_keep_the_output_and_checkpoints(
 
     def make() -> grain.IterDataset:
         return (
-            grain.MapDataset.range(90).map(_mixed).to_iter_dataset().mp_prefetch(_opts(2, buffer))
+            grain.MapDataset.range(90)
+            .map(_mixed)
+            .to_iter_dataset()
+            .mp_prefetch(mp_options(2, buffer))
         )
 
     with fails_after(120):
@@ -1024,7 +1030,7 @@ def test_any_filter_and_restore_point_match_strict_rotation(
     kept: frozenset[int], workers: int, stop: int
 ) -> None:
     ds = grain.MapDataset.range(30).filter(_KeepOnly(kept)).to_iter_dataset()
-    _check_restores_like_strict_rotation(ds.mp_prefetch(_opts(workers)), stop)
+    _check_restores_like_strict_rotation(ds.mp_prefetch(mp_options(workers)), stop)
 
 
 @settings(max_examples=8, deadline=None)
@@ -1038,7 +1044,7 @@ def test_any_filter_and_restore_point_match_strict_rotation(
 def test_any_batching_and_restore_point_match_strict_rotation(
     length: int, batch: int, drop: bool, workers: int, stop: int
 ) -> None:
-    ds = _batched(length, batch, drop).mp_prefetch(_opts(workers))
+    ds = _batched(length, batch, drop).mp_prefetch(mp_options(workers))
     _check_restores_like_strict_rotation(ds, stop, lambda b: b[:, 0].tolist())
 
 

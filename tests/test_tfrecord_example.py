@@ -13,6 +13,7 @@ from unittest import mock
 
 import numpy as np
 import pytest
+from conftest import encode_varint, varint_size
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -370,18 +371,13 @@ def _wire_example(draw: st.DrawFn) -> bytes:
     canonical = draw(st.booleans())
 
     def varint(value: int, limit: int = 10) -> bytes:
-        value &= (1 << 64) - 1
-        out = bytearray()
-        while value >= 0x80:
-            out.append(value & 0x7F | 0x80)
-            value >>= 7
-        out.append(value)
-        if not canonical and draw(st.integers(0, 3)) == 0:
-            # Over-long: the same value with zero groups added, sometimes past the limit.
-            extra = draw(st.integers(1, limit + 1 - len(out)) if len(out) < limit else st.just(1))
-            out[-1] |= 0x80
-            out += b"\x80" * (extra - 1) + b"\x00"
-        return bytes(out)
+        if canonical or draw(st.integers(0, 3)):
+            return encode_varint(value)
+        # Over-long: the same value with zero groups added, sometimes past the limit.
+        size = varint_size(value)
+        return encode_varint(
+            value, draw(st.integers(1, limit + 1 - size) if size < limit else st.just(1))
+        )
 
     def field(number: int, wire_type: int, payload: bytes = b"") -> bytes:
         tag = varint(number << 3 | wire_type, 5)

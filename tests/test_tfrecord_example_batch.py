@@ -12,6 +12,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from conftest import encode_varint, varint_size
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -55,17 +56,10 @@ def _record(draw: st.DrawFn, canonical: bool) -> tuple[bytes, dict[str, list]]: 
     returns its bytes and its values as a reference for the tests without protobuf."""
 
     def varint(value: int, limit: int = 10) -> bytes:
-        value &= (1 << 64) - 1
-        out = bytearray()
-        while value >= 0x80:
-            out.append(value & 0x7F | 0x80)
-            value >>= 7
-        out.append(value)
-        if not canonical and len(out) < limit and draw(st.integers(0, 4)) == 0:
-            extra = draw(st.integers(1, limit - len(out)))
-            out[-1] |= 0x80
-            out += b"\x80" * (extra - 1) + b"\x00"
-        return bytes(out)
+        size = varint_size(value)
+        if canonical or size >= limit or draw(st.integers(0, 4)):
+            return encode_varint(value)
+        return encode_varint(value, draw(st.integers(1, limit - size)))
 
     def field(number: int, payload: bytes) -> bytes:
         return varint(number << 3 | 2, 5) + varint(len(payload), 5) + payload

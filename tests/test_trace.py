@@ -9,6 +9,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+from conftest import image_pipeline
 
 import grain_core as grain
 from grain_core.dataset import stats, trace
@@ -18,22 +19,6 @@ from grain_core.experimental import ExecutionTrackingMode, Trace
 SYNC = grain.ReadOptions(num_threads=0)
 
 
-def _normalize(x: np.ndarray) -> np.ndarray:
-    return x.astype(np.float32) / 255
-
-
-def _pipeline(n: int = 64, read: grain.ReadOptions = SYNC) -> grain.IterDataset:
-    source = np.arange(n, dtype=np.uint8).reshape(n, 1)
-    return (
-        grain.MapDataset.source(source)
-        .seed(1)
-        .shuffle()
-        .to_iter_dataset(read)
-        .map(_normalize)
-        .batch(8)
-    )
-
-
 def _spans(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return [e for e in events if e["ph"] == "X"]
 
@@ -41,14 +26,14 @@ def _spans(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
 def test_a_pipeline_built_outside_a_trace_runs_untimed() -> None:
     with Trace():
         pass
-    it = iter(_pipeline())
+    it = iter(image_pipeline())
     next(it)
     assert "_stage_stats" not in vars(it) and "_untimed_class" not in vars(type(it))
 
 
 def test_spans_of_every_stage_nest_on_one_clock(tmp_path: Any) -> None:
     with Trace() as recording:
-        it = iter(_pipeline())
+        it = iter(image_pipeline())
         assert (
             it._ctx.dataset_options.execution_tracking_mode is ExecutionTrackingMode.STAGE_TRACING
         )
@@ -58,7 +43,7 @@ def test_spans_of_every_stage_nest_on_one_clock(tmp_path: Any) -> None:
     spans = _spans(events)
     names = [s["name"] for s in spans]
     assert names.count("Batch") == 9  # 8 batches and the call that ended iteration
-    assert sum(n.startswith("Map(_normalize") for n in names) == 65
+    assert sum(n.startswith("Map(normalize") for n in names) == 65
     assert {s["cat"] for s in spans} == {"batch", "transform", "wait", "read"}
     # Each batch span contains the 8 map spans of its elements.
     first_batch = next(s for s in spans if s["name"] == "Batch")
@@ -123,7 +108,7 @@ def test_the_window_keeps_the_first_seconds(monkeypatch: pytest.MonkeyPatch) -> 
 
 def test_memory_is_bounded_by_the_ring_buffer() -> None:
     with Trace(capacity=50) as recording:
-        list(iter(_pipeline(n=256)))
+        list(iter(image_pipeline(n=256)))
     spans = _spans(recording.events())
     assert len(spans) == 50
     validate_trace_events(recording.events())

@@ -42,6 +42,8 @@ from grain_core.dataset.stats import (
     ExecutionSummary,
     format_table,
     get_execution_summary,
+    same_named_subclass,
+    stage_cell,
 )
 from grain_core.dataset.trace import write_report_file
 
@@ -96,10 +98,7 @@ class DatasetGraph:
         rows = [
             (
                 str(n.id),
-                "  " * n.depth
-                + ("<- " if n.depth else "")
-                + n.name
-                + (f" x{n.instances}" if n.instances > 1 else ""),
+                stage_cell(n.name, n.depth, n.instances),
                 n.type,
                 ",".join(map(str, n.inputs)) or "-",
                 "workers" if n.in_workers else "main",
@@ -227,18 +226,7 @@ def _reporting_class(cls: type[Any]) -> type[Any]:
             reporter.finish(self)
         timed_close(self)
 
-    reporting = type(
-        cls.__name__,
-        (cls,),
-        {
-            "__slots__": (),
-            "__next__": __next__,
-            "close": close,
-            "__module__": cls.__module__,
-            "__qualname__": cls.__qualname__,
-            "_timed_class": cls,
-        },
-    )
+    reporting = same_named_subclass(cls, {"__next__": __next__, "close": close}, "_timed_class")
     _REPORTING_CLASSES[cls] = reporting
     return reporting
 

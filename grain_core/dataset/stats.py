@@ -65,6 +65,8 @@ __all__ = [
     "is_tracing",
     "is_tracking",
     "refresh_worker_stages",
+    "same_named_subclass",
+    "stage_cell",
     "time_stages",
     "worker_stage_snapshot",
 ]
@@ -88,6 +90,21 @@ class _Clock(threading.local):
 _clock = _Clock()
 
 
+#: The counters of a stage that a worker's snapshot carries to the parent (in this order).
+_STATS_FIELDS = (
+    "name",
+    "kind",
+    "type_name",
+    "count",
+    "self_ns",
+    "total_ns",
+    "min_ns",
+    "max_ns",
+    "spec",
+    "tid",
+)
+
+
 class _StageStats:
     """Counters of one stage. Map stages may be updated from several reader threads.
 
@@ -109,17 +126,8 @@ class _StageStats:
     """
 
     __slots__ = (
-        "name",
-        "kind",
-        "type_name",
+        *_STATS_FIELDS,
         "category",
-        "count",
-        "self_ns",
-        "total_ns",
-        "min_ns",
-        "max_ns",
-        "spec",
-        "tid",
         "traced",
         "lock",
         "prepared",
@@ -159,6 +167,23 @@ class _StageStats:
         child.has_consumer = True
         if all(child is not known for known in self.inputs):
             self.inputs.append(child)
+
+
+def same_named_subclass(cls: type[Any], methods: dict[str, Any], base_attribute: str) -> type[Any]:
+    """A subclass of ``cls`` that overrides ``methods`` and looks like ``cls`` (name, module,
+    no instance ``__dict__`` of its own), with ``cls`` as its attribute ``base_attribute``: what
+    an instance's ``__class__`` is swapped for to time it (or report from it), and back."""
+    return type(
+        cls.__name__,
+        (cls,),
+        {
+            "__slots__": (),
+            **methods,
+            "__module__": cls.__module__,
+            "__qualname__": cls.__qualname__,
+            base_attribute: cls,
+        },
+    )
 
 
 # ------------------------------------------------------------------------- iterator stages
@@ -223,17 +248,7 @@ def _timed_iterator_class(cls: type[Any]) -> type[Any]:
     if untimed_next_block is not None:
         methods["next_block"] = next_block
 
-    timed = type(
-        cls.__name__,
-        (cls,),
-        {
-            "__slots__": (),
-            **methods,
-            "__module__": cls.__module__,
-            "__qualname__": cls.__qualname__,
-            "_untimed_class": cls,
-        },
-    )
+    timed = same_named_subclass(cls, methods, "_untimed_class")
     _TIMED_ITERATOR_CLASSES[cls] = timed
     return timed
 
@@ -306,17 +321,8 @@ def _timed_map_class(cls: type[Any]) -> type[Any]:
             self._stage_stats, lambda: untimed_getitems(self, indices), len(indices), True
         )
 
-    timed = type(
-        cls.__name__,
-        (cls,),
-        {
-            "__slots__": (),
-            "__getitem__": __getitem__,
-            "_getitems": _getitems,
-            "__module__": cls.__module__,
-            "__qualname__": cls.__qualname__,
-            "_untimed_class": cls,
-        },
+    timed = same_named_subclass(
+        cls, {"__getitem__": __getitem__, "_getitems": _getitems}, "_untimed_class"
     )
     _TIMED_MAP_CLASSES[cls] = timed
     return timed
@@ -428,19 +434,6 @@ def _prepare_reachable(iterator: DatasetIterator[Any]) -> None:
 
 
 # ---------------------------------------------------------------------- worker processes
-_STATS_FIELDS = (
-    "name",
-    "kind",
-    "type_name",
-    "count",
-    "self_ns",
-    "total_ns",
-    "min_ns",
-    "max_ns",
-    "spec",
-    "tid",
-)
-
 #: One stage of a worker snapshot: the values of ``_STATS_FIELDS`` and the positions of the
 #: stage's inputs in the snapshot.
 _SnapshotRow = tuple[Any, ...]
@@ -627,12 +620,12 @@ class ExecutionSummary:
         header = ("id", "stage", "elements", "self time", "avg", "min", "max", "share", "wait")
         rows = []
         for s in self.stages:
-            merged = f" x{s.instances}" if s.instances > 1 else ""
-            where = "[worker] " if s.in_workers else ""
             rows.append(
                 (
                     str(s.id),
-                    "  " * s.depth + ("<- " if s.depth else "") + where + s.name + merged,
+                    stage_cell(
+                        ("[worker] " if s.in_workers else "") + s.name, s.depth, s.instances
+                    ),
                     f"{s.num_produced_elements:,}",
                     _format_ns(s.self_time_ns),
                     _format_ns(s.self_time_per_element_ns),
@@ -651,6 +644,13 @@ class ExecutionSummary:
         if any(s.in_workers for s in self.stages):
             title += " [worker] stages ran in mp_prefetch worker processes (summed over them)."
         return format_table(title, header, rows)
+
+
+def stage_cell(name: str, depth: int, instances: int) -> str:
+    """A stage's name in a table of a pipeline, output first: indented by its ``depth``, after
+    ``<-`` below the output, with ``xN`` when ``N`` objects were merged into its row."""
+    merged = f" x{instances}" if instances > 1 else ""
+    return "  " * depth + ("<- " if depth else "") + name + merged
 
 
 def format_table(

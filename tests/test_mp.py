@@ -1,4 +1,6 @@
-"""mp_prefetch with real worker processes: order, checkpoints, failures, shared memory."""
+"""grain_core.dataset.mp (``mp_prefetch``) with real worker processes, whichever engine runs
+them: order, checkpoints, failures, shared memory, statistics. Engine specifics:
+test_mp_rotation.py and test_mp_dispatch.py."""
 
 from __future__ import annotations
 
@@ -23,7 +25,7 @@ from typing import Any
 import cloudpickle
 import numpy as np
 import pytest
-from conftest import LogProduced, fails_after
+from conftest import big_element, fails_after, mp_options, shm_names
 
 import grain_core as grain
 from grain_core._ipc import errors as ipc_errors
@@ -35,7 +37,6 @@ from grain_core.dataset.mp import dispatch as mp_dispatch
 from grain_core.dataset.stats import get_execution_summary
 from grain_core.dataset.worker_slicing import slice_for_worker
 from grain_core.experimental import DatasetOptions, ExecutionTrackingMode, WithOptionsIterDataset
-from grain_core.options import MultiprocessingOptions
 from grain_core.testing import assert_trees_equal, check_iterator_conformance
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="POSIX shm + /dev/shm")
@@ -44,33 +45,8 @@ pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PO
 cloudpickle.register_pickle_by_value(sys.modules[__name__])
 
 
-def _opts(n: int, buffer: int = 1) -> MultiprocessingOptions:
-    return MultiprocessingOptions(num_workers=n, per_worker_buffer_size=buffer)
-
-
-def _shm_names() -> set[str]:
-    """Blocks created by this process or its workers (all names carry our pid)."""
-    prefix = f"gc{os.getpid():x}"
-    return {e for e in os.listdir("/dev/shm") if e.startswith(prefix)}
-
-
-@pytest.fixture
-def no_shm_leak():
-    before = _shm_names()
-    yield
-    gc.collect()
-    deadline = time.monotonic() + 5
-    while _shm_names() - before and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert _shm_names() - before == set()
-
-
 def _times_ten(x: int) -> int:
     return x * 10
-
-
-def _big(x: int) -> dict[str, Any]:
-    return {"z": np.full((128, 256), x, np.float32), "a": x, "s": np.array(["x" * (x + 1)])}
 
 
 def _pid(_: Any) -> int:
@@ -81,7 +57,7 @@ def _pid(_: Any) -> int:
 @pytest.mark.parametrize("workers", [1, 2, 3])
 def test_output_equals_single_process(workers: int, no_shm_leak: None) -> None:
     ds = grain.MapDataset.range(23).map(_times_ten).to_iter_dataset()
-    with iter(ds.mp_prefetch(_opts(workers))) as it:
+    with iter(ds.mp_prefetch(mp_options(workers))) as it:
         assert list(it) == list(ds)
 
 
@@ -93,52 +69,29 @@ def test_batched_random_pipeline_same_for_any_worker_count(no_shm_leak: None) ->
     ds = base.to_iter_dataset()
     expected = list(ds)
     for workers in (1, 2, 3):
-        out = list(ds.mp_prefetch(_opts(workers, buffer=2)))
+        out = list(ds.mp_prefetch(mp_options(workers, buffer=2)))
         assert len(out) == len(expected)
         for a, e in zip(out, expected, strict=True):
             assert_trees_equal(a, e)
 
 
 def test_large_arrays_travel_through_shared_memory(no_shm_leak: None) -> None:
-    ds = grain.MapDataset.range(9).map(_big).to_iter_dataset()
-    out = list(ds.mp_prefetch(_opts(2)))
+    ds = grain.MapDataset.range(9).map(big_element).to_iter_dataset()
+    out = list(ds.mp_prefetch(mp_options(2)))
     for a, e in zip(out, list(ds), strict=True):
         assert_trees_equal(a, e)
         assert list(a) == ["z", "a", "s"]  # dict order survives the transport
 
 
 def test_final_batch_is_stacked_into_shared_memory(no_shm_leak: None) -> None:
-    ds = grain.MapDataset.range(10).map(_big).to_iter_dataset().batch(3)
-    out = list(ds.mp_prefetch(_opts(2)))
+    ds = grain.MapDataset.range(10).map(big_element).to_iter_dataset().batch(3)
+    out = list(ds.mp_prefetch(mp_options(2)))
     # Batches form inside each worker: worker w batches elements w, w + 2, ...
     per_worker = [list(slice_for_worker(ds, w, 2)) for w in range(2)]
     expected = [b for pair in zip(*per_worker, strict=True) for b in pair]
     for a, e in zip(out, expected, strict=True):
         assert_trees_equal(a, e)
     assert out[0]["s"].dtype == np.dtype("<U5")  # strings are not truncated
-
-
-def test_map_dataset_batch_stacks_into_shared_memory_in_a_worker(
-    no_shm_leak: None, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    # `.batch(n).to_iter_dataset()` is the usual end of a pipeline: inside a worker the batch
-    # is written once, into a block that travels by name (no second copy into shared memory).
-    monkeypatch.setattr(_shm, "_pool", _shm._BlockPool(4))  # as in a worker
-    ds = grain.MapDataset.range(10).map(_big).batch(3).to_iter_dataset()
-    it = rotation.build_worker_iterator(ds, 1, 2, False, None)
-    try:
-        batch = next(it)
-        assert_trees_equal(batch, list(ds)[1])
-        assert isinstance(batch["z"], _shm.SharedMemoryArray)
-        _, names = _shm.copy_to_shm(batch, _shm.DEFAULT_MIN_SHM_SIZE)
-        assert names == [batch["z"].metadata.name]
-    finally:
-        it.close()
-        _shm.unlink_pool()
-    ds_strings = grain.MapDataset.range(4).map(_big).batch(2).to_iter_dataset()
-    out = list(ds_strings.mp_prefetch(_opts(2)))
-    assert_trees_equal(out, list(ds_strings))
-    assert out[0]["s"].dtype == np.dtype("<U2")  # strings are not truncated
 
 
 def test_batches_stacked_into_shared_memory_equal_make_batch(
@@ -170,7 +123,7 @@ def test_batches_stacked_into_shared_memory_equal_make_batch(
 
 def test_sequential_slice_goldens() -> None:
     ds = grain.MapDataset.source(list(range(15))).to_iter_dataset()
-    assert list(ds.mp_prefetch(_opts(4), sequential_slice=True)) == [
+    assert list(ds.mp_prefetch(mp_options(4), sequential_slice=True)) == [
         0,
         4,
         8,
@@ -188,7 +141,18 @@ def test_sequential_slice_goldens() -> None:
         11,
     ]
     ds = grain.MapDataset.range(10).to_iter_dataset()
-    assert list(ds.mp_prefetch(_opts(3), sequential_slice=True)) == [0, 4, 7, 1, 5, 8, 2, 6, 9, 3]
+    assert list(ds.mp_prefetch(mp_options(3), sequential_slice=True)) == [
+        0,
+        4,
+        7,
+        1,
+        5,
+        8,
+        2,
+        6,
+        9,
+        3,
+    ]
 
 
 def test_sequential_slice_rejects_reordering_pipelines() -> None:
@@ -208,81 +172,7 @@ def test_worker_slices_are_rebuilt_not_mutated() -> None:
 
 def test_zero_workers_returns_the_dataset() -> None:
     ds = grain.MapDataset.range(3).to_iter_dataset()
-    assert ds.mp_prefetch(_opts(0)) is ds
-
-
-def _produced_once_idle(path: Any, at_least: int) -> int:
-    """Elements logged once there are ``at_least`` and no more come for 0.3 s (the worker
-    has used its credit)."""
-    deadline = time.monotonic() + 10
-    last = -1
-    while time.monotonic() < deadline:
-        count = len(path.read_text().split()) if path.exists() else 0
-        if count >= at_least and count == last:
-            return count
-        last = count
-        time.sleep(0.3)
-    raise AssertionError(f"{last} elements produced, expected at least {at_least} and then none")
-
-
-def _large_bytes(x: int) -> bytes:
-    return x.to_bytes(4, "little") * 8192  # 32 KiB, pickled (not an array)
-
-
-def _first_of(element: Any) -> int:
-    if isinstance(element, dict):
-        return int(element["a"])
-    return int.from_bytes(element[:4], "little") if isinstance(element, bytes) else element
-
-
-@pytest.mark.parametrize("size", ["small", "shared_memory", "pickled_large"])
-@pytest.mark.parametrize("buffer", [1, 2, 5])
-def test_worker_stays_within_its_buffer_ahead(
-    buffer: int, size: str, tmp_path: Any, monkeypatch: pytest.MonkeyPatch, no_shm_leak: None
-) -> None:
-    # Strict rotation: the steps after the slice point run on credit. Elements in shared
-    # memory stay within the buffer, plus the one the worker made and holds back; pickled ones
-    # also go on the overdraft (SMALL_AHEAD of them, OVERDRAFT_BYTES at most: 31 of 32 KiB)
-    # instead of waiting for the parent after each. (Dispatching workers: test_mp_dispatch.)
-    # Closing while the worker holds an element back leaves no shared memory behind.
-    monkeypatch.setattr(mp_dispatch, "dispatchable", lambda *_: False)
-    log = tmp_path / "produced.txt"
-    ds = grain.MapDataset.range(200).to_iter_dataset().map(LogProduced(str(log)))
-    if size != "small":
-        ds = ds.map(_big if size == "shared_memory" else _large_bytes)
-    if size == "shared_memory":
-        limit = buffer + 1
-    else:
-        element = 0 if size == "small" else _large_bytes(0)
-        overdraft = protocol.overdraft_room(len(pickle.dumps((element, {"state": 0}))))
-        limit = buffer + overdraft + 1
-    with fails_after(60), iter(ds.mp_prefetch(_opts(1, buffer))) as it:
-        consumed = 0
-        for target in (1, 9, 80):
-            while consumed < target:
-                assert _first_of(next(it)) == consumed
-                consumed += 1
-            # The pipe itself holds only two 32 KiB messages.
-            least = 1 if size == "pickled_large" else buffer // 2 + 1
-            ahead = _produced_once_idle(log, consumed + least) - consumed
-            assert ahead <= limit
-            if size == "small":
-                assert ahead > buffer + 1
-
-
-@pytest.mark.parametrize("size", ["small", "shared_memory"])
-def test_a_buffer_of_zero_produces_on_request_only(
-    size: str, tmp_path: Any, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    monkeypatch.setattr(mp_dispatch, "dispatchable", lambda *_: False)
-    log = tmp_path / "produced.txt"
-    ds = grain.MapDataset.range(20).to_iter_dataset().map(LogProduced(str(log)))
-    if size != "small":
-        ds = ds.map(_big)
-    with fails_after(60), iter(ds.mp_prefetch(_opts(1, 0))) as it:
-        for consumed in range(1, 4):
-            assert _first_of(next(it)) == consumed - 1
-            assert _produced_once_idle(log, consumed) == consumed
+    assert ds.mp_prefetch(mp_options(0)) is ds
 
 
 _SCALARS = [
@@ -305,7 +195,7 @@ def test_numpy_scalars_travel_exactly_and_without_their_dtype(dispatch: bool) ->
     ds = grain.MapDataset.range(len(_SCALARS)).map(_scalar_and_its_pickle_size).to_iter_dataset()
     grain.config.update("py_mp_prefetch_dispatch", dispatch)
     try:
-        out = list(ds.mp_prefetch(_opts(2)))
+        out = list(ds.mp_prefetch(mp_options(2)))
     finally:
         grain.config.update("py_mp_prefetch_dispatch", True)
     for (value, size_in_worker), expected in zip(out, _SCALARS, strict=True):
@@ -331,86 +221,22 @@ def test_workers_read_cpu_bound_elements_in_their_main_thread(dispatch: bool) ->
     ds = grain.MapDataset.range(2000).map(_reading_process_and_thread).to_iter_dataset()
     grain.config.update("py_mp_prefetch_dispatch", dispatch)
     try:
-        read = list(ds.mp_prefetch(_opts(2)))
+        read = list(ds.mp_prefetch(mp_options(2)))
     finally:
         grain.config.update("py_mp_prefetch_dispatch", True)
     in_main_thread = collections.Counter(pid for pid, name in read if name == "MainThread")
     assert len(in_main_thread) == 2 and min(in_main_thread.values()) >= 5
 
 
-def _varied_size(x: int) -> Any:
-    """Mostly ints; every 7th element 3 KiB of bytes, every 50th 20 KiB (large pickled)."""
-    if x % 50 == 0:
-        return x.to_bytes(4, "little") * 5120
-    if x % 7 == 0:
-        return x.to_bytes(4, "little") * 768
-    return x
-
-
-@pytest.fixture
-def strict_rotation(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(mp_dispatch, "dispatchable", lambda *_: False)
-
-
-def test_rotation_sends_small_elements_several_to_a_message(
-    strict_rotation: None, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    messages: list[list[int]] = []  # per element message: the pickled size of each element
-    recv = ipc_pool.WorkerPool.recv
-
-    def recording_recv(pool: Any, index: int, ready: bool = False) -> tuple[Any, ...]:
-        message = recv(pool, index, ready)
-        if message[1] == protocol.PICKLED_ELEMENTS:
-            messages.append([len(blob) for blob in message[2]])
-        return message
-
-    monkeypatch.setattr(ipc_pool.WorkerPool, "recv", recording_recv)
-    ds = grain.MapDataset.range(3000).to_iter_dataset().map(_varied_size)
-    assert list(ds.mp_prefetch(_opts(2, buffer=2))) == list(ds)
-    assert sum(map(len, messages)) == 3000
-    assert len(messages) < 3000 / 4
-
-
-def test_rotation_credits_go_back_in_batches_while_elements_overdraw(
-    strict_rotation: None, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    # Buffer 1, small elements: the overdraft carries the worker between credits, which go
-    # half of it at a time, not one control message per element handed out.
-    credits: list[int] = []
-    send = ipc_pool.WorkerPool.send
-
-    def recording_send(pool: Any, index: int, message: tuple[Any, ...]) -> None:
-        if message[0] == protocol.CREDIT:
-            credits.append(message[1])
-        send(pool, index, message)
-
-    monkeypatch.setattr(ipc_pool.WorkerPool, "send", recording_send)
-    ds = grain.MapDataset.range(3000).to_iter_dataset().map(_times_ten)
-    assert list(ds.mp_prefetch(_opts(2, buffer=1))) == [x * 10 for x in range(3000)]
-    assert sum(credits) >= 3000 - 2 * (1 + protocol.SMALL_AHEAD)
-    assert len(credits) < 3000 / 8
-
-
-def _filter_sevens(x: int) -> bool:
-    return x % 7 != 3
-
-
-def test_rotation_checkpoints_are_exact_within_a_message(strict_rotation: None) -> None:
-    ds = grain.MapDataset.range(400).to_iter_dataset().map(_times_ten).filter(_filter_sevens)
-    check_iterator_conformance(
-        lambda: ds.mp_prefetch(_opts(2, buffer=2)), positions=[0, 1, 2, 5, 33, 64, 65, 200, 341]
-    )
-
-
 # -------------------------------------------------------------------------- checkpoints
 def test_checkpoint_conformance_with_workers(no_shm_leak: None) -> None:
     ds = grain.MapDataset.range(11).map(_times_ten).to_iter_dataset().batch(2)
-    check_iterator_conformance(lambda: ds.mp_prefetch(_opts(2)), positions=[0, 3, 6])
+    check_iterator_conformance(lambda: ds.mp_prefetch(mp_options(2)), positions=[0, 3, 6])
 
 
 def test_set_state_restores_workers_in_place() -> None:
     ds = grain.MapDataset.range(12).map(_pid).to_iter_dataset()
-    with iter(ds.mp_prefetch(_opts(2))) as it:
+    with iter(ds.mp_prefetch(mp_options(2))) as it:
         start = it.get_state()
         first = [next(it) for _ in range(5)]
         workers = {p.pid for p in multiprocessing.active_children()}
@@ -424,7 +250,7 @@ def test_set_state_restores_workers_in_place() -> None:
 
 def test_get_state_before_iteration_starts_no_process() -> None:
     before = {p.pid for p in multiprocessing.active_children()}
-    ds = grain.MapDataset.range(6).to_iter_dataset().mp_prefetch(_opts(2))
+    ds = grain.MapDataset.range(6).to_iter_dataset().mp_prefetch(mp_options(2))
     it = iter(ds)
     state = it.get_state()
     assert state["iterators_in_use_states"] == [{"next_index": 0}, {"next_index": 0}]
@@ -433,7 +259,7 @@ def test_get_state_before_iteration_starts_no_process() -> None:
 
 
 def test_restore_on_a_fresh_iterator_before_start() -> None:
-    ds = grain.MapDataset.range(10).to_iter_dataset().mp_prefetch(_opts(2))
+    ds = grain.MapDataset.range(10).to_iter_dataset().mp_prefetch(mp_options(2))
     it = iter(ds)
     for _ in range(3):
         next(it)
@@ -445,14 +271,14 @@ def test_restore_on_a_fresh_iterator_before_start() -> None:
 
 
 def test_state_with_other_worker_count_is_rejected() -> None:
-    state = iter(grain.MapDataset.range(4).to_iter_dataset().mp_prefetch(_opts(2))).get_state()
-    with iter(grain.MapDataset.range(4).to_iter_dataset().mp_prefetch(_opts(3))) as it:
+    state = iter(grain.MapDataset.range(4).to_iter_dataset().mp_prefetch(mp_options(2))).get_state()
+    with iter(grain.MapDataset.range(4).to_iter_dataset().mp_prefetch(mp_options(3))) as it:
         with pytest.raises(ValueError, match="slots"):
             it.set_state(state)
 
 
 def test_rewinding_after_exhaustion_keeps_workers() -> None:
-    ds = grain.MapDataset.range(4).map(_pid).to_iter_dataset().mp_prefetch(_opts(2))
+    ds = grain.MapDataset.range(4).map(_pid).to_iter_dataset().mp_prefetch(mp_options(2))
     with iter(ds) as it:
         start = it.get_state()
         out = []
@@ -488,7 +314,7 @@ def test_rotation_error_ends_the_stream_after_the_elements_before_it(
     # The elements before it may share its message: they arrive, then the error, again on
     # every request.
     ds = grain.MapDataset.range(40).to_iter_dataset().map(fn)
-    with iter(ds.mp_prefetch(_opts(1, buffer=2))) as it:
+    with iter(ds.mp_prefetch(mp_options(1, buffer=2))) as it:
         got = []
         with pytest.raises((TypeError, CustomError), match=error):
             for x in it:
@@ -499,7 +325,7 @@ def test_rotation_error_ends_the_stream_after_the_elements_before_it(
 
 
 def test_worker_exception_keeps_type_and_traceback(no_shm_leak: None) -> None:
-    ds = grain.MapDataset.range(10).map(_fail_on_five).to_iter_dataset().mp_prefetch(_opts(2))
+    ds = grain.MapDataset.range(10).map(_fail_on_five).to_iter_dataset().mp_prefetch(mp_options(2))
     it = iter(ds)
     got = []
     with pytest.raises(CustomError, match="bad element 5") as info:
@@ -547,7 +373,7 @@ def test_worker_exceptions_that_pickle_cannot_rebuild_keep_their_type(
     # Pickle rebuilds an exception by calling its class with its args: these classes take
     # other parameters. The parent gets the same class, args and (picklable) attributes.
     fn = functools.partial(_raise_at_two, error)
-    ds = grain.MapDataset.range(4).map(fn).to_iter_dataset().mp_prefetch(_opts(2))
+    ds = grain.MapDataset.range(4).map(fn).to_iter_dataset().mp_prefetch(mp_options(2))
     with iter(ds) as it, pytest.raises(error, match=match) as info:
         list(it)
     if attribute is not None:
@@ -575,7 +401,7 @@ def test_stop_iteration_in_a_worker_function_is_an_error(
     try:
         with iter(ds) as single, pytest.raises(RuntimeError, match="raised StopIteration"):
             list(single)
-        with iter(ds.mp_prefetch(_opts(2))) as it:
+        with iter(ds.mp_prefetch(mp_options(2))) as it:
             with pytest.raises(RuntimeError, match="raised StopIteration"):
                 list(it)  # before: one worker's share ended there, and the other went on
     finally:
@@ -598,7 +424,7 @@ def test_a_worker_exiting_in_user_code_delivers_what_it_sent_first(
     ds = grain.MapDataset.range(4).map(_exit_at_one).to_iter_dataset()
     grain.config.update("py_mp_prefetch_dispatch", dispatch)
     try:
-        with iter(ds.mp_prefetch(_opts(1, buffer=2))) as it, fails_after(60):
+        with iter(ds.mp_prefetch(mp_options(1, buffer=2))) as it, fails_after(60):
             it.start_prefetch()
             # The worker has sent element 0 and exited before the parent reads anything.
             multiprocessing.connection.wait([p.sentinel for p in _worker_processes(it)])
@@ -634,7 +460,7 @@ class _SignalSelfOnThree:
 
 def test_killed_worker_is_reported_quickly(no_shm_leak: None) -> None:
     ds = grain.MapDataset.range(8).map(_SignalSelfOnThree(signal.SIGKILL)).to_iter_dataset()
-    it = iter(ds.mp_prefetch(_opts(2)))
+    it = iter(ds.mp_prefetch(mp_options(2)))
     start = time.monotonic()
     with pytest.raises(RuntimeError, match=r"Worker process [01] of 2 .* exit code -9 \(SIGKILL\)"):
         list(it)
@@ -673,7 +499,7 @@ def test_killed_worker_is_reported_while_its_pipe_stays_open(
         monkeypatch.setattr(mp_dispatch, "dispatchable", lambda *_: False)
     pid_file = tmp_path / "child"
     ds = grain.MapDataset.range(8).map(_ForkThenKillSelfOnThree(str(pid_file))).to_iter_dataset()
-    it = iter(ds.mp_prefetch(_opts(2)))
+    it = iter(ds.mp_prefetch(mp_options(2)))
     start = time.monotonic()
     try:
         with pytest.raises(RuntimeError, match=r"Worker process [01] of 2 .* \(SIGKILL\)"):
@@ -687,7 +513,7 @@ def test_killed_worker_is_reported_while_its_pipe_stays_open(
 
 def test_bus_error_in_a_worker_points_at_shared_memory(no_shm_leak: None) -> None:
     ds = grain.MapDataset.range(8).map(_SignalSelfOnThree(signal.SIGBUS)).to_iter_dataset()
-    with iter(ds.mp_prefetch(_opts(2))) as it:
+    with iter(ds.mp_prefetch(mp_options(2))) as it:
         with pytest.raises(RuntimeError, match=r"\(SIGBUS\)\. .*/dev/shm is full.*--shm-size"):
             list(it)
 
@@ -754,12 +580,12 @@ def _no_room_in_dev_shm(worker_index: int, worker_count: int) -> None:
 
 def test_arrays_travel_pickled_when_dev_shm_is_full(no_shm_leak: None) -> None:
     # Both ways into shared memory: a map output copied into a block, a batch stacked into one.
-    ds = grain.MapDataset.range(12).map(_big).to_iter_dataset()
+    ds = grain.MapDataset.range(12).map(big_element).to_iter_dataset()
     for pipeline in (ds, ds.batch(3)):
-        expected = list(pipeline.mp_prefetch(_opts(2)))
+        expected = list(pipeline.mp_prefetch(mp_options(2)))
         # Each worker warns once, in the parent (where filters and pytest see it).
         with pytest.warns(RuntimeWarning, match="travel pickled") as record:
-            got = list(pipeline.mp_prefetch(_opts(2), worker_init_fn=_no_room_in_dev_shm))
+            got = list(pipeline.mp_prefetch(mp_options(2), worker_init_fn=_no_room_in_dev_shm))
         assert_trees_equal(got, expected)
         assert len([w for w in record if "travel pickled" in str(w.message)]) == 2
 
@@ -781,7 +607,7 @@ def test_warnings_in_workers_are_issued_in_the_parent(
     grain.config.update("py_mp_prefetch_dispatch", dispatch)
     try:
         with pytest.warns(UserWarning, match="is odd") as record:
-            assert list(ds.mp_prefetch(_opts(2))) == list(range(8))
+            assert list(ds.mp_prefetch(mp_options(2))) == list(range(8))
     finally:
         grain.config.update("py_mp_prefetch_dispatch", True)
     messages = sorted(str(w.message) for w in record)
@@ -804,7 +630,7 @@ def _warns_with_a_category_that_cannot_travel(x: int) -> int:
 def test_a_warning_whose_category_cannot_travel_arrives_by_name() -> None:
     ds = grain.MapDataset.range(2).map(_warns_with_a_category_that_cannot_travel)
     with pytest.warns(RuntimeWarning, match=r"LockedWarning: element \d") as record:
-        assert list(ds.to_iter_dataset().mp_prefetch(_opts(2))) == [0, 1]
+        assert list(ds.to_iter_dataset().mp_prefetch(mp_options(2))) == [0, 1]
     assert len(record) == 2
 
 
@@ -813,7 +639,7 @@ def test_a_warning_filter_in_the_parent_applies_to_workers() -> None:
     with warnings.catch_warnings():
         warnings.simplefilter("error", UserWarning)
         with pytest.raises(UserWarning, match="map: element 1 is odd"):
-            list(ds.mp_prefetch(_opts(2)))
+            list(ds.mp_prefetch(mp_options(2)))
 
 
 def _unpicklable_element(x: int) -> Any:
@@ -822,7 +648,7 @@ def _unpicklable_element(x: int) -> Any:
 
 def test_unpicklable_element_is_an_error(no_shm_leak: None) -> None:
     ds = grain.MapDataset.range(4).map(_unpicklable_element).to_iter_dataset()
-    with iter(ds.mp_prefetch(_opts(2))) as it:
+    with iter(ds.mp_prefetch(mp_options(2))) as it:
         with pytest.raises(TypeError, match="cannot be pickled"):
             next(it)
 
@@ -831,7 +657,7 @@ def test_unpicklable_pipeline_names_the_node() -> None:
     lock = threading.Lock()
     ds = grain.MapDataset.range(4).map(lambda x: (x, lock)).to_iter_dataset().map(_times_ten)
     with pytest.raises(TypeError) as info:
-        next(iter(ds.mp_prefetch(_opts(2))))
+        next(iter(ds.mp_prefetch(mp_options(2))))
     assert "MapMapDataset" in "\n".join(info.value.__notes__)
 
 
@@ -839,13 +665,13 @@ def test_unpicklable_worker_init_fn_says_so() -> None:
     lock = threading.Lock()
     ds = grain.MapDataset.range(4).to_iter_dataset()
     with pytest.raises(TypeError) as info:
-        next(iter(ds.mp_prefetch(_opts(2), worker_init_fn=lambda i, n: lock.acquire())))
+        next(iter(ds.mp_prefetch(mp_options(2), worker_init_fn=lambda i, n: lock.acquire())))
     assert "worker_init_fn <function" in "\n".join(info.value.__notes__)
 
 
 def test_mp_prefetch_inside_a_worker_is_a_clear_error(no_shm_leak: None) -> None:
-    ds = grain.MapDataset.range(4).to_iter_dataset().mp_prefetch(_opts(2))
-    with iter(ds.mp_prefetch(_opts(2))) as it:
+    ds = grain.MapDataset.range(4).to_iter_dataset().mp_prefetch(mp_options(2))
+    with iter(ds.mp_prefetch(mp_options(2))) as it:
         with pytest.raises(ValueError, match="cannot start worker processes inside a worker"):
             next(it)
 
@@ -864,9 +690,9 @@ class _ListIterDataset(grain.IterDataset):
 
 def test_unsliceable_source_fails_with_several_workers_only() -> None:
     ds = _ListIterDataset([1, 2, 3])
-    assert list(ds.mp_prefetch(_opts(1))) == [1, 2, 3]
+    assert list(ds.mp_prefetch(mp_options(1))) == [1, 2, 3]
     with pytest.raises(ValueError, match="Cannot slice `IterDataset` source"):
-        list(ds.mp_prefetch(_opts(2)))
+        list(ds.mp_prefetch(mp_options(2)))
 
 
 def _init_env(index: int, count: int) -> None:
@@ -880,7 +706,7 @@ def _read_env(_: Any) -> tuple[str | None, str | None]:
 def test_worker_init_fn_and_cpu_only_jax() -> None:
     # Each worker computes its strided share (a worker_init_fn turns dispatch off).
     ds = grain.MapDataset.range(8).map(_read_env).to_iter_dataset()
-    out = list(ds.mp_prefetch(_opts(2), worker_init_fn=_init_env))
+    out = list(ds.mp_prefetch(mp_options(2), worker_init_fn=_init_env))
     assert out == [("0/2", "cpu"), ("1/2", "cpu")] * 4
 
 
@@ -893,7 +719,7 @@ def test_workers_copy_large_arrays_with_streaming_stores() -> None:
 
     if "x86_non_temporal_threshold" in os.environ.get("GLIBC_TUNABLES", ""):
         pytest.skip("the environment sets the threshold itself")
-    ds = grain.MapDataset.range(2).map(_glibc_tunables).to_iter_dataset().mp_prefetch(_opts(2))
+    ds = grain.MapDataset.range(2).map(_glibc_tunables).to_iter_dataset().mp_prefetch(mp_options(2))
     threshold = f"glibc.cpu.x86_non_temporal_threshold={2 * 1024 * 1024:#x}"
     assert all(threshold in (tunables or "") for tunables in ds)
     assert threshold not in os.environ.get("GLIBC_TUNABLES", "")  # the parent's is unchanged
@@ -947,7 +773,12 @@ def test_the_streaming_threshold_is_read_when_the_forkserver_starts(
 
 
 def test_closed_iterator_and_gc_release_everything(no_shm_leak: None) -> None:
-    ds = grain.MapDataset.range(50).map(_big).to_iter_dataset().mp_prefetch(_opts(2, buffer=3))
+    ds = (
+        grain.MapDataset.range(50)
+        .map(big_element)
+        .to_iter_dataset()
+        .mp_prefetch(mp_options(2, buffer=3))
+    )
     it = iter(ds)
     next(it)
     pids = [p.pid for p in multiprocessing.active_children()]
@@ -968,15 +799,15 @@ def test_restoring_again_and_again_without_reading_keeps_shared_memory_bounded(
 ) -> None:
     # Each set_state drops what the worker sent for the old position; its blocks go back to
     # the worker with the set_state instead of piling up unread in the pipe.
-    ds = grain.MapDataset.range(100).map(_big).to_iter_dataset().filter(_keep)
+    ds = grain.MapDataset.range(100).map(big_element).to_iter_dataset().filter(_keep)
     blocks: set[str] = set()
-    with iter(ds.mp_prefetch(_opts(1, buffer=2))) as it:
+    with iter(ds.mp_prefetch(mp_options(1, buffer=2))) as it:
         next(it)
         start = it.get_state()
         for _ in range(30):
             it.set_state(start)
             time.sleep(0.02)  # the worker sends a buffer's worth for the new position
-            blocks |= _shm_names()
+            blocks |= shm_names()
         assert next(it)["a"] == 1
     assert 0 < len(blocks) <= 8
 
@@ -1015,7 +846,7 @@ def test_an_element_the_parent_cannot_unpickle_stops_the_stream_until_set_state(
     ds = grain.MapDataset.range(10).map(make).to_iter_dataset()
     grain.config.update("py_mp_prefetch_dispatch", dispatch)
     try:
-        with iter(ds.mp_prefetch(_opts(2))) as it:
+        with iter(ds.mp_prefetch(mp_options(2))) as it:
             start = it.get_state()
             assert [next(it) for _ in range(3)] == [0, 1, 2]
             for _ in range(3):  # the same error every time: never a hang, nothing skipped
@@ -1042,7 +873,7 @@ def test_close_gives_busy_workers_one_timeout_in_all(monkeypatch: pytest.MonkeyP
         .map(_stuck_after_three)
         .to_iter_dataset(read_options=grain.ReadOptions(num_threads=1, prefetch_buffer_size=1))
     )
-    it = iter(ds.mp_prefetch(_opts(3)))
+    it = iter(ds.mp_prefetch(mp_options(3)))
     assert [next(it) for _ in range(3)] == [0, 1, 2]
     time.sleep(0.5)  # every worker is now in the function
     began = time.monotonic()
@@ -1101,7 +932,7 @@ def _alive(pid: int) -> bool:
 def test_dataset_is_picklable_and_shm_module_leaves_nothing() -> None:
     import pickle
 
-    ds = grain.MapDataset.range(3).to_iter_dataset().mp_prefetch(_opts(2))
+    ds = grain.MapDataset.range(3).to_iter_dataset().mp_prefetch(mp_options(2))
     ds.payload()
     assert list(pickle.loads(pickle.dumps(ds))) == [0, 1, 2]
     assert _shm.unlink_prefix(f"gc{os.getpid():x}") == []
@@ -1116,13 +947,13 @@ def _keep(x: Any) -> bool:
 def test_workers_recycle_shared_memory_blocks(
     no_shm_leak: None, rotation: bool, buffer: int
 ) -> None:
-    ds = grain.MapDataset.range(40).map(_big).to_iter_dataset()
+    ds = grain.MapDataset.range(40).map(big_element).to_iter_dataset()
     if rotation:
         ds = ds.filter(_keep)  # an IterDataset step: workers stream their shares
     blocks: set[str] = set()
-    with iter(ds.mp_prefetch(_opts(1, buffer=buffer))) as it:
+    with iter(ds.mp_prefetch(mp_options(1, buffer=buffer))) as it:
         for x in it:
-            blocks |= _shm_names()
+            blocks |= shm_names()
             del x  # the block goes back to the worker with the next request
     # 40 elements used the blocks of the elements buffered, the one the consumer holds and the
     # next one, copied while it waits for a credit (so that it goes as soon as one comes).
@@ -1137,7 +968,7 @@ def test_set_state_returns_the_block_of_a_batch_waiting_for_a_credit(no_shm_leak
     # The batch waits for a credit in its block when set_state drops it: the block goes back
     # to the worker's pool instead of staying taken.
     ds = grain.MapDataset.range(64).map(_big_rows).to_iter_dataset().filter(_keep).batch(2)
-    with iter(ds.mp_prefetch(_opts(1, buffer=1))) as it:
+    with iter(ds.mp_prefetch(mp_options(1, buffer=1))) as it:
         start = it.get_state()
         blocks: set[str] = set()
         for _ in range(12):
@@ -1146,7 +977,7 @@ def test_set_state_returns_the_block_of_a_batch_waiting_for_a_credit(no_shm_leak
             assert float(x[0, 0]) == 0.0
             del x
             time.sleep(0.02)  # the worker makes the next batches, which wait for credits
-            blocks |= _shm_names()
+            blocks |= shm_names()
     assert 0 < len(blocks) <= 4
 
 
@@ -1169,7 +1000,7 @@ def test_worker_stages_reach_the_parent_summary(
     # Strict rotation (dispatching workers: test_mp_dispatch).
     monkeypatch.setattr(mp_dispatch, "dispatchable", lambda *_: False)
     ds = WithOptionsIterDataset(_slow_map_pipeline().map(_times_ten), TIMING)
-    with iter(ds.mp_prefetch(_opts(2))) as it:
+    with iter(ds.mp_prefetch(mp_options(2))) as it:
         it.start_prefetch()  # worker start-up is not part of any next()
         assert list(it) == [x * 10 for x in range(24)]
         summary = get_execution_summary(it)
@@ -1202,7 +1033,7 @@ def test_every_summary_has_what_the_workers_did_when_it_was_taken(
     if not dispatch:
         monkeypatch.setattr(mp_dispatch, "dispatchable", lambda *_: False)
     ds = grain.MapDataset.range(40).map(_times_ten).to_iter_dataset()
-    ds = WithOptionsIterDataset(ds, TIMING).mp_prefetch(_opts(2))
+    ds = WithOptionsIterDataset(ds, TIMING).mp_prefetch(mp_options(2))
     seen: list[int] = []
     counts = [0]
     with iter(ds) as it:
@@ -1218,7 +1049,7 @@ def test_every_summary_has_what_the_workers_did_when_it_was_taken(
 
 
 def test_options_downstream_of_mp_prefetch_reach_the_workers() -> None:
-    ds = _slow_map_pipeline().mp_prefetch(_opts(2))
+    ds = _slow_map_pipeline().mp_prefetch(mp_options(2))
     with iter(WithOptionsIterDataset(ds, TIMING)) as it:
         assert len(list(it)) == 24
         summary = get_execution_summary(it)
@@ -1228,7 +1059,7 @@ def test_options_downstream_of_mp_prefetch_reach_the_workers() -> None:
 def test_untracked_workers_send_no_statistics(monkeypatch: pytest.MonkeyPatch) -> None:
     calls: list[Any] = []
     monkeypatch.setattr(protocol, "attach_worker_stages", lambda *a: calls.append(a))
-    ds = grain.MapDataset.range(10).to_iter_dataset().mp_prefetch(_opts(2))
+    ds = grain.MapDataset.range(10).to_iter_dataset().mp_prefetch(mp_options(2))
     with iter(ds) as it:
         assert list(it) == list(range(10))
         with pytest.raises(ValueError, match="STAGE_TIMING"):
@@ -1238,9 +1069,9 @@ def test_untracked_workers_send_no_statistics(monkeypatch: pytest.MonkeyPatch) -
 
 def test_tracked_output_and_checkpoints_match_untracked() -> None:
     ds = grain.MapDataset.range(9).map(_times_ten).to_iter_dataset()
-    assert list(WithOptionsIterDataset(ds, TIMING).mp_prefetch(_opts(2))) == list(ds)
+    assert list(WithOptionsIterDataset(ds, TIMING).mp_prefetch(mp_options(2))) == list(ds)
     check_iterator_conformance(
-        lambda: WithOptionsIterDataset(ds, TIMING).mp_prefetch(_opts(2)), positions=[0, 4]
+        lambda: WithOptionsIterDataset(ds, TIMING).mp_prefetch(mp_options(2)), positions=[0, 4]
     )
 
 
@@ -1266,19 +1097,19 @@ def test_free_threaded_python_uses_threads_with_a_copy_per_thread(gil_disabled: 
     counter = _shared_counter()
     ds = grain.MapDataset.range(10).map(counter).to_iter_dataset().map(_pid)
     before = {p.pid for p in multiprocessing.active_children()}
-    prefetched = ds.mp_prefetch(_opts(3))
+    prefetched = ds.mp_prefetch(mp_options(3))
     assert not isinstance(prefetched, MultiprocessPrefetchIterDataset)
     assert list(prefetched) == [os.getpid()] * 10  # threads of this process
     assert {p.pid for p in multiprocessing.active_children()} == before
     assert counter.seen == []  # each thread transformed with its own deep copy
     values = grain.MapDataset.range(10).map(_times_ten).to_iter_dataset()
-    assert list(values.mp_prefetch(_opts(3))) == [x * 10 for x in range(10)]
-    check_iterator_conformance(lambda: values.mp_prefetch(_opts(3)), positions=[0, 4, 9])
+    assert list(values.mp_prefetch(mp_options(3))) == [x * 10 for x in range(10)]
+    check_iterator_conformance(lambda: values.mp_prefetch(mp_options(3)), positions=[0, 4, 9])
 
 
 def test_free_threaded_python_ignores_worker_init_fn(gil_disabled: None) -> None:
     ds = grain.MapDataset.range(4).to_iter_dataset()
     with pytest.warns(RuntimeWarning, match="worker_init_fn is ignored"):
-        prefetched = ds.mp_prefetch(_opts(2), worker_init_fn=_init_env)
+        prefetched = ds.mp_prefetch(mp_options(2), worker_init_fn=_init_env)
     assert list(prefetched) == [0, 1, 2, 3]
     assert "TEST_WORKER_ID" not in os.environ
