@@ -123,3 +123,25 @@ def test_a_forked_child_leaves_the_parents_workers_alone(
         assert lines[2] == f"child {list(range(6))}"
     else:
         assert len(lines) == 3
+
+
+def _read_variable(name: str) -> str:
+    import os
+
+    return os.environ.get(name, "unset")  # a None element would be dropped
+
+
+def test_workers_see_variables_the_parent_set_after_the_forkserver_started(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # The first pool starts the forkserver; the variable is set after that, as a credential
+    # or a storage emulator's endpoint may be.
+    options = grain_core.MultiprocessingOptions(num_workers=1)
+    first = grain_core.MapDataset.range(1).map(lambda _: _read_variable("GRAIN_TEST_LATE"))
+    assert list(first.to_iter_dataset().mp_prefetch(options)) == ["unset"]
+    monkeypatch.setenv("GRAIN_TEST_LATE", "set later")
+    monkeypatch.delenv("HOME", raising=False)
+    late = grain_core.MapDataset.range(2).map(
+        lambda _: (_read_variable("GRAIN_TEST_LATE"), _read_variable("HOME"))
+    )
+    assert list(late.to_iter_dataset().mp_prefetch(options)) == [("set later", "unset")] * 2

@@ -105,11 +105,6 @@ def worker_glibc_tunables(inherited: str | None, streaming_copy_bytes: int) -> s
     return f"{inherited}:{tunable}" if inherited else tunable
 
 
-#: Variables the forkserver starts with so that it imports from the parent's ``sys.path``;
-#: workers get the parent's values back (``_start_worker``).
-_IMPORT_PATH_ENV = ("PYTHONPATH", "PYTHONSAFEPATH")
-
-
 def _parent_import_path() -> str:
     """The parent's ``sys.path`` as a ``PYTHONPATH`` (an empty entry is its working directory,
     resolved now: the forkserver keeps the directory it starts in, but resolves ``""`` later)."""
@@ -161,6 +156,16 @@ def _restore_environ(values: dict[str, str | None]) -> None:
             os.environ.pop(name, None)
         else:
             os.environ[name] = value
+
+
+def _adopt_environ(parent: dict[str, str]) -> None:
+    """Makes this worker's environment the parent's, but for glibc's tunables: those the
+    forkserver started with are in force in this process, and programs it starts inherit
+    them."""
+    tunables = os.environ.get(_GLIBC_TUNABLES)
+    os.environ.clear()
+    os.environ.update(parent)
+    _restore_environ({_GLIBC_TUNABLES: tunables})
 
 
 _FORKSERVER = _WorkerForkServer()
@@ -221,12 +226,14 @@ class _ProcessSetup:
     """What a worker process sets up before the engine's entry point runs.
 
     Attributes:
-      environ: The parent's values of the variables the forkserver started with for its
-        imports (None: unset), given back to the worker.
+      environ: The parent's environment when the pool starts. The forkserver keeps the
+        environment it started with (for its imports, and as it was then): a variable the
+        parent set later (credentials, a storage emulator's endpoint) would not reach workers
+        forked from it otherwise.
       jax_platforms: ``JAX_PLATFORMS`` for the worker.
     """
 
-    environ: dict[str, str | None]
+    environ: dict[str, str]
     jax_platforms: str
 
 
@@ -242,7 +249,7 @@ def _start_worker(
     # A crash in native code (a decoder, a C extension) prints the worker's Python stack to
     # the stderr it shares with the parent, which then names the signal.
     faulthandler.enable()
-    _restore_environ(setup.environ)
+    _adopt_environ(setup.environ)
     os.environ["JAX_PLATFORMS"] = setup.jax_platforms
     shm.set_name_prefix(spec.shm_prefix)
     _watch_parent()
@@ -338,7 +345,6 @@ _SIGNAL_HINTS = {
     ),
 }
 
-
 #: Seconds that stopping a pool gives its workers to exit before they are killed.
 STOP_TIMEOUT_S = 5.0
 
@@ -386,7 +392,7 @@ class WorkerPool:
         if process_cls is _WorkerProcess:
             _FORKSERVER.set_forkserver_preload(list(preload))
         setup = _ProcessSetup(
-            environ={name: os.environ.get(name) for name in _IMPORT_PATH_ENV},
+            environ=dict(os.environ),
             jax_platforms=worker_jax_platforms(),
         )
         try:
