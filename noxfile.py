@@ -147,12 +147,13 @@ def _ensure_chromium(session: nox.Session) -> None:
 
 @nox.session(name="tests-remote", default=False)
 def tests_remote(session: nox.Session) -> None:
-    """Object storage end to end: the tests start moto's S3 server on 127.0.0.1 themselves
-    (``tests-all`` runs the same tests, so the default run does not repeat them)."""
+    """Object storage end to end: the tests start moto's S3 server and fake-gcs-server on
+    127.0.0.1 themselves (``tests-all`` runs the same tests, so the default run does not
+    repeat them)."""
     plugins = [str(d) for d in PLUGINS.values()]
     session.install(".[test,remote]", *plugins, "orbax-checkpoint")
     remote = sorted(str(p.relative_to(ROOT)) for p in ROOT.glob("tests/test_remote*.py"))
-    _pytest(session, "tests/test_storage.py", *remote)
+    _pytest(session, "tests/test_storage.py", "tests/test_shard_cache.py", *remote)
 
 
 @nox.session
