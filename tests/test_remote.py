@@ -125,6 +125,43 @@ def test_data_loader_with_two_workers_reads_the_bucket(s3: Any) -> None:
     assert out == list(local)
 
 
+# ----------------------------------------------------------------------------- ArrayRecord
+def test_arrayrecord_reads_the_bucket_through_the_shard_cache(s3: Any, tmp_path: Path) -> None:
+    grain_arrayrecord = pytest.importorskip("grain_arrayrecord")
+    from grain_core.shard_cache import ShardCache
+
+    contents = []
+    for k in range(3):
+        local = tmp_path / f"part-{k}.array_record"
+        with grain_arrayrecord.ArrayRecordWriter(local) as writer:
+            for record in _records(k):
+                writer.write(record)
+        storage.write_bytes(f"{s3.url}/ar/part-{k}.array_record", local.read_bytes(), s3.options)
+        contents.append(_records(k))
+    everything = [r for records in contents for r in records]
+    with pytest.raises(ValueError, match=r"cannot open 's3://.*' itself.*shard_cache="):
+        grain_arrayrecord.ArrayRecordDataSource(f"{s3.url}/ar/*", storage_options=s3.options)
+    cache = ShardCache(tmp_path / "cache", max_bytes=1 << 20)
+    source = grain_arrayrecord.ArrayRecordDataSource(
+        f"{s3.url}/ar/*", shard_cache=cache, storage_options=s3.options
+    )
+    assert source.paths[0] == f"{s3.url}/ar/part-0.array_record"
+    keys = random.Random(0).sample(range(len(everything)), len(everything))
+    assert source.__getitems__(keys) == [everything[k] for k in keys]
+    assert len(list((tmp_path / "cache").glob("*.shard"))) == 3
+    loader = grain.DataLoader(
+        data_source=source,
+        sampler=IndexSampler(len(source), shuffle=True, seed=3, num_epochs=1),
+        worker_count=2,
+    )
+    with iter(loader) as it:
+        assert sorted(it) == sorted(everything)
+    with pytest.raises(FileNotFoundError, match=r"s3://.*/ar/missing"):
+        grain_arrayrecord.ArrayRecordDataSource(
+            f"{s3.url}/ar/missing", shard_cache=cache, storage_options=s3.options
+        )
+
+
 # ----------------------------------------------------------------------------- checkpoints
 def _loader(workers: int = 0) -> Any:
     return grain.DataLoader(

@@ -2,17 +2,20 @@
 
 Accepted forms: a path, a glob, ``"file[start:end]"`` (records ``start`` to ``end - 1``), or a
 FileInstruction-like object (TFDS protocol: ``filename``, ``skip``, ``take``,
-``examples_in_shard``), alone or in a sequence.
+``examples_in_shard``), alone or in a sequence. Paths may be URLs (``gs://``, ``s3://``, any
+fsspec URL): their globs are listed through ``grain_core.storage``, and their existence is
+checked when they are opened (a local check would call every URL missing).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import glob
 import os
 import re
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any, Protocol, runtime_checkable
+
+from grain_core import storage
 
 __all__ = ["FileInstructionLike", "ReadInstruction", "PathsArg", "parse_paths"]
 
@@ -52,8 +55,14 @@ class ReadInstruction:
     text: str
 
 
-def parse_paths(paths: PathsArg) -> list[ReadInstruction]:
+def parse_paths(
+    paths: PathsArg, storage_options: Mapping[str, Any] | None = None
+) -> list[ReadInstruction]:
     """Returns the read instructions ``paths`` describes, globs expanded in sorted order.
+
+    Args:
+      paths: See the module docstring.
+      storage_options: For URLs, passed to their fsspec file system (globs).
 
     Raises:
       ValueError: If ``paths`` is empty, an element has the wrong type, or a range is invalid.
@@ -73,11 +82,16 @@ def parse_paths(paths: PathsArg) -> list[ReadInstruction]:
         raise ValueError("ArrayRecordDataSource needs at least one path; got an empty sequence.")
     instructions: list[ReadInstruction] = []
     for item in items:
-        instructions.extend(_parse_one(item))
+        instructions.extend(_parse_one(item, storage_options))
     return instructions
 
 
-def _parse_one(item: Any) -> list[ReadInstruction]:
+def _exists(path: str) -> bool:
+    """Whether a local file exists; URLs are taken to exist until they are opened."""
+    return storage.is_url(path) or os.path.exists(path)
+
+
+def _parse_one(item: Any, storage_options: Mapping[str, Any] | None) -> list[ReadInstruction]:
     if isinstance(item, FileInstructionLike):
         return [_from_file_instruction(item)]
     if not isinstance(item, str | os.PathLike):
@@ -85,19 +99,21 @@ def _parse_one(item: Any) -> list[ReadInstruction]:
             "Each ArrayRecordDataSource path must be a str, os.PathLike or FileInstruction; "
             f"got {type(item).__name__}: {item!r}."
         )
-    text = os.fspath(item)
-    if os.path.exists(text):
+    text = storage.path_string(item)
+    if not storage.is_url(text) and os.path.exists(text):
         return [ReadInstruction(text, 0, None, text)]
     match = _RANGE_SUFFIX_RE.match(text)
     if match:
         return [_from_range_string(text, match)]
-    if glob.has_magic(text):
-        found = sorted(glob.glob(text))
+    if storage.has_magic(text):
+        found = storage.glob(text, storage_options, allow_empty=True)
         if not found:
             raise FileNotFoundError(
                 f"No ArrayRecord files match the glob {text!r}; check the directory and pattern."
             )
-        return [ReadInstruction(path, 0, None, path) for path in found]
+        return [ReadInstruction(p, 0, None, p) for p in map(storage.path_string, found)]
+    if storage.is_url(text):
+        return [ReadInstruction(text, 0, None, text)]
     raise FileNotFoundError(f"ArrayRecord file {text!r} does not exist.")
 
 
@@ -115,13 +131,13 @@ def _from_range_string(text: str, match: re.Match[str]) -> ReadInstruction:
             f"Read instruction {text!r} has an invalid range [{start}:{end}]: need "
             "0 <= start <= end."
         )
-    if not os.path.exists(path):
+    if not _exists(path):
         raise FileNotFoundError(f"ArrayRecord file {path!r} (from {text!r}) does not exist.")
     return ReadInstruction(path, start, end, text)
 
 
 def _from_file_instruction(instruction: FileInstructionLike) -> ReadInstruction:
-    path = os.fspath(instruction.filename)
+    path = storage.path_string(instruction.filename)
     skip, take, total = instruction.skip, instruction.take, instruction.examples_in_shard
     text = f"FileInstruction({path}, skip={skip}, take={take}, examples_in_shard={total})"
     if take == -1:  # TFDS spelling of "to the end of the shard"
@@ -131,6 +147,6 @@ def _from_file_instruction(instruction: FileInstructionLike) -> ReadInstruction:
             f"{text} is invalid: need skip >= 0, take >= 0 (or -1) and skip + take <= "
             "examples_in_shard."
         )
-    if not os.path.exists(path):
+    if not _exists(path):
         raise FileNotFoundError(f"ArrayRecord file {path!r} (from {text}) does not exist.")
     return ReadInstruction(path, skip, skip + take, text)

@@ -24,6 +24,15 @@ makes range reads about 25% dearer than array_record's own buffer, used now):
   the GIL. Measured on 2 cores, 8 threads reading batches of 256: shared readers 30,200
   records/s, one reader per thread 23,900 (the per-thread readers only add file handles and
   index copies), so readers are shared.
+
+Remote files. A URL array_record opens itself (``gs://``) is passed to its reader as it is; a
+read there waits on the network, so a block's share of such a file is always one indexed
+read (array_record fetches its chunks in parallel) and the shares of several files are read
+on a thread pool at once. A URL of another scheme (``s3://``, ``memory://``, ...) is read
+from a local copy in a ``grain_core.shard_cache.ShardCache`` (opt-in: without one it is an
+error saying so); opening a shard there starts downloading the next ``read_ahead`` shards of
+the source in the background, so a pass over the shards in order overlaps the downloads with
+reading.
 """
 
 from __future__ import annotations
@@ -44,6 +53,8 @@ import numpy as np
 from array_record.python import array_record_module  # type: ignore[import-untyped]
 
 from grain_arrayrecord._paths import PathsArg, parse_paths
+from grain_core import storage
+from grain_core.shard_cache import ShardCache
 from grain_core.sources import record_keys_array
 
 __all__ = ["ArrayRecordDataSource", "RecordIndexError"]
@@ -63,6 +74,10 @@ _INDEXED_READ_MIN_FRACTION = 16
 # (medians of 5 passes of 30,000 reads; 16 KiB and 256 KiB records no slower).
 _READER_DEFAULTS = {"readahead_buffer_size": "0"}
 _GROUP_SIZE_RE = re.compile(r"(?:^|,)group_size:(\d+)(?:,|$)")
+# URL schemes array_record's own reader opens (its build includes a GCS client).
+_NATIVE_SCHEMES = ("gs://",)
+# Files of one block read at the same time when they are remote.
+_REMOTE_READ_THREADS = 16
 
 
 class ArrayRecordDataSource:
@@ -79,18 +94,44 @@ class ArrayRecordDataSource:
         right away to count their records (in parallel); ranges are opened on first read.
       reader_options: ArrayRecord reader options, e.g. ``{"index_storage_option":
         "offloaded"}``; ``readahead_buffer_size`` defaults to ``"0"`` (random access).
+      shard_cache: Where URLs array_record cannot open itself (``s3://``, ...) are
+        downloaded to and read from; see ``grain_core.shard_cache``. Plain paths and globs
+        are downloaded when the source is created (to count their records); ranges and
+        FileInstructions when first read.
+      storage_options: For URLs, passed to their fsspec file system (globs, downloads).
 
     Raises:
       ValueError: On empty ``paths``, a wrong element type, a bad range, bad
-        ``reader_options``, or a file that is not a readable ArrayRecord file.
+        ``reader_options``, a file that is not a readable ArrayRecord file, or a URL that
+        needs ``shard_cache``.
       FileNotFoundError: If a file does not exist or a glob matches nothing.
     """
 
-    def __init__(self, paths: PathsArg, reader_options: Mapping[str, str] | None = None) -> None:
-        self._instructions = parse_paths(paths)
+    def __init__(
+        self,
+        paths: PathsArg,
+        reader_options: Mapping[str, str] | None = None,
+        *,
+        shard_cache: ShardCache | None = None,
+        storage_options: Mapping[str, Any] | None = None,
+    ) -> None:
+        self._storage_options = dict(storage_options or {})
+        self._instructions = parse_paths(paths, self._storage_options)
+        self._shard_cache = shard_cache
+        uncached = [
+            i.path for i in self._instructions if _needs_cache(i.path) and shard_cache is None
+        ]
+        if uncached:
+            raise ValueError(
+                f"array_record cannot open {uncached[0]!r} itself (it reads local files and "
+                "gs:// URLs). Pass shard_cache=grain_core.shard_cache.ShardCache(directory, "
+                "max_bytes=...) to read such files from local copies."
+            )
+        self._cached_paths = list(
+            dict.fromkeys(i.path for i in self._instructions if _needs_cache(i.path))
+        )
         self._reader_options = _options_string(reader_options)
-        self._lock = threading.Lock()  # guards opening readers, never reading
-        self._readers: dict[str, Any] = {}
+        self._init_runtime()
         plain = sorted({i.path for i in self._instructions if i.end is None})
         counts: dict[str, int] = {}
         if plain:
@@ -109,11 +150,19 @@ class ArrayRecordDataSource:
         self._offsets = offsets
         self._offsets_list = offsets.tolist()
         self._len = int(offsets[-1])
-        sizes = {path: os.path.getsize(path) for path in set(self._paths)}
+        # URLs are identified by name and record counts: their sizes would cost a request each.
+        sizes = {
+            path: -1 if storage.is_url(path) else os.path.getsize(path) for path in set(self._paths)
+        }
         self._fingerprint = _fingerprint(
             (i.path, sizes[i.path], i.start, n)
             for i, n in zip(self._instructions, counts_per_instruction, strict=True)
         )
+
+    def _init_runtime(self) -> None:
+        self._lock = threading.Lock()  # guards opening readers, never reading
+        self._readers: dict[str, Any] = {}
+        self._pool: concurrent.futures.ThreadPoolExecutor | None = None  # remote reads
 
     @property
     def paths(self) -> list[str]:
@@ -164,11 +213,37 @@ class ArrayRecordDataSource:
         order = np.argsort(instructions, kind="stable")
         groups = np.split(order, np.flatnonzero(np.diff(instructions[order])) + 1)
         out: list[Any] = [None] * keys.size
-        for group in groups:
-            records = self._read(int(instructions[group[0]]), positions[group])
+        for group, records in zip(
+            groups, self._read_groups(instructions, positions, groups), strict=True
+        ):
             for slot, record in zip(group.tolist(), records, strict=True):
                 out[slot] = record
         return out
+
+    def _read_groups(
+        self, instructions: np.ndarray, positions: np.ndarray, groups: list[np.ndarray]
+    ) -> list[list[bytes]]:
+        """The records of each group (indices of one instruction's keys). The groups of files
+        array_record reads remotely are read on a thread pool at once (their reads wait on the
+        network); the others in turn (their reads use the CPU)."""
+        owners = [int(instructions[g[0]]) for g in groups]
+        remote = [_is_native_url(self._paths[i]) for i in owners]
+        if sum(remote) < 2:
+            return [self._read(i, positions[g]) for i, g in zip(owners, groups, strict=True)]
+        with self._lock:
+            if self._pool is None:
+                self._pool = concurrent.futures.ThreadPoolExecutor(
+                    _REMOTE_READ_THREADS, thread_name_prefix="grain-arrayrecord-read"
+                )
+            pool = self._pool
+        futures = [
+            pool.submit(self._read, i, positions[g]) if r else None
+            for i, g, r in zip(owners, groups, remote, strict=True)
+        ]
+        return [
+            self._read(i, positions[g]) if f is None else f.result()
+            for i, g, f in zip(owners, groups, futures, strict=True)
+        ]
 
     def _read(self, instruction: int, positions: np.ndarray) -> list[bytes]:
         """Reads ``positions`` (record numbers within the file) of one instruction's file."""
@@ -181,7 +256,9 @@ class ArrayRecordDataSource:
                 int(positions[-1]) - first == count - 1 and (np.diff(positions) == 1).all()
             ):
                 return reader.read(first, first + count)  # type: ignore[no-any-return]
-            if count * _INDEXED_READ_MIN_FRACTION < reader.num_records():
+            if count * _INDEXED_READ_MIN_FRACTION < reader.num_records() and not _is_native_url(
+                path
+            ):
                 return [reader.read(p, p + 1)[0] for p in positions.tolist()]
             return reader.read(positions.tolist())  # type: ignore[no-any-return]
         except (RuntimeError, IndexError) as err:
@@ -194,17 +271,30 @@ class ArrayRecordDataSource:
     def _reader(self, path: str) -> Any:
         reader = self._readers.get(path)
         if reader is None:
+            # Downloads happen outside the lock, so that shards arrive in parallel; the cache
+            # lets one thread (or process) download a shard and the others wait for it.
+            local = self._local_path(path)
             with self._lock:
                 reader = self._readers.get(path)
                 if reader is None:
-                    reader = self._readers[path] = self._open(path)
+                    reader = self._readers[path] = self._open(path, local)
         return reader
 
-    def _open(self, path: str) -> Any:
+    def _local_path(self, path: str) -> str:
+        """What array_record opens for ``path``: itself, or its copy in the shard cache (the
+        following shards then start downloading in the background)."""
+        if not _needs_cache(path):
+            return path
+        assert self._shard_cache is not None
+        local = self._shard_cache.local_path(path, self._storage_options)
+        self._prefetch_after(path)
+        return local
+
+    def _open(self, path: str, local: str) -> Any:
         reason: str | None
         reader: Any = None  # set unless the reader failed to open (then reason says why)
         try:
-            reader = array_record_module.ArrayRecordReader(path, self._reader_options)
+            reader = array_record_module.ArrayRecordReader(local, self._reader_options)
         except ValueError as err:
             raise ValueError(
                 f"Invalid ArrayRecord reader_options {self._reader_options!r} for {path!r}: {err}"
@@ -214,10 +304,15 @@ class ArrayRecordDataSource:
         else:
             reason = _open_failure(reader)
         if reason is not None:
-            if not os.path.exists(path):
+            if storage.is_url(local):
+                raise ValueError(
+                    f"ArrayRecord file {path!r} cannot be opened: {reason}. Check that it exists "
+                    "and that this host can read it (credentials)."
+                )
+            if not os.path.exists(local):
                 raise FileNotFoundError(f"ArrayRecord file {path!r} does not exist ({reason}).")
             raise ValueError(
-                f"{path!r} is not a readable ArrayRecord file ({os.path.getsize(path)} bytes): "
+                f"{path!r} is not a readable ArrayRecord file ({os.path.getsize(local)} bytes): "
                 f"{reason}. It may be truncated (an interrupted write or copy) or in another "
                 "format; re-create it with grain_arrayrecord.ArrayRecordWriter."
             )
@@ -238,6 +333,16 @@ class ArrayRecordDataSource:
             )
         return reader
 
+    def _prefetch_after(self, path: str) -> None:
+        """Starts downloading the shards that follow ``path`` (the cache's ``read_ahead``)."""
+        assert self._shard_cache is not None
+        index = self._cached_paths.index(path)
+        following = self._cached_paths[index + 1 : index + 1 + self._shard_cache.read_ahead]
+        with self._lock:
+            following = [p for p in following if p not in self._readers]
+        if following:
+            self._shard_cache.prefetch(following, self._storage_options)
+
     def _out_of_range_message(self, key: int) -> str:
         files = sorted(set(self._paths))
         named = repr(files[0]) + (f" and {len(files) - 1} more files" if len(files) > 1 else "")
@@ -250,8 +355,11 @@ class ArrayRecordDataSource:
         """Closes the open files; a later read reopens them."""
         with self._lock:
             readers, self._readers = self._readers, {}
+            pool, self._pool = self._pool, None
         for reader in readers.values():
             reader.close()
+        if pool is not None:
+            pool.shutdown()
 
     def __enter__(self) -> ArrayRecordDataSource:
         return self
@@ -261,13 +369,12 @@ class ArrayRecordDataSource:
 
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
-        del state["_lock"], state["_readers"]
+        del state["_lock"], state["_readers"], state["_pool"]
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
-        self._lock = threading.Lock()
-        self._readers = {}
+        self._init_runtime()
 
     def __repr__(self) -> str:
         # Identifies the data for DataLoader checkpoint validation: paths, file sizes, ranges
@@ -276,6 +383,16 @@ class ArrayRecordDataSource:
             f"ArrayRecordDataSource(num_records={self._len}, "
             f"num_files={len(set(self._paths))}, fingerprint={self._fingerprint!r})"
         )
+
+
+def _is_native_url(path: str) -> bool:
+    """Whether ``path`` is a URL array_record's reader opens itself."""
+    return path.startswith(_NATIVE_SCHEMES)
+
+
+def _needs_cache(path: str) -> bool:
+    """Whether ``path`` is a URL array_record cannot open: read from a shard cache."""
+    return storage.is_url(path) and not _is_native_url(path)
 
 
 def writer_group_size(reader: Any) -> int | None:
