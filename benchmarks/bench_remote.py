@@ -8,6 +8,18 @@ parsing, overlap of transfer with work), not a network.
 * ``tfrecord_s3_full_pass``: ``TFRecordIterDataset`` over 4 files of 16 MiB in the bucket,
   both CRCs checked; elements are bytes (so elements/s is bytes/s). Baseline: a plain GET of
   the same objects (``cat_file``, one request each) — target: grain_core >= 0.8x.
+* ``parquet_s3_full_pass``: ``ParquetIterDataset`` (column batches of 65,536 rows) over one
+  32 MiB file of 16 row groups in the bucket, row groups fetched ahead concurrently
+  (``prefetch_bytes``); elements are the file's bytes. Baseline: a plain GET of the object —
+  target: grain_core >= 0.8x.
+* ``arrayrecord_s3_cached_shuffled``: ``ArrayRecordDataSource`` over 8 objects of 4 MiB
+  (1 KiB records) read through a warm ``ShardCache``, all records in shuffled batches of 256.
+  Baseline: the same reads of the same files on local disk — target: >= 0.8x.
+* ``arrayrecord_s3_first_epoch``: the first pass over the same objects in record order, with
+  an empty shard cache each time (ranges, so that nothing is downloaded to count records):
+  the next ``read_ahead=2`` shards download while a shard is read. Baselines: the same with
+  ``read_ahead=0`` (each shard downloaded when reached, then read), and a plain GET of the
+  objects alone. Faster than ``read_ahead=0`` and close to the GET: downloads overlap reading.
 * ``checkpoint_s3_save`` / ``checkpoint_s3_restore``: ``CheckpointHandler`` save / restore of a
   ``DataLoader`` iterator's state (2 workers) into the bucket; one element = one save or
   restore, so the median seconds column is the time of one — target: < 100 ms each.
@@ -109,6 +121,183 @@ if _HAVE_TFRECORD:
         paths, options = _tfrecord_files()
         fs, _ = storage.filesystem(paths[0], options)
         return lambda: sum(len(fs.cat_file(storage.filesystem(p, options)[1])) for p in paths)
+
+
+_HAVE_PARQUET = importlib.util.find_spec("grain_parquet") is not None
+PARQUET_ROWS = 1 << 20
+PARQUET_ROW_GROUPS = 16
+
+
+@functools.cache
+def _parquet_file() -> tuple[str, dict[str, Any], int]:
+    import pyarrow as pa  # optional dependency
+    import pyarrow.parquet as pq  # optional dependency
+
+    url, options = bucket()
+    rng = np.random.default_rng(0)
+    table = pa.table(
+        {
+            "id": np.arange(PARQUET_ROWS, dtype=np.int64),
+            "x": rng.random(PARQUET_ROWS),
+            "y": rng.integers(0, 1 << 30, PARQUET_ROWS, dtype=np.int64),
+            "z": rng.random(PARQUET_ROWS).astype(np.float32),
+        }
+    )
+    local = Path(tempfile.mkdtemp(prefix="grain_core-bench-parquet-")) / "data.parquet"
+    atexit.register(shutil.rmtree, local.parent, ignore_errors=True)
+    pq.write_table(
+        table, local, row_group_size=PARQUET_ROWS // PARQUET_ROW_GROUPS, compression="none"
+    )
+    data = local.read_bytes()
+    path = f"{url}/parquet/data.parquet"
+    upload(path, data)
+    return path, options, len(data)
+
+
+if _HAVE_PARQUET:
+
+    @workload(
+        "parquet_s3_full_pass",
+        elements=32 << 20,  # about the file's bytes; the ratio is what counts
+        description="ParquetIterDataset column batches over a 32 MiB object (16 row groups) "
+        "on loopback S3 (elements ~ bytes)",
+        alternate=True,
+    )
+    def parquet_s3_full_pass() -> Callable[[], object]:
+        from grain_parquet import ParquetIterDataset
+
+        path, options, _ = _parquet_file()
+        fs, fs_path = storage.filesystem(path, options)
+        ds = ParquetIterDataset(fs_path, column_batch_size=65_536, filesystem=fs)
+        return lambda: sum(len(batch["id"]) for batch in ds)
+
+    @parquet_s3_full_pass.baseline("plain GET")
+    def _() -> Callable[[], object]:
+        path, options, _ = _parquet_file()
+        fs, fs_path = storage.filesystem(path, options)
+        return lambda: len(fs.cat_file(fs_path))
+
+
+_HAVE_ARRAYRECORD = importlib.util.find_spec("grain_arrayrecord") is not None
+ARRAYRECORD_FILES = 8
+ARRAYRECORD_PER_FILE = 4096  # records of 1 KiB: 4 MiB a file
+ARRAYRECORD_BATCH = 256
+
+
+@functools.cache
+def _arrayrecord_files() -> tuple[list[str], list[str], dict[str, Any]]:
+    """The objects' URLs, local copies of them, and the storage options."""
+    from grain_arrayrecord import ArrayRecordWriter
+
+    url, options = bucket()
+    local = Path(tempfile.mkdtemp(prefix="grain_core-bench-arrayrecord-"))
+    atexit.register(shutil.rmtree, local, ignore_errors=True)
+    rng = np.random.default_rng(0)
+    urls, paths = [], []
+    for k in range(ARRAYRECORD_FILES):
+        path = local / f"part-{k:05d}.array_record"
+        with ArrayRecordWriter(path) as writer:
+            for record in np.split(
+                np.frombuffer(rng.bytes(ARRAYRECORD_PER_FILE << 10), np.uint8), ARRAYRECORD_PER_FILE
+            ):
+                writer.write(record.tobytes())
+        urls.append(f"{url}/arrayrecord/{path.name}")
+        upload(urls[-1], path.read_bytes())
+        paths.append(str(path))
+    return urls, paths, options
+
+
+def _shuffled_batches() -> list[list[int]]:
+    keys = np.random.default_rng(1).permutation(ARRAYRECORD_FILES * ARRAYRECORD_PER_FILE)
+    return [b.tolist() for b in np.split(keys, len(keys) // ARRAYRECORD_BATCH)]
+
+
+def _read_batches(source: Any, batches: list[list[int]]) -> int:
+    return sum(len(source.__getitems__(batch)) for batch in batches)
+
+
+if _HAVE_ARRAYRECORD:
+
+    @workload(
+        "arrayrecord_s3_cached_shuffled",
+        elements=ARRAYRECORD_FILES * ARRAYRECORD_PER_FILE,
+        description="ArrayRecordDataSource shuffled batches of 256 over 8 x 4 MiB objects "
+        "through a warm ShardCache (loopback S3)",
+        alternate=True,
+    )
+    def arrayrecord_s3_cached_shuffled() -> Callable[[], object]:
+        from grain_arrayrecord import ArrayRecordDataSource
+
+        from grain_core.shard_cache import ShardCache
+
+        urls, _, options = _arrayrecord_files()
+        directory = tempfile.mkdtemp(prefix="grain_core-bench-shards-")
+        atexit.register(shutil.rmtree, directory, ignore_errors=True)
+        source = ArrayRecordDataSource(
+            urls, shard_cache=ShardCache(directory), storage_options=options
+        )
+        batches = _shuffled_batches()
+        _read_batches(source, batches)  # warm: every shard downloaded and open
+        return lambda: _read_batches(source, batches)
+
+    @arrayrecord_s3_cached_shuffled.baseline("local disk")
+    def _() -> Callable[[], object]:
+        from grain_arrayrecord import ArrayRecordDataSource
+
+        _, paths, _ = _arrayrecord_files()
+        source = ArrayRecordDataSource(paths)
+        batches = _shuffled_batches()
+        return lambda: _read_batches(source, batches)
+
+    class _FirstEpoch:
+        """One first pass in record order through an empty shard cache per call."""
+
+        def __init__(self, read_ahead: int) -> None:
+            self._read_ahead = read_ahead
+            self._urls, _, self._options = _arrayrecord_files()
+
+        def __call__(self) -> int:
+            from grain_arrayrecord import ArrayRecordDataSource
+
+            from grain_core.shard_cache import ShardCache
+
+            directory = tempfile.mkdtemp(prefix="grain_core-bench-shards-")
+            try:
+                cache = ShardCache(directory, read_ahead=self._read_ahead)
+                ranges = [f"{u}[0:{ARRAYRECORD_PER_FILE}]" for u in self._urls]
+                source = ArrayRecordDataSource(
+                    ranges, shard_cache=cache, storage_options=self._options
+                )
+                total = ARRAYRECORD_FILES * ARRAYRECORD_PER_FILE
+                in_order = [
+                    list(range(i, i + ARRAYRECORD_BATCH))
+                    for i in range(0, total, ARRAYRECORD_BATCH)
+                ]
+                count = _read_batches(source, in_order)
+                source.close()
+                return count
+            finally:
+                shutil.rmtree(directory, ignore_errors=True)
+
+    @workload(
+        "arrayrecord_s3_first_epoch",
+        elements=ARRAYRECORD_FILES * ARRAYRECORD_PER_FILE,
+        description="first pass in record order over 8 x 4 MiB objects, empty ShardCache "
+        "(read_ahead=2) each pass (loopback S3)",
+        alternate=True,
+    )
+    def arrayrecord_s3_first_epoch() -> Callable[[], object]:
+        return _FirstEpoch(read_ahead=2)
+
+    @arrayrecord_s3_first_epoch.baseline("read_ahead=0")
+    def _() -> Callable[[], object]:
+        return _FirstEpoch(read_ahead=0)
+
+    @arrayrecord_s3_first_epoch.baseline("plain GET only")
+    def _() -> Callable[[], object]:
+        urls, _, options = _arrayrecord_files()
+        fs, _ = storage.filesystem(urls[0], options)
+        return lambda: sum(len(fs.cat_file(storage.filesystem(u, options)[1])) for u in urls)
 
 
 def _loader_iterator() -> Any:
