@@ -19,14 +19,26 @@ if TYPE_CHECKING:
 T = TypeVar("T")
 
 __all__ = [
+    "BatchFunctionOutputSpec",
+    "BatchedReadSource",
+    "BatchMapping",
+    "BatchedTransform",
     "CheckpointAliases",
+    "ColumnBlockReading",
+    "ColumnBlockStacking",
     "ColumnReadSource",
+    "FanOutBounded",
+    "GrainBatchedReadSource",
+    "HoleMaking",
     "InPlaceSliceable",
     "MetadataBlockSampler",
     "RecordKeysSampler",
+    "RecordRngDeclaring",
+    "ShardStateCheckpointing",
     "ShardStateOwner",
     "SharedMemoryBatchFn",
     "SupportsNextBlock",
+    "TransformOutputSpec",
     "WorkerSliceable",
     "WorkerStageReceiver",
 ]
@@ -72,6 +84,116 @@ class ColumnReadSource(Protocol):
     def read_columns(self, record_keys: Sequence[int]) -> Any:
         """The records ``record_keys`` as columns."""
         ...
+
+
+@runtime_checkable
+class BatchedReadSource(Protocol):
+    """A random-access source that reads many records in one call (array_record's and
+    PyTorch's spelling): blocks of keys are read with it instead of one ``[key]`` each."""
+
+    def __getitems__(self, record_keys: Sequence[int]) -> Sequence[Any]:
+        """The records ``record_keys``, in order."""
+        ...
+
+
+@runtime_checkable
+class GrainBatchedReadSource(Protocol):
+    """Google Grain's spelling of ``BatchedReadSource`` (used where ``__getitems__`` is
+    missing)."""
+
+    def _getitems(self, record_keys: Sequence[int]) -> Sequence[Any]:
+        """The records ``record_keys``, in order."""
+        ...
+
+
+@runtime_checkable
+class TransformOutputSpec(Protocol):
+    """A map transform that says what it makes of an element spec, so ``get_element_spec``
+    answers without reading data."""
+
+    def output_spec(self, input_spec: Any) -> Any:
+        """The PyTree of ``ShapeDtypeStruct`` the transform produces from ``input_spec``."""
+        ...
+
+
+@runtime_checkable
+class BatchFunctionOutputSpec(Protocol):
+    """A custom ``batch_fn`` that says what spec its batches have."""
+
+    def output_spec(self, input_spec: Any, batch_size: int, drop_remainder: bool) -> Any:
+        """The spec of a batch of ``batch_size`` elements of ``input_spec``."""
+        ...
+
+
+@runtime_checkable
+class FanOutBounded(Protocol):
+    """A ``flat_map`` transform that bounds how many elements one input becomes (a
+    ``MapDataset.flat_map`` needs it: ``len`` is the bound times the parent's)."""
+
+    max_fan_out: int
+
+
+@runtime_checkable
+class RecordRngDeclaring(Protocol):
+    """A DataLoader operation of another library that says whether it reads a record's
+    ``rng`` (one that does not say so gets one built per record, which costs tens of
+    microseconds)."""
+
+    uses_record_rng: bool
+
+
+@runtime_checkable
+class ShardStateCheckpointing(Protocol):
+    """An iterator that ``CheckpointHandler`` saves as per-dataset shard-state files (an
+    elastic iterator over an ``IterDataset``) when ``checkpoints_shard_states`` is true."""
+
+    @property
+    def checkpoints_shard_states(self) -> bool: ...
+
+
+@runtime_checkable
+class ColumnBlockReading(Protocol):
+    """A ``MapDataset`` that can read a block of elements as whole columns (a ``ColumnBlock``
+    or ``StackedBlock``) under ``columns_wanted()``, when ``reads_columns`` is true."""
+
+    @property
+    def reads_columns(self) -> bool: ...
+
+
+@runtime_checkable
+class ColumnBlockStacking(Protocol):
+    """A batch function that takes a ``ColumnBlock`` as well as a list of elements (when
+    ``stacks_column_blocks`` is true): a batch over a columnar source then reads whole
+    columns."""
+
+    stacks_column_blocks: bool
+
+    def __call__(self, values: Any) -> Any: ...
+
+
+@runtime_checkable
+class HoleMaking(Protocol):
+    """A ``MapDataset`` that leaves holes (``None``) in its index space when
+    ``creates_holes`` is true (``filter``, ``flat_map``): ``MapDataset.batch`` cannot follow
+    it."""
+
+    creates_holes: bool
+
+
+@runtime_checkable
+class BatchMapping(Protocol):
+    """A ``MapDataset`` whose reads of a batch's indices give that batch's values already
+    mapped as one (a batched ``map``) when ``maps_batches`` is true."""
+
+    maps_batches: bool
+
+
+@runtime_checkable
+class BatchedTransform(Protocol):
+    """A map transform that takes a whole batch of elements at once when ``batched`` is true
+    (``MapDataset.map`` then runs it once per block read)."""
+
+    batched: bool
 
 
 @runtime_checkable

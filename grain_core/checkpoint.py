@@ -15,9 +15,14 @@ import json
 from typing import Any
 
 from grain_core._checkpoint_io import process_file_name, read_process_file, write_process_file
+from grain_core.capabilities import ShardStateCheckpointing
 from grain_core.storage import join
 
 __all__ = ["CheckpointHandler"]
+
+
+def _saves_shard_states(item: Any) -> bool:
+    return isinstance(item, ShardStateCheckpointing) and item.checkpoints_shard_states
 
 
 class CheckpointHandler:
@@ -29,7 +34,7 @@ class CheckpointHandler:
 
     def save(self, directory: Any, item: Any = None, args: Any = None) -> None:
         item = item if item is not None else args.item
-        if getattr(item, "checkpoints_shard_states", False):  # elastic IterDataset mode
+        if _saves_shard_states(item):  # elastic IterDataset mode
             from grain_core.dataset.elastic import write_shard_state_files
 
             write_shard_state_files(directory, item)
@@ -46,7 +51,7 @@ class CheckpointHandler:
             another kind of iterator.
         """
         item = item if item is not None else args.item
-        if getattr(item, "checkpoints_shard_states", False):  # elastic IterDataset mode
+        if _saves_shard_states(item):  # elastic IterDataset mode
             from grain_core.dataset.elastic import restore_shard_state_files
 
             restore_shard_state_files(directory, item)

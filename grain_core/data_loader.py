@@ -41,6 +41,7 @@ from grain_core.capabilities import (
     ColumnReadSource,
     MetadataBlockSampler,
     RecordKeysSampler,
+    RecordRngDeclaring,
 )
 from grain_core.dataset.base import DatasetIterator, Indices, IterDataset, MapDataset
 from grain_core.dataset.interleave import (
@@ -48,7 +49,7 @@ from grain_core.dataset.interleave import (
     interleave_next_input,
     interleave_state,
 )
-from grain_core.dataset.source import batched_read
+from grain_core.dataset.source import BatchedReader
 from grain_core.options import MultiprocessingOptions, ReadOptions
 from grain_core.record import Record, RecordMetadata
 from grain_core.samplers import IndexSampler
@@ -160,6 +161,7 @@ class _SamplerMapDataset(MapDataset[Any]):
     ) -> None:
         super().__init__()
         self._source = source
+        self._read_batch = BatchedReader(source)
         self._sampler = sampler
         self._with_rng = with_rng
         self._with_metadata = with_metadata
@@ -197,13 +199,13 @@ class _SamplerMapDataset(MapDataset[Any]):
         global_indices = local * self._shard_count + self._shard_index
         record_keys = self._record_keys
         if not self._with_metadata and record_keys is not None:
-            return batched_read(self._source, record_keys(global_indices).tolist())
+            return self._read_batch(record_keys(global_indices).tolist())
         block = self._metadata_block
         if block is not None:
             metas = block(global_indices, with_rng=self._with_rng)
         else:
             metas = [self._sampler[i] for i in global_indices.tolist()]
-        values = batched_read(self._source, [m.record_key for m in metas])
+        values = self._read_batch([m.record_key for m in metas])
         if not self._with_metadata:
             return values
         return [Record(m, v) for m, v in zip(metas, values, strict=True)]
@@ -473,7 +475,10 @@ class DataLoader:
         # those that say otherwise with `uses_record_rng = False`), get them.
         with_rng = any(
             isinstance(op, (transforms.RandomMap, transforms.TfRandomMap))
-            or (not isinstance(op, _KNOWN_OPERATIONS) and getattr(op, "uses_record_rng", True))
+            or (
+                not isinstance(op, _KNOWN_OPERATIONS)
+                and (not isinstance(op, RecordRngDeclaring) or op.uses_record_rng)
+            )
             for op in self._operations
         )
         # Only index and random operations look at a record's metadata; without them the

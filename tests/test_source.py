@@ -7,7 +7,7 @@ from hypothesis import strategies as st
 
 import grain_core as grain
 from grain_core._tree import flatten as tree_leaves
-from grain_core.dataset.source import StackedBlock, batched_read, columns_wanted
+from grain_core.dataset.source import BatchedReader, StackedBlock, columns_wanted
 from grain_core.sources import ColumnBlock
 
 MD = grain.MapDataset
@@ -202,12 +202,12 @@ def test_an_unstackable_column_raises_the_row_path_error():
 
 
 def test_batched_read_reads_columns_only_when_asked():
-    source = ColumnarSource(_columns(4))
-    assert isinstance(batched_read(source, [0, 1]), list)
+    read = BatchedReader(ColumnarSource(_columns(4)))
+    assert isinstance(read([0, 1]), list)
     with columns_wanted():
-        assert isinstance(batched_read(source, [0, 1]), ColumnBlock)
-        assert isinstance(batched_read(CountingSource(3), [0, 1]), list)
-    assert isinstance(batched_read(source, [2]), list)
+        assert isinstance(read([0, 1]), ColumnBlock)
+        assert isinstance(BatchedReader(CountingSource(3))([0, 1]), list)
+    assert isinstance(read([2]), list)
 
 
 # ------------------------------------------------------------------ sources of arrays

@@ -24,6 +24,7 @@ import numpy as np
 from grain_core import random as _random
 from grain_core._checkpoint_io import load_coroutine, save_coroutine
 from grain_core._checks import non_negative_int
+from grain_core.capabilities import BatchedTransform
 from grain_core.dataset.options import DatasetOptions, ExecutionTrackingMode, pipeline_options
 
 if TYPE_CHECKING:
@@ -261,7 +262,7 @@ class MapDataset(_Node, Generic[T], abc.ABC):
         """
         from grain_core.dataset.map import BatchedMapMapDataset, MapMapDataset
 
-        if batched or getattr(transform, "batched", False) is True:
+        if batched or (isinstance(transform, BatchedTransform) and transform.batched is True):
             return BatchedMapMapDataset(self, transform)
         return MapMapDataset(self, transform)
 

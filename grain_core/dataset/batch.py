@@ -11,6 +11,12 @@ import numpy as np
 
 from grain_core import _tree
 from grain_core._checks import positive_int
+from grain_core.capabilities import (
+    BatchMapping,
+    ColumnBlockReading,
+    ColumnBlockStacking,
+    HoleMaking,
+)
 from grain_core.dataset.base import INFINITE, DatasetIterator, Indices, IterDataset, MapDataset
 from grain_core.dataset.source import ColumnBlock, StackedBlock, columns_wanted
 
@@ -79,10 +85,7 @@ def make_batch(values: Sequence[Any]) -> Any:
         raise ValueError(_describe_batch_error(values, e)) from e
 
 
-#: A batch function that takes a ``ColumnBlock`` as well as a list of elements has this
-#: attribute set: a batch over a columnar source then has the source read whole columns.
-STACKS_COLUMN_BLOCKS = "stacks_column_blocks"
-setattr(make_batch, STACKS_COLUMN_BLOCKS, True)
+make_batch.stacks_column_blocks = True  # type: ignore[attr-defined]  # ColumnBlockStacking
 
 
 def _stack_columns(block: ColumnBlock) -> Any:
@@ -128,16 +131,16 @@ def reads_blocks(ds: MapDataset[Any]) -> bool:
     under nodes that pass values through: reads under ``columns_wanted()`` then give blocks."""
     while ds.passes_values:
         ds = ds.parents[0]
-    return bool(getattr(ds, "reads_columns", False))
+    return isinstance(ds, ColumnBlockReading) and ds.reads_columns
 
 
 def has_holes_upstream(ds: MapDataset[Any]) -> str | None:
     """The type name of a node above ``ds`` that leaves holes (``None``) in the index space,
     or None."""
-    stack: list[Any] = [ds]
+    stack: list[MapDataset[Any]] = [ds]
     while stack:
         node = stack.pop()
-        if getattr(node, "creates_holes", False):
+        if isinstance(node, HoleMaking) and node.creates_holes:
             return type(node).__name__
         stack.extend(p for p in node.parents if isinstance(p, MapDataset))
     return None
@@ -167,10 +170,12 @@ class BatchMapDataset(MapDataset[Any]):
         self._batch_size = int(batch_size)
         self._drop_remainder = drop_remainder
         self._batch_fn = _resolve_batch_fn(batch_fn)
-        self._reads_columns = getattr(self._batch_fn, STACKS_COLUMN_BLOCKS, False) and (
-            reads_blocks(parent)
+        self._reads_columns = (
+            isinstance(self._batch_fn, ColumnBlockStacking)
+            and self._batch_fn.stacks_column_blocks
+            and reads_blocks(parent)
         )
-        self._maps_batches = getattr(parent, "maps_batches", False)
+        self._maps_batches = isinstance(parent, BatchMapping) and parent.maps_batches
         n = len(parent)
         self._parent_len = n
         if n >= INFINITE:

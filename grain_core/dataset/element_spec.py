@@ -15,6 +15,7 @@ from typing import Any, Protocol, runtime_checkable
 import numpy as np
 
 from grain_core import _tree
+from grain_core.capabilities import BatchFunctionOutputSpec, TransformOutputSpec
 from grain_core.dataset import batch as _batch
 from grain_core.dataset import cache as _cache
 from grain_core.dataset import interleave as _interleave
@@ -93,27 +94,26 @@ def _parent_spec(ds: Any) -> Any:
 
 def _transform_output_spec(ds: Any) -> Any:
     transform = ds._transform
-    output_spec = getattr(transform, "output_spec", None)
-    if output_spec is None:
+    if not isinstance(transform, TransformOutputSpec):
         raise ValueError(
             f"Cannot infer the element spec after {ds!r}: its transform has no "
             "`output_spec(input_spec)` method. Implement one on the transform (a "
             "`grain.transforms.Map`/`RandomMap`/`MapWithIndex` subclass) returning the PyTree of "
             "`ShapeDtypeStruct` it produces."
         )
-    return output_spec(_parent_spec(ds))
+    return transform.output_spec(_parent_spec(ds))
 
 
 def _batch_spec(ds: Any) -> Any:
     size, drop = ds._batch_size, ds._drop_remainder
     if ds._batch_fn is not _batch.make_batch:
-        output_spec = getattr(ds._batch_fn, "output_spec", None)
-        if output_spec is None:
+        batch_fn = ds._batch_fn
+        if not isinstance(batch_fn, BatchFunctionOutputSpec):
             raise NotImplementedError(
                 f"Cannot infer the element spec of {ds!r}: its custom batch_fn has no "
                 "`output_spec(input_spec, batch_size, drop_remainder)` method."
             )
-        return output_spec(_parent_spec(ds), size, drop)
+        return batch_fn.output_spec(_parent_spec(ds), size, drop)
     return _with_leading_dim(_parent_spec(ds), size if drop else None)
 
 

@@ -17,6 +17,7 @@ from typing import Any
 import numpy as np
 
 from grain_core._checks import positive_int
+from grain_core.capabilities import FanOutBounded
 from grain_core.dataset.base import (
     INFINITE,
     DatasetIterator,
@@ -42,10 +43,9 @@ def _max_fan_out(transform: Any) -> int | None:
       TypeError: not an integer.
       ValueError: not positive.
     """
-    value = getattr(transform, "max_fan_out", None)
-    if value is None:
+    if not isinstance(transform, FanOutBounded) or transform.max_fan_out is None:
         return None
-    return positive_int("max_fan_out", value)
+    return positive_int("max_fan_out", transform.max_fan_out)
 
 
 class _Splitter:

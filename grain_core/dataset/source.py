@@ -13,12 +13,13 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import itertools
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, overload
 
 import numpy as np
 
 from grain_core import _tree
+from grain_core.capabilities import BatchedReadSource, ColumnReadSource, GrainBatchedReadSource
 from grain_core.dataset.base import Indices, MapDataset
 
 __all__ = [
@@ -26,7 +27,7 @@ __all__ = [
     "RangeMapDataset",
     "SourceMapDataset",
     "StackedBlock",
-    "batched_read",
+    "BatchedReader",
     "columns_wanted",
 ]
 
@@ -159,22 +160,32 @@ def columns_wanted() -> Iterator[None]:
         _columns_wanted.reset(token)
 
 
-def batched_read(source: Any, keys: list[int]) -> Sequence[Any]:
-    """Reads ``keys`` from ``source`` with its batched read when it has one.
-
-    Both the ``__getitems__`` spelling (array_record, PyTorch) and Grain's ``_getitems`` are
-    honoured; Grain itself only looks for the latter, so ArrayRecord's parallel batched read was
-    never used. Under ``columns_wanted()``, a source's ``read_columns`` is used
-    instead.
+class BatchedReader:
+    """Reads a list of record keys from ``source`` with its batched read when it has one
+    (``capabilities.BatchedReadSource``, or Grain's ``GrainBatchedReadSource``; Grain itself
+    looks only for the latter, so ArrayRecord's parallel batched read was never used), and
+    under ``columns_wanted()`` with its ``read_columns`` (``capabilities.ColumnReadSource``).
+    The capabilities are found once, when it is made.
     """
-    if _columns_wanted.get():
-        read_columns = getattr(source, "read_columns", None)
-        if read_columns is not None:
-            return read_columns(keys)  # type: ignore[no-any-return]
-    getitems = getattr(source, "__getitems__", None) or getattr(source, "_getitems", None)
-    if getitems is not None:
-        return list(getitems(keys))
-    return [source[k] for k in keys]
+
+    __slots__ = ("_source", "_getitems", "_read_columns")
+
+    def __init__(self, source: Any) -> None:
+        self._source = source
+        self._getitems: Callable[[list[int]], Sequence[Any]] | None = None
+        if isinstance(source, BatchedReadSource):
+            self._getitems = source.__getitems__
+        elif isinstance(source, GrainBatchedReadSource):
+            self._getitems = source._getitems
+        self._read_columns = source.read_columns if isinstance(source, ColumnReadSource) else None
+
+    def __call__(self, keys: list[int]) -> Sequence[Any]:
+        if self._read_columns is not None and _columns_wanted.get():
+            return self._read_columns(keys)  # type: ignore[no-any-return]
+        if self._getitems is not None:
+            return list(self._getitems(keys))
+        source = self._source
+        return [source[k] for k in keys]
 
 
 class SourceMapDataset(MapDataset[Any]):
@@ -189,6 +200,7 @@ class SourceMapDataset(MapDataset[Any]):
         super().__init__()
         self._source = source
         self._arrays = _numeric_arrays(source)
+        self._read_batch = BatchedReader(source)
         if isinstance(self._arrays, dict):
             self._len = len(next(iter(self._arrays.values())))
         else:
@@ -203,7 +215,7 @@ class SourceMapDataset(MapDataset[Any]):
     def reads_columns(self) -> bool:
         """Whether a block of elements can be read as a ``ColumnBlock`` (the source's
         ``read_columns``, or a dict of arrays) or a ``StackedBlock`` (an array)."""
-        return self._arrays is not None or hasattr(self._source, "read_columns")
+        return self._arrays is not None or isinstance(self._source, ColumnReadSource)
 
     def __len__(self) -> int:
         return self._len
@@ -223,7 +235,7 @@ class SourceMapDataset(MapDataset[Any]):
         keys = np.asarray(indices, dtype=np.int64) % self._len
         arrays = self._arrays
         if arrays is None:
-            return batched_read(self._source, keys.tolist())
+            return self._read_batch(keys.tolist())
         if isinstance(arrays, dict):
             block = ColumnBlock(list(arrays), [v[keys] for v in arrays.values()])
             return block if _columns_wanted.get() else list(block)

@@ -15,7 +15,6 @@ from grain_core._ipc import shm
 from grain_core.capabilities import SharedMemoryBatchFn
 from grain_core.dataset.base import IterDataset
 from grain_core.dataset.batch import (
-    STACKS_COLUMN_BLOCKS,
     BatchIterDataset,
     BatchMapDataset,
     make_batch,
@@ -52,7 +51,7 @@ def make_batch_in_shared_memory(values: Sequence[Any]) -> Any:
         return make_batch(values)  # raises the same error, described for the user
 
 
-setattr(make_batch_in_shared_memory, STACKS_COLUMN_BLOCKS, True)
+make_batch_in_shared_memory.stacks_column_blocks = True  # type: ignore[attr-defined]
 
 
 def _stack_into_shared_memory(*leaves: Any) -> Any:
