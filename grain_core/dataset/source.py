@@ -148,7 +148,7 @@ _columns_wanted: contextvars.ContextVar[bool] = contextvars.ContextVar(
 
 @contextlib.contextmanager
 def columns_wanted() -> Iterator[None]:
-    """Within it, ``batched_read`` answers with a ``ColumnBlock`` where the source can.
+    """Within it, a ``BatchedReader`` answers with a ``ColumnBlock`` where the source can.
 
     Only a batch whose every node below passes values through unchanged asks for it, so a
     block never reaches code that expects a list.
