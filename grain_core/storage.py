@@ -20,7 +20,8 @@ Writes are atomic: readers see the old file or the complete new one. Locally the
 to a temporary file created exclusively in the target directory (owner-only, never through a
 planted symlink), is synced and renamed into place; temporary files that a killed writer left
 for the same target are removed by the next successful write. On an object store the object
-is written with one whole-object upload (atomic there) and its size is read back.
+is written with one whole-object upload (atomic there) and its size is read back; its local
+spool file is cleaned up the same way (in the temporary directory).
 """
 
 from __future__ import annotations
@@ -474,8 +475,10 @@ class AtomicWriter:
     Locally the temporary file is created exclusively (``O_EXCL``, owner-only, so a symlink
     planted at its name is never followed) in the target's directory, synced and renamed over
     the target; temporary files of the same target left by a killed writer are removed after
-    the rename. Remotely the data is spooled to a local temporary file and uploaded as one
-    whole object (atomic on object stores), whose size is then read back.
+    the rename. Remotely the data is spooled to a temporary file in the local temporary
+    directory and uploaded as one whole object (atomic on object stores), whose size is then
+    read back; spool files of a target of the same name left there by a killed writer are
+    removed after the upload.
 
     Args:
       path: The target file.
@@ -489,19 +492,23 @@ class AtomicWriter:
         self.path = path_string(path)
         self._options = dict(storage_options or {})
         self._remote = is_url(self.path)
+        # A remote target's spool file lies in the temporary directory, named like a local
+        # temporary file, so that the next write of a target of the same name removes one that
+        # a killed writer left there.
+        name = self.path.rstrip("/").rsplit("/", 1)[-1]
         if self._remote:
-            directory = None
-            prefix = "grain-core-upload-"
+            directory = tempfile.gettempdir()
         else:
             directory = os.path.dirname(os.path.abspath(self.path))
-            prefix = f"{_TEMP_PREFIX}{os.getpid()}."
             with _naming_directory(self.path):
                 os.makedirs(directory, exist_ok=True)
+        self._temp_sibling = os.path.join(directory, name)
         # The name ends with the target's, so that writers choosing a compression from the
         # suffix (``.gz``) see the target's.
-        suffix = "." + self.path.rstrip("/").rsplit("/", 1)[-1]
         with _naming_directory(self.path):
-            fd, self.temp_path = tempfile.mkstemp(dir=directory, prefix=prefix, suffix=suffix)
+            fd, self.temp_path = tempfile.mkstemp(
+                dir=directory, prefix=f"{_TEMP_PREFIX}{os.getpid()}.", suffix="." + name
+            )
         # Held until the rename: tells a cleaning writer on another host that this file is live.
         fcntl.flock(fd, fcntl.LOCK_EX)
         self.file: BinaryIO = os.fdopen(fd, "wb")
@@ -539,8 +546,7 @@ class AtomicWriter:
         self.file.close()
         if self._remote:
             os.unlink(self.temp_path)
-        else:
-            _remove_stale_temp_files(self.path)
+        _remove_stale_temp_files(self._temp_sibling)
 
     def _upload(self) -> None:
         fs, fs_path = filesystem(self.path, self._options)

@@ -11,6 +11,7 @@ import pickle
 import re
 import subprocess
 import sys
+import tempfile
 import textwrap
 from collections.abc import Iterator
 
@@ -195,6 +196,45 @@ def test_a_killed_writers_temp_file_is_removed_by_the_next_write(tmp_path: pathl
     assert busy.exists()
     os.close(holder)
     assert sorted(p.name for p in tmp_path.iterdir()) == [busy.name, "state.json"]
+
+
+def test_a_killed_remote_writers_spool_file_is_removed_by_the_next_write(
+    tmp_path: pathlib.Path, memory_dir: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    spool = tmp_path / "spool"
+    spool.mkdir()
+    url = storage.join(memory_dir, "state.json")
+    code = textwrap.dedent(
+        f"""
+        import sys
+        from grain_core import storage
+        writer = storage.AtomicWriter({url!r})
+        writer.file.write(b"half")
+        writer.file.flush()
+        print(writer.temp_path, flush=True)
+        sys.stdin.read()
+        """
+    )
+    child = subprocess.Popen(
+        [sys.executable, "-c", code],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "TMPDIR": str(spool)},
+    )
+    assert child.stdout is not None
+    temp = pathlib.Path(child.stdout.readline().strip())
+    assert temp.exists() and temp.parent == spool
+    child.kill()
+    child.wait()
+    monkeypatch.setattr(tempfile, "tempdir", str(spool))
+    with storage.AtomicWriter(storage.join(memory_dir, "other.json")) as other:
+        other.file.write(b"{}")
+    assert temp.exists()  # a spool file of another name is left alone
+    with storage.AtomicWriter(url) as writer:
+        writer.file.write(b"{}")
+    assert storage.read_bytes(url) == b"{}"
+    assert list(spool.iterdir()) == []
 
 
 def test_a_failed_write_names_the_directory(tmp_path: pathlib.Path) -> None:
