@@ -24,6 +24,7 @@ state, which restores as it is (Grain gives nothing to validate it by).
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import os
@@ -398,10 +399,15 @@ class DataLoader:
       worker_backend: Where the workers run: ``"local"`` processes, or a worker backend
         (``"ray"`` with ``grainpipe-ray``): see ``MultiprocessingOptions.backend``. The
         output and the checkpoints are the same.
+      worker_stall_warning_s: Seconds the loader waits for a worker before it logs a warning
+        with the worker's Python stacks, and again at each multiple (None: never); as
+        ``MultiprocessingOptions.stall_warning_s``.
+      worker_stall_timeout_s: Seconds after which the wait raises ``WorkerStalledError``
+        (None: wait forever); as ``MultiprocessingOptions.stall_timeout_s``.
 
     Raises:
-      ValueError: For negative counts, missing shard options, or a random operation with a
-        sampler that has no seed.
+      ValueError: For negative counts, missing shard options, a stall threshold that is not a
+        positive number, or a random operation with a sampler that has no seed.
       TypeError: For an unsupported operation.
     """
 
@@ -417,6 +423,8 @@ class DataLoader:
         read_options: ReadOptions | None = None,
         enable_profiling: bool = False,
         worker_backend: str | Any = "local",
+        worker_stall_warning_s: float | None = 60.0,
+        worker_stall_timeout_s: float | None = None,
     ) -> None:
         if worker_count is None:
             worker_count = os.cpu_count()
@@ -439,11 +447,16 @@ class DataLoader:
         self._sampler = sampler
         self._operations = operations
         self._worker_count = int(worker_count)
-        self._worker_buffer_size = worker_buffer_size
         self._shard_options = shard_options
         self._read_options = read_options or ReadOptions()
-        self._enable_profiling = enable_profiling
-        self._worker_backend = worker_backend
+        self._multiprocessing_options = MultiprocessingOptions(
+            num_workers=self._worker_count,
+            per_worker_buffer_size=worker_buffer_size,
+            enable_profiling=enable_profiling,
+            backend=worker_backend,
+            stall_warning_s=worker_stall_warning_s,
+            stall_timeout_s=worker_stall_timeout_s,
+        )
         self._index_layout = all(
             isinstance(op, (*_ONE_TO_ONE, transforms.Batch)) for op in operations
         )
@@ -455,12 +468,7 @@ class DataLoader:
 
     @property
     def multiprocessing_options(self) -> MultiprocessingOptions:
-        return MultiprocessingOptions(
-            num_workers=self._worker_count,
-            per_worker_buffer_size=self._worker_buffer_size,
-            enable_profiling=self._enable_profiling,
-            backend=self._worker_backend,
-        )
+        return dataclasses.replace(self._multiprocessing_options)
 
     def _dataset_for(self, index_layout: bool) -> IterDataset[Any]:
         if index_layout == self._index_layout:
@@ -498,7 +506,7 @@ class DataLoader:
         self._shard_records = len(records)
         # A batch sent to the parent through pipes is written into shared memory; a backend's
         # workers send theirs their own way.
-        local_workers = self._worker_count and self._worker_backend == "local"
+        local_workers = self._worker_count and self._multiprocessing_options.backend == "local"
         shm_batch_at = _last_batch_position(self._operations) if local_workers else -1
         if index_layout:
             ds: Any = records

@@ -57,15 +57,25 @@ class MultiprocessingOptions:
         a ``grain_core.plugins.WorkerBackend`` object (e.g. ``grain_ray.RayBackend(...)``
         with placement options). Output and checkpoints are the same on every backend;
         ``num_workers`` still says how the output is laid out.
+      stall_warning_s: the watchdog's warning (local workers): when the consumer has waited
+        this many seconds (and again at each multiple) for an element a worker computes, the
+        ``grain_core`` logger warns, naming the worker, the element and how long, with the
+        worker's Python stacks. None: no warning.
+      stall_timeout_s: the watchdog's deadline (local workers): after this many seconds the
+        wait raises ``grain_core.multiprocessing.WorkerStalledError`` (a ``RuntimeError``)
+        with the same report; the worker is left running. None (the default): wait forever.
 
     Raises:
-      ValueError: if a count is negative or ``backend`` is an empty name.
+      ValueError: if a count is negative, ``backend`` is an empty name, or a stall threshold
+        is not a positive number.
     """
 
     num_workers: int = 0
     per_worker_buffer_size: int = 1
     enable_profiling: bool = False
     backend: str | Any = "local"
+    stall_warning_s: float | None = 60.0
+    stall_timeout_s: float | None = None
 
     def __post_init__(self) -> None:
         non_negative_int("MultiprocessingOptions.num_workers", self.num_workers)
@@ -77,3 +87,14 @@ class MultiprocessingOptions:
                 'MultiprocessingOptions.backend must be "local", a worker backend name or '
                 "a WorkerBackend object, got an empty name."
             )
+        for name in ("stall_warning_s", "stall_timeout_s"):
+            value = getattr(self, name)
+            if value is not None and (
+                isinstance(value, bool)
+                or not isinstance(value, (int, float))
+                or not 0 < value < float("inf")
+            ):
+                raise ValueError(
+                    f"MultiprocessingOptions.{name} must be a positive number of seconds or "
+                    f"None, got {value!r}."
+                )

@@ -87,6 +87,19 @@ def test_fresh_state_golden_and_str() -> None:
     it.close()
 
 
+def test_worker_stall_thresholds_reach_the_workers_options() -> None:
+    loader = _loader(2, [], worker_stall_warning_s=None, worker_stall_timeout_s=7.5)
+    options = loader.multiprocessing_options
+    assert (options.num_workers, options.stall_warning_s, options.stall_timeout_s) == (
+        2,
+        None,
+        7.5,
+    )
+    assert _loader(2, []).multiprocessing_options.stall_warning_s == 60.0
+    with pytest.raises(ValueError, match="stall_timeout_s"):
+        _loader(2, [], worker_stall_timeout_s=0)
+
+
 def test_output_is_the_same_for_any_worker_count() -> None:
     expected = list(_loader(0, ONE_TO_ONE, epochs=2))
     assert len(expected) == 15

@@ -2,13 +2,20 @@
 
 from __future__ import annotations
 
+import logging
+import os
+import re
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 import grain_core
+import grain_core as grain
+from grain_core.multiprocessing import WorkerStalledError
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="forkserver")
 
@@ -145,3 +152,107 @@ def test_workers_see_variables_the_parent_set_after_the_forkserver_started(
         lambda _: (_read_variable("GRAIN_TEST_LATE"), _read_variable("HOME"))
     )
     assert list(late.to_iter_dataset().mp_prefetch(options)) == [("set later", "unset")] * 2
+
+
+class _BlockedAt:
+    """Element ``x`` itself, but element ``stuck`` first waits until something opens the FIFO
+    ``fifo`` for writing (a worker stuck in user code, released by the test)."""
+
+    def __init__(self, stuck: int, fifo: str) -> None:
+        self.stuck, self.fifo = stuck, fifo
+
+    def __call__(self, x: int) -> int:
+        if x == self.stuck:
+            _wait_for_release(self.fifo)
+        return x
+
+
+def _wait_for_release(fifo: str) -> None:
+    with open(fifo):  # blocks until the test opens it for writing
+        pass
+
+
+def _release(fifo: str) -> None:
+    with open(fifo, "w"):  # the worker is waiting in open() for a writer: no wait here
+        pass
+
+
+class _StallRecords(logging.Handler):
+    """Keeps the watchdog's warnings; releases the stuck worker at the first whose stacks show
+    it waiting in ``_wait_for_release`` (earlier ones may be about a worker still starting)."""
+
+    def __init__(self, fifo: str) -> None:
+        super().__init__(logging.WARNING)
+        self.fifo = fifo
+        self.stuck: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        message = record.getMessage()
+        if "_wait_for_release" in message and not self.stuck:
+            self.stuck.append(message)
+            _release(self.fifo)
+
+
+def _stuck_pipeline(tmp_path: Path, engine: str, **options: Any) -> tuple[Any, str]:
+    grain.config.update("py_mp_prefetch_dispatch", engine == "dispatch")
+    fifo = str(tmp_path / "release")
+    os.mkfifo(fifo)
+    ds = grain.MapDataset.range(8).map(_BlockedAt(5, fifo)).to_iter_dataset()
+    return ds.mp_prefetch(grain.MultiprocessingOptions(num_workers=2, **options)), fifo
+
+
+@pytest.fixture
+def restore_dispatch() -> Iterator[None]:
+    yield
+    grain.config.update("py_mp_prefetch_dispatch", True)
+
+
+@pytest.mark.usefixtures("restore_dispatch")
+@pytest.mark.parametrize("engine", ["dispatch", "rotation"])
+def test_the_watchdog_warns_with_the_stuck_workers_stack(tmp_path: Path, engine: str) -> None:
+    ds, fifo = _stuck_pipeline(tmp_path, engine, stall_warning_s=0.05)
+    records = _StallRecords(fifo)
+    logger = logging.getLogger("grain_core")
+    logger.addHandler(records)
+    try:
+        assert list(ds) == list(range(8))  # the handler released the worker
+    finally:
+        logger.removeHandler(records)
+    (message,) = records.stuck
+    # Element 5 is worker 1's element 2 under rotation; dispatch names the position. A worker
+    # reads a few positions at once, so the consumer may wait for an earlier one of them.
+    what = "position [1-5] of" if engine == "dispatch" else "element [0-2] of its share"
+    assert re.search(rf"waited \d+\.\d s for {what}.* from worker process \d of 2 \(pid", message)
+    assert "stall_timeout_s makes it an error" in message
+    assert re.search(r"line \d+ in _wait_for_release\n.*line \d+ in __call__", message)
+
+
+@pytest.mark.usefixtures("restore_dispatch")
+@pytest.mark.parametrize("engine", ["dispatch", "rotation"])
+def test_past_the_deadline_a_stuck_worker_is_an_error(tmp_path: Path, engine: str) -> None:
+    ds, fifo = _stuck_pipeline(tmp_path, engine, stall_warning_s=None, stall_timeout_s=0.05)
+    it = iter(ds)
+    seen: list[int] = []
+    while True:
+        try:
+            seen.append(next(it))
+        except WorkerStalledError as e:
+            if "_wait_for_release" in str(e):  # not a worker still starting
+                error = e
+                break
+            # Past the deadline for a worker still starting: the next call waits again.
+    # Element 5 holds back those a worker reads with it (as in the previous test).
+    assert 1 <= len(seen) <= 5 and seen == list(range(len(seen)))
+    assert re.search(r"giving up \(MultiprocessingOptions.stall_timeout_s=0.05\)", str(error))
+    # The worker was left running: released, it sends the element, and the stream goes on
+    # (a call after the error waits again; the deadline may pass again on a loaded machine).
+    _release(fifo)
+    rest: list[int] = []
+    while True:
+        try:
+            rest.append(next(it))
+        except StopIteration:
+            break
+        except WorkerStalledError:
+            continue
+    assert rest == list(range(len(seen), 8))

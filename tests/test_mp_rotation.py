@@ -144,8 +144,8 @@ def test_rotation_sends_small_elements_several_to_a_message(
     messages: list[list[int]] = []  # per element message: the pickled size of each element
     recv = ipc_pool.WorkerPool.recv
 
-    def recording_recv(pool: Any, index: int, ready: bool = False) -> tuple[Any, ...]:
-        message = recv(pool, index, ready)
+    def recording_recv(pool: Any, index: int, ready: bool = False, **kw: Any) -> tuple[Any, ...]:
+        message = recv(pool, index, ready, **kw)
         if message[1] == protocol.PICKLED_ELEMENTS:
             messages.append([len(blob) for blob in message[2]])
         return message

@@ -24,6 +24,17 @@ def test_multiprocessing_options_validation():
         MultiprocessingOptions(per_worker_buffer_size=-2)
 
 
+def test_stall_thresholds_are_positive_seconds_or_none():
+    options = MultiprocessingOptions()
+    assert (options.stall_warning_s, options.stall_timeout_s) == (60.0, None)  # warn, no kill
+    MultiprocessingOptions(stall_warning_s=None, stall_timeout_s=0.5)
+    for bad in (0, -1.0, float("inf"), float("nan"), True, "60"):
+        with pytest.raises(ValueError, match="stall_timeout_s must be a positive number"):
+            MultiprocessingOptions(stall_timeout_s=bad)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="stall_warning_s"):
+        MultiprocessingOptions(stall_warning_s=0)
+
+
 def test_dataset_options_merge_prefers_explicit_fields_of_self():
     a = DatasetOptions(filter_warn_threshold_ratio=0.5)
     b = DatasetOptions(filter_warn_threshold_ratio=0.1, min_shm_size=10)

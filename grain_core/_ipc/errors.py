@@ -11,6 +11,7 @@ __all__ = [
     "ErrorPayload",
     "UnreadableElementError",
     "WorkerDiedError",
+    "WorkerStalledError",
     "error_payload",
     "remote_error",
     "unreadable_element_error",
@@ -23,6 +24,11 @@ ErrorPayload = tuple[bytes | None, str, str, str]
 
 class WorkerDiedError(RuntimeError):
     """A worker process ended without being asked to."""
+
+
+class WorkerStalledError(RuntimeError):
+    """A worker sent nothing the parent waits for within the stall deadline
+    (``MultiprocessingOptions.stall_timeout_s``); it is left running."""
 
 
 class UnreadableElementError(RuntimeError):

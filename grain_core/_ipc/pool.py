@@ -18,7 +18,8 @@ does not get workers running the checkout's.
 
 The parent waits on the output pipe together with the process sentinel, so a worker that dies is
 noticed at once. The worker watches the parent's sentinel in a thread, so it exits as soon as
-the parent dies.
+the parent dies. A watchdog in the parent's waits warns about, and may give up on, a worker
+that sends nothing for long, with the worker's Python stacks (``StallWatch``).
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from __future__ import annotations
 import dataclasses
 import faulthandler
 import io
+import logging
 import multiprocessing
 import multiprocessing.connection
 import multiprocessing.context as mp_context
@@ -36,6 +38,7 @@ import secrets
 import select
 import signal
 import sys
+import tempfile
 import threading
 import time
 import weakref
@@ -44,7 +47,11 @@ from multiprocessing import forkserver, popen_forkserver, reduction, spawn, util
 from typing import Any, Protocol
 
 from grain_core._ipc import shm
-from grain_core._ipc.errors import WorkerDiedError, unreadable_element_error
+from grain_core._ipc.errors import (
+    WorkerDiedError,
+    WorkerStalledError,
+    unreadable_element_error,
+)
 from grain_core.config import config
 
 __all__ = [
@@ -243,17 +250,51 @@ def _start_worker(
     spec: PooledWorker,
     control: Any,
     output: Any,
+    stack_requests: Any,
+    stack_answers: Any,
 ) -> None:
     """The target of every worker process: sets the process up, then runs ``entry``."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's to handle.
     # A crash in native code (a decoder, a C extension) prints the worker's Python stack to
     # the stderr it shares with the parent, which then names the signal.
     faulthandler.enable()
+    # The watchdog's fallback when the stack thread cannot run (native code holding the GIL):
+    # the signal handler writes every thread's stack to that stderr without the GIL.
+    if _STACK_SIGNAL is not None:
+        faulthandler.register(_STACK_SIGNAL, all_threads=True)
+    _serve_stacks(stack_requests, stack_answers)
     _adopt_environ(setup.environ)
     os.environ["JAX_PLATFORMS"] = setup.jax_platforms
     shm.set_name_prefix(spec.shm_prefix)
     _watch_parent()
     entry(spec, control, output)
+
+
+#: The signal on which a worker's faulthandler writes its stacks to stderr (None: Windows).
+_STACK_SIGNAL: signal.Signals | None = getattr(signal, "SIGUSR1", None)
+
+
+def _serve_stacks(requests: Any, answers: Any) -> None:
+    """Answers each request of the parent's watchdog with the worker's Python stacks (every
+    thread's, from ``faulthandler``), from a thread, so while the main thread is stuck in user
+    code that waits (a read, a lock, a sleep)."""
+
+    def serve() -> None:
+        while True:
+            try:
+                requests.recv_bytes()
+            except (EOFError, OSError):
+                return  # the parent closed the pipe: the pool stops
+            with tempfile.TemporaryFile() as f:
+                faulthandler.dump_traceback(file=f, all_threads=True)
+                f.seek(0)
+                text = f.read()
+            try:
+                answers.send_bytes(text)
+            except OSError:
+                return
+
+    threading.Thread(target=serve, name="grain_core-stack-dump", daemon=True).start()
 
 
 def _watch_parent() -> None:
@@ -345,6 +386,29 @@ _SIGNAL_HINTS = {
     ),
 }
 
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class StallWatch:
+    """What the consumer waits for, for the watchdog's messages about a worker that sends
+    nothing.
+
+    Attributes:
+      since: ``time.monotonic()`` when the consumer began waiting for it.
+      waiting_for: Returns the worker computing it (its index in the pool; None: not known)
+        and the element in words ("position 12").
+    """
+
+    since: float
+    waiting_for: Callable[[], tuple[int | None, str]]
+
+
+_LOG = logging.getLogger("grain_core")
+
+#: Seconds the parent waits for a stuck worker's stacks before asking faulthandler to write
+#: them to stderr instead (the worker's stack thread cannot run while native code holds the
+#: GIL). Bounds a log message only, never the data.
+_STACK_ANSWER_S = 10.0
+
 #: Seconds that stopping a pool gives its workers to exit before they are killed.
 STOP_TIMEOUT_S = 5.0
 
@@ -359,6 +423,12 @@ class WorkerPool:
         (it is pickled by reference). It reads its control messages with
         ``control.recv_bytes()`` and sends with ``output.send_bytes``.
       preload: Modules the forkserver imports before its first fork (used when it starts).
+      stall_warning_s: Watchdog: a consumer that waits this long (and each multiple of it)
+        for a worker (``recv`` and ``ready_workers`` given a ``StallWatch``) logs a warning
+        naming the worker, what it waits for and for how long, with the worker's Python
+        stacks. None: no warnings.
+      stall_timeout_s: Watchdog: after this long the wait raises ``WorkerStalledError`` (the
+        worker keeps running). None: wait forever.
 
     Raises:
       ValueError: Inside a worker process (workers do not start workers).
@@ -369,8 +439,15 @@ class WorkerPool:
         specs: Sequence[PooledWorker],
         entry: Callable[[Any, Any, Any], None],
         preload: Sequence[str] = (),
+        stall_warning_s: float | None = None,
+        stall_timeout_s: float | None = None,
     ) -> None:
         self._closed = False
+        self._stall_warning_s = stall_warning_s
+        self._stall_timeout_s = stall_timeout_s
+        self._watched = stall_warning_s is not None or stall_timeout_s is not None
+        self._stack_requests: list[Any] = []
+        self._stack_answers: list[Any] = []
         #: The process whose workers these are; another one is a child forked from it.
         self._owner_pid = os.getpid()
         self._procs: list[Any] = []
@@ -399,15 +476,19 @@ class WorkerPool:
             for spec in specs:
                 control_r, control_w = multiprocessing.Pipe(duplex=False)
                 output_r, output_w = multiprocessing.Pipe(duplex=False)
+                requests_r, requests_w = multiprocessing.Pipe(duplex=False)
+                answers_r, answers_w = multiprocessing.Pipe(duplex=False)
                 proc = process_cls(
                     target=_start_worker,
-                    args=(entry, setup, spec, control_r, output_w),
+                    args=(entry, setup, spec, control_r, output_w, requests_r, answers_w),
                     name=f"grain_core-worker-{spec.index}",
                     daemon=True,
                 )
                 proc.start()
-                control_r.close()
-                output_w.close()
+                for conn in (control_r, output_w, requests_r, answers_w):
+                    conn.close()
+                self._stack_requests.append(requests_w)
+                self._stack_answers.append(answers_r)
                 self._procs.append(proc)
                 self._controls.append(control_w)
                 self._outputs.append(output_r)
@@ -433,34 +514,67 @@ class WorkerPool:
         except (BrokenPipeError, ConnectionResetError, OSError):
             pass
 
-    def ready_workers(self, timeout: float | None = 0.0) -> list[int]:
+    def ready_workers(
+        self, timeout: float | None = 0.0, watch: StallWatch | None = None
+    ) -> list[int]:
         """The workers with a message waiting, in index order; waits up to ``timeout`` seconds
         (None: until there is one) when there is none.
 
+        Args:
+          timeout: Seconds to wait at most; None: until a worker sends something.
+          watch: What an endless wait (``timeout`` None) waits for: the watchdog warns and
+            raises about it.
+
         Raises:
           WorkerDiedError: A worker ended with no message left to read.
+          WorkerStalledError: Past the stall deadline.
         """
-        ready, ended = self._poller.poll(timeout)
+        if timeout is None and watch is not None and self._watched:
+            polled: list[tuple[list[int], list[int]]] = []
+
+            def wait(seconds: float | None) -> bool:
+                polled[:] = [self._poller.poll(seconds)]
+                return any(polled[0])
+
+            self._watched_wait(wait, watch)
+            ready, ended = polled[0]
+        else:
+            ready, ended = self._poller.poll(timeout)
         for index in ended:
             if index not in ready:
                 raise self._died(index)
         return ready
 
-    def recv(self, index: int, ready: bool = False) -> tuple[Any, ...]:
+    def recv(
+        self,
+        index: int,
+        ready: bool = False,
+        waiting_for: Callable[[], tuple[int | None, str]] | None = None,
+    ) -> tuple[Any, ...]:
         """Returns the next message of worker ``index``, waiting for it.
 
         Args:
           index: The worker.
           ready: ``ready_workers`` just listed the worker: a message (or the end of the pipe)
             is there, no need to check.
+          waiting_for: What the wait is for (a ``StallWatch``'s, from the moment it starts):
+            the watchdog warns and raises about it.
 
         Raises:
           WorkerDiedError: If the worker process ended.
+          WorkerStalledError: Past the stall deadline.
           UnreadableElementError: If the message cannot be unpickled.
         """
         conn = self._outputs[index]
         if not ready and not self._output_ready[index]():
-            multiprocessing.connection.wait([conn, self._procs[index].sentinel])
+            waitables = [conn, self._procs[index].sentinel]
+            if waiting_for is not None and self._watched:
+                self._watched_wait(
+                    lambda seconds: bool(multiprocessing.connection.wait(waitables, seconds)),
+                    StallWatch(time.monotonic(), waiting_for),
+                )
+            else:
+                multiprocessing.connection.wait(waitables)
             if not self._output_ready[index]():
                 # Ended with nothing left to read; no end of file comes while a process the
                 # worker started holds its end of the pipe.
@@ -474,6 +588,66 @@ class WorkerPool:
             return pickle.loads(data)  # type: ignore[no-any-return]
         except Exception as e:
             raise unreadable_element_error(self._labels[index], e) from e
+
+    def _watched_wait(self, wait: Callable[[float | None], bool], watch: StallWatch) -> None:
+        """Calls ``wait(seconds)`` until it returns True, warning at each multiple of the
+        warning threshold and raising past the deadline."""
+        warn_s, limit_s = self._stall_warning_s, self._stall_timeout_s
+        warnings_given = 0
+        while True:
+            waited = time.monotonic() - watch.since
+            due = [limit_s] if limit_s is not None else []
+            if warn_s is not None:
+                due.append(warn_s * (warnings_given + 1))
+            if wait(max(0.0, min(due) - waited)):
+                return
+            waited = time.monotonic() - watch.since
+            if limit_s is not None and waited >= limit_s:
+                raise WorkerStalledError(self._stall_report(watch, waited, limit_s))
+            if warn_s is not None and waited >= warn_s * (warnings_given + 1):
+                warnings_given = int(waited // warn_s)
+                _LOG.warning("%s", self._stall_report(watch, waited, None))
+
+    def _stall_report(self, watch: StallWatch, waited: float, limit_s: float | None) -> str:
+        worker, what = watch.waiting_for()
+        if worker is None:
+            who, stacks = "a worker process", ""
+        else:
+            proc = self._procs[worker]
+            who = f"worker process {self._labels[worker]} (pid {proc.pid})"
+            stacks = f" Its Python stacks:\n{self._worker_stacks(worker)}"
+        if limit_s is None:
+            verdict = (
+                "still waiting (MultiprocessingOptions.stall_warning_s sets how often this "
+                "warning comes; stall_timeout_s makes it an error)."
+            )
+        else:
+            verdict = (
+                f"giving up (MultiprocessingOptions.stall_timeout_s={limit_s:g}); the worker "
+                "is left running. A pipeline step may be stuck (a deadlock, a read without a "
+                "timeout), or one element takes that long: raise stall_timeout_s."
+            )
+        return f"The main process waited {waited:.1f} s for {what} from {who}: {verdict}{stacks}"
+
+    def _worker_stacks(self, index: int) -> str:
+        """Worker ``index``'s Python stacks, from its stack thread; if that does not answer
+        (native code holding the GIL), faulthandler writes them to stderr."""
+        answers = self._stack_answers[index]
+        try:
+            while answers.poll(0):  # a late answer to an earlier request
+                answers.recv_bytes()
+            self._stack_requests[index].send_bytes(b"")
+            if answers.poll(_STACK_ANSWER_S):
+                return str(answers.recv_bytes().decode(errors="replace"))
+            if _STACK_SIGNAL is None:
+                return f"(no answer within {_STACK_ANSWER_S:g} s)"
+            os.kill(self._procs[index].pid, _STACK_SIGNAL)
+        except (EOFError, OSError):
+            return "(unavailable: the worker process is ending)"
+        return (
+            f"(no answer within {_STACK_ANSWER_S:g} s: native code may hold the worker's GIL; "
+            "faulthandler writes its stacks to stderr)"
+        )
 
     def _died(self, index: int) -> WorkerDiedError:
         proc = self._procs[index]
@@ -518,7 +692,7 @@ class WorkerPool:
         for index, proc in enumerate(self._procs):
             proc.join(timeout=5)
             shm.unlink_prefix(self._prefixes[index])
-        for conn in self._outputs:
+        for conn in (*self._outputs, *self._stack_requests, *self._stack_answers):
             conn.close()
         for proc in self._procs:
             if proc.exitcode is not None:
@@ -544,7 +718,7 @@ class WorkerPool:
                         os.close(fd)
                     except OSError:
                         pass
-        for conn in (*self._controls, *self._outputs):
+        for conn in (*self._controls, *self._outputs, *self._stack_requests, *self._stack_answers):
             conn.close()
         # Every later wait answers at once: each worker "ended", i.e. ``_died``'s error.
         self._output_ready = [_always_ready] * len(self._outputs)

@@ -45,6 +45,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import functools
 import pickle
 import time
 import weakref
@@ -53,7 +54,7 @@ from typing import Any, Protocol
 
 from grain_core._ipc import shm
 from grain_core._ipc.errors import UnreadableElementError, WorkerDiedError, remote_error
-from grain_core._ipc.pool import STOP_TIMEOUT_S, WorkerPool
+from grain_core._ipc.pool import STOP_TIMEOUT_S, StallWatch, WorkerPool
 from grain_core.config import config
 from grain_core.dataset.base import DatasetIterator, IterDataset
 from grain_core.dataset.mp.pickling import FIXED_SIZE_TYPES, dumps_message
@@ -352,6 +353,8 @@ class PositionDispatcher:
         self._finalizer: weakref.finalize | None = None
         self.error: BaseException | None = None
         self._open_iterators = 0
+        # The position the consumer waits for and since when (``time.monotonic()``).
+        self._waiting: tuple[tuple[int, int] | None, float] = (None, 0.0)
 
     # ------------------------------------------------------------------- consumer side
     def register(self, cls: int, iterator: DatasetIterator[Any]) -> None:
@@ -393,7 +396,7 @@ class PositionDispatcher:
             )
             for w in range(self._count)
         ]
-        self._pool = pool = start_workers(specs, worker_main)
+        self._pool = pool = start_workers(specs, worker_main, mp_ds.options)
         self._finalizer = weakref.finalize(self, pool.shutdown)
         self._cpu_mark = [0.0] * self._count
         self._since_learned = [0] * self._count
@@ -544,9 +547,15 @@ class PositionDispatcher:
             ready = pool.ready_workers()
             if not ready and block:
                 self._assign()
+                watch = None
                 if needed is not None:
                     self._unblock(*needed)
-                ready = pool.ready_workers(timeout=None)
+                    if self._waiting[0] != needed:
+                        self._waiting = (needed, time.monotonic())
+                    watch = StallWatch(
+                        self._waiting[1], functools.partial(self._waiting_for, *needed)
+                    )
+                ready = pool.ready_workers(timeout=None, watch=watch)
             # One message per worker that sent something: what came meanwhile is read by the
             # next pump (a check per message would cost a system call each).
             for w in ready:
@@ -555,6 +564,15 @@ class PositionDispatcher:
             self.error = e
             raise
         self._assign()
+
+    def _waiting_for(self, cls: int, j: int) -> tuple[int | None, str]:
+        """For the watchdog: the worker computing position ``(cls, j)``, and the position."""
+        kind = "batch" if self._batches is not None else "position"
+        what = f"{kind} {cls + j * self._count} of {self._view.map_parent!r}"
+        for worker, runs in enumerate(self._runs):
+            if any(run_cls == cls and first <= j < first + n for run_cls, first, n in runs):
+                return worker, what
+        return None, what
 
     def _unblock(self, cls: int, j: int) -> None:
         """Makes sure position ``(cls, j)``, which the consumer waits for, is on its way.

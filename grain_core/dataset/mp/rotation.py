@@ -280,6 +280,9 @@ class RotationIterator(DatasetIterator[Any]):
         self._exhausted = False
         self._generation = 0
         self._outstanding = 0
+        # Elements handed out since the start or the last set_state: what the watchdog names.
+        self._handed_out_count = 0
+        self._restored = False
         self._error: BaseException | None = None
         # Blocks of elements the consumer has dropped go back with the next credit.
         self._recycled = shm.RecycledBlocks()
@@ -308,7 +311,7 @@ class RotationIterator(DatasetIterator[Any]):
             pool_size=2 * self._buffer + 2,
             buffer_size=self._buffer,
         )
-        self._pool = pool = start_workers([spec], worker_main)
+        self._pool = pool = start_workers([spec], worker_main, mp_ds.options)
         self._finalizer = weakref.finalize(self, pool.shutdown)
         if not self._exhausted:
             self._grant(self._buffer)
@@ -378,11 +381,19 @@ class RotationIterator(DatasetIterator[Any]):
     def _recv(self, pool: WorkerPool) -> tuple[Any, ...]:
         """The worker's next message: first those read while waiting for statistics."""
         if not self._early:
-            return pool.recv(0)
+            return pool.recv(0, waiting_for=self._waiting_for)
         message = self._early.popleft()
         if isinstance(message, BaseException):
             raise message
         return message
+
+    def _waiting_for(self) -> tuple[int, str]:
+        """For the watchdog: the element the consumer waits for."""
+        where = "was restored" if self._restored else "started"
+        return 0, (
+            f"element {self._handed_out_count} of its share (counted from where this "
+            f"iterator {where})"
+        )
 
     def _take_side_message(self, kind: int, value: Any, extra: Any) -> None:
         answers = receive_side_message(kind, value, extra, self, self._warning_registry)
@@ -433,6 +444,7 @@ class RotationIterator(DatasetIterator[Any]):
         """An element goes to the consumer; ``state`` is the worker's after it."""
         self._state = state
         self._outstanding -= 1
+        self._handed_out_count += 1
         owed = self._buffer - self._outstanding
         if owed >= self._grant_batch:
             self._grant(owed)
@@ -454,6 +466,8 @@ class RotationIterator(DatasetIterator[Any]):
         if isinstance(self._error, WorkerDiedError):
             raise self._error
         self._state = copy.deepcopy(state)
+        self._handed_out_count = 0
+        self._restored = True
         self._exhausted = False
         self._error = None
         self._received.clear()

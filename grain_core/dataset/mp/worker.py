@@ -40,6 +40,7 @@ from grain_core.dataset.mp.protocol import (
 )
 from grain_core.dataset.prefetch import read_inline_while_cpu_bound
 from grain_core.dataset.stats import is_tracing, is_tracking, worker_stage_snapshot
+from grain_core.options import MultiprocessingOptions
 
 __all__ = [
     "GROUP_S",
@@ -106,11 +107,19 @@ class WorkerSpec:
 
 
 def start_workers(
-    specs: Sequence[WorkerSpec], entry: Callable[[WorkerSpec, Any, Any], None]
+    specs: Sequence[WorkerSpec],
+    entry: Callable[[WorkerSpec, Any, Any], None],
+    options: MultiprocessingOptions,
 ) -> WorkerPool:
     """Starts one worker process per spec, each running ``entry`` (an engine's
-    ``worker_main``)."""
-    return WorkerPool(specs, entry, WORKER_PRELOAD)
+    ``worker_main``), watched as ``options`` say (``stall_warning_s``, ``stall_timeout_s``)."""
+    return WorkerPool(
+        specs,
+        entry,
+        WORKER_PRELOAD,
+        stall_warning_s=options.stall_warning_s,
+        stall_timeout_s=options.stall_timeout_s,
+    )
 
 
 def run_worker(
