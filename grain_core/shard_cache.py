@@ -338,10 +338,10 @@ class ShardCache:
         except OSError as err:
             if isinstance(err, storage.StorageError | FileNotFoundError | ShardCacheError):
                 raise
-            if err.errno == errno.ENOSPC:
+            if err.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
                 raise ShardCacheError(
-                    f"Shard cache {self._directory}: the disk is full while writing {url} "
-                    f"({size} bytes). Free space there, lower max_bytes or use another "
+                    f"Shard cache {self._directory}: no space for {url} ({size} bytes): "
+                    f"{err.strerror}. Free space there, lower max_bytes or use another "
                     "directory."
                 ) from err
             raise self._directory_error(err) from err

@@ -166,6 +166,32 @@ def test_an_unwritable_directory_is_named(tmp_path: Path) -> None:
         sc.ShardCache(directory).local_path(url)
 
 
+def test_a_full_disk_names_the_directory_and_leaves_nothing(tmp_path: Path) -> None:
+    import subprocess
+    import sys
+    import textwrap
+
+    (tmp_path / "big.bin").write_bytes(b"b" * 5000)
+    url = f"local://{tmp_path / 'big.bin'}"  # fsspec's local file system under a URL
+    directory = tmp_path / "cache"
+    # A file size limit makes the write fail as a full disk does, with a real OS error.
+    code = textwrap.dedent(
+        f"""
+        import resource, signal
+        from grain_core.shard_cache import ShardCache, ShardCacheError
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+        resource.setrlimit(resource.RLIMIT_FSIZE, (1000, 1000))
+        try:
+            ShardCache({str(directory)!r}).local_path({url!r})
+        except ShardCacheError as e:
+            print(e)
+        """
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.startswith(f"Shard cache {directory}: no space for {url}"), out.stderr
+    assert sorted(p.suffix for p in directory.iterdir()) == [".lock", ".lock"]
+
+
 def test_prefetch_downloads_in_the_background(tmp_path: Path) -> None:
     urls = [_remote(tmp_path, f"{n}.bin", n.encode() * 10) for n in "abc"]
     cache = sc.ShardCache(tmp_path / "cache", read_ahead=2)
