@@ -111,18 +111,21 @@ def test_checkpoints_are_the_local_workers_and_restore_across_backends(
     assert _equal(list(restored), local_output[3:])
 
 
-def test_a_killed_actor_has_its_positions_reassigned(ray_instance: None) -> None:
-    # Tasks of at most two batches (the read-ahead) and more batches than the tasks in flight
-    # when the actor is killed: it is given more, and found dead.
-    ds = (
+def _small_tasks() -> grain.IterDataset:
+    """Tasks of at most two batches (the read-ahead) and more batches than the window of tasks
+    in flight: actors killed after the first batches are given more, and found dead."""
+    return (
         grain.MapDataset.range(160)
         .map(_heavy)
         .to_iter_dataset(grain.ReadOptions(num_threads=2, prefetch_buffer_size=8))
         .batch(4)
     )
-    expected = list(ds.mp_prefetch(_opts(2)))
+
+
+def test_a_killed_actor_has_its_positions_reassigned(ray_instance: None) -> None:
+    expected = list(_small_tasks().mp_prefetch(_opts(2)))
     backend = _RecordingBackend()
-    it = iter(ds.mp_prefetch(_opts(2, backend)))
+    it = iter(_small_tasks().mp_prefetch(_opts(2, backend)))
     got = [next(it) for _ in range(2)]
     group = backend.groups[0]
     ray.kill(group.actors[0])
@@ -131,11 +134,10 @@ def test_a_killed_actor_has_its_positions_reassigned(ray_instance: None) -> None
     assert group.workers() == [1]
 
 
-def test_every_actor_killed_is_an_error_naming_them(
-    ray_instance: None, local_output: list[Any]
-) -> None:
+def test_every_actor_killed_is_an_error_naming_them(ray_instance: None) -> None:
+    expected = list(_small_tasks().mp_prefetch(_opts(2)))
     backend = _RecordingBackend()
-    it = iter(_pipeline().mp_prefetch(_opts(2, backend)))
+    it = iter(_small_tasks().mp_prefetch(_opts(2, backend)))
     got = [next(it)]
     for actor in backend.groups[0].actors:
         ray.kill(actor)
@@ -143,7 +145,7 @@ def test_every_actor_killed_is_an_error_naming_them(
         while True:
             got.append(next(it))
     assert "Ray actor 1 of 2" in str(info.value)
-    assert _equal(got, local_output[: len(got)])  # nothing lost or repeated before
+    assert _equal(got, expected[: len(got)])  # nothing lost or repeated before
 
 
 def _large(x: int) -> np.ndarray:

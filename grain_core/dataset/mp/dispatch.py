@@ -77,6 +77,7 @@ from grain_core.plugins import loaded_plugin_names
 
 __all__ = [
     "ClassDispatcher",
+    "ClassFrontiers",
     "DispatchWorkerLoop",
     "DispatchedClassIterator",
     "PositionDispatcher",
@@ -288,14 +289,14 @@ def worker_main(spec: WorkerSpec, control: Any, output: Any) -> None:
 
 
 # ---------------------------------------------------------------------------- parent side
-class PositionDispatcher:
-    """The parent's side: the worker processes, what each is computing, and the results
-    waiting for the consumer, by ``(class, slice index)``. Shared by the ``N`` class iterators
-    of one ``mp_prefetch`` iterator; holds none of them strongly, so an unclosed iterator is
-    collected and its workers stopped.
+class ClassFrontiers:
+    """What every dispatcher's parent side keeps of the ``N`` strided classes of the output:
+    their lengths, the consumer's slice index in each, and the state each reports (that of
+    its worker under strict rotation). ``PositionDispatcher`` (local workers) and
+    ``remote.BlockDispatcher`` (a worker backend's) build on it.
 
     Args:
-      mp_ds: The ``MultiprocessPrefetchIterDataset`` over a ``to_iter_dataset`` reader.
+      mp_ds: The ``MultiprocessPrefetchIterDataset`` over a pipeline with a ``dispatch_view``.
     """
 
     def __init__(self, mp_ds: Any) -> None:
@@ -309,14 +310,59 @@ class PositionDispatcher:
         total = len(ds.map_parent)
         self.lengths = [len(range(c, total, n)) for c in range(n)]
         self._allow_nones = ds.allow_nones
+        self.frontier = [0] * n  # per class: next slice index for the consumer
+        self._ended = [False] * n  # per class: the consumer was told it ended
+
+    def state_index(self, cls: int) -> int:
+        """Class ``cls``'s ``next_index`` as its worker reports it under strict rotation."""
+        j = self.frontier[cls]
+        if self._batches is None:
+            return j
+        return self._batches.elements_before(cls, j, self._ended[cls])
+
+    def move_frontier(self, cls: int, next_index: int) -> None:
+        """The consumer of class ``cls`` continues at ``next_index`` (a state's).
+
+        Raises:
+          IndexError: ``next_index`` is outside the class (or, for batches, not where one
+            starts).
+        """
+        self._ended[cls] = False
+        if self._batches is not None:
+            elements = next_index
+            next_index = self._batches.batches_before(cls, elements)
+            # Restored where its worker had read every element: the share has ended.
+            self._ended[cls] = elements == self._batches.elements_before(cls, next_index, True)
+        length = self.lengths[cls]
+        if not 0 <= next_index <= length:
+            raise IndexError(
+                f"Checkpoint `next_index` {next_index} is out of range [0, {length}] for "
+                f"worker {cls} of {self._count} of {self._view.map_parent!r}: the "
+                "checkpoint belongs to a different pipeline."
+            )
+        self.frontier[cls] = next_index
+
+
+class PositionDispatcher(ClassFrontiers):
+    """The parent's side: the worker processes, what each is computing, and the results
+    waiting for the consumer, by ``(class, slice index)``. Shared by the ``N`` class iterators
+    of one ``mp_prefetch`` iterator; holds none of them strongly, so an unclosed iterator is
+    collected and its workers stopped.
+
+    Args:
+      mp_ds: The ``MultiprocessPrefetchIterDataset`` over a ``to_iter_dataset`` reader.
+    """
+
+    def __init__(self, mp_ds: Any) -> None:
+        super().__init__(mp_ds)
+        n = self._count
+        ds = self._view
         self._buffer = max(1, mp_ds.options.per_worker_buffer_size)
         self._overdraft_allowed = mp_ds.options.per_worker_buffer_size > 0  # as its workers do
         # A worker always has its next position: waiting for the parent to hand one out
         # would cost it a round trip, and the parent a core, per element.
         self._min_run = max(2, self._buffer)
         self._max_run = max(self._min_run, ds.read_options.prefetch_buffer_size)
-        self.frontier = [0] * n  # per class: next slice index for the consumer
-        self._ended = [False] * n  # per class: the consumer was told it ended
         self._assigned = [0] * n  # per class: next slice index not yet assigned
         self._held: dict[tuple[int, int], tuple[int, int, Any, list[str]]] = {}
         self._runs: list[collections.deque[list[int]]] = [collections.deque() for _ in range(n)]
@@ -495,13 +541,6 @@ class PositionDispatcher:
         for worker in tracked:
             self.receive_stats(worker, deadline)
 
-    def state_index(self, cls: int) -> int:
-        """Class ``cls``'s ``next_index`` as its worker reports it under strict rotation."""
-        j = self.frontier[cls]
-        if self._batches is None:
-            return j
-        return self._batches.elements_before(cls, j, self._ended[cls])
-
     def restore(self, cls: int, next_index: int) -> None:
         """Class ``cls`` continues at ``next_index`` (as ``state_index`` reports it).
 
@@ -513,20 +552,7 @@ class PositionDispatcher:
         if isinstance(self.error, WorkerDiedError):
             raise self.error
         self.error = None  # an unreadable element: the new generation drops the rest of it
-        self._ended[cls] = False
-        if self._batches is not None:
-            elements = next_index
-            next_index = self._batches.batches_before(cls, elements)
-            # Restored where its worker had read every element: the share has ended.
-            self._ended[cls] = elements == self._batches.elements_before(cls, next_index, True)
-        length = self.lengths[cls]
-        if not 0 <= next_index <= length:
-            raise IndexError(
-                f"Checkpoint `next_index` {next_index} is out of range [0, {length}] for "
-                f"worker {cls} of {self._count} of {self._view.map_parent!r}: the "
-                "checkpoint belongs to a different pipeline."
-            )
-        self.frontier[cls] = next_index
+        self.move_frontier(cls, next_index)
         self._restarted = True  # runs are re-planned on the next pump, once for all classes
 
     # --------------------------------------------------------------------- scheduling

@@ -36,12 +36,8 @@ from grain_core import plugins
 from grain_core._ipc.errors import ErrorPayload, WorkerDiedError, error_payload, remote_error
 from grain_core._ipc.pool import worker_jax_platforms
 from grain_core.dataset.base import IterDataset
-from grain_core.dataset.mp.positions import (
-    ClassBatchesMapDataset,
-    PositionReader,
-    dispatch_obstacle,
-    dispatch_view,
-)
+from grain_core.dataset.mp.dispatch import ClassFrontiers
+from grain_core.dataset.mp.positions import PositionReader, dispatch_obstacle
 from grain_core.dataset.options import DatasetOptions, FilterRatioChecker
 from grain_core.dataset.prefetch import read_inline_while_cpu_bound
 from grain_core.options import MultiprocessingOptions
@@ -190,7 +186,7 @@ class BlockComputer:
 
 
 # ---------------------------------------------------------------------------- parent side
-class BlockDispatcher:
+class BlockDispatcher(ClassFrontiers):
     """The parent's side: the backend's workers, the tasks each has, and the results waiting
     for the consumer, by ``(class, slice index)``. Shared by the ``N`` class iterators of one
     ``mp_prefetch`` iterator (``dispatch.DispatchedClassIterator``); holds none of them, so an
@@ -202,19 +198,11 @@ class BlockDispatcher:
     """
 
     def __init__(self, mp_ds: Any, backend: WorkerBackend) -> None:
-        self._mp_ds = mp_ds
+        super().__init__(mp_ds)
         self._backend = backend
-        self._count = n = mp_ds.num_workers
-        view = dispatch_view(mp_ds._parents[0], n)
-        assert view is not None, "check_remote_pipeline refuses pipelines without a view"
-        self._view = ds = view.reader
-        self._batches = ds.map_parent if type(ds.map_parent) is ClassBatchesMapDataset else None
-        total = len(ds.map_parent)
-        self.lengths = [len(range(c, total, n)) for c in range(n)]
-        self._allow_nones = ds.allow_nones
+        n = self._count
+        ds = self._view
         self._max_task = max(1, ds.read_options.prefetch_buffer_size)
-        self.frontier = [0] * n  # per class: next slice index for the consumer
-        self._ended = [False] * n  # per class: the consumer was told it ended
         self._assigned = [0] * n  # per class: next slice index not yet in a task
         self._held: dict[tuple[int, int], tuple[int, Any]] = {}
         # ticket -> (worker, generation, runs); per worker, tasks queued on it.
@@ -328,13 +316,6 @@ class BlockDispatcher:
                     continue
             return value
 
-    def state_index(self, cls: int) -> int:
-        """Class ``cls``'s ``next_index`` as its worker reports it under strict rotation."""
-        j = self.frontier[cls]
-        if self._batches is None:
-            return j
-        return self._batches.elements_before(cls, j, self._ended[cls])
-
     def restore(self, cls: int, next_index: int) -> None:
         """Class ``cls`` continues at ``next_index`` (as ``state_index`` reports it).
 
@@ -345,19 +326,7 @@ class BlockDispatcher:
         """
         if isinstance(self.error, WorkerDiedError):
             raise self.error
-        self._ended[cls] = False
-        if self._batches is not None:
-            elements = next_index
-            next_index = self._batches.batches_before(cls, elements)
-            self._ended[cls] = elements == self._batches.elements_before(cls, next_index, True)
-        length = self.lengths[cls]
-        if not 0 <= next_index <= length:
-            raise IndexError(
-                f"Checkpoint `next_index` {next_index} is out of range [0, {length}] for "
-                f"worker {cls} of {self._count} of {self._view.map_parent!r}: the "
-                "checkpoint belongs to a different pipeline."
-            )
-        self.frontier[cls] = next_index
+        self.move_frontier(cls, next_index)
         self._restarted = True  # tasks are re-planned on the next pump, once for all classes
 
     # --------------------------------------------------------------------- scheduling
