@@ -163,25 +163,30 @@ def test_validator_rejects_broken_traces() -> None:
         validate_trace_events([meta[0], span(0, 1)])
 
 
-def _double(x: int) -> int:
-    return 2 * x
+def _wide(x: int) -> np.ndarray:
+    return np.full(1 << 16, x, np.float32)  # batches of four go through shared memory
 
 
 @pytest.mark.parametrize("dispatch", [True, False], ids=["dispatching", "strided"])
 def test_every_worker_process_appears_on_the_same_clock(
-    dispatch: bool, monkeypatch: pytest.MonkeyPatch
+    dispatch: bool, request: pytest.FixtureRequest
 ) -> None:
-    from grain_core.dataset.mp import dispatch as mp_dispatch
+    # Every worker waits for the parent at least once (after its last element, until the
+    # iterator closes and asks for its last spans; batches in shared memory with a buffer of
+    # one also wait for credits), and every wait and send is a span on its main thread,
+    # nested with its stages' spans, on the parent's clock.
+    from grain_core.dataset.mp.worker import SEND_SPAN, WAIT_SPAN
 
     if not dispatch:
-        monkeypatch.setattr(mp_dispatch, "dispatchable", lambda *_: False)
-    ds = grain.MapDataset.range(64).map(_double).to_iter_dataset(SYNC).batch(4)
+        request.getfixturevalue("strict_rotation")
+    ds = grain.MapDataset.range(32).map(_wide).to_iter_dataset(SYNC).batch(4)
+    options = grain.MultiprocessingOptions(num_workers=2, per_worker_buffer_size=1)
     with Trace() as recording:
-        with iter(ds.mp_prefetch(grain.MultiprocessingOptions(num_workers=2))) as it:
-            assert len(list(it)) == 16
+        with iter(ds.mp_prefetch(options)) as it:
+            assert len(list(it)) == 8
         closed = trace.span_clock()  # the workers' last spans came before close returned
     events = recording.events()
-    validate_trace_events(events)
+    validate_trace_events(events)  # nesting, per-thread order, named tracks
     processes = {e["pid"]: e["args"]["name"] for e in events if e["name"] == "process_name"}
     workers = {pid: name for pid, name in processes.items() if pid != os.getpid()}
     assert sorted(name.split(" (")[0] for name in workers.values()) == [
@@ -190,47 +195,12 @@ def test_every_worker_process_appears_on_the_same_clock(
     ]
     spans = _spans(events)
     for pid in workers:
-        names = {s["name"] for s in spans if s["pid"] == pid}
-        assert any(n.startswith("MapMapDataset(transform=_double") for n in names), names
+        own = {(s["name"], s["cat"]) for s in spans if s["pid"] == pid}
+        assert any(n.startswith("MapMapDataset(transform=_wide") for n, _ in own), own
+        assert (SEND_SPAN, "transport") in own and (WAIT_SPAN, "wait") in own, own
     main = [s for s in spans if s["pid"] == os.getpid()]
     assert {s["cat"] for s in main} >= {"transport"}
     # One clock: every span lies between the trace's start and the iterator's close.
     assert recording.start_ns is not None
     end = (closed - recording.start_ns) / 1000
     assert all(0 <= s["ts"] and s["ts"] + s["dur"] <= end for s in spans)
-
-
-def _wide(x: int) -> np.ndarray:
-    return np.full(1 << 16, x, np.float32)  # batches of four go through shared memory
-
-
-@pytest.mark.parametrize("dispatch", [True, False], ids=["dispatching", "strided"])
-def test_workers_trace_their_sends_and_their_waits_for_the_parent(
-    dispatch: bool, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    # Every worker waits for the parent at least once (after its last element, until the
-    # iterator closes and asks for its last spans; batches in shared memory with a buffer of
-    # one also wait for credits), and every wait and send is a span on its main thread,
-    # nested with its stages' spans, on the parent's clock.
-    from grain_core.dataset.mp import dispatch as mp_dispatch
-    from grain_core.dataset.mp.worker import SEND_SPAN, WAIT_SPAN
-
-    if not dispatch:
-        monkeypatch.setattr(mp_dispatch, "dispatchable", lambda *_: False)
-    ds = grain.MapDataset.range(32).map(_wide).to_iter_dataset(SYNC).batch(4)
-    options = grain.MultiprocessingOptions(num_workers=2, per_worker_buffer_size=1)
-    with Trace() as recording:
-        with iter(ds.mp_prefetch(options)) as it:
-            assert len(list(it)) == 8
-        closed = trace.span_clock()
-    events = recording.events()
-    validate_trace_events(events)  # nesting, per-thread order, named tracks
-    spans = _spans(events)
-    assert recording.start_ns is not None
-    end = (closed - recording.start_ns) / 1000
-    workers = {s["pid"] for s in spans} - {os.getpid()}
-    assert len(workers) == 2
-    for pid in workers:
-        own = {(s["name"], s["cat"]) for s in spans if s["pid"] == pid}
-        assert (SEND_SPAN, "transport") in own and (WAIT_SPAN, "wait") in own, own
-        assert all(0 <= s["ts"] and s["ts"] + s["dur"] <= end for s in spans if s["pid"] == pid)
