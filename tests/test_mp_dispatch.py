@@ -36,6 +36,7 @@ from grain_core.dataset.mp.protocol import (
     ELEMENT,
     ELEMENTS,
     PICKLED_ELEMENTS,
+    SHARED_AHEAD_BYTES,
     SMALL_AHEAD,
     STATS,
     STATS_GENERATION,
@@ -594,21 +595,28 @@ def test_a_waiting_consumer_always_gets_its_position_sent() -> None:
     assert d._assigned[1] == 13 and d._outstanding[1] == 4
 
 
+def _in_shared_memory(nbytes: int) -> Any:
+    return {"image": _shm._ShmRef("block", (nbytes // 4,), np.dtype(np.float32)), "label": 1}
+
+
 def test_credits_go_in_batches_while_a_worker_may_overdraw() -> None:
     # While its results are small the overdraft carries a worker between credits, which go
-    # half of it at a time (a message per element otherwise); results in shared memory and
-    # big ones: each credit as soon as it is due.
+    # half of it at a time (a message per element otherwise); results in shared memory as
+    # many ahead as SHARED_AHEAD_BYTES holds, credits half of those at a time; big ones: each
+    # credit as soon as it is due.
     d = _dispatcher(buffer=1)
     d._pool = _RecordingPool(  # type: ignore[assignment]
         ((0, ELEMENTS, [0, 1], 0.0, [], []), 100),
         ((0, ELEMENT, b"x" * 500_000, 0.0, [], []), 500_020),
-        ((0, ELEMENT, "shared", 0.0, ["block"], []), 100),
+        ((0, ELEMENT, _in_shared_memory(SHARED_AHEAD_BYTES // 8), 0.0, ["block"], []), 100),
+        ((0, ELEMENT, _in_shared_memory(SHARED_AHEAD_BYTES), 0.0, ["block"], []), 100),
     )
-    d._runs[0].append([0, 0, 4])
-    d._outstanding[0] = 4
-    for credit_batch in (SMALL_AHEAD // 2, 1, 1):
+    d._runs[0].append([0, 0, 5])
+    d._outstanding[0] = 5
+    for credit_batch, ahead in ((SMALL_AHEAD // 2, 1), (1, 1), (4, 8), (1, 1)):
         d._receive(0)
-        assert d._credit_batch[0] == credit_batch
+        d._assign()
+        assert (d._credit_batch[0], d._ahead[0]) == (credit_batch, ahead)
 
 
 def test_dropped_blocks_go_back_with_the_next_credits() -> None:
@@ -635,7 +643,8 @@ def _quarter_mib(x: int) -> np.ndarray:
 
 def test_credits_bound_the_shared_memory_in_flight() -> None:
     # Cheap elements get long runs (the read-ahead, 64 here); what reaches shared memory is
-    # still per_worker_buffer_size beyond what the consumer took, as under strict rotation.
+    # still bounded beyond what the consumer took: per_worker_buffer_size results, or as many
+    # as SHARED_AHEAD_BYTES holds (16 of these).
     prefix = f"gc{os.getpid():x}"
     read_options = grain.ReadOptions(num_threads=2, prefetch_buffer_size=64)
     ds = grain.MapDataset.range(400).map(_quarter_mib).to_iter_dataset(read_options)
@@ -644,8 +653,9 @@ def test_credits_bound_the_shared_memory_in_flight() -> None:
             assert float(next(it)[0]) == x
         time.sleep(0.5)  # the workers go as far ahead as they are allowed
         blocks = [e for e in os.listdir("/dev/shm") if e.startswith(prefix)]
-        # Per worker: its credit, a block being written, and its pool of free blocks (4).
-        assert len(blocks) <= 2 * (1 + 1 + 4), blocks
+        # Per worker: its credits, a block being written, the one the consumer holds.
+        ahead = SHARED_AHEAD_BYTES // _quarter_mib(0).nbytes
+        assert len(blocks) <= 2 * (ahead + 1 + 1), blocks
 
 
 def test_large_elements_through_dispatched_workers() -> None:
@@ -1056,3 +1066,29 @@ def test_a_class_position_that_is_not_an_integer_is_refused() -> None:
         state["iterators_in_use_states"][0]["next_index"] = 2.7
         with pytest.raises(TypeError, match=r"DispatchedClassIterator checkpoint `next_index`"):
             it.set_state(state)
+
+
+def _normalise(element: dict[str, Any]) -> dict[str, Any]:
+    return {"image": element["image"].astype(np.float32) / 255.0, "label": element["label"]}
+
+
+@pytest.mark.parametrize("batched", [True, False], ids=["batched_map", "element_map"])
+def test_arrays_in_memory_give_the_batches_of_one_process(batched: bool) -> None:
+    # Gathered a batch at a time in the workers, 256 KiB float32 batches through shared memory
+    # several ahead of the consumer: the batches and checkpoints of the pipeline in one process.
+    rng = np.random.default_rng(0)
+    images = rng.integers(0, 256, (1000, 32, 32), dtype=np.uint8)
+    labels = rng.integers(0, 10, 1000)
+    ds = grain.MapDataset.source({"image": images, "label": labels}).seed(3).shuffle()
+    ds = ds.map(_normalise, batched=batched).batch(64).to_iter_dataset()
+    expected = list(ds)
+    state = None
+    with iter(ds.mp_prefetch(_opts(2))) as it:
+        for k, batch in enumerate(it):
+            grain.testing.assert_trees_equal(batch, expected[k])
+            if k == 5:
+                state = it.get_state()
+    with iter(ds.mp_prefetch(_opts(2))) as restored:
+        restored.set_state(state)
+        for batch, want in zip(restored, expected[6:], strict=True):
+            grain.testing.assert_trees_equal(batch, want)

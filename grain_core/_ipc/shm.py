@@ -169,8 +169,9 @@ def open_block(name: str) -> mmap.mmap:
 class _BlockPool:
     """A worker's blocks: in use (sent to the parent) or free for reuse, by size."""
 
-    def __init__(self, max_free_per_size: int) -> None:
+    def __init__(self, max_free_per_size: int, max_free_bytes: int = 0) -> None:
         self._max_free = max_free_per_size
+        self._max_free_bytes = max_free_bytes
         self._free: dict[int, list[tuple[str, mmap.mmap]]] = {}
         self._used: dict[str, mmap.mmap] = {}
         self.dropped: list[str] = []
@@ -193,8 +194,9 @@ class _BlockPool:
                 mapping = self._used.pop(name, None)
                 if mapping is None:
                     continue
-                free = self._free.setdefault(len(mapping), [])
-                keep = len(free) < self._max_free
+                size = len(mapping)
+                free = self._free.setdefault(size, [])
+                keep = len(free) < max(self._max_free, self._max_free_bytes // size)
                 if keep:
                     free.append((name, mapping))
             if not keep:
@@ -215,10 +217,11 @@ class _BlockPool:
 _pool: _BlockPool | None = None
 
 
-def enable_block_pool(max_free_per_size: int) -> None:
-    """Makes this process (a worker) recycle blocks released by the parent."""
+def enable_block_pool(max_free_per_size: int, max_free_bytes: int = 0) -> None:
+    """Makes this process (a worker) recycle blocks released by the parent: it keeps
+    ``max_free_per_size`` free blocks of each size, or as many as fit in ``max_free_bytes``."""
     global _pool
-    _pool = _BlockPool(max_free_per_size)
+    _pool = _BlockPool(max_free_per_size, max_free_bytes)
 
 
 def release_blocks(names: Iterable[str]) -> None:
@@ -567,6 +570,18 @@ def open_from_shm(tree: Any, recycled: RecycledBlocks | None = None) -> Any:
             return kind(*items)
         return kind(items)
     return tree
+
+
+def shared_bytes(tree: Any) -> int:
+    """The bytes of the blocks that element ``tree`` (with ``_ShmRef`` leaves) references."""
+    if isinstance(tree, _ShmRef):
+        return int(np.prod(tree.shape)) * tree.dtype.itemsize
+    kind = type(tree)
+    if kind is dict:
+        return sum(shared_bytes(v) for v in tree.values())
+    if isinstance(tree, (list, tuple)):
+        return sum(shared_bytes(v) for v in tree)
+    return 0
 
 
 def unlink_shm(names: Iterable[str]) -> None:

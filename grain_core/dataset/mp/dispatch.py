@@ -19,7 +19,8 @@ the parent keeps that output and its state, and hands out the positions instead:
   need no shared memory: elements that wait on storage cost no CPU and get long runs whose
   reads overlap, CPU-heavy ones go a few at a time.
 * Results are sent against credits, as many as the consumer has taken plus
-  ``per_worker_buffer_size``, so the shared memory in flight is that of strict rotation.
+  ``per_worker_buffer_size``, so the shared memory in flight is that of strict rotation
+  (or ``SHARED_AHEAD_BYTES`` per worker where that holds more results: small batches).
   Small results may overdraw: ``SMALL_AHEAD`` of them, ``OVERDRAFT_BYTES`` pickled at most
   (``protocol``), so a worker need not wait for the parent's wake-up after each,
   and its credits go half its overdraft at a time (``credit_batch``), not one per element
@@ -69,6 +70,7 @@ from grain_core.dataset.mp.protocol import (
     credit_batch,
     overdraft_room,
     receive_side_message,
+    shared_ahead_room,
     stats_request_message,
 )
 from grain_core.dataset.mp.worker import GROUP_S, WorkerLoop, WorkerSpec, run_worker, start_workers
@@ -375,14 +377,18 @@ class PositionDispatcher(ClassFrontiers):
         # Per worker: credits go in batches of this many (larger while its results may
         # overdraw: the overdraft carries it meanwhile).
         self._credit_batch = [credit_batch(self._buffer)] * n
-        self._ahead = self._buffer  # results a worker may send beyond those consumed
+        # Per worker: results it may send beyond those consumed.
+        self._ahead = [self._buffer] * n
         self._cpu_seconds = [0.0] * n  # per worker: average CPU seconds per element (0: unknown)
         # Per worker: its CPU time when its average was last updated, and results since.
         self._cpu_mark = [0.0] * n
         self._since_learned = [0] * n
         self._limits = [self._min_run] * n
-        # Per worker: results it may send beyond its credits, judged by its last message.
+        # Per worker: results it may send beyond its credits, judged by its last message; and
+        # results in shared memory it may have sent beyond those consumed (0: not in shared
+        # memory).
         self._overdraft_room = [0] * n
+        self._shared_room = [0] * n
         self._filter_counts = [[0, 0] for _ in range(n)]  # per class: seen, dropped
         self._checkers = [
             FilterRatioChecker(f"to_iter_dataset over {ds.map_parent!r}") for _ in range(n)
@@ -482,7 +488,7 @@ class PositionDispatcher(ClassFrontiers):
             del held[(cls, j)]
             self.frontier[cls] = j + 1
             self._consumed[worker] += 1
-            due = self._consumed[worker] + self._ahead - self._granted[worker]
+            due = self._consumed[worker] + self._ahead[worker] - self._granted[worker]
             if due >= self._credit_batch[worker]:
                 # Credits due: the worker may be waiting for them. A worker found ended here
                 # is reported by the next call (``self.error``), after this element.
@@ -683,8 +689,10 @@ class PositionDispatcher(ClassFrontiers):
             if names or not self._overdraft_allowed
             else overdraft_room(self._pool.last_message_bytes // count)
         )
+        shared = shared_ahead_room(shm.shared_bytes(value)) if names else 0
         self._overdraft_room[worker] = room
-        self._credit_batch[worker] = credit_batch(self._buffer, room)
+        self._shared_room[worker] = shared
+        self._credit_batch[worker] = credit_batch(self._buffer, max(room, shared))
         self._since_learned[worker] += count
         spent = cpu_total - self._cpu_mark[worker]
         if spent >= _RUN_TARGET_S or self._since_learned[worker] >= _LEARN_EVERY:
@@ -716,7 +724,7 @@ class PositionDispatcher(ClassFrontiers):
         else:
             average += _TIME_WEIGHT * (cpu_seconds - average)
         self._cpu_seconds[worker] = average
-        longest = max(self._max_run, self._overdraft_room[worker])
+        longest = max(self._max_run, self._overdraft_room[worker], self._shared_room[worker])
         fit = longest if average <= 0.0 else int(_RUN_TARGET_S / average)
         self._limits[worker] = max(self._min_run, min(longest, fit))
 
@@ -729,7 +737,9 @@ class PositionDispatcher(ClassFrontiers):
         the consumer has taken from it plus ``ahead``:
 
         * Cheap elements: the window is the largest commitment and ``ahead`` is
-          ``per_worker_buffer_size``, as in strict rotation. Workers take their own class,
+          ``per_worker_buffer_size``, as in strict rotation, or as many results in shared
+          memory as ``SHARED_AHEAD_BYTES`` holds if that is more (small batches then go
+          several per wake-up of the worker). Workers take their own class,
           which keeps each worker's reads contiguous and its sends in the consumer's order;
           an idle worker takes what fits of the others. Held results cost memory, and moving
           large cheap elements is bound by memory bandwidth, which more blocks in flight
@@ -744,9 +754,11 @@ class PositionDispatcher(ClassFrontiers):
         n = self._count
         helping = max(self._cpu_seconds) >= _HELP_MIN_CPU_S
         window = max(self._limits)
-        self._ahead = ahead = self._buffer
         if helping:
-            window = self._ahead = ahead = 2 * window + 2
+            window = 2 * window + 2
+            self._ahead = [window] * n
+        else:
+            self._ahead = [max(self._buffer, shared) for shared in self._shared_room]
         runs: list[list[tuple[int, int, int]]] = [[] for _ in range(n)]
         for worker in sorted(range(n), key=self._outstanding.__getitem__):
             limit = self._limits[worker]
@@ -771,7 +783,7 @@ class PositionDispatcher(ClassFrontiers):
                 share = max(1, free // len(open_classes))
                 free -= share - self._give(worker, cls, share, window, runs[worker])
         for worker in range(n):
-            credits = self._consumed[worker] + ahead - self._granted[worker]
+            credits = self._consumed[worker] + self._ahead[worker] - self._granted[worker]
             if credits < self._credit_batch[worker]:
                 credits = 0
             # Blocks the consumer dropped go back with the next runs or credits: a worker

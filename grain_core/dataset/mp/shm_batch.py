@@ -20,7 +20,7 @@ from grain_core.dataset.batch import (
     make_batch,
 )
 from grain_core.dataset.prefetch import PrefetchIterDataset
-from grain_core.dataset.source import ColumnBlock
+from grain_core.dataset.source import ColumnBlock, StackedBlock
 
 __all__ = [
     "make_batch_in_shared_memory",
@@ -41,7 +41,9 @@ def make_batch_in_shared_memory(values: Sequence[Any]) -> Any:
     """
     if (
         len(values) < 2
-        or isinstance(values, ColumnBlock)  # columns: the transport moves the large ones
+        # Columns and gathered arrays are stacked already: the transport moves the large ones
+        # (taken apart into elements, a batch of 128 28x28 rows cost 7x the gather).
+        or isinstance(values, (ColumnBlock, StackedBlock))
         or not isinstance(values[0], (dict, list, tuple, np.ndarray))
     ):
         return make_batch(values)

@@ -31,6 +31,7 @@ from grain_core.dataset import trace
 from grain_core.dataset.mp.pickling import dumps, dumps_message, register_numpy_scalar_reducers
 from grain_core.dataset.mp.protocol import (
     OVERDRAFT_BYTES,
+    SHARED_AHEAD_BYTES,
     SMALL_AHEAD,
     STATS_REQUEST,
     element_message,
@@ -133,7 +134,7 @@ def run_worker(
     if spec.plugins is not None:
         os.environ[plugins.PLUGINS_ENV] = ",".join(spec.plugins)
         plugins.reset()
-    shm.enable_block_pool(spec.pool_size)
+    shm.enable_block_pool(spec.pool_size, 2 * SHARED_AHEAD_BYTES)
     register_numpy_scalar_reducers()
     read_inline_while_cpu_bound()
     loop_class(spec, control, output).run()
