@@ -22,6 +22,7 @@ __all__ = [
     "Measurement",
     "ReportedSeconds",
     "Skipped",
+    "Unavailable",
     "Workload",
     "import_google_grain",
     "measure",
@@ -109,6 +110,11 @@ class Measurement:
         return self.elements / self.median_s
 
 
+class Unavailable(Exception):
+    """Raised by a setup whose implementation cannot run here (the message says why); the
+    implementation is reported as skipped."""
+
+
 @dataclasses.dataclass(frozen=True)
 class Skipped:
     """An implementation that could not run here, and why."""
@@ -123,7 +129,10 @@ def measure(bench: Workload, label: str, repeats: int) -> Measurement | Skipped:
     setup, requires = bench.implementations[label]
     if requires is not None and importlib.util.find_spec(requires) is None:
         return Skipped(bench.name, label, f"{requires} is not installed")
-    run = setup()
+    try:
+        run = setup()
+    except Unavailable as e:
+        return Skipped(bench.name, label, str(e))
     try:
         run()  # Warm-up: lazy tables, thread pools, imports.
         seconds = [_timed(run) for _ in range(repeats)]
@@ -149,7 +158,11 @@ def measure_all(bench: Workload, repeats: int) -> list[Measurement | Skipped]:
             if requires is not None and importlib.util.find_spec(requires) is None:
                 results[label] = Skipped(bench.name, label, f"{requires} is not installed")
                 continue
-            runs[label] = setup()
+            try:
+                runs[label] = setup()
+            except Unavailable as e:
+                results[label] = Skipped(bench.name, label, str(e))
+                continue
             runs[label]()  # Warm-up.
         seconds: dict[str, list[float]] = {label: [] for label in runs}
         for round_ in range(repeats):

@@ -9,6 +9,9 @@ a seeded global shuffle, normalise to float32, batches of 128; one pass is one e
   Python loop over the same arrays (index, normalise each element, stack each batch; target
   >= 1x) and the same pipeline with ``ReadOptions(num_threads=0)`` (the default must not be
   slower).
+* ``mnist_batched_2_workers`` / ``mnist_per_element_2_workers``: the same pipelines through
+  ``mp_prefetch`` with 2 worker processes, one epoch per pass (workers started by the pass,
+  from the server that stays up); baseline: 0 workers (target: at least its rate).
 * ``range_default_read_options``: ``range(1M).shuffle().map(add one).batch(256)``, whose
   per-element work holds the GIL: the default ``ReadOptions`` against ``num_threads=0``.
 
@@ -125,6 +128,24 @@ def _plain_loop() -> Callable[[], None]:
 def _per_element_inline() -> Callable[[], None]:
     ds = _source().map(_normalise).batch(BATCH)
     return _drain(ds.to_iter_dataset(grain.ReadOptions(num_threads=0)), RECORDS)
+
+
+def _with_workers(batched: bool, workers: int) -> Callable[[], None]:
+    ds = _source().map(_normalise, batched=batched).batch(BATCH).to_iter_dataset()
+    if workers:
+        ds = ds.mp_prefetch(grain.MultiprocessingOptions(num_workers=workers))
+    return _drain(ds, RECORDS)
+
+
+for _batched, _name in ((True, "mnist_batched"), (False, "mnist_per_element")):
+    workload(
+        f"{_name}_2_workers",
+        elements=RECORDS,
+        description=f"{_name}, mp_prefetch 2 workers, one epoch per pass",
+        alternate=True,
+    )(functools.partial(_with_workers, _batched, 2)).baseline("0 workers")(
+        functools.partial(_with_workers, _batched, 0)
+    )
 
 
 def _tf_pipeline(batch_then_map: bool) -> Callable[[], None]:

@@ -33,6 +33,11 @@ def harness(monkeypatch: pytest.MonkeyPatch) -> Iterator[tuple[ModuleType, Modul
     tiny.baseline("absent", requires="no_such_module_for_grain_core_tests")(
         lambda: counted("absent")
     )
+
+    def unavailable() -> Callable[[], object]:
+        raise _harness.Unavailable("its peer has a virtualenv of its own")
+
+    tiny.baseline("elsewhere")(unavailable)
     monkeypatch.setitem(_harness.WORKLOADS, "tiny", tiny)
     yield _harness, run
     assert "absent" not in calls
@@ -54,6 +59,11 @@ def test_json_output_has_every_implementation_and_ratios(
         "workload": "tiny",
         "implementation": "absent",
         "reason": "no_such_module_for_grain_core_tests is not installed",
+    } in data["skipped"]
+    assert {
+        "workload": "tiny",
+        "implementation": "elsewhere",
+        "reason": "its peer has a virtualenv of its own",
     } in data["skipped"]
 
 

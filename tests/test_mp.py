@@ -34,6 +34,7 @@ from grain_core._ipc import shm as _shm
 from grain_core.dataset.batch import make_batch
 from grain_core.dataset.mp import MultiprocessPrefetchIterDataset, protocol, rotation, shm_batch
 from grain_core.dataset.mp import dispatch as mp_dispatch
+from grain_core.dataset.mp.pickling import pickle_pipeline
 from grain_core.dataset.source import StackedBlock
 from grain_core.dataset.stats import get_execution_summary
 from grain_core.dataset.worker_slicing import slice_for_worker
@@ -933,6 +934,55 @@ def _alive(pid: int) -> bool:
             return f.read().split()[2] != "Z"
     except (FileNotFoundError, ProcessLookupError):  # gone before the open, or during the read
         return False
+
+
+def test_large_arrays_reach_the_workers_in_shared_memory(no_shm_leak: None) -> None:
+    # An in-memory source's data is copied once into a block that every worker maps
+    # read-only, not pickled into the pipeline sent to each worker.
+    rows = np.arange(1 << 20, dtype=np.int32).reshape(1024, 1024)  # 4 MiB
+    dataset, blocks = pickle_pipeline(grain.MapDataset.source(rows).to_iter_dataset())
+    assert len(blocks) == 1 and len(dataset) < 64 * 1024
+    in_worker = pickle.loads(dataset).map_parent  # what a worker unpickles
+    np.testing.assert_array_equal(in_worker[5], rows[5])
+    assert rows[5].flags.writeable and not in_worker[5].flags.writeable
+    del in_worker
+    _shm.unlink_shm(blocks)
+    small = grain.MapDataset.source(rows[:8].copy()).to_iter_dataset()
+    assert pickle_pipeline(small)[1] == []  # small arrays travel pickled
+    # Workers on other hosts (a worker backend) get the arrays in the pickle.
+    remote, none = pickle_pipeline(grain.MapDataset.source(rows).to_iter_dataset(), False)
+    assert none == [] and len(remote) > rows.nbytes
+    shared = grain.MapDataset.source(rows).to_iter_dataset().mp_prefetch(_opts(2))
+    with iter(shared) as it:
+        for i, row in enumerate(it):
+            np.testing.assert_array_equal(row, rows[i])
+    del shared, it  # its blocks go with the dataset (no_shm_leak)
+
+
+def test_building_a_pipeline_with_workers_starts_their_server(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # The server imports the workers' modules while the caller goes on building, so the first
+    # workers fork from a ready server.
+    server = ipc_pool._WorkerForkServer()
+    monkeypatch.setattr(ipc_pool, "_FORKSERVER", server)
+    try:
+        grain.MapDataset.range(3).to_iter_dataset().mp_prefetch(_opts(0))
+        grain.DataLoader(data_source=[0, 1, 2], sampler=_sampler(3), worker_count=0)
+        assert getattr(server, "_forkserver_pid", None) is None
+        grain.DataLoader(data_source=[0, 1, 2], sampler=_sampler(3), worker_count=2)
+        pid = server._forkserver_pid  # type: ignore[attr-defined]
+        assert pid is not None
+        ds = grain.MapDataset.range(3).to_iter_dataset().mp_prefetch(_opts(2))
+        assert server._forkserver_pid == pid  # type: ignore[attr-defined]
+        with iter(ds) as it:
+            assert list(it) == [0, 1, 2]
+    finally:
+        server._stop()  # type: ignore[attr-defined]
+
+
+def _sampler(n: int) -> grain.samplers.IndexSampler:
+    return grain.samplers.IndexSampler(n, num_epochs=1)
 
 
 def test_dataset_is_picklable_and_shm_module_leaves_nothing() -> None:

@@ -502,6 +502,17 @@ class WorkerPool:
         _LIVE_POOLS.add(self)
 
     @staticmethod
+    def start_server(preload: Sequence[str]) -> None:
+        """Starts the forkserver that pools fork their workers from, unless it runs: it
+        imports ``preload`` while the caller goes on (this returns once the server process is
+        spawned, a fork and exec that copies no thread of the caller). Nothing happens where
+        workers start otherwise (no forkserver) or inside a worker."""
+        if _process_class() is not _WorkerProcess or multiprocessing.current_process().daemon:
+            return
+        _FORKSERVER.set_forkserver_preload(list(preload))
+        _FORKSERVER.ensure_running()
+
+    @staticmethod
     def new_prefix(index: int) -> str:
         """A shared-memory name prefix unique to one worker of one pool."""
         return f"gc{os.getpid():x}{secrets.token_hex(4)}w{index}_"

@@ -572,6 +572,32 @@ def open_from_shm(tree: Any, recycled: RecycledBlocks | None = None) -> Any:
     return tree
 
 
+def copy_into_block(array: np.ndarray) -> str:
+    """Copies ``array`` (C order) into a new block, outside any worker pool, and returns its
+    name; the caller unlinks it (``unlink_block``) once no process needs to map it any more.
+
+    Raises:
+      SharedMemoryFullError: If ``/dev/shm`` has no room for it.
+    """
+    name, mapping = _create_block(array.nbytes)
+    view = np.ndarray(array.shape, array.dtype, buffer=mapping)
+    view[...] = array
+    del view
+    mapping.close()
+    return name
+
+
+def attach_read_only(name: str, shape: tuple[int, ...], dtype: np.dtype[Any]) -> np.ndarray:
+    """A read-only array over block ``name`` (``copy_into_block``); its pages are mapped as
+    they are read, so a process that reads a few rows maps a few pages."""
+    fd = _posixshmem.shm_open(name, os.O_RDONLY, mode=0o600)
+    try:
+        mapping = mmap.mmap(fd, os.fstat(fd).st_size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ)
+    finally:
+        os.close(fd)
+    return np.ndarray(shape, dtype, buffer=mapping)
+
+
 def shared_bytes(tree: Any) -> int:
     """The bytes of the blocks that element ``tree`` (with ``_ShmRef`` leaves) references."""
     if isinstance(tree, _ShmRef):

@@ -25,14 +25,17 @@ from __future__ import annotations
 import functools
 import sys
 import warnings
+import weakref
 from collections.abc import Callable
 from typing import Any
 
+from grain_core._ipc import shm
 from grain_core.dataset.base import DatasetIterator, IterDataset
 from grain_core.dataset.interleave import InterleaveIterDataset
 from grain_core.dataset.mp import dispatch, remote, rotation
 from grain_core.dataset.mp.pickling import pickle_init_fn, pickle_pipeline
 from grain_core.dataset.mp.shm_batch import shared_memory_batch_fn
+from grain_core.dataset.mp.worker import start_worker_server
 from grain_core.dataset.multithread import multithread_prefetch
 from grain_core.dataset.options import DatasetOptions
 from grain_core.dataset.with_options import WithOptionsIterDataset
@@ -42,6 +45,7 @@ __all__ = [
     "MultiprocessPrefetchIterDataset",
     "mp_prefetch",
     "shared_memory_batch_fn",
+    "start_worker_server",
 ]
 
 
@@ -134,6 +138,8 @@ class MultiprocessPrefetchIterDataset(IterDataset[Any]):
             remote.check_remote_pipeline(
                 parent, self.backend, worker_init_fn is not None, sequential_slice
             )
+        if self.backend is None and options.num_workers > 0:
+            start_worker_server()
 
     @property
     def num_workers(self) -> int:
@@ -147,7 +153,12 @@ class MultiprocessPrefetchIterDataset(IterDataset[Any]):
             pickled.
         """
         if self._payload is None:
-            dataset = pickle_pipeline(self._parents[0])
+            # Arrays go through this host's shared memory to local worker processes only.
+            dataset, blocks = pickle_pipeline(self._parents[0], share_arrays=self.backend is None)
+            if blocks:
+                # Workers started from this payload map these blocks; iterators hold this
+                # dataset, so the blocks outlive every worker that may start from them.
+                weakref.finalize(self, shm.unlink_shm, blocks)
             init = None if self.worker_init_fn is None else pickle_init_fn(self.worker_init_fn)
             self._payload = (dataset, init)
         return self._payload

@@ -1,6 +1,11 @@
 """Pickling for ``mp_prefetch``: the pipeline and ``worker_init_fn`` sent to the workers, and
 the messages on the element path.
 
+Large NumPy arrays of the pipeline (an in-memory source's data) go to the workers in shared
+memory: copied once into a block that every worker maps read-only, instead of pickled into
+the pipeline, written through the worker server's pipe and unpickled once per worker (the
+47 MB of an MNIST-like source took 0.2 s per worker that way).
+
 Messages are pickled with the standard pickler (cloudpickle only for what it cannot do:
 lambdas and local classes in an element), and NumPy number scalars, often an element's label
 or id, as their type and Python value in workers.
@@ -17,6 +22,7 @@ from typing import Any
 import cloudpickle
 import numpy as np
 
+from grain_core._ipc import shm
 from grain_core.dataset.base import IterDataset, MapDataset
 
 __all__ = [
@@ -30,6 +36,9 @@ __all__ = [
 
 #: Types whose values pickle to a few bytes: no pickle is needed to know they are small.
 FIXED_SIZE_TYPES = frozenset({int, float, bool, complex, type(None)})
+
+#: Arrays in a pipeline at least this large travel to the workers in shared memory, read-only.
+SHARED_ARRAY_MIN_BYTES = 1024 * 1024
 
 
 def dumps(message: tuple[Any, ...]) -> bytes:
@@ -76,10 +85,54 @@ def _numpy_scalar_from_bytes(dtype: str, data: bytes) -> Any:
     return np.frombuffer(data, dtype)[0]
 
 
-def pickle_pipeline(ds: IterDataset[Any]) -> bytes:
+class _SharingPickler(cloudpickle.Pickler):  # type: ignore[misc]
+    """cloudpickle, with large plain NumPy arrays copied into shared-memory blocks (named in
+    ``blocks``) and pickled as the block's name: a worker maps the block read-only."""
+
+    def __init__(self, file: io.BytesIO, blocks: list[str]) -> None:
+        super().__init__(file, protocol=pickle.HIGHEST_PROTOCOL)
+        self._blocks = blocks
+
+    def reducer_override(self, obj: Any) -> Any:
+        if (
+            type(obj) is np.ndarray  # not a subclass (a memmap, a SharedMemoryArray)
+            and obj.nbytes >= SHARED_ARRAY_MIN_BYTES
+            and not obj.dtype.hasobject
+            and shm.AVAILABLE
+        ):
+            try:
+                name = shm.copy_into_block(obj)
+            except shm.SharedMemoryFullError as e:
+                shm.warn_full(e)
+            else:
+                self._blocks.append(name)
+                return shm.attach_read_only, (name, obj.shape, obj.dtype)
+        return super().reducer_override(obj)
+
+
+def pickle_pipeline(ds: IterDataset[Any], share_arrays: bool = True) -> tuple[bytes, list[str]]:
+    """``ds`` pickled for the workers, and the shared-memory blocks holding its large arrays
+    (the caller unlinks them when no worker will start from these bytes any more).
+
+    Args:
+      ds: The pipeline.
+      share_arrays: Large arrays go in shared-memory blocks (workers on this host); False:
+        pickled with the pipeline (workers elsewhere).
+
+    Raises:
+      Exception: The pickling error, with a note naming the first node that cannot be
+        pickled.
+    """
+    blocks: list[str] = []
+    buffer = io.BytesIO()
     try:
-        return cloudpickle.dumps(ds)  # type: ignore[no-any-return]
+        if share_arrays:
+            _SharingPickler(buffer, blocks).dump(ds)
+        else:
+            cloudpickle.Pickler(buffer, protocol=pickle.HIGHEST_PROTOCOL).dump(ds)
+        return buffer.getvalue(), blocks
     except Exception as e:
+        shm.unlink_shm(blocks)
         node = _first_unpicklable_node(ds)
         if node is not None:
             e.add_note(

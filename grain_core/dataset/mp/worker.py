@@ -48,6 +48,7 @@ __all__ = [
     "WorkerLoop",
     "WorkerSpec",
     "run_worker",
+    "start_worker_server",
     "start_workers",
 ]
 
@@ -105,6 +106,13 @@ class WorkerSpec:
         self.shm_prefix = shm_prefix
         self.pool_size = pool_size
         self.buffer_size = buffer_size
+
+
+def start_worker_server() -> None:
+    """Starts the workers' server now, if it is not running: it imports ``WORKER_PRELOAD``
+    while this process goes on, so the first workers fork from a ready server instead of
+    waiting for a new interpreter's imports (0.4-0.5 s)."""
+    WorkerPool.start_server(WORKER_PRELOAD)
 
 
 def start_workers(
