@@ -600,6 +600,15 @@ class WorkerPool:
         except Exception as e:
             raise unreadable_element_error(self._labels[index], e) from e
 
+    def check_owner(self) -> None:
+        """Checks that this process started the workers.
+
+        Raises:
+          WorkerDiedError: In a process forked from the one that started them.
+        """
+        if self._owner_pid != os.getpid():
+            raise self._died(0)
+
     def _watched_wait(self, wait: Callable[[float | None], bool], watch: StallWatch) -> None:
         """Calls ``wait(seconds)`` until it returns True, warning at each multiple of the
         warning threshold and raising past the deadline."""

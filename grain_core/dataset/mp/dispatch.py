@@ -472,6 +472,10 @@ class PositionDispatcher(ClassFrontiers):
             raise self.error
         if self._pool is None:
             self.start(options)
+        else:
+            # Results held ahead of the consumer are the parent's too: a forked child that
+            # reads them would go on from the parent's position with no worker behind it.
+            self._pool.check_owner()
         held = self._held
         while True:
             j = self.frontier[cls]
