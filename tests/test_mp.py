@@ -952,7 +952,7 @@ def test_large_arrays_reach_the_workers_in_shared_memory(no_shm_leak: None) -> N
     # Workers on other hosts (a worker backend) get the arrays in the pickle.
     remote, none = pickle_pipeline(grain.MapDataset.source(rows).to_iter_dataset(), False)
     assert none == [] and len(remote) > rows.nbytes
-    shared = grain.MapDataset.source(rows).to_iter_dataset().mp_prefetch(_opts(2))
+    shared = grain.MapDataset.source(rows).to_iter_dataset().mp_prefetch(mp_options(2))
     with iter(shared) as it:
         for i, row in enumerate(it):
             np.testing.assert_array_equal(row, rows[i])
@@ -967,13 +967,13 @@ def test_building_a_pipeline_with_workers_starts_their_server(
     server = ipc_pool._WorkerForkServer()
     monkeypatch.setattr(ipc_pool, "_FORKSERVER", server)
     try:
-        grain.MapDataset.range(3).to_iter_dataset().mp_prefetch(_opts(0))
+        grain.MapDataset.range(3).to_iter_dataset().mp_prefetch(mp_options(0))
         grain.DataLoader(data_source=[0, 1, 2], sampler=_sampler(3), worker_count=0)
         assert getattr(server, "_forkserver_pid", None) is None
         grain.DataLoader(data_source=[0, 1, 2], sampler=_sampler(3), worker_count=2)
         pid = server._forkserver_pid  # type: ignore[attr-defined]
         assert pid is not None
-        ds = grain.MapDataset.range(3).to_iter_dataset().mp_prefetch(_opts(2))
+        ds = grain.MapDataset.range(3).to_iter_dataset().mp_prefetch(mp_options(2))
         assert server._forkserver_pid == pid  # type: ignore[attr-defined]
         with iter(ds) as it:
             assert list(it) == [0, 1, 2]
@@ -1014,7 +1014,9 @@ def test_workers_recycle_shared_memory_blocks(
     # 40 elements used the blocks of the elements buffered, the one the consumer holds and the
     # next one, copied while it waits for a credit (so that it goes as soon as one comes).
     # A dispatching worker may send as many small results ahead as SHARED_AHEAD_BYTES holds.
-    ahead = buffer if rotation else max(buffer, protocol.shared_ahead_room(_big(0)["z"].nbytes))
+    ahead = (
+        buffer if rotation else max(buffer, protocol.shared_ahead_room(big_element(0)["z"].nbytes))
+    )
     assert 0 < len(blocks) <= ahead + 2
 
 

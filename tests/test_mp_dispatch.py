@@ -1083,12 +1083,12 @@ def test_arrays_in_memory_give_the_batches_of_one_process(batched: bool) -> None
     ds = ds.map(_normalise, batched=batched).batch(64).to_iter_dataset()
     expected = list(ds)
     state = None
-    with iter(ds.mp_prefetch(_opts(2))) as it:
+    with iter(ds.mp_prefetch(mp_options(2))) as it:
         for k, batch in enumerate(it):
             grain.testing.assert_trees_equal(batch, expected[k])
             if k == 5:
                 state = it.get_state()
-    with iter(ds.mp_prefetch(_opts(2))) as restored:
+    with iter(ds.mp_prefetch(mp_options(2))) as restored:
         restored.set_state(state)
         for batch, want in zip(restored, expected[6:], strict=True):
             grain.testing.assert_trees_equal(batch, want)
