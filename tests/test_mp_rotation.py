@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import pickle
 import sys
+import time
 from typing import Any
 
 import cloudpickle
@@ -54,21 +55,18 @@ def test_map_dataset_batch_stacks_into_shared_memory_in_a_worker(
     assert out[0]["s"].dtype == np.dtype("<U2")  # strings are not truncated
 
 
-def _produced_once_idle(it: Any, path: Any, at_least: int) -> int:
-    """Elements the worker logged once there are ``at_least`` and it cannot produce more.
-
-    The parent asks the worker for its statistics until two answers in a row see the same
-    log: a worker reads control messages between two steps of its loop, so one that could
-    produce would log an element between the two answers (no credit arrives meanwhile)."""
-    worker = it._iters[0]  # the worker's RotationIterator, the interleave's only input
+def _produced_once_idle(path: Any, at_least: int) -> int:
+    """Elements logged once there are ``at_least`` and no more come for 0.3 s (the worker
+    has used its credit)."""
+    deadline = time.monotonic() + 10
     last = -1
-    while True:
-        worker.request_worker_stages()
-        worker.receive_worker_stages()
+    while time.monotonic() < deadline:
         count = len(path.read_text().split()) if path.exists() else 0
         if count >= at_least and count == last:
             return count
         last = count
+        time.sleep(0.3)
+    raise AssertionError(f"{last} elements produced, expected at least {at_least} and then none")
 
 
 def _large_bytes(x: int) -> bytes:
@@ -110,7 +108,7 @@ def test_worker_stays_within_its_buffer_ahead(
                 consumed += 1
             # The pipe itself holds only two 32 KiB messages.
             least = 1 if size == "pickled_large" else buffer // 2 + 1
-            ahead = _produced_once_idle(it, log, consumed + least) - consumed
+            ahead = _produced_once_idle(log, consumed + least) - consumed
             assert ahead <= limit
             if size == "small":
                 assert ahead > buffer + 1
@@ -128,7 +126,7 @@ def test_a_buffer_of_zero_produces_on_request_only(
     with fails_after(60), iter(ds.mp_prefetch(mp_options(1, 0))) as it:
         for consumed in range(1, 4):
             assert _first_of(next(it)) == consumed - 1
-            assert _produced_once_idle(it, log, consumed) == consumed
+            assert _produced_once_idle(log, consumed) == consumed
 
 
 def _varied_size(x: int) -> Any:
