@@ -7,6 +7,7 @@ import os
 import re
 import subprocess
 import sys
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -67,6 +68,7 @@ def test_workers_import_the_grain_core_the_parent_imported(tmp_path: Path) -> No
 _FORK_SCRIPT = """
 import os
 import sys
+import threading
 
 import numpy as np
 
@@ -256,3 +258,44 @@ def test_past_the_deadline_a_stuck_worker_is_an_error(tmp_path: Path, engine: st
         except WorkerStalledError:
             continue
     assert rest == list(range(len(seen), 8))
+
+
+class _Blocked(logging.Handler):
+    """Sets ``event`` at the watchdog's first warning whose stacks show the worker waiting in
+    ``_wait_for_release``: the consumer's thread is then inside its wait for the worker."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.WARNING)
+        self.event = threading.Event()
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if "_wait_for_release" in record.getMessage():
+            self.event.set()
+
+
+@pytest.mark.usefixtures("restore_dispatch")
+@pytest.mark.parametrize("engine", ["dispatch", "rotation"])
+def test_an_iterator_used_by_two_threads_at_once_says_it_is_not_thread_safe(
+    tmp_path: Path, engine: str
+) -> None:
+    grain.config.update("py_mp_prefetch_dispatch", engine == "dispatch")
+    fifo = str(tmp_path / "release")
+    os.mkfifo(fifo)
+    ds = grain.MapDataset.range(4).map(_BlockedAt(0, fifo)).to_iter_dataset()
+    it = iter(ds.mp_prefetch(grain.MultiprocessingOptions(num_workers=2, stall_warning_s=0.05)))
+    blocked = _Blocked()
+    logger = logging.getLogger("grain_core")
+    logger.addHandler(blocked)
+    first: list[int] = []
+    reader = threading.Thread(target=lambda: first.append(next(it)), daemon=True)
+    try:
+        reader.start()
+        assert blocked.event.wait(timeout=120)  # the reader waits for element 0
+        with pytest.raises(RuntimeError, match="grain_core iterators are not thread-safe"):
+            next(it)
+    finally:
+        logger.removeHandler(blocked)
+        if blocked.event.is_set():  # else nobody waits on the FIFO: opening it would block
+            _release(fifo)
+            reader.join()
+    assert first == [0]

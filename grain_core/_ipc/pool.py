@@ -448,6 +448,10 @@ class WorkerPool:
         self._watched = stall_warning_s is not None or stall_timeout_s is not None
         self._stack_requests: list[Any] = []
         self._stack_answers: list[Any] = []
+        # Held while a thread reads the workers' pipes: a second thread fails at once with a
+        # clear error (its poll() of the same pipes would fail with "concurrent poll()
+        # invocation", or its reads take the other's messages).
+        self._in_use = threading.Lock()
         #: The process whose workers these are; another one is a child forked from it.
         self._owner_pid = os.getpid()
         self._procs: list[Any] = []
@@ -539,7 +543,16 @@ class WorkerPool:
         Raises:
           WorkerDiedError: A worker ended with no message left to read.
           WorkerStalledError: Past the stall deadline.
+          RuntimeError: Another thread is in ``recv`` or ``ready_workers`` of this pool.
         """
+        if not self._in_use.acquire(blocking=False):
+            raise _used_concurrently()
+        try:
+            return self._ready_workers(timeout, watch)
+        finally:
+            self._in_use.release()
+
+    def _ready_workers(self, timeout: float | None, watch: StallWatch | None) -> list[int]:
         if timeout is None and watch is not None and self._watched:
             polled: list[tuple[list[int], list[int]]] = []
 
@@ -575,7 +588,18 @@ class WorkerPool:
           WorkerDiedError: If the worker process ended.
           WorkerStalledError: Past the stall deadline.
           UnreadableElementError: If the message cannot be unpickled.
+          RuntimeError: Another thread is in ``recv`` or ``ready_workers`` of this pool.
         """
+        if not self._in_use.acquire(blocking=False):
+            raise _used_concurrently()
+        try:
+            return self._recv(index, ready, waiting_for)
+        finally:
+            self._in_use.release()
+
+    def _recv(
+        self, index: int, ready: bool, waiting_for: Callable[[], tuple[int | None, str]] | None
+    ) -> tuple[Any, ...]:
         conn = self._outputs[index]
         if not ready and not self._output_ready[index]():
             waitables = [conn, self._procs[index].sentinel]
@@ -727,6 +751,7 @@ class WorkerPool:
         if self._closed:
             return
         self._closed = True
+        self._in_use = threading.Lock()  # a thread of the parent may have held it
         for proc in self._procs:
             # multiprocessing's exit hook in the child would otherwise terminate and join
             # every "child" it lists, the parent's workers included (and read their exit
@@ -764,6 +789,14 @@ class WorkerPool:
                 except (EOFError, OSError):
                     running[conn].join(timeout=max(deadline - time.monotonic(), 0))
                     del running[conn]
+
+
+def _used_concurrently() -> RuntimeError:
+    return RuntimeError(
+        "Two threads used one iterator over worker processes at once: grain_core iterators "
+        "are not thread-safe. Give each thread its own iterator, or guard the shared one "
+        "with a lock (next(), get_state() and set_state() alike)."
+    )
 
 
 def _always_ready() -> bool:
