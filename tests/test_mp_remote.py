@@ -17,6 +17,8 @@ import grain_core as grain
 from grain_core import plugins
 from grain_core._ipc.errors import WorkerDiedError
 from grain_core.dataset.mp import remote
+from grain_core.dataset.options import DatasetOptions
+from grain_core.experimental import WithOptionsIterDataset
 from grain_core.options import MultiprocessingOptions
 from grain_core.plugins import WorkerGroup, WorkerJob, WorkerLostError
 from grain_core.testing import check_iterator_conformance
@@ -229,3 +231,24 @@ def test_backend_names_resolve_through_the_plugin_registry() -> None:
     if "ray" not in {b.name for b in plugins.list_worker_backends()}:
         with pytest.raises(plugins.MissingPluginError, match="pip install grainpipe-ray"):
             remote.worker_backend(_opts(2, "ray"))
+
+
+@pytest.mark.parametrize("backend", ["local", "inline"])
+def test_a_filter_dropping_past_the_raise_threshold_raises_on_either_dispatcher(
+    backend: str,
+) -> None:
+    # Both dispatchers count the holes of each class (ClassFrontiers.filtered_out); each of
+    # the two classes drops 3 of every 4 elements.
+    chosen: Any = _InlineBackend(2) if backend == "inline" else "local"
+    dropping = grain.MapDataset.range(3000).filter(lambda x: x % 8 < 2).to_iter_dataset()
+    ds = WithOptionsIterDataset(
+        dropping.mp_prefetch(_opts(2, chosen)),
+        DatasetOptions(filter_raise_threshold_ratio=0.5),
+    )
+    with pytest.raises(ValueError, match="skipped"):
+        list(ds)
+    kept = WithOptionsIterDataset(
+        dropping.mp_prefetch(_opts(2, chosen)),
+        DatasetOptions(filter_raise_threshold_ratio=0.9),
+    )
+    assert sorted(kept) == [x for x in range(3000) if x % 8 < 2]

@@ -314,6 +314,25 @@ class ClassFrontiers:
         self._allow_nones = ds.allow_nones
         self.frontier = [0] * n  # per class: next slice index for the consumer
         self._ended = [False] * n  # per class: the consumer was told it ended
+        self._filter_counts = [[0, 0] for _ in range(n)]  # per class: seen, dropped
+        self._checkers = [
+            FilterRatioChecker(f"to_iter_dataset over {ds.map_parent!r}") for _ in range(n)
+        ]
+
+    def filtered_out(self, cls: int, value: Any, options: Any) -> bool:
+        """Whether class ``cls``'s next ``value`` is a hole the consumer skips (None from a
+        filter where the pipeline does not allow Nones), counting it for the filter-ratio
+        check every ``_FILTER_CHECK_EVERY`` elements."""
+        if self._allow_nones:
+            return False
+        counts = self._filter_counts[cls]
+        counts[0] += 1
+        if value is None:
+            counts[1] += 1
+        if counts[0] == _FILTER_CHECK_EVERY:
+            self._checkers[cls].record(counts[0], counts[1], options)
+            counts[:] = [0, 0]
+        return value is None
 
     def state_index(self, cls: int) -> int:
         """Class ``cls``'s ``next_index`` as its worker reports it under strict rotation."""
@@ -389,10 +408,6 @@ class PositionDispatcher(ClassFrontiers):
         # memory).
         self._overdraft_room = [0] * n
         self._shared_room = [0] * n
-        self._filter_counts = [[0, 0] for _ in range(n)]  # per class: seen, dropped
-        self._checkers = [
-            FilterRatioChecker(f"to_iter_dataset over {ds.map_parent!r}") for _ in range(n)
-        ]
         self._recycled = [shm.RecycledBlocks() for _ in range(n)]
         self._warning_registry: dict[Any, Any] = {}
         self._slots: list[Any] = [None] * n
@@ -498,16 +513,8 @@ class PositionDispatcher(ClassFrontiers):
                 # is reported by the next call (``self.error``), after this element.
                 with contextlib.suppress(WorkerDiedError, UnreadableElementError):
                     self._pump(block=False)
-            if not self._allow_nones:
-                counts = self._filter_counts[cls]
-                counts[0] += 1
-                if value is None:
-                    counts[1] += 1
-                if counts[0] == _FILTER_CHECK_EVERY:
-                    self._checkers[cls].record(counts[0], counts[1], options)
-                    counts[:] = [0, 0]
-                if value is None:
-                    continue
+            if self.filtered_out(cls, value, options):
+                continue
             return shm.open_from_shm(value, self._recycled[worker]) if names else value
 
     def request_stats(self, worker: int) -> None:

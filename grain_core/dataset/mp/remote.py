@@ -38,7 +38,7 @@ from grain_core._ipc.pool import worker_jax_platforms
 from grain_core.dataset.base import IterDataset
 from grain_core.dataset.mp.dispatch import ClassFrontiers
 from grain_core.dataset.mp.positions import PositionReader, dispatch_obstacle
-from grain_core.dataset.options import DatasetOptions, FilterRatioChecker
+from grain_core.dataset.options import DatasetOptions
 from grain_core.dataset.prefetch import read_inline_while_cpu_bound
 from grain_core.options import MultiprocessingOptions
 from grain_core.plugins import WorkerBackend, WorkerGroup, WorkerJob, WorkerLostError
@@ -61,8 +61,6 @@ _TASK_TARGET_S = 0.02
 _TASKS_PER_WORKER = 2
 #: Weight of the newest task's CPU time per position in the running average.
 _TIME_WEIGHT = 0.3
-#: Elements between two filter-ratio checks of a class.
-_FILTER_CHECK_EVERY = 256
 _ELEMENT, _ERROR = 0, 1
 
 #: A task's result: the values in the task's order (None where an error is), the errors by
@@ -213,10 +211,6 @@ class BlockDispatcher(ClassFrontiers):
         self._started: list[int] = []
         self._task_size = 1  # positions per task: one until their cost is known
         self._cpu_per_position = 0.0
-        self._filter_counts = [[0, 0] for _ in range(n)]  # per class: seen, dropped
-        self._checkers = [
-            FilterRatioChecker(f"to_iter_dataset over {ds.map_parent!r}") for _ in range(n)
-        ]
         self._generation = 0
         self._restarted = False
         self._group: WorkerGroup | None = None
@@ -304,16 +298,8 @@ class BlockDispatcher(ClassFrontiers):
                 raise value
             del held[(cls, j)]
             self.frontier[cls] = j + 1
-            if not self._allow_nones:
-                counts = self._filter_counts[cls]
-                counts[0] += 1
-                if value is None:
-                    counts[1] += 1
-                if counts[0] == _FILTER_CHECK_EVERY:
-                    self._checkers[cls].record(counts[0], counts[1], options)
-                    counts[:] = [0, 0]
-                if value is None:
-                    continue
+            if self.filtered_out(cls, value, options):
+                continue
             return value
 
     def restore(self, cls: int, next_index: int) -> None:
