@@ -23,6 +23,7 @@ __all__ = [
     "derive_seed",
     "index_shuffle",
     "index_shuffle_array",
+    "index_shuffle_range",
     "reset_philox",
     "validate_seed",
 ]
@@ -376,11 +377,7 @@ def index_shuffle_array(
       ValueError: an argument is out of range (the first offending index is named).
     """
     values = np.asarray(indices)
-    max_index = operator.index(max_index)
-    rounds = operator.index(rounds)
-    seed = validate_seed(seed, "index_shuffle_array")
-    _check_rounds(rounds)
-    _check_max_index(max_index, 2**63)
+    max_index, seed, rounds = _checked_domain(max_index, seed, rounds, "index_shuffle_array")
     if values.dtype.kind not in "iu":
         raise TypeError(f"indices must be an integer array, got dtype {values.dtype}.")
     if values.size:
@@ -391,6 +388,56 @@ def index_shuffle_array(
                 f"index must be in [0, max_index] = [0, {max_index}], got {values.ravel()[position]} "
                 f"at position {position}."
             )
+    return _shuffle_array(values, max_index, seed, rounds)
+
+
+def index_shuffle_range(
+    start: int, stop: int, max_index: int, seed: int, rounds: int = 4
+) -> np.ndarray:
+    """``index_shuffle_array(np.arange(start, stop), ...)``, checked in constant time and, where
+    the permutation's table is built, a copy of a slice of it instead of a gather.
+
+    Args:
+      start: first value to permute, in ``[0, max_index]``.
+      stop: one past the last, in ``[start, max_index + 1]``.
+      max_index: largest value of the domain, in ``[0, 2**63)``.
+      seed: key, in ``[0, 2**32)``.
+      rounds: Feistel rounds, even, in ``[4, 1024]``.
+
+    Returns:
+      1-D int64 array of ``stop - start`` values.
+
+    Raises:
+      TypeError: a scalar argument is not an integer.
+      ValueError: an argument is out of range.
+    """
+    start, stop = operator.index(start), operator.index(stop)
+    max_index, seed, rounds = _checked_domain(max_index, seed, rounds, "index_shuffle_range")
+    if not 0 <= start <= stop <= max_index + 1:
+        raise ValueError(
+            f"start and stop must satisfy 0 <= start <= stop <= max_index + 1 = {max_index + 1}, "
+            f"got start={start}, stop={stop}."
+        )
+    if 0 < max_index < _TABLE_LIMIT:
+        return _permutation_table(max_index, seed, rounds)[start:stop].astype(np.int64)
+    if _TABLE_LIMIT <= max_index < _LARGE_TABLE_LIMIT:
+        table = _large_tables.get(max_index, seed, rounds, stop - start)
+        if table is not None:
+            return table[start:stop].astype(np.int64)
+    return _shuffle_array(np.arange(start, stop, dtype=np.int64), max_index, seed, rounds)
+
+
+def _checked_domain(max_index: int, seed: int, rounds: int, what: str) -> tuple[int, int, int]:
+    max_index = operator.index(max_index)
+    rounds = operator.index(rounds)
+    seed = validate_seed(seed, what)
+    _check_rounds(rounds)
+    _check_max_index(max_index, 2**63)
+    return max_index, seed, rounds
+
+
+def _shuffle_array(values: np.ndarray, max_index: int, seed: int, rounds: int) -> np.ndarray:
+    """``index_shuffle_array`` of checked arguments."""
     if max_index < _TABLE_LIMIT:
         if not max_index:
             return np.zeros(values.shape, dtype=np.int64)

@@ -115,6 +115,17 @@ def test_batch_epoch_boundaries_with_repeat_before_and_after():
     assert [b.tolist() for b in after] == [[0, 1, 2], [3, 4], [0, 1, 2], [3, 4]]
 
 
+@pytest.mark.parametrize("batch_size", [1, 3, 4])
+def test_map_batch_reads_of_many_batches_equal_single_reads(batch_size):
+    # Consecutive batches are read as one block of consecutive parent indices, batches across
+    # an epoch's end index by index: the same batches either way.
+    ds = grain.MapDataset.source({"x": np.arange(10) * 2}).seed(1).shuffle().batch(batch_size)
+    n = len(ds)
+    for indices in ([0, 1, 2], [n - 1, n, n + 1], [2 * n + 1, 2 * n + 2], [3, 1]):
+        got = ds._getitems(indices)
+        assert [b["x"].tolist() for b in got] == [ds[i]["x"].tolist() for i in indices]
+
+
 def test_custom_batch_fn_and_error_note():
     ds = MD.range(6).batch(2, batch_fn=lambda xs: sum(xs))
     assert list(ds) == [1, 5, 9]

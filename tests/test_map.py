@@ -201,6 +201,27 @@ def test_batched_map_gives_the_elements_of_the_element_map(
     _assert_same_tree(list(other), list(it))
 
 
+@pytest.mark.parametrize("options", [grain.ReadOptions(num_threads=0), grain.ReadOptions()])
+def test_batched_and_element_maps_have_the_same_state_at_every_position(options):
+    rng = np.random.default_rng(0)
+    source = {"image": rng.integers(0, 256, (300, 3, 3), dtype=np.uint8), "label": np.arange(300)}
+    base = grain.MapDataset.source(source).seed(5).shuffle().repeat(2)
+    paths = [base.map(_normalise, batched=True), base.map(_normalise)]
+    batched, element_wise = (iter(p.batch(16).to_iter_dataset(options)) for p in paths)
+    states = []
+    for _ in range(len(paths[0].batch(16))):
+        _assert_same_tree(next(batched), next(element_wise))
+        states.append(batched.get_state())
+        assert states[-1] == element_wise.get_state()
+    for position in (0, 1, 17, len(states) - 2):
+        for restored, reference in (paths, paths[::-1]):
+            it = iter(restored.batch(16).to_iter_dataset(options))
+            it.set_state(states[position])
+            expected = iter(reference.batch(16).to_iter_dataset(options))
+            expected.set_state(states[position])
+            _assert_same_tree(list(it), list(expected))
+
+
 def _assert_same_tree(a, b):
     from grain_core._tree import flatten
 

@@ -287,6 +287,30 @@ def test_one_block_in_flight_may_take_the_whole_read_ahead():
     assert max(sizes) == 64
 
 
+@pytest.mark.parametrize("options", READ_OPTIONS[1:3])
+def test_blocks_of_large_arrays_stay_under_the_block_bytes(options, monkeypatch):
+    # Elements of 64 KiB each: blocks of at most 4 (256 KiB) once the first block is read,
+    # whatever their cost; the elements and their order are the same.
+    monkeypatch.setattr(prefetch, "_BLOCK_BYTES", 256 << 10)
+    monkeypatch.setattr(prefetch, "_FAST_BLOCK_S", float("inf"))  # blocks grow at every read
+    sizes = []
+
+    class Source:
+        def __len__(self):
+            return 200
+
+        def __getitem__(self, i):
+            return {"x": np.full(8192, i, dtype=np.int64)}
+
+        def __getitems__(self, keys):
+            sizes.append(len(keys))
+            return [self[k] for k in keys]
+
+    out = list(MD.source(Source()).to_iter_dataset(options))
+    assert [int(e["x"][0]) for e in out] == list(range(200))
+    assert sizes[0] == 1 and max(sizes) == 4 and sum(sizes) == 200
+
+
 def test_reads_that_release_the_gil_run_in_parallel_threads():
     def io_like(x):
         time.sleep(0.002)
@@ -394,6 +418,20 @@ def test_read_concurrency_of_a_parent_measures_one_thread_for_cpu_bound_reads(ra
         values.append(controller.value)
     assert set(values) == {0, 1}  # both tried
     assert values[-100:].count(best) > 90  # the faster kept, tried again ever more rarely
+
+
+def test_read_concurrency_of_a_parent_tries_overlap_only_after_enough_windows():
+    # A probe that does not pay slows its window down: a run of fewer windows than
+    # _OVERLAP_PROBE_WAIT (one epoch of a small in-memory source) never pays for one.
+    controller, clock = _controller(8, overlaps_consumer=True)
+    _feed(controller, 1000, 1.0, prefetch._OVERLAP_PROBE_WAIT - 1, clock)
+    assert controller.value == 0
+    _feed(controller, 1000, 1.0, 1, clock)
+    assert controller.value == 1  # probing
+    _feed(controller, 1000, 1.0, 1, clock)
+    assert controller.value == 0  # no faster: undone
+    _feed(controller, 1000, 1.0, prefetch._OVERLAP_PROBE_WAIT - 1, clock)
+    assert controller.value == 0
 
 
 @given(

@@ -17,6 +17,7 @@ from grain_core.random import (
     derive_seed,
     index_shuffle,
     index_shuffle_array,
+    index_shuffle_range,
     reset_philox,
     validate_seed,
 )
@@ -200,6 +201,47 @@ def test_index_shuffle_array_keeps_shape_and_accepts_unsigned() -> None:
     assert index_shuffle_array(np.array([], dtype=np.int64), 11, 5).size == 0
 
 
+@settings(max_examples=40, deadline=None)
+@given(
+    max_index=st.one_of(
+        st.integers(0, 2**16 - 1), st.integers(2**16, 2**20 - 1), st.integers(2**20, 2**63 - 1)
+    ),
+    seed=st.integers(0, 2**32 - 1),
+    data=st.data(),
+)
+def test_index_shuffle_range_equals_the_array_of_its_range(
+    max_index: int, seed: int, data: st.DataObject
+) -> None:
+    # Small tables, large domains (walked, then a table) and larger ones (always walked).
+    start = data.draw(st.integers(0, max_index))
+    stop = data.draw(st.integers(start, min(max_index + 1, start + 300)))
+    got = index_shuffle_range(start, stop, max_index, seed)
+    assert got.dtype == np.int64 and got.shape == (stop - start,)
+    expected = index_shuffle_array(np.arange(start, stop, dtype=np.int64), max_index, seed)
+    assert got.tolist() == expected.tolist()
+
+
+def test_index_shuffle_range_from_a_large_table_is_a_copy() -> None:
+    tables = grain_random._LargeTables()
+    saved, grain_random._large_tables = grain_random._large_tables, tables
+    try:
+        length = 2**16 + 3
+        whole = index_shuffle_range(0, length, length - 1, 4)  # enough asked: table built
+        assert (length - 1, 4, 4) in tables._tables
+        part = index_shuffle_range(10, 20, length - 1, 4)
+    finally:
+        grain_random._large_tables = saved
+    assert _is_permutation(whole, length) and part.tolist() == whole[10:20].tolist()
+    part[:] = 0  # the caller's own array: the cached table is unchanged
+    assert index_shuffle_array(np.arange(10, 20), length - 1, 4).tolist() == whole[10:20].tolist()
+
+
+@pytest.mark.parametrize(("start", "stop"), [(-1, 3), (3, 2), (0, 11)])
+def test_index_shuffle_range_out_of_range(start: int, stop: int) -> None:
+    with pytest.raises(ValueError, match="start and stop must satisfy"):
+        index_shuffle_range(start, stop, 9, 1)
+
+
 def test_largest_domain_scalar() -> None:
     top = 2**64 - 1
     values = {index_shuffle(i, top, 9) for i in (0, 1, top)}
@@ -209,6 +251,7 @@ def test_largest_domain_scalar() -> None:
 def test_max_index_zero() -> None:
     assert index_shuffle(0, 0, 5) == 0
     assert index_shuffle_array(np.zeros(3, dtype=np.int64), 0, 5).tolist() == [0, 0, 0]
+    assert index_shuffle_range(0, 1, 0, 5).tolist() == [0]
 
 
 # ------------------------------------------------------------------ index_shuffle errors

@@ -46,3 +46,14 @@ def test_shuffle_holes_move_with_elements():
     ds = MD.range(20).filter(lambda x: x % 2 == 0).shuffle(seed=1)
     assert sorted(x for x in ds) == list(range(0, 20, 2))
     assert sum(ds[i] is None for i in range(20)) == 10
+
+
+@pytest.mark.parametrize("n", [7, 2**16 + 3, 2**20 + 3])
+def test_blocks_of_consecutive_indices_equal_single_reads(n):
+    # Blocks within an epoch are permuted as one slice, those across an epoch's end index by
+    # index; both are the elements read one at a time.
+    ds = MD.range(n).seed(9).shuffle()
+    for start, stop in [(0, 5), (n - 3, n), (n - 2, n + 3), (n + 1, n + 6), (3 * n - 1, 3 * n)]:
+        assert ds._getitems(range(start, stop)) == [ds[i] for i in range(start, stop)]
+    assert ds._getitems(range(4, 4)) == []
+    assert ds._getitems(range(0, 6, 2)) == [ds[i] for i in range(0, 6, 2)]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import itertools
 import operator
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -222,7 +223,11 @@ class BatchMapDataset(MapDataset[Any]):
             # One batched map call per batch: arrays of one batch stay in the CPU's caches,
             # where those of many batches at once would not (3x slower on 28x28 images).
             return [self._make(self._read(r)) for r in ranges]
-        flat = np.concatenate([np.arange(r.start, r.stop, dtype=np.int64) for r in ranges])
+        flat: Indices
+        if all(a.stop == b.start for a, b in itertools.pairwise(ranges)):
+            flat = range(ranges[0].start, ranges[-1].stop) if ranges else range(0)
+        else:  # the batches wrap around an epoch's end
+            flat = np.concatenate([np.arange(r.start, r.stop, dtype=np.int64) for r in ranges])
         values = self._read(flat)
         out = []
         pos = 0

@@ -47,6 +47,15 @@ class ShuffleMapDataset(MapDataset[Any]):
         n = self._len
         if n == 0:
             raise IndexError("Cannot read from an empty dataset.")
+        if isinstance(indices, range) and indices.step == 1 and len(indices):
+            # A block of consecutive indices (what to_iter_dataset and batch read): within one
+            # epoch it permutes with one slice of the permutation.
+            epoch, start = divmod(indices.start, n)
+            stop = start + len(indices)
+            if stop <= n:
+                seed = (self._seed + epoch) % _SEED_MODULUS
+                mapped = _random.index_shuffle_range(start, stop, n - 1, seed)
+                return self._parent._getitems(mapped + epoch * n if epoch else mapped)
         idx = np.asarray(indices, dtype=np.int64)
         if idx.size == 0:
             return []
