@@ -56,6 +56,7 @@ __all__ = [
     "read_bytes",
     "size",
     "version",
+    "version_of",
     "write_bytes",
 ]
 
@@ -331,10 +332,16 @@ def version(path: PathArg, storage_options: Mapping[str, Any] | None = None) -> 
         info = fs.info(fs_path)
         if info.get("type") == "directory":
             raise IsADirectoryError(f"{text} is a directory, not a file.")
-        # Everything the store reports (ETag, generation, modification time, ...) except the
-        # name: any change to the object changes one of them.
-        identity = repr(sorted((k, str(v)) for k, v in info.items() if k != "name"))
-        return int(info["size"]), identity
+        return version_of(info)
+
+
+def version_of(info: Mapping[str, Any]) -> tuple[int, str]:
+    """``(size, version)`` of a remote file from what its fsspec file system's ``info`` says
+    (as :func:`version`, for callers holding a file system instead of a URL)."""
+    # Everything the store reports (ETag, generation, modification time, ...) except the
+    # name: any change to the object changes one of them.
+    identity = repr(sorted((k, str(v)) for k, v in info.items() if k != "name"))
+    return int(info["size"]), identity
 
 
 def exists(path: PathArg, storage_options: Mapping[str, Any] | None = None) -> bool:

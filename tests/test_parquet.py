@@ -796,6 +796,30 @@ def test_remote_rows_are_fetched_ahead_in_windows_of_row_groups(remote_file: Any
     assert all(any(s <= i and ie <= e for s, e in fetched) for i, ie in ids)
 
 
+def test_remote_footer_is_read_once_per_dataset_until_the_file_changes(remote_file: Any) -> None:
+    fs, path = remote_file
+    opened: list[str] = []
+    real_open = fs._open
+
+    def counting_open(name: str, *args: Any, **kwargs: Any) -> Any:
+        opened.append(name)
+        return real_open(name, *args, **kwargs)
+
+    fs._open = counting_open
+    ds = ParquetIterDataset(path, ["id"], filesystem=fs)
+    opened.clear()
+    for _ in range(3):  # passes read the row groups' bytes only, by ranged reads
+        assert _ids(ds) == list(range(24))
+    assert opened == []
+    with fs.open(path, "wb") as f:  # other content at the same path: its footer is read
+        pq.write_table(_table(100, 124), f, row_group_size=2)
+    opened.clear()
+    assert _ids(ds) == list(range(100, 124))
+    assert len(opened) == 1
+    assert _ids(ds) == list(range(100, 124))
+    assert len(opened) == 1
+
+
 def _coalesced_all(path: str, fs: Any) -> list[tuple[int, int]]:
     return [r for c in ("id", "score", "text", "vec", "blob") for r in _chunk_ranges(path, fs, c)]
 
@@ -813,7 +837,7 @@ def test_remote_read_ahead_holds_at_most_its_budget(remote_file: Any) -> None:
         for g in range(12)
     ]
     budget = 4 * max(group_bytes)  # one row group per window, about 4 windows held
-    prefetcher = RowGroupPrefetcher(file, metadata, range(12), None, budget, {})
+    prefetcher = RowGroupPrefetcher(file, metadata, range(12), None, budget, {}, file.size())
     try:
         for pos in range(12):
             table = prefetcher.parquet_file(pos).read_row_group(pos)

@@ -29,6 +29,7 @@ import grain_core as grain  # noqa: E402
 from grain_core import cli, storage  # noqa: E402
 from grain_core.checkpoint import CheckpointHandler  # noqa: E402
 from grain_core.samplers import IndexSampler  # noqa: E402
+from grain_core.testing import check_iterator_conformance  # noqa: E402
 
 
 def _records(shard: int, count: int = 40) -> list[bytes]:
@@ -76,6 +77,27 @@ def test_tfrecord_stream_glob_and_checkpoint(s3: Any) -> None:
             w.write(record)
     packed = TFRecordIterDataset(f"{s3.url}/data/packed.tfrecord.gz", storage_options=s3.options)
     assert list(packed) == everything
+
+
+def test_tfrecord_next_file_downloads_while_one_is_read_and_restores_anywhere(s3: Any) -> None:
+    contents = _write_shards(f"{s3.url}/ahead", s3.options)
+    everything = [r for records in contents for r in records]
+    pattern = f"{s3.url}/ahead/train.tfrecord-*-of-00003"
+    it = iter(TFRecordIterDataset(pattern, storage_options=s3.options))
+    assert next(it) == everything[0]
+    # The interleave creates the next file's iterator on a thread as the first file opens;
+    # creating it reads the file's first bytes (here the whole small file), before its turn.
+    made_ahead = it._made_ahead[1].result()
+    size = storage.size(f"{s3.url}/ahead/train.tfrecord-00001-of-00003", s3.options)
+    assert len(made_ahead._reader._buf) == size
+    assert list(it) == everything[1:]
+    positions = [0, 1, 39, 40, 41, 79, 80, 81, 119, 120]
+    assert (
+        check_iterator_conformance(
+            lambda: TFRecordIterDataset(pattern, storage_options=s3.options), positions=positions
+        )
+        == everything
+    )
 
 
 def test_tfrecord_random_access_keeps_its_index_in_the_local_cache(s3: Any) -> None:

@@ -271,6 +271,24 @@ def test_runs_of_equal_lengths_read_exactly_across_chunks_and_blocks(
             assert check_iterator_conformance(ds, positions=positions) == records
 
 
+def test_restoring_within_a_file_moves_the_open_reader(tmp_path: Path) -> None:
+    # Any offset, before or after the bytes read, in a file read in small chunks: the reader
+    # seeks instead of being opened again, and the records from there are the file's.
+    records = _records(0, 200)
+    path = _write(tmp_path / "seek.tfrecord", records)
+    with mock.patch.object(grain_tfrecord._stream, "CHUNK_SIZE", 1000):
+        it = iter(TFRecordIterDataset(path))
+        states = [it.get_state()]
+        for _ in records:
+            next(it)
+            states.append(it.get_state())
+        reader = it._reader
+        for k in [150, 3, 0, 199, 200, 77, 78, 5]:
+            it.set_state(states[k])
+            assert it._reader is reader
+            assert list(itertools.islice(it, 4)) == records[k : k + 4]
+
+
 # Where a flipped bit lands in a frame (byte range; negative: from the end) and which check
 # must catch it.
 _DAMAGED_FIELDS = {

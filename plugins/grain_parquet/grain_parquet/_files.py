@@ -22,6 +22,7 @@ import pyarrow.parquet as pq
 from grain_core import storage
 
 __all__ = [
+    "FooterCache",
     "ParquetPath",
     "PathLike",
     "check_columns",
@@ -72,6 +73,24 @@ class ParquetPath:
     def is_remote(self) -> bool:
         """Whether the file is read through a filesystem other than the local disk."""
         return self.filesystem is not None
+
+    def version(self) -> tuple[int, str]:
+        """``(size, version)`` of the file; the version changes whenever its content does
+        (an fsspec file system's full ``info``: ETag, generation, ...; otherwise the
+        modification time).
+
+        Raises:
+          FileNotFoundError: If the file does not exist.
+        """
+        fs = self.filesystem
+        if isinstance(fs, pafs.PyFileSystem) and isinstance(fs.handler, pafs.FSSpecHandler):
+            return storage.version_of(fs.handler.fs.info(self.path))
+        if fs is None:
+            return storage.version(self.path)
+        info = fs.get_file_info(self.path)
+        if info.type == pafs.FileType.NotFound:
+            raise FileNotFoundError(f"Parquet file not found: {self.display}")
+        return int(info.size), str(info.mtime_ns)
 
     def read_ranges(self, ranges: Sequence[tuple[int, int]]) -> list[bytes]:
         """The bytes of ``ranges`` (``[start, end)`` pairs), each one ranged read; an fsspec
@@ -234,6 +253,41 @@ def open_parquet(
         if isinstance(err, FileNotFoundError) or not _exists(file):
             raise FileNotFoundError(f"Parquet file not found: {file.display}") from None
         raise ValueError(f"Cannot read Parquet file {file.display}: it {_diagnose(file)}.") from err
+
+
+class FooterCache:
+    """Footers of remote files, read once and kept while the file is unchanged.
+
+    A remote file's footer costs a request for its tail (and on some stores, as moto's, a copy
+    of the whole object on the server); every pass over the file needs it. Here each pass asks
+    only for the file's size and version (one metadata request, which the data reads need
+    anyway for the size) and reads the footer again only when they changed.
+    Shared by a dataset and its per-file and sliced copies; safe to use from several threads.
+    """
+
+    def __init__(self) -> None:
+        self._footers: dict[str, tuple[tuple[int, str], pq.FileMetaData]] = {}
+
+    def footer(
+        self, file: ParquetPath, read_kwargs: Mapping[str, Any]
+    ) -> tuple[pq.FileMetaData, int]:
+        """Returns the footer of the remote ``file`` and its size in bytes.
+
+        Raises:
+          FileNotFoundError: If the file does not exist.
+          ValueError: If it is not a readable Parquet file (see :func:`open_parquet`).
+        """
+        try:
+            version = file.version()
+        except FileNotFoundError:
+            raise FileNotFoundError(f"Parquet file not found: {file.display}") from None
+        cached = self._footers.get(file.path)
+        if cached is not None and cached[0] == version:
+            return cached[1], version[0]
+        with open_parquet(file, read_kwargs) as handle:
+            metadata = handle.metadata
+        self._footers[file.path] = (version, metadata)
+        return metadata, version[0]
 
 
 def read_error(

@@ -25,6 +25,7 @@ import pyarrow.parquet as pq
 from grain_core import DatasetIterator, IterDataset
 from grain_core.experimental import ElementBlock, InterleaveIterDataset
 from grain_parquet._files import (
+    FooterCache,
     ParquetPath,
     PathLike,
     check_columns,
@@ -113,13 +114,26 @@ class ParquetIterDataset(IterDataset[dict[str, Any]]):
         self._prefetch_bytes = prefetch_bytes
         self._read_kwargs = dict(read_kwargs)
         self._schema_file = self._files[0]
-        first = open_parquet(self._schema_file, self._read_kwargs)
-        self._schema = project_schema(first.schema_arrow, self._columns, self._schema_file)
+        self._footers = FooterCache()
+        metadata, schema = self._footer(self._schema_file)
+        self._schema = project_schema(schema, self._columns, self._schema_file)
         # Row groups read from a single file (all of them unless sliced for a worker).
         self._row_groups: tuple[int, ...] | None = (
-            tuple(range(first.num_row_groups)) if len(self._files) == 1 else None
+            tuple(range(metadata.num_row_groups)) if len(self._files) == 1 else None
         )
-        first.close()
+
+    def _footer(self, file: ParquetPath) -> tuple[pq.FileMetaData, pa.Schema]:
+        """The footer and the Arrow schema of ``file`` (whose row groups will be fetched
+        ahead: from the footer cache; otherwise read by opening the file)."""
+        if self._fetches_ahead(file):
+            metadata = self._footers.footer(file, self._read_kwargs)[0]
+            return metadata, metadata.schema.to_arrow_schema()
+        with open_parquet(file, self._read_kwargs) as handle:
+            return handle.metadata, handle.schema_arrow
+
+    def _fetches_ahead(self, file: ParquetPath) -> bool:
+        """Whether ``file``'s row groups are fetched ahead (remote, with a byte budget)."""
+        return file.is_remote and self._prefetch_bytes > 0
 
     @property
     def paths(self) -> tuple[str, ...]:
@@ -190,11 +204,17 @@ class _ParquetFileIterator(DatasetIterator[dict[str, Any]]):
     def __init__(self, ds: ParquetIterDataset) -> None:
         super().__init__()
         self._file = ds._files[0]
-        pf = open_parquet(self._file, ds._read_kwargs)
-        self._pf: pq.ParquetFile | None = pf
+        self._pf: pq.ParquetFile | None = None
+        if ds._fetches_ahead(self._file):
+            # Row groups come from the prefetcher: the file is not opened, and its footer is
+            # read once per dataset (see FooterCache).
+            metadata, file_size = ds._footers.footer(self._file, ds._read_kwargs)
+            schema = metadata.schema.to_arrow_schema()
+        else:
+            self._pf = open_parquet(self._file, ds._read_kwargs)
+            metadata, schema = self._pf.metadata, self._pf.schema_arrow
         if self._file != ds._schema_file:
-            check_same_schema(ds._schema, ds._schema_file, pf.schema_arrow, self._file, ds._columns)
-        metadata = pf.metadata
+            check_same_schema(ds._schema, ds._schema_file, schema, self._file, ds._columns)
         self._num_row_groups = metadata.num_row_groups
         self._row_groups = (
             ds._row_groups if ds._row_groups is not None else tuple(range(self._num_row_groups))
@@ -216,8 +236,9 @@ class _ParquetFileIterator(DatasetIterator[dict[str, Any]]):
                 self._columns,
                 ds._prefetch_bytes,
                 self._read_kwargs,
+                file_size,
             )
-            if self._file.is_remote and ds._prefetch_bytes
+            if self._pf is None
             else None
         )
         self._reading = 0  # the position (into _row_groups) of the row group being decoded
@@ -239,11 +260,10 @@ class _ParquetFileIterator(DatasetIterator[dict[str, Any]]):
 
     def _record_batches(self, pos: int, skip: int) -> Iterator[tuple[int, int, list[np.ndarray]]]:
         """Yields ``(pos, first row, columns)`` per record batch from row ``skip`` of ``pos``."""
-        assert self._pf is not None
         for p in range(pos, len(self._row_groups)):
             self._reading = p
             start = 0
-            handle = self._pf if self._prefetcher is None else self._prefetcher.parquet_file(p)
+            handle = self._pf or self._prefetcher.parquet_file(p)  # type: ignore[union-attr]
             batches = handle.iter_batches(
                 batch_size=self._read_batch_size,
                 row_groups=[self._row_groups[p]],

@@ -51,6 +51,7 @@ class RowGroupPrefetcher:
       budget: Bound of the bytes held: fetched or in flight and not yet consumed; one window
         is always allowed, however large.
       read_kwargs: ``ParquetFile`` options for decoding.
+      file_size: The file's size in bytes.
     """
 
     def __init__(
@@ -61,8 +62,10 @@ class RowGroupPrefetcher:
         columns: Sequence[str] | None,
         budget: int,
         read_kwargs: dict[str, Any],
+        file_size: int,
     ) -> None:
         self._file = file
+        self._file_size = file_size
         self._metadata = metadata
         self._read_kwargs = {**read_kwargs, "pre_buffer": False}
         ranges = [_column_chunk_ranges(metadata, g, columns) for g in row_groups]
@@ -114,7 +117,8 @@ class RowGroupPrefetcher:
             self._next += 1
 
     def _fetch(self, ranges: list[tuple[int, int]]) -> _FetchedBytes:
-        return _FetchedBytes(self._file, ranges, self._file.read_ranges(ranges))
+        data = self._file.read_ranges(ranges)
+        return _FetchedBytes(self._file, self._file_size, ranges, data)
 
     def _release(self, window: int) -> None:
         self._fetching.pop(window).cancel()
@@ -187,14 +191,18 @@ class _FetchedBytes(io.RawIOBase):
     """
 
     def __init__(
-        self, file: ParquetPath, ranges: list[tuple[int, int]], data: Sequence[bytes]
+        self,
+        file: ParquetPath,
+        size: int,
+        ranges: list[tuple[int, int]],
+        data: Sequence[bytes],
     ) -> None:
         super().__init__()
         self._file = file
+        self._size = size
         self._starts = [start for start, _ in ranges]
         self._ranges = ranges
         self._data = list(data)
-        self._size: int | None = None
         self._position = 0
 
     def readable(self) -> bool:
@@ -212,19 +220,14 @@ class _FetchedBytes(io.RawIOBase):
         elif whence == io.SEEK_CUR:
             self._position += offset
         else:
-            self._position = self._file_size() + offset
+            self._position = self._size + offset
         return self._position
-
-    def _file_size(self) -> int:
-        if self._size is None:
-            self._size = self._file.size()
-        return self._size
 
     def read(self, size: int = -1) -> Any:
         """``size`` bytes from the position, as a view of the fetched bytes where held."""
         start = self._position
         if size < 0:
-            size = self._file_size() - start
+            size = self._size - start
         index = bisect.bisect_right(self._starts, start) - 1
         if index >= 0 and start + size <= self._ranges[index][1]:
             offset = start - self._starts[index]

@@ -156,6 +156,10 @@ class TFRecordFileIterator(DatasetIterator[bytes]):
         self._reader = FrameReader(
             self._path, self._compression, self._verify, offset, self._storage_options
         )
+        self._start_block_at(offset)
+
+    def _start_block_at(self, offset: int) -> None:
+        """Makes the next record the one at ``offset``, where the reader now is."""
         self._block = Block([], offset, None)
         # An iterator over the block's records: its length hint tells how many are left.
         self._records = iter(self._block.records)
@@ -224,6 +228,8 @@ class TFRecordFileIterator(DatasetIterator[bytes]):
         if taken == 0 or taken <= len(block.ends) and block.ends[taken - 1] == offset:
             self._records = iter(block.records)
             self._records.__setstate__(taken)  # type: ignore[attr-defined]
+        elif self._reader is not None and self._reader.seek(offset):
+            self._start_block_at(offset)
         else:
             self._open_at(offset)
 

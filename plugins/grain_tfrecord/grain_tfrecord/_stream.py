@@ -19,7 +19,7 @@ import os
 import struct
 import zlib
 from collections.abc import Mapping
-from typing import Any, Final, Protocol
+from typing import Any, BinaryIO, Final, Protocol, cast
 
 import crc32c
 import numpy as np
@@ -234,13 +234,41 @@ class FrameReader:
         self._verify = verify_crc
         self._stream = open_stream(path, compression, offset, storage_options)
         # Bounds what a garbage length may make us read (unknown for compressed files).
-        self._unread = None if compression else max(self._stream_size(path) - offset, 0)
+        self._size = None if compression else self._stream_size(path)
+        self._unread = None if self._size is None else max(self._size - offset, 0)
         self._at_end = False
         self._buf = b""  # the bytes read and not yet parsed start at self._buf[self._pos]
         self._pos = 0
         self._offset = offset  # stream offset of self._buf[self._pos]
         self._header_crcs: dict[int, int] = {}
         self._run_layouts: dict[tuple[int, int], struct.Struct] = {}
+        # The first chunk is read now, not on the first ``read_block``: a reader created ahead
+        # of its turn (the interleave over several files creates the next file's iterator on a
+        # thread) then downloads its first block (``storage.READ_AHEAD_BYTES`` of a remote
+        # file) while the file before it is parsed.
+        self._fill(CHUNK_SIZE)
+
+    def seek(self, offset: int) -> bool:
+        """Moves to the frame at stream ``offset`` without opening the file again: within the
+        bytes read when they hold it, otherwise by seeking the stream (a remote file's blocks
+        already fetched are not fetched again).
+
+        Returns:
+          False for a compressed stream, which cannot seek: open a new reader at ``offset``.
+        """
+        if self._size is None:
+            return False
+        if self._offset <= offset <= self._offset + len(self._buf) - self._pos:
+            self._pos += offset - self._offset
+        else:
+            # Uncompressed: the stream is the file itself (see open_stream).
+            cast(BinaryIO, self._stream).seek(offset)
+            self._buf = b""
+            self._pos = 0
+            self._unread = max(self._size - offset, 0)
+            self._at_end = False
+        self._offset = offset
+        return True
 
     def _stream_size(self, path: str) -> int:
         # An fsspec file knows its size from opening; a local file is asked.
