@@ -7,11 +7,13 @@ parsing, overlap of transfer with work), not a network.
 
 * ``tfrecord_s3_full_pass``: ``TFRecordIterDataset`` over 4 files of 16 MiB in the bucket,
   both CRCs checked; elements are bytes (so elements/s is bytes/s). Baseline: a plain GET of
-  the same objects (``cat_file``, one request each) — target: grain_core >= 0.8x.
+  the same objects (s3fs ``cat_file``: a HEAD and a GET each, the requests the stream makes
+  too) — target: grain_core >= 0.8x.
 * ``parquet_s3_full_pass``: ``ParquetIterDataset`` (column batches of 65,536 rows) over one
   32 MiB file of 16 row groups in the bucket, row groups fetched ahead concurrently
-  (``prefetch_bytes``); elements are the file's bytes. Baseline: a plain GET of the object —
-  target: grain_core >= 0.8x.
+  (``prefetch_bytes``), the footer read once per dataset; elements are the file's bytes.
+  Baseline: a plain GET of the object (a HEAD and a GET; a pass makes a HEAD and one ranged
+  GET per window) — target: grain_core >= 0.8x.
 * ``arrayrecord_s3_cached_shuffled``: ``ArrayRecordDataSource`` over 8 objects of 4 MiB
   (1 KiB records) read through a warm ``ShardCache``, all records in shuffled batches of 256.
   Baseline: the same reads of the same files on local disk — target: >= 0.8x.
