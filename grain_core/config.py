@@ -35,11 +35,20 @@ _DEFAULTS: dict[str, Any] = {
     # grain_core's own: mp_prefetch over to_iter_dataset() hands positions to free workers
     # (grain_core.dataset.mp.dispatch). False: each worker computes its fixed strided share.
     "py_mp_prefetch_dispatch": True,
+    # grain_core's own: whether a dispatched mp_prefetch pipeline may run in the parent
+    # process (grain_core.dataset.mp.in_process). "auto": when its first results show that
+    # workers would not deliver faster (opt-in: its thresholds are not yet tuned on a loaded
+    # machine); "never": always in workers; "always": never in workers (same output and
+    # checkpoints either way).
+    "py_mp_prefetch_in_process": "never",
     # grain_core's own: worker processes copy arrays of at least this many bytes with
     # streaming (non-temporal) stores (glibc on x86); 0 leaves glibc's choice. Read when the
     # workers' forkserver starts (grain_core._ipc.pool).
     "py_mp_worker_streaming_copy_bytes": 2 * 1024 * 1024,
 }
+
+#: Values of ``py_mp_prefetch_in_process``.
+_IN_PROCESS_MODES = ("auto", "never", "always")
 
 #: The smallest threshold glibc accepts for ``x86_non_temporal_threshold``.
 _MIN_STREAMING_COPY_BYTES = 0x4040
@@ -101,6 +110,10 @@ def _checked(name: str, value: Any) -> Any:
         _check_output_dir(value)
     elif name == "py_mp_prefetch_dispatch" and value not in (False, True):
         raise ValueError(f"py_mp_prefetch_dispatch must be a bool, got {value!r}.")
+    elif name == "py_mp_prefetch_in_process" and value not in _IN_PROCESS_MODES:
+        raise ValueError(
+            f"py_mp_prefetch_in_process must be one of {_IN_PROCESS_MODES}, got {value!r}."
+        )
     elif name == "py_mp_worker_streaming_copy_bytes" and (
         not isinstance(value, int)
         or isinstance(value, bool)

@@ -131,6 +131,13 @@ def _check_dispatch(cfg: Config, monkeypatch: pytest.MonkeyPatch) -> None:
     assert not mp_dispatch.dispatchable(ds, 2, False)
 
 
+def _check_in_process(cfg: Config, monkeypatch: pytest.MonkeyPatch) -> None:
+    cfg.update("py_mp_prefetch_in_process", "always")
+    assert cfg.py_mp_prefetch_in_process == "always"
+    with pytest.raises(ValueError, match="py_mp_prefetch_in_process"):
+        cfg.update("py_mp_prefetch_in_process", True)
+
+
 def _check_streaming_copy(cfg: Config, monkeypatch: pytest.MonkeyPatch) -> None:
     from grain_core._ipc import pool
 
@@ -148,6 +155,7 @@ _OPTION_CHECKS = {
     "py_traceback_filtering": _check_traceback_filtering,
     "py_relay_sigterm_to_main": _check_relay_sigterm,
     "py_mp_prefetch_dispatch": _check_dispatch,
+    "py_mp_prefetch_in_process": _check_in_process,
     "py_mp_worker_streaming_copy_bytes": _check_streaming_copy,
 }
 

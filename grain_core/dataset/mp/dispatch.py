@@ -58,6 +58,7 @@ from grain_core._ipc.errors import UnreadableElementError, WorkerDiedError, remo
 from grain_core._ipc.pool import STOP_TIMEOUT_S, StallWatch, WorkerPool
 from grain_core.config import config
 from grain_core.dataset.base import DatasetIterator, IterDataset
+from grain_core.dataset.mp.in_process import InProcessReader, WorkerPayoff
 from grain_core.dataset.mp.pickling import FIXED_SIZE_TYPES, dumps_message
 from grain_core.dataset.mp.positions import ClassBatchesMapDataset, PositionReader, dispatch_view
 from grain_core.dataset.mp.protocol import (
@@ -306,6 +307,7 @@ class ClassFrontiers:
         self._count = n = mp_ds.num_workers
         view = dispatch_view(mp_ds._parents[0], n)
         assert view is not None, "mp_prefetch dispatches only pipelines with a view"
+        self._dispatch_view = view
         self._view = ds = view.reader
         # Batches of each worker's share: states count elements, as under strict rotation.
         self._batches = ds.map_parent if type(ds.map_parent) is ClassBatchesMapDataset else None
@@ -422,6 +424,10 @@ class PositionDispatcher(ClassFrontiers):
         self._open_iterators = 0
         # The position the consumer waits for and since when (``time.monotonic()``).
         self._waiting: tuple[tuple[int, int] | None, float] = (None, 0.0)
+        # Results computed in this process instead (``in_process``), and while that is on
+        # trial, what decides whether workers take over.
+        self._in_process: InProcessReader | None = None
+        self._payoff: WorkerPayoff | None = None
 
     # ------------------------------------------------------------------- consumer side
     def register(self, cls: int, iterator: DatasetIterator[Any]) -> None:
@@ -433,7 +439,17 @@ class PositionDispatcher(ClassFrontiers):
     def unregister(self) -> None:
         """A registered iterator was closed; the last one stops the workers."""
         self._open_iterators -= 1
-        if self._open_iterators == 0 and self._finalizer is not None:
+        if self._open_iterators > 0:
+            return
+        self._payoff = None
+        if self._in_process is not None:
+            self._in_process.close()
+            self._in_process = None
+        self._stop_workers()
+
+    def _stop_workers(self) -> None:
+        """Stops the workers, if they run, and drops the results they sent ahead."""
+        if self._finalizer is not None:
             self._receive_last_stats()
             self._finalizer()  # the workers' blocks go with them
             self._finalizer = self._pool = None
@@ -441,9 +457,21 @@ class PositionDispatcher(ClassFrontiers):
             self._recycled = [shm.RecycledBlocks() for _ in range(self._count)]
 
     def start(self, options: DatasetOptions) -> None:
-        """Starts the workers, unless they are running, and gives them their first runs."""
-        if self._pool is not None:
+        """Starts computing results: in this process first unless
+        ``config.py_mp_prefetch_in_process`` is ``"never"`` (``"auto"``: until what they cost
+        shows whether workers pay off, ``in_process.WorkerPayoff``), else in the workers."""
+        if self._pool is not None or self._in_process is not None:
             return
+        mode = config.py_mp_prefetch_in_process
+        if mode == "never":
+            self._start_workers(options)
+            return
+        self._in_process = InProcessReader(self._dispatch_view, options)
+        if mode == "auto":
+            self._payoff = WorkerPayoff(self._count, sum(self.lengths) - sum(self.frontier))
+
+    def _start_workers(self, options: DatasetOptions) -> None:
+        """Starts the workers and gives them their first runs from the consumer's positions."""
         mp_ds = self._mp_ds
         dataset, init_fn = mp_ds.payload()
         plugins = loaded_plugin_names()
@@ -487,10 +515,25 @@ class PositionDispatcher(ClassFrontiers):
             raise self.error
         if self._pool is None:
             self.start(options)
+            if self._in_process is not None:
+                return self._next_in_process(cls, options)
         else:
             # Results held ahead of the consumer are the parent's too: a forked child that
             # reads them would go on from the parent's position with no worker behind it.
             self._pool.check_owner()
+        if self._payoff is None:
+            return self._next_from_workers(cls, options)
+        start = time.perf_counter()
+        value = self._next_from_workers(cls, options)
+        if not self._payoff.delivered(time.perf_counter() - start):
+            # Workers deliver more slowly than this process computes: it takes over again.
+            self._payoff = None
+            self._stop_workers()
+            self._in_process = InProcessReader(self._dispatch_view, options)
+        return value
+
+    def _next_from_workers(self, cls: int, options: DatasetOptions) -> Any:
+        """``next_of`` once the workers run."""
         held = self._held
         while True:
             j = self.frontier[cls]
@@ -516,6 +559,38 @@ class PositionDispatcher(ClassFrontiers):
             if self.filtered_out(cls, value, options):
                 continue
             return shm.open_from_shm(value, self._recycled[worker]) if names else value
+
+    def _next_in_process(self, cls: int, options: DatasetOptions) -> Any:
+        """The next element of class ``cls``, computed in this process; on trial
+        (``WorkerPayoff``), the workers take over after it if they pay off.
+
+        Raises:
+          StopIteration: The class is exhausted.
+          Exception: What computing the element raised (again on every call until the class
+            is restored to another position).
+        """
+        reader = self._in_process
+        assert reader is not None
+        while True:
+            j = self.frontier[cls]
+            if j >= self.lengths[cls]:
+                self._ended[cls] = True
+                raise StopIteration
+            start = time.perf_counter()
+            value = reader.read(cls + j * self._count)
+            self.frontier[cls] = j + 1
+            if self._payoff is not None:
+                workers = self._payoff.record(time.perf_counter() - start, value)
+                if workers is False:
+                    self._payoff = None
+                elif workers:  # the payoff goes on watching what they deliver
+                    reader.close()
+                    self._in_process = None
+                    self._start_workers(options)
+            if not self.filtered_out(cls, value, options):
+                return value
+            if self._in_process is None:
+                return self.next_of(cls, options)
 
     def request_stats(self, worker: int) -> None:
         """Asks ``worker`` for its stage statistics (``stats.refresh_worker_stages``)."""

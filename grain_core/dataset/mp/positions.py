@@ -45,6 +45,7 @@ __all__ = [
     "PositionReader",
     "dispatch_obstacle",
     "dispatch_view",
+    "read_steps",
 ]
 
 
@@ -395,9 +396,7 @@ class PositionReader:
         )
         self.iterator = it = iter(reader)
         #: What ``next`` reads from: the reader, then the steps (a stage of their own).
-        self.pipeline: DatasetIterator[Any] = (
-            it if self._steps is None else _StepsIterator(it, self._steps)
-        )
+        self.pipeline = read_steps(it, self._steps)
         # One context for the whole pipeline, set once it is built.
         self.pipeline._ctx.mp_context = self._context
         if self._options is not None:
@@ -440,6 +439,14 @@ class PositionReader:
 
     def close(self) -> None:
         self.pipeline.close()
+
+
+def read_steps(
+    reader: DatasetIterator[Any], steps: _StepsAfterReading | None
+) -> DatasetIterator[Any]:
+    """What a dispatched pipeline's results are read from: ``reader`` (of a
+    ``DispatchView``'s positions), then the view's ``steps`` (a stage of their own)."""
+    return reader if steps is None else _StepsIterator(reader, steps)
 
 
 class _StepsIterator(DatasetIterator[Any]):
