@@ -37,7 +37,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from collections.abc import Callable, Container, Mapping, Sequence
+from collections.abc import Callable, Container, Iterable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -704,9 +704,7 @@ def _compiled_int64_list() -> Callable[[bytes], np.ndarray | None] | None:
 
 
 @functools.cache
-def _compiled_example() -> (
-    Callable[[bytes, Container[str] | None], dict[str, Parsed] | None] | None
-):
+def _compiled_example() -> Callable[[bytes, Iterable[str] | None], dict[str, Parsed] | None] | None:
     """The protobuf runtime's compiled parser of a whole Example, giving the codec's parsed
     features, or None where protobuf is absent or pure Python. The parser returns None for a
     record protobuf refuses: the codec's own parser then finds the fault and names it."""
@@ -716,7 +714,7 @@ def _compiled_example() -> (
     from_string, decode_error = compiled
     int64, float32, fromiter_max = np.int64, np.float32, _FROMITER_MAX_VALUES
 
-    def parse(data: bytes, wanted: Container[str] | None) -> dict[str, Parsed] | None:
+    def parse(data: bytes, wanted: Iterable[str] | None) -> dict[str, Parsed] | None:
         try:
             feature_map = from_string(data).features.feature
         except decode_error:
