@@ -83,10 +83,10 @@ class ParquetPath:
           FileNotFoundError: If the file does not exist.
         """
         fs = self.filesystem
-        if isinstance(fs, pafs.PyFileSystem) and isinstance(fs.handler, pafs.FSSpecHandler):
-            return storage.version_of(fs.handler.fs.info(self.path))
         if fs is None:
             return storage.version(self.path)
+        if isinstance(fs, pafs.PyFileSystem) and isinstance(fs.handler, pafs.FSSpecHandler):
+            return storage.version_of(fs.handler.fs.info(self.path))
         info = fs.get_file_info(self.path)
         if info.type == pafs.FileType.NotFound:
             raise FileNotFoundError(f"Parquet file not found: {self.display}")

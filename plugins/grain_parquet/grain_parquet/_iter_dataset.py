@@ -205,14 +205,20 @@ class _ParquetFileIterator(DatasetIterator[dict[str, Any]]):
         super().__init__()
         self._file = ds._files[0]
         self._pf: pq.ParquetFile | None = None
-        if ds._fetches_ahead(self._file):
-            # Row groups come from the prefetcher: the file is not opened, and its footer is
-            # read once per dataset (see FooterCache).
-            metadata, file_size = ds._footers.footer(self._file, ds._read_kwargs)
+        # Row groups fetched ahead come from the prefetcher: the file is not opened, and its
+        # footer is read once per dataset (see FooterCache).
+        footer = (
+            ds._footers.footer(self._file, ds._read_kwargs)
+            if ds._fetches_ahead(self._file)
+            else None
+        )
+        if footer is not None:
+            metadata = footer[0]
             schema = metadata.schema.to_arrow_schema()
         else:
-            self._pf = open_parquet(self._file, ds._read_kwargs)
-            metadata, schema = self._pf.metadata, self._pf.schema_arrow
+            pf = open_parquet(self._file, ds._read_kwargs)
+            self._pf = pf
+            metadata, schema = pf.metadata, pf.schema_arrow
         if self._file != ds._schema_file:
             check_same_schema(ds._schema, ds._schema_file, schema, self._file, ds._columns)
         self._num_row_groups = metadata.num_row_groups
@@ -236,9 +242,9 @@ class _ParquetFileIterator(DatasetIterator[dict[str, Any]]):
                 self._columns,
                 ds._prefetch_bytes,
                 self._read_kwargs,
-                file_size,
+                footer[1],
             )
-            if self._pf is None
+            if footer is not None
             else None
         )
         self._reading = 0  # the position (into _row_groups) of the row group being decoded
