@@ -80,25 +80,42 @@ def test_long_integer_lists_decode_vectorised() -> None:
     np.testing.assert_array_equal(decode_example(encode_example({"v": values}))["v"], values)
 
 
-@pytest.mark.parametrize("compiled", [True, False], ids=["protobuf-parser", "numpy"])
-def test_long_integer_lists_decode_the_same_with_or_without_protobuf(
-    compiled: bool, monkeypatch: pytest.MonkeyPatch
-) -> None:
+# Where protobuf's compiled runtime is installed the codec parses a whole Example with it;
+# the codec's own framing (with protobuf's Int64List parser, or with none) reads SequenceExamples,
+# records protobuf refuses, and everything where protobuf is absent: each path is tested.
+DECODERS = ["protobuf-example", "own-framing", "own-parser"]
+
+
+@contextlib.contextmanager
+def _decoded_by(decoder: str) -> Iterator[None]:
     from grain_tfrecord import _example as codec
 
-    if compiled:
+    if decoder == "protobuf-example":
         pytest.importorskip("google.protobuf")
-        assert codec._compiled_int64_list() is not None
-    else:
-        monkeypatch.setattr(codec, "_compiled_int64_list", lambda: None)
+        assert codec._compiled_example() is not None
+        yield
+        return
+    with contextlib.ExitStack() as patches:
+        patches.enter_context(mock.patch.object(codec, "_compiled_example", lambda: None))
+        if decoder == "own-framing":
+            pytest.importorskip("google.protobuf")
+            assert codec._compiled_int64_list() is not None
+        else:
+            patches.enter_context(mock.patch.object(codec, "_compiled_int64_list", lambda: None))
+        yield
+
+
+@pytest.mark.parametrize("decoder", DECODERS)
+def test_long_integer_lists_decode_the_same_with_or_without_protobuf(decoder: str) -> None:
     values = np.random.default_rng(1).integers(-(1 << 40), 1 << 40, 300, dtype=np.int64)
-    np.testing.assert_array_equal(decode_example(encode_example({"v": values}))["v"], values)
     # 40 two-byte varints, one 11-byte varint: longer than protobuf allows.
     packed = b"\x80\x01" * 40 + b"\xff" * 10 + b"\x01"
     int64_list = b"\x0a" + bytes([len(packed)]) + packed
     feature = b"\x1a" + bytes([len(int64_list)]) + int64_list
-    with pytest.raises(ExampleDecodeError, match="feature 'v'.*longer than 10 bytes"):
-        decode_example(_example(_entry(b"v", feature)))
+    with _decoded_by(decoder):
+        np.testing.assert_array_equal(decode_example(encode_example({"v": values}))["v"], values)
+        with pytest.raises(ExampleDecodeError, match="feature 'v'.*longer than 10 bytes"):
+            decode_example(_example(_entry(b"v", feature)))
 
 
 def test_encoder_errors_name_the_feature() -> None:
@@ -412,7 +429,13 @@ def _wire_example(draw: st.DrawFn) -> bytes:
         return b"".join(draw(st.permutations(parts)) if not canonical else parts)
 
     def int64_list() -> bytes:
-        values = draw(st.lists(st.integers(INT64_MIN, INT64_MAX), max_size=6))
+        # Short lists, and long ones past the codec's switch to NumPy conversion and its
+        # one-byte-run path.
+        values = draw(
+            st.lists(st.integers(INT64_MIN, INT64_MAX), max_size=6)
+            | st.lists(st.integers(INT64_MIN, INT64_MAX), min_size=48, max_size=64)
+            | st.lists(st.integers(0, 127), min_size=48, max_size=64)
+        )
         chunks, i = [], 0
         while i < len(values):
             size = draw(st.integers(1, len(values) - i)) if not canonical else len(values)
@@ -425,7 +448,10 @@ def _wire_example(draw: st.DrawFn) -> bytes:
         return b"".join(chunks) + unknowns()
 
     def float_list() -> bytes:
-        values = draw(st.lists(st.binary(min_size=4, max_size=4), max_size=6))
+        values = draw(
+            st.lists(st.binary(min_size=4, max_size=4), max_size=6)
+            | st.lists(st.binary(min_size=4, max_size=4), min_size=48, max_size=64)
+        )
         if canonical or draw(st.booleans()):
             return (field(1, 2, b"".join(values)) if values else b"") + unknowns()
         return b"".join(field(1, 5, v) for v in values) + unknowns()
@@ -492,37 +518,20 @@ def _assert_agrees_with_protobuf(pb, data: bytes) -> None:  # type: ignore[no-un
         _assert_features_equal(dict(sorted(actual.items())), dict(sorted(expected.items())))
 
 
-@contextlib.contextmanager
-def _int64_lists_decoded_by(decoder: str) -> Iterator[None]:
-    """int64 lists decoded by the protobuf runtime's C parser (the codec's choice where it is
-    installed) or by the codec's own parser (its choice without protobuf)."""
-    from grain_tfrecord import _example as codec
-
-    if decoder == "protobuf-parser":
-        assert codec._compiled_int64_list() is not None
-        yield
-    else:
-        with mock.patch.object(codec, "_compiled_int64_list", lambda: None):
-            yield
-
-
-INT64_DECODERS = pytest.mark.parametrize("int64_decoder", ["protobuf-parser", "own-parser"])
-
-
-@INT64_DECODERS
+@pytest.mark.parametrize("decoder", DECODERS)
 @settings(max_examples=400)
 @given(data=_wire_example())
-def test_fuzz_decoding_agrees_with_the_protobuf_runtime(int64_decoder: str, data: bytes) -> None:
+def test_fuzz_decoding_agrees_with_the_protobuf_runtime(decoder: str, data: bytes) -> None:
     pb = _proto()
-    with _int64_lists_decoded_by(int64_decoder):
+    with _decoded_by(decoder):
         _assert_agrees_with_protobuf(pb, data)
 
 
-@INT64_DECODERS
+@pytest.mark.parametrize("decoder", DECODERS)
 @settings(max_examples=200)
 @given(data=_wire_example(), draw=st.data())
 def test_fuzz_damaged_messages_agree_with_the_protobuf_runtime(
-    int64_decoder: str, data: bytes, draw: st.DataObject
+    decoder: str, data: bytes, draw: st.DataObject
 ) -> None:
     """Cut short, a byte changed or inserted: protobuf and the codec still agree."""
     pb = _proto()
@@ -537,5 +546,5 @@ def test_fuzz_damaged_messages_agree_with_the_protobuf_runtime(
             damaged[at] = byte
         else:
             damaged.insert(at, byte)
-    with _int64_lists_decoded_by(int64_decoder):
+    with _decoded_by(decoder):
         _assert_agrees_with_protobuf(pb, bytes(damaged))

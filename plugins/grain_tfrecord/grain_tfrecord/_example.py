@@ -12,17 +12,18 @@ A small codec of the protobuf wire format of the published schema::
     BytesList { repeated bytes value = 1; }   FloatList { repeated float value = 1; }
     Int64List { repeated int64 value = 1; }
 
-Float lists decode with one ``np.frombuffer``. Integer lists, whose varints a Python loop
-reads slowly, go to the protobuf runtime's C parser where it is installed (``upb`` or
-``cpp``), from one value up, except a packed run of one-byte values, which NumPy reads
-directly; without protobuf, short lists decode in a Python loop and long ones with NumPy.
-Where protobuf refuses an integer list, the codec's own parser reads it again to name the
-fault and the feature. Measured per record against the protobuf runtime (published schema,
-then the conversion to NumPy; ``benchmarks/bench_example.py``), the codec is faster on
-Examples of scalars, of short integer lists and of long float lists, and on par with it on
-long integer lists (the same C parse and conversion, plus the codec's framing in Python);
-it needs no protobuf and names the feature in its errors. For a batch of records,
-:func:`grain_tfrecord.parse_example_batch` is several times faster still.
+Where the protobuf runtime's compiled parser is installed (``upb`` or ``cpp``), an Example
+is parsed whole by it and each list converted to NumPy once; a record protobuf refuses goes
+to the codec's own parser, which names the fault and the feature. The own parser (used
+without protobuf, for SequenceExamples, and for those refused records) decodes float lists
+with one ``np.frombuffer``; integer lists, whose varints a Python loop reads slowly, go to
+protobuf's C parser of an ``Int64List`` where installed, except a packed run of one-byte
+values, which NumPy reads directly; without protobuf, short lists decode in a Python loop
+and long ones with NumPy. Measured per record against the protobuf runtime (published
+schema, then the conversion to NumPy; ``benchmarks/bench_example.py``), the codec is faster
+on Examples of scalars and of lists and on par on long integer and float lists (the same C
+parse and conversion); for a batch of records, :func:`grain_tfrecord.parse_example_batch`
+is several times faster still.
 
 It decodes as the protobuf runtime does, which a differential fuzz test checks: packed and
 unpacked encodings, over-long varints, unknown fields of every wire type skipped (groups
@@ -216,7 +217,9 @@ def decode_example(
     Args:
       data: The serialized message (a TFRecord record).
       features: Optional spec: only these features are returned, in this order, checked and
-        shaped by their :class:`FeatureSpec`; the others are skipped without being parsed.
+        shaped by their :class:`FeatureSpec`; the others are skipped without being converted.
+        Without a spec every feature is returned, sorted by name (the message's map has no
+        order).
 
     Raises:
       ExampleDecodeError: If ``data`` is not a valid Example (naming the feature when it can)
@@ -712,7 +715,6 @@ def _compiled_example() -> Callable[[bytes, Iterable[str] | None], dict[str, Par
     if compiled is None:
         return None
     from_string, decode_error = compiled
-    int64, float32, fromiter_max = np.int64, np.float32, _FROMITER_MAX_VALUES
 
     def parse(data: bytes, wanted: Iterable[str] | None) -> dict[str, Parsed] | None:
         try:
@@ -725,29 +727,9 @@ def _compiled_example() -> Callable[[bytes, Iterable[str] | None], dict[str, Par
             feature = feature_map[name]
             kind = feature.WhichOneof("kind")
             if kind == "int64_list":
-                values = feature.int64_list.value
-                count = len(values)
-                # np.array costs about 2 us whatever the length (it probes the container's
-                # type first); np.fromiter costs 0.35 us plus 35 ns a value.
-                parsed[name] = (
-                    _INT64,
-                    (
-                        np.fromiter(values, int64, count)
-                        if count < fromiter_max
-                        else np.array(values, int64)
-                    ),
-                )
+                parsed[name] = _INT64, _repeated_to_numpy(feature.int64_list.value, np.int64)
             elif kind == "float_list":
-                values = feature.float_list.value
-                count = len(values)
-                parsed[name] = (
-                    _FLOAT,
-                    (
-                        np.fromiter(values, float32, count)
-                        if count < fromiter_max
-                        else np.array(values, float32)
-                    ),
-                )
+                parsed[name] = _FLOAT, _repeated_to_numpy(feature.float_list.value, np.float32)
             elif kind == "bytes_list":
                 values = feature.bytes_list.value
                 items = np.empty(len(values), dtype=object)
