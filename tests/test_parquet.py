@@ -404,6 +404,17 @@ def test_empty_file_yields_nothing(tmp_path: Path) -> None:
     assert len(ParquetDataSource(str(path))) == 0
 
 
+def test_a_file_rewritten_with_other_row_groups_is_refused(tmp_path: Path) -> None:
+    path = str(tmp_path / "f.parquet")
+    pq.write_table(pa.table({"x": np.arange(100)}), path, row_group_size=10)
+    ds = ParquetIterDataset(path)
+    pq.write_table(pa.table({"x": np.arange(30)}), path, row_group_size=10)
+    with pytest.raises(
+        ValueError, match=r"f\.parquet has 3 row groups, where it had 10.*rewritten"
+    ):
+        iter(ds)
+
+
 def test_next_index(one_file: str) -> None:
     it = iter(ParquetIterDataset(one_file))
     set_next_index(it, 12)

@@ -117,7 +117,9 @@ class ParquetIterDataset(IterDataset[dict[str, Any]]):
         self._footers = FooterCache()
         metadata, schema = self._footer(self._schema_file)
         self._schema = project_schema(schema, self._columns, self._schema_file)
-        # Row groups read from a single file (all of them unless sliced for a worker).
+        # Row groups read from a single file (all of them unless sliced for a worker), and
+        # how many the file had then: a file rewritten since is refused, not read in part.
+        self._num_row_groups = metadata.num_row_groups
         self._row_groups: tuple[int, ...] | None = (
             tuple(range(metadata.num_row_groups)) if len(self._files) == 1 else None
         )
@@ -222,6 +224,12 @@ class _ParquetFileIterator(DatasetIterator[dict[str, Any]]):
         if self._file != ds._schema_file:
             check_same_schema(ds._schema, ds._schema_file, schema, self._file, ds._columns)
         self._num_row_groups = metadata.num_row_groups
+        if ds._row_groups is not None and ds._num_row_groups != self._num_row_groups:
+            raise ValueError(
+                f"Parquet file {self._file.display} has {self._num_row_groups} row groups, "
+                f"where it had {ds._num_row_groups} when this dataset was made: the file was "
+                "rewritten. Make the dataset again to read the new file."
+            )
         self._row_groups = (
             ds._row_groups if ds._row_groups is not None else tuple(range(self._num_row_groups))
         )
