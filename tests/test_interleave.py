@@ -6,6 +6,7 @@ import json
 from typing import Any
 
 import pytest
+from block_reading import assert_blocks_read_as_elements, block_inputs, element_by_element
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -288,43 +289,6 @@ def test_a_future_state_key_that_is_not_a_dataset_index_is_refused(key: Any) -> 
 
 
 # ------------------------------------------------------------------ block reading
-def _fails_at(bad: int) -> Any:
-    def read(x: int) -> int:
-        if x == bad:
-            raise KeyError(f"element {x}")
-        return x
-
-    return read
-
-
-def _element_by_element(x: Any) -> Any:
-    return x
-
-
-def _block_inputs(sizes: list[int], bad: int | None) -> list[IterDataset[Any]]:
-    """to_iter_dataset readers (next_block) over ranges with holes (multiples of 5)."""
-    inputs = []
-    start = 0
-    for size in sizes:
-        ds = MapDataset.range(start, start + size).filter(lambda x: x % 5 != 0)
-        if bad is not None:
-            ds = ds.map(_fails_at(bad))
-        inputs.append(ds.to_iter_dataset())
-        start += size
-    return inputs
-
-
-def _drain(it: Any) -> tuple[list[Any], list[dict[str, Any]], str | None]:
-    out, states = [], [it.get_state()]
-    try:
-        for x in it:
-            out.append(x)
-            states.append(it.get_state())
-    except KeyError as e:
-        return out, states, str(e)
-    return out, states, None
-
-
 @given(
     sizes=st.lists(st.integers(0, 40), min_size=1, max_size=5),
     cycle_length=st.integers(1, 4),
@@ -335,25 +299,11 @@ def _drain(it: Any) -> tuple[list[Any], list[dict[str, Any]], str | None]:
 def test_block_inputs_give_the_elements_errors_and_states_of_next(
     sizes: list[int], cycle_length: int, bad: int | None, restore_at: int
 ) -> None:
-    blockwise = InterleaveIterDataset(_block_inputs(sizes, bad), cycle_length=cycle_length)
-    # The same inputs behind a map, whose iterator has no next_block: read with `next`.
+    blockwise = InterleaveIterDataset(block_inputs(sizes, bad), cycle_length=cycle_length)
     reference = InterleaveIterDataset(
-        [ds.map(_element_by_element) for ds in _block_inputs(sizes, bad)],
+        [ds.map(element_by_element) for ds in block_inputs(sizes, bad)],
         cycle_length=cycle_length,
         iter_buffer_size=0,
     )
-    assert isinstance(iter(_block_inputs([3], None)[0]), SupportsNextBlock)
-    expected = _drain(iter(reference))
-    assert _drain(iter(blockwise)) == expected
-    out, states, _ = expected
-    k = min(restore_at, len(out))
-    restored = iter(blockwise)
-    restored.set_state(states[k])
-    assert _drain(restored)[0] == out[k:]
-    # A state taken from a block part handed out restores in the element-by-element reader.
-    it = iter(blockwise)
-    for _ in range(k):
-        next(it)
-    ref = iter(reference)
-    ref.set_state(it.get_state())
-    assert _drain(ref)[0] == out[k:]
+    assert isinstance(iter(block_inputs([3], None)[0]), SupportsNextBlock)
+    assert_blocks_read_as_elements(blockwise, reference, restore_at)

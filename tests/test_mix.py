@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import pytest
+from block_reading import assert_blocks_read_as_elements, block_inputs, element_by_element
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -163,42 +164,6 @@ def test_iter_mix_mapping_weight_keys_must_match():
 
 
 # ------------------------------------------------------------------ block reading
-def _fails_at(bad):
-    def read(x):
-        if x == bad:
-            raise KeyError(f"element {x}")
-        return x
-
-    return read
-
-
-def _element_by_element(x):
-    return x
-
-
-def _block_inputs(sizes, bad):
-    """to_iter_dataset readers (next_block) over ranges with holes (multiples of 5)."""
-    inputs, start = [], 0
-    for size in sizes:
-        ds = grain.MapDataset.range(start, start + size).filter(lambda x: x % 5 != 0)
-        if bad is not None:
-            ds = ds.map(_fails_at(bad))
-        inputs.append(ds.to_iter_dataset())
-        start += size
-    return inputs
-
-
-def _drain(it):
-    out, states = [], [it.get_state()]
-    try:
-        for x in it:
-            out.append(x)
-            states.append(it.get_state())
-    except KeyError as e:
-        return out, states, str(e)
-    return out, states, None
-
-
 @given(
     sizes=st.lists(st.integers(0, 40), min_size=1, max_size=4),
     weights=st.lists(st.integers(1, 4), min_size=4, max_size=4),
@@ -210,21 +175,8 @@ def test_block_components_give_the_elements_errors_and_states_of_next(
     sizes, weights, bad, restore_at
 ):
     weights = weights[: len(sizes)]
-    blockwise = grain.IterDataset.mix(_block_inputs(sizes, bad), weights)
-    # The same components behind a map, whose iterator has no next_block: read with `next`.
+    blockwise = grain.IterDataset.mix(block_inputs(sizes, bad), weights)
     reference = grain.IterDataset.mix(
-        [ds.map(_element_by_element) for ds in _block_inputs(sizes, bad)], weights
+        [ds.map(element_by_element) for ds in block_inputs(sizes, bad)], weights
     )
-    expected = _drain(iter(reference))
-    assert _drain(iter(blockwise)) == expected
-    out, states, _ = expected
-    k = min(restore_at, len(out))
-    restored = iter(blockwise)
-    restored.set_state(states[k])
-    assert _drain(restored)[0] == out[k:]
-    it = iter(blockwise)
-    for _ in range(k):
-        next(it)
-    ref = iter(reference)
-    ref.set_state(it.get_state())
-    assert _drain(ref)[0] == out[k:]
+    assert_blocks_read_as_elements(blockwise, reference, restore_at)
