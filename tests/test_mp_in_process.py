@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 from typing import Any
 
@@ -10,6 +11,7 @@ import numpy as np
 import pytest
 
 import grain_core as grain
+from grain_core.dataset.mp import dispatch as mp_dispatch
 from grain_core.dataset.mp import in_process
 from grain_core.dataset.mp.in_process import START_S, WorkerPayoff
 
@@ -95,17 +97,193 @@ def test_an_error_is_raised_at_its_position_again(mode: Any) -> None:
     it.close()
 
 
-def test_payoff_keeps_cheap_results_here_and_sends_costly_ones_to_workers(
+class FakeClock:
+    """``in_process.clock`` for the dispatcher, which reads it right before and right after
+    each result: every result takes ``step`` seconds, all of it CPU (``cpu_seconds``), and
+    the consumer none between two."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch, step: float) -> None:
+        self.step = step
+        self.now = 0.0
+        self.calls = 0
+        monkeypatch.setattr(mp_dispatch, "clock", self)
+        monkeypatch.setattr(in_process, "cpu_seconds", lambda: self.now)
+
+    def __call__(self) -> float:
+        self.calls += 1
+        if self.calls % 2 == 0:
+            self.now += self.step
+        return self.now
+
+
+def _machine(monkeypatch: pytest.MonkeyPatch, cores: float = 2.0, others: float = 0.0) -> None:
+    monkeypatch.setattr(in_process, "usable_cores", lambda: cores)
+    monkeypatch.setattr(in_process, "others_running", lambda: others)
+
+
+def _decide(
+    monkeypatch: pytest.MonkeyPatch,
+    payoff: WorkerPayoff,
+    read: tuple[float, float],
+    gap: tuple[float, float],
+) -> bool:
+    """Feeds ``payoff`` results that each take ``read`` (wall, CPU) seconds after a consumer's
+    ``gap`` (wall, CPU) seconds, until it decides."""
+    wall = cpu = 0.0
+    monkeypatch.setattr(in_process, "cpu_seconds", lambda: cpu)
+    while True:
+        started = wall + gap[0]
+        wall = started + read[0]
+        cpu += gap[1] + read[1]
+        decision = payoff.record(started, wall, 0)
+        if decision is not None:
+            return decision
+
+
+def test_payoff_keeps_cheap_results_here_without_pricing_their_transport(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    monkeypatch.setattr(in_process, "usable_cores", lambda: 2)
+    _machine(monkeypatch)
+
+    def unpriced(result: Any) -> tuple[float, float]:
+        raise AssertionError("transport priced for results workers cannot speed up")
+
+    monkeypatch.setattr(in_process, "_transport_seconds", unpriced)
     # 1 us per result: less than the parent alone spends receiving one from a worker.
-    cheap = WorkerPayoff(workers=2, results=100_000)
-    count = int(START_S / 1e-6) + 1
-    decisions = [cheap.record(1e-6, 0) for _ in range(count)]
-    assert set(decisions[:-2]) == {None} and decisions[-1] is False
+    assert (
+        _decide(monkeypatch, WorkerPayoff(workers=2, results=100_000), (1e-6, 1e-6), (0.0, 0.0))
+        is False
+    )
+
+
+def test_payoff_sends_costly_results_to_idle_cores_only(monkeypatch: pytest.MonkeyPatch) -> None:
+    costly = (10e-3, 10e-3)
+    _machine(monkeypatch)
+    assert _decide(monkeypatch, WorkerPayoff(workers=2, results=10_000), costly, (0.0, 0.0)) is True
+    # One worker computes no faster than this process: it could only overlap the consumer.
+    assert (
+        _decide(monkeypatch, WorkerPayoff(workers=1, results=10_000), costly, (0.0, 0.0)) is False
+    )
+    # Four other tasks ready to run on the two cores: the workers would get less than one.
+    _machine(monkeypatch, others=4.0)
+    assert (
+        _decide(monkeypatch, WorkerPayoff(workers=2, results=10_000), costly, (0.0, 0.0)) is False
+    )
+    # A CPU quota of one core.
+    _machine(monkeypatch, cores=1.0)
+    assert (
+        _decide(monkeypatch, WorkerPayoff(workers=2, results=10_000), costly, (0.0, 0.0)) is False
+    )
+    # Too few results left to pay for starting the workers.
+    _machine(monkeypatch)
+    assert _decide(monkeypatch, WorkerPayoff(workers=2, results=8), costly, (0.0, 0.0)) is False
+
+
+def test_payoff_counts_the_consumers_own_work(monkeypatch: pytest.MonkeyPatch) -> None:
+    _machine(monkeypatch, cores=4.0)
+    # 20 ms per result while the consumer waits 50 ms for a device between results: one
+    # worker hides the read behind the wait.
+    device_wait = (50e-3, 0.0)
+    read = (20e-3, 20e-3)
+    assert _decide(monkeypatch, WorkerPayoff(workers=1, results=10_000), read, device_wait) is True
+    # The same 50 ms spent computing here: one worker and the consumer share one core.
+    _machine(monkeypatch, cores=1.0)
+    assert (
+        _decide(monkeypatch, WorkerPayoff(workers=1, results=10_000), read, (50e-3, 50e-3)) is False
+    )
+
+
+def test_payoff_hands_back_when_workers_deliver_slower(monkeypatch: pytest.MonkeyPatch) -> None:
+    _machine(monkeypatch)
     costly = WorkerPayoff(workers=2, results=10_000)
-    assert costly.record(START_S, 0) is True
-    # Workers that deliver more slowly than this process computed: it takes over again.
+    assert _decide(monkeypatch, costly, (START_S, START_S), (0.0, 0.0)) is True
     assert costly.delivered(1.0) is True  # the first result waited for them to start
+    assert costly.delivered(START_S / 10) is True
+    assert costly.delivered(START_S) is True  # 0.55 START_S per result: faster than here
     assert costly.delivered(2 * START_S) is False
+
+
+def _where(x: int) -> tuple[int, int]:
+    return x, os.getpid()
+
+
+@pytest.mark.parametrize(("step", "in_parent"), [(1e-6, True), (1e3, False)])
+def test_auto_decides_on_the_measured_cost(
+    mode: Any, monkeypatch: pytest.MonkeyPatch, step: float, in_parent: bool
+) -> None:
+    # The measurements come from a fake clock (each result costs ``step``) and an
+    # idle 2-core machine, so that the decision does not depend on this machine's load.
+    mode("auto")
+    _machine(monkeypatch)
+    FakeClock(monkeypatch, step)
+    ds = grain.MapDataset.range(40).map(_where).to_iter_dataset()
+    it = iter(ds.mp_prefetch(grain.MultiprocessingOptions(num_workers=2)))
+    elements = list(it)
+    it.close()
+    assert [x for x, _ in elements] == list(range(40))
+    pids = [pid for _, pid in elements]
+    if in_parent:
+        assert set(pids) == {os.getpid()}
+    else:  # the first result decides: the workers compute the rest
+        assert pids[0] == os.getpid() and os.getpid() not in pids[1:]
+
+
+class _Where(grain.transforms.Map):
+    def map(self, element: int) -> tuple[int, int]:
+        return _where(element)
+
+
+@pytest.mark.parametrize(("step", "in_parent"), [(1e-6, True), (1e3, False)])
+def test_the_data_loader_decides_as_mp_prefetch(
+    mode: Any, monkeypatch: pytest.MonkeyPatch, step: float, in_parent: bool
+) -> None:
+    mode("auto")
+    _machine(monkeypatch)
+    FakeClock(monkeypatch, step)
+    loader = grain.DataLoader(
+        data_source=grain.sources.RangeDataSource(0, 24, 1),
+        sampler=grain.samplers.SequentialSampler(24),
+        operations=[_Where(), grain.transforms.Batch(4)],
+        worker_count=2,
+    )
+    batches = list(loader)
+    assert np.concatenate([x for x, _ in batches]).tolist() == list(range(24))
+    pids = [set(pid.tolist()) for _, pid in batches]
+    if in_parent:
+        assert set().union(*pids) == {os.getpid()}
+    else:
+        assert pids[0] == {os.getpid()} and os.getpid() not in set().union(*pids[1:])
+
+
+class _Scripted:
+    """``WorkerPayoff`` decisions in a fixed order: ``record`` answers from ``trial``,
+    ``delivered`` from ``deliveries`` (then True)."""
+
+    def __init__(self, trial: list[bool | None], deliveries: list[bool]) -> None:
+        self.trial = trial
+        self.deliveries = deliveries
+
+    def __call__(self, workers: int, results: int) -> Any:
+        script = self
+
+        class Payoff:
+            def record(self, started: Any, ended: Any, result: Any) -> bool | None:
+                return script.trial.pop(0) if script.trial else None
+
+            def delivered(self, seconds: float) -> bool:
+                return script.deliveries.pop(0) if script.deliveries else True
+
+        return Payoff()
+
+
+@pytest.mark.parametrize("index", [0, 1])
+def test_output_and_states_stay_those_of_the_workers_across_hand_overs(
+    mode: Any, monkeypatch: pytest.MonkeyPatch, index: int
+) -> None:
+    expected, expected_states = _run(_pipelines()[index])
+    mode("auto")
+    # Two results here, the workers take over, and hand back after two more.
+    monkeypatch.setattr(mp_dispatch, "WorkerPayoff", _Scripted([None, True], [True, False]))
+    elements, states = _run(_pipelines()[index])
+    _same(elements, expected)
+    assert states == expected_states

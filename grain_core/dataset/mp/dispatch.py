@@ -58,7 +58,7 @@ from grain_core._ipc.errors import UnreadableElementError, WorkerDiedError, remo
 from grain_core._ipc.pool import STOP_TIMEOUT_S, StallWatch, WorkerPool
 from grain_core.config import config
 from grain_core.dataset.base import DatasetIterator, IterDataset
-from grain_core.dataset.mp.in_process import InProcessReader, WorkerPayoff
+from grain_core.dataset.mp.in_process import InProcessReader, WorkerPayoff, clock
 from grain_core.dataset.mp.pickling import FIXED_SIZE_TYPES, dumps_message
 from grain_core.dataset.mp.positions import ClassBatchesMapDataset, PositionReader, dispatch_view
 from grain_core.dataset.mp.protocol import (
@@ -513,6 +513,8 @@ class PositionDispatcher(ClassFrontiers):
         """
         if self.error is not None:
             raise self.error
+        if self._in_process is not None:
+            return self._next_in_process(cls, options)
         if self._pool is None:
             self.start(options)
             if self._in_process is not None:
@@ -576,11 +578,12 @@ class PositionDispatcher(ClassFrontiers):
             if j >= self.lengths[cls]:
                 self._ended[cls] = True
                 raise StopIteration
-            start = time.perf_counter()
+            payoff = self._payoff
+            started = 0.0 if payoff is None else clock()
             value = reader.read(cls + j * self._count)
             self.frontier[cls] = j + 1
-            if self._payoff is not None:
-                workers = self._payoff.record(time.perf_counter() - start, value)
+            if payoff is not None:
+                workers = payoff.record(started, clock(), value)
                 if workers is False:
                     self._payoff = None
                 elif workers:  # the payoff goes on watching what they deliver

@@ -7,27 +7,37 @@ the parent can compute it as well as any worker: ``InProcessReader`` reads the p
 consumer asks for, in its order, and the output and the checkpoints are those of the
 workers (the dispatcher keeps the same per-class frontiers either way).
 
-``WorkerPayoff`` decides from what the first results cost, measured here (``record``):
+``WorkerPayoff`` decides from what the results after the first (which pays for warming
+caches) cost here, each measured from the consumer's call to its result (``record``):
 
-* ``c``: seconds per result computed in this process (the median after the first, which
-  pays for warming caches);
-* the transport of one result: the worker writes it (``s``: pickling it, which copies its
-  arrays as writing them into shared memory does, plus a message's share), the parent
-  receives it (``r``: a message's share, the bookkeeping of a result, and unpickling when it
-  is not in shared memory);
+* ``c``: wall seconds per result;
+* ``g``: wall seconds the consumer spends between two results (its own work, a training
+  step);
+* ``u``: this process's CPU seconds per result, computing it and between two (a read that
+  waits, for I/O or for a core another task holds, costs wall time but no CPU);
+* the transport of one result, priced only when workers could pay off without it: the worker
+  writes it (``s``: pickling it, which copies its arrays as writing them into shared memory
+  does, plus a message's share), the parent receives it (``r``: a message's share, the
+  bookkeeping of a result, and unpickling when it is not in shared memory);
+* the cores: ``C`` this process may use (its CPU affinity, at most its control group's CPU
+  quota) and ``O`` tasks of others ready to run on them (sampled from ``/proc/loadavg``
+  during the trial);
 * ``START_S``: starting and stopping the workers.
 
-With ``N`` workers on ``C`` usable cores a result costs at best
-``w = max(r, (c + s) / N, (c + s + r) / C)`` through workers: the parent receives every
-result, each worker computes and sends its share, and all of it shares the cores. Workers
-run when ``START_S + L * w < MARGIN * L * c`` for the ``L`` results left: ``w`` is what
-perfect parallelism would give, which a machine with other work does not, so they must
-promise more than break-even. Once they run, ``delivered`` watches the time the consumer
-spends getting each result from them: when it is longer than computing it here took, the
-workers stop and this process computes the rest.
+In this process a result costs ``c + g``. With ``N`` workers it costs at best
+``w = max(g + r, (c + s) / N, (u + s + r) / K)``: the consumer works and receives
+every result, each worker computes and sends its share, and all of it runs on the ``K`` cores
+the ``N + 1`` processes get beside the ``O`` other tasks, ``K = min(N + 1, C (N + 1) / (N + 1
++ O))`` (a fair share of the cores for each task ready to run). Workers run when
+``START_S + L * w < MARGIN * L * (c + g)`` for the ``L`` results left: ``w`` is what perfect
+parallelism would give, so they must promise more than break-even. The decision comes once
+the results computed here have taken ``START_S``: choosing wrongly then costs about what
+starting the workers would. Once they run, ``delivered`` watches the time the consumer spends
+getting each result from them: when it is longer than computing it here took, the workers
+stop and this process computes the rest.
 
-Off by default (``config.py_mp_prefetch_in_process``: ``"never"``); ``"auto"`` decides as
-above, ``"always"`` computes every result here.
+``config.py_mp_prefetch_in_process`` chooses: ``"auto"`` decides as above, ``"never"``
+always uses the workers, ``"always"`` computes every result here.
 """
 
 from __future__ import annotations
@@ -47,12 +57,22 @@ from grain_core.dataset.mp.protocol import overdraft_room
 from grain_core.dataset.options import DatasetOptions
 from grain_core.dataset.prefetch import PrefetchIterDataset
 
-__all__ = ["MARGIN", "START_S", "InProcessReader", "WorkerPayoff", "usable_cores"]
+__all__ = [
+    "MARGIN",
+    "START_S",
+    "InProcessReader",
+    "WorkerPayoff",
+    "clock",
+    "cpu_seconds",
+    "others_running",
+    "usable_cores",
+]
 
-#: Seconds to start the workers and stop them again (measured on a 2-core machine: 7 ms to
-#: the first result of a ``range`` pipeline with 2 workers, 23 ms for an MNIST-like one whose
-#: workers map a 47 MB source; 2-7 ms to stop them).
-START_S = 0.025
+#: Seconds to start the workers and stop them again (measured on a 2-core machine: 24-26 ms
+#: to the first result of an MNIST-like pipeline with 2 workers that map a 47 MB source and
+#: 7-9 ms to stop them; 7 ms and 2-7 ms for a ``range`` pipeline). The trial in this process
+#: lasts as long.
+START_S = 0.035
 #: Workers run only if they promise to take at most this share of the in-process time.
 MARGIN = 0.8
 #: Parent seconds per message received (its wake-up, the pipe read, the merge's turn) and per
@@ -60,15 +80,56 @@ MARGIN = 0.8
 #: per small element (64 to a message) measured with 2 workers.
 MESSAGE_S = 50e-6
 RESULT_S = 2e-6
-#: Results whose transport is measured (the least is taken).
+#: Pickling a result is timed this many times, the least taken: the first copy into fresh
+#: memory pays page faults that a worker's recycled shared-memory blocks do not.
 _TRANSPORTS_MEASURED = 3
+#: Samples of the other tasks ready to run taken during the trial.
+_LOAD_SAMPLES = 4
 
 
-def usable_cores() -> int:
-    """The CPU cores this process may run on."""
+def clock() -> float:
+    """Now, in wall seconds, as ``WorkerPayoff.record`` takes it."""
+    return time.perf_counter()
+
+
+def cpu_seconds() -> float:
+    """The CPU seconds this process has used (all its threads)."""
+    return time.process_time()
+
+
+def _cores_to_run_on() -> int:
+    """The CPU cores this process may run on (its affinity)."""
     if hasattr(os, "sched_getaffinity"):
         return len(os.sched_getaffinity(0))
     return os.cpu_count() or 1
+
+
+def usable_cores() -> float:
+    """The CPU cores this process may use: those it may run on, at most its control group's
+    CPU quota (cgroup v2 ``cpu.max``; a quota may give a fraction of a core)."""
+    cores = _cores_to_run_on()
+    try:
+        with open("/proc/self/cgroup") as f:
+            group = next(line[3:].strip() for line in f if line.startswith("0::"))
+        with open(f"/sys/fs/cgroup{group.rstrip('/')}/cpu.max") as f:
+            quota, period = f.read().split()
+    except (OSError, StopIteration, ValueError):  # no cgroup v2 controller: no quota
+        return cores
+    if quota == "max":
+        return cores
+    return max(0.1, min(cores, int(quota) / int(period)))
+
+
+def others_running() -> float:
+    """Tasks other than the caller ready to run on this process's cores now (Linux: the
+    machine's from ``/proc/loadavg``, in proportion to the cores this process may run on;
+    0 where it cannot be read)."""
+    try:
+        with open("/proc/loadavg") as f:
+            running = int(f.read().split()[3].split("/")[0])
+    except (OSError, ValueError, IndexError):
+        return 0.0
+    return max(0, running - 1) * _cores_to_run_on() / (os.cpu_count() or 1)
 
 
 class InProcessReader:
@@ -123,18 +184,26 @@ class WorkerPayoff:
         self._workers = workers
         self._results = results
         self._count = 0
-        self._first = 0.0
-        self._spent = 0.0
-        self._transports: list[tuple[float, float]] = []
-        self._in_process_s = 0.0  # c: seconds per result computed here
+        self._spent = 0.0  # wall seconds of every result computed here
+        # Wall and CPU seconds of the first result (asked for right after this is made);
+        # wall seconds of the later ones and of the consumer's gaps before them, and the CPU
+        # seconds when the first was computed.
+        self._first = (0.0, 0.0)
+        self._reads = 0.0
+        self._gaps = 0.0
+        self._ended = 0.0
+        self._cpu_mark = cpu_seconds()
+        self._load: list[float] = []
+        self._in_process_s = 0.0  # c: wall seconds per result computed here
         # Once the workers run: whether their first result came, and the results since and the
         # seconds the consumer spent waiting for them.
         self._started = False
         self._window = [0, 0.0]
 
-    def record(self, seconds: float, result: Any) -> bool | None:
-        """Records that ``result`` took ``seconds`` to compute here (reads ahead included:
-        blocks of cheap results are read at once, so only a sum of many says what one costs).
+    def record(self, started: float, ended: float, result: Any) -> bool | None:
+        """Records that the consumer asked for ``result`` at ``started`` and had it at
+        ``ended`` (both ``clock()``; reads ahead included: blocks of cheap results are read at
+        once, so only a sum of many says what one costs).
 
         Returns:
           None while still measuring (for ``START_S``, what starting the workers would cost);
@@ -142,15 +211,21 @@ class WorkerPayoff:
           result.
         """
         self._count += 1
-        self._spent += seconds
         self._results -= 1
+        self._spent += ended - started
         if self._count == 1:
-            self._first = seconds
-        elif len(self._transports) < _TRANSPORTS_MEASURED:
-            self._transports.append(_transport_seconds(result))
+            cpu = cpu_seconds()
+            self._first = (ended - started, cpu - self._cpu_mark)
+            self._cpu_mark = cpu
+        else:
+            self._reads += ended - started
+            self._gaps += started - self._ended
+        self._ended = ended
+        if self._spent >= len(self._load) * START_S / _LOAD_SAMPLES:
+            self._load.append(others_running())
         if self._spent < START_S:
             return None
-        return self._pays_off()
+        return self._pays_off(result)
 
     def delivered(self, seconds: float) -> bool:
         """Records that the consumer spent ``seconds`` getting a result from the workers.
@@ -172,19 +247,31 @@ class WorkerPayoff:
         self._window = [0, 0.0]
         return per_result < self._in_process_s
 
-    def _pays_off(self) -> bool:
-        if self._count == 1:
-            c = self._first
-        else:  # the first result pays for warming caches
-            c = (self._spent - self._first) / (self._count - 1)
+    def _pays_off(self, result: Any) -> bool:
+        later = self._count - 1
+        if later == 0:  # one result took the whole trial
+            (c, u), g = self._first, 0.0
+        else:
+            c, g = self._reads / later, self._gaps / later
+            u = (cpu_seconds() - self._cpu_mark) / later
         self._in_process_s = c
-        # The least a measurement took: a copy that a page fault or a descheduling slowed
-        # down is not what the transport costs.
-        s = min((t[0] for t in self._transports), default=0.0)
-        r = min((t[1] for t in self._transports), default=0.0)
-        n, cores = self._workers, usable_cores()
-        w = max(r, (c + s) / n, (c + s + r) / cores)
-        return START_S + self._results * w < MARGIN * self._results * c
+        n = self._workers
+        others = sum(self._load) / len(self._load)
+        cores = min(n + 1, usable_cores() * (n + 1) / (n + 1 + others))
+        here = self._results * (c + g)
+
+        def through_workers(s: float, r: float) -> float:
+            w = max(g + r, (c + s) / n, (u + s + r) / cores)
+            return START_S + self._results * w
+
+        # Pickling a result costs as much as computing a cheap one: only when the workers
+        # could pay off with a free transport is it priced.
+        if through_workers(0.0, RESULT_S) >= MARGIN * here:
+            return False
+        transports = [_transport_seconds(result) for _ in range(_TRANSPORTS_MEASURED)]
+        s = min(t[0] for t in transports)
+        r = min(t[1] for t in transports)
+        return through_workers(s, r) < MARGIN * here
 
 
 def _transport_seconds(result: Any) -> tuple[float, float]:
