@@ -31,6 +31,7 @@ import fcntl
 import functools
 import glob as _glob
 import os
+import queue
 import re
 import stat
 import tempfile
@@ -66,6 +67,8 @@ PathArg = Any
 # Block size of sequential remote reads: one request per block, and the next block is fetched
 # in the background while the current one is parsed (fsspec's "background" cache).
 READ_AHEAD_BYTES: Final = 16 << 20
+# Bytes a streamed download asks its file for at a time (one item of its queue).
+_STREAM_CHUNK: Final = 1 << 20
 # Uploads up to this size are sent from memory in one PUT; larger ones from the spooled file.
 _UPLOAD_FROM_MEMORY: Final = 64 << 20
 # Temporary files are named ``.tmp.<pid>.<random>.<target name>``.
@@ -239,54 +242,245 @@ def open_read(
     storage_options: Mapping[str, Any] | None = None,
     *,
     read_ahead: int = READ_AHEAD_BYTES,
+    offset: int = 0,
 ) -> BinaryIO:
-    """Opens a file for reading (binary, unbuffered locally).
+    """Opens a file for reading (binary, unbuffered locally), positioned at ``offset``.
 
-    Remote files are read ``read_ahead`` bytes per request, the next block fetched in the
-    background while the current one is consumed: right for streaming a whole file. A remote
-    file has a ``size`` attribute, and its reads that fail after retries raise
-    :class:`StorageError` naming the URL and the byte range.
+    A remote file read from its start, on a file system that streams (``open_async``: s3fs
+    streams one GET), is downloaded as one streamed request on the file system's event loop,
+    running ahead of the reader by up to ``read_ahead`` bytes: the transfer continues while
+    the reader works, and the reader's thread only takes what arrived. Opened elsewhere, moved
+    backwards or far ahead (``seek``), on other file systems, or after the stream failed, it
+    is read ``read_ahead`` bytes per ranged request, the next block fetched in the background
+    (fsspec's "background" cache, with the file system's retries). A remote file has a
+    ``size`` attribute, and its reads that fail after retries raise :class:`StorageError`
+    naming the URL and the byte range.
 
     Raises:
       FileNotFoundError: If the file does not exist (naming it).
     """
     text = path_string(path)
     if not is_url(text):
-        return open(text, "rb", buffering=0)  # noqa: SIM115 - the caller closes it
+        file = open(text, "rb", buffering=0)  # noqa: SIM115 - the caller closes it
+        if offset:
+            file.seek(offset)
+        return file
     fs, fs_path = filesystem(text, storage_options)
-    with _remote_errors(text, "Opening"):
-        file = fs.open(fs_path, "rb", block_size=read_ahead, cache_type="background")
-    return cast(BinaryIO, _RemoteFile(text, file))
+    return cast(BinaryIO, _RemoteFile(text, fs, fs_path, read_ahead, offset))
+
+
+def _streams(fs: Any) -> bool:
+    """Whether ``fs`` reads a file as one streamed download (its own ``open_async``)."""
+    import fsspec.asyn  # optional dependency (fs comes from fsspec, which is installed)
+
+    return (
+        isinstance(fs, fsspec.asyn.AsyncFileSystem)
+        and type(fs).open_async is not fsspec.asyn.AsyncFileSystem.open_async
+    )
 
 
 class _RemoteFile:
-    """An fsspec file whose failed reads name the URL and the byte range."""
+    """A remote file read through a streamed download or ranged requests (see
+    :func:`open_read`), whose failed reads name the URL and the byte range."""
 
-    def __init__(self, url: str, file: Any) -> None:
+    def __init__(self, url: str, fs: Any, fs_path: str, read_ahead: int, offset: int) -> None:
         self._url = url
-        self._file = file
-        self.size = int(file.size)
+        self._fs = fs
+        self._fs_path = fs_path
+        self._read_ahead = read_ahead
+        self._position = offset
+        self._file: Any = None  # the fsspec file serving ranged reads, opened when needed
+        self._download: _StreamedDownload | None = None
+        # The rest of the download's current chunk: self._chunk[self._chunk_pos:].
+        self._chunk = b""
+        self._chunk_pos = 0
+        if offset == 0 and _streams(fs):
+            self._download = _StreamedDownload(fs, fs_path, read_ahead)
+            with _remote_errors(url, "Opening"):
+                self.size = self._download.size()
+        else:
+            self.size = int(self._ranged().size)
+
+    def _ranged(self) -> Any:
+        """The fsspec file serving ranged reads (opened on first use)."""
+        if self._file is None:
+            with _remote_errors(self._url, "Opening"):
+                self._file = self._fs.open(
+                    self._fs_path, "rb", block_size=self._read_ahead, cache_type="background"
+                )
+            self._file.seek(self._position)
+        return self._file
 
     def read(self, size: int = -1) -> bytes:
-        start = self._file.tell()
+        start = self._position
         end = self.size if size < 0 else min(start + size, self.size)
-        with _remote_errors(self._url, "Reading", (start, end)):
-            return self._file.read(size)
+        if self._download is not None:
+            try:
+                taken = self._take(end - start)
+            except Exception:
+                # The download broke: go on with ranged requests, which the file system
+                # retries, from where it stopped.
+                self._leave_stream()
+            else:
+                self._position += len(taken)
+                return taken
+        with _remote_errors(self._url, "Reading", (self._position, end)):
+            data: bytes = self._ranged().read(end - self._position)
+        self._position += len(data)
+        return data
+
+    def _take(self, size: int) -> bytes:
+        """``size`` bytes (fewer at the end) from the download: a chunk as it arrived when it
+        is what is asked, otherwise copied once from the chunks holding them."""
+        assert self._download is not None
+        pieces: list[bytes | memoryview] = []
+        while size > 0:
+            if self._chunk_pos >= len(self._chunk):
+                self._chunk = self._download.take()
+                self._chunk_pos = 0
+                if not self._chunk:
+                    break
+            chunk, pos = self._chunk, self._chunk_pos
+            end = min(pos + size, len(chunk))
+            pieces.append(chunk if pos == 0 and end == len(chunk) else memoryview(chunk)[pos:end])
+            self._chunk_pos = end
+            size -= end - pos
+        if len(pieces) == 1 and isinstance(pieces[0], bytes):
+            return pieces[0]
+        return b"".join(pieces)
+
+    def _leave_stream(self) -> None:
+        if self._download is not None:
+            self._download.cancel()
+            self._download = None
+        self._chunk = b""
+        self._chunk_pos = 0
 
     def seek(self, offset: int, whence: int = os.SEEK_SET) -> int:
-        return int(self._file.seek(offset, whence))
+        if whence == os.SEEK_CUR:
+            offset += self._position
+        elif whence == os.SEEK_END:
+            offset += self.size
+        if self._download is not None:
+            ahead = offset - self._position
+            if 0 <= ahead <= self._read_ahead:  # near ahead: the stream brings it soon
+                while ahead > 0:
+                    skipped = len(self.read(min(ahead, _STREAM_CHUNK)))
+                    if not skipped:
+                        break
+                    ahead -= skipped
+                self._position = offset
+                return offset
+            self._leave_stream()
+        self._position = int(self._ranged().seek(offset))
+        return self._position
 
     def tell(self) -> int:
-        return int(self._file.tell())
+        return self._position
 
     def close(self) -> None:
-        self._file.close()
+        self._leave_stream()
+        if self._file is not None:
+            self._file.close()
+
+    def __del__(self) -> None:
+        download = getattr(self, "_download", None)  # absent if __init__ failed
+        if download is not None:
+            download.cancel()
 
     def __enter__(self) -> _RemoteFile:
         return self
 
     def __exit__(self, *exc_info: object) -> None:
         self.close()
+
+
+class _StreamedDownload:
+    """One file downloaded from its start by a coroutine on its file system's event loop,
+    chunk by chunk into a queue that the reading thread takes from, holding at most about
+    ``budget`` bytes that were not taken yet (the coroutine waits while it holds more).
+
+    Args:
+      fs: An fsspec file system with ``open_async``.
+      fs_path: The file.
+      budget: Bytes downloaded ahead of the reader, at most (at least one chunk).
+    """
+
+    def __init__(self, fs: Any, fs_path: str, budget: int) -> None:
+        import asyncio  # import cost: only streamed remote reads run a coroutine
+
+        self._budget = budget
+        self._chunk = max(1, min(budget, _STREAM_CHUNK))
+        self._queue: queue.SimpleQueue[bytes | BaseException] = queue.SimpleQueue()
+        self._lock = threading.Lock()
+        self._held = 0  # bytes queued and not yet taken
+        self._paused = False
+        self._room: Any = None  # the asyncio.Event the paused coroutine waits on
+        self._loop = fs.loop
+        self._size: int | None = None
+        self._started = threading.Event()  # the size is known, or the request failed
+        self._future = asyncio.run_coroutine_threadsafe(self._pump(fs, fs_path), fs.loop)
+
+    async def _pump(self, fs: Any, fs_path: str) -> None:
+        import asyncio  # see __init__
+
+        self._room = asyncio.Event()
+        try:
+            file = await fs.open_async(fs_path, "rb")
+            chunk = await file.read(self._chunk)
+            # s3fs knows the size from the response; other streamed files from opening.
+            size = getattr(file, "size", None)
+            self._size = int(size if size is not None else (await fs._info(fs_path))["size"])
+            self._started.set()
+            while True:
+                with self._lock:
+                    self._held += len(chunk)
+                    self._paused = self._held >= self._budget
+                    if self._paused:
+                        self._room.clear()
+                self._queue.put(chunk)
+                if not chunk:
+                    return
+                if self._paused:
+                    await self._room.wait()
+                chunk = await file.read(self._chunk)
+        except Exception as e:
+            self._queue.put(e)
+            self._started.set()
+
+    def size(self) -> int:
+        """The file's size, once the response to the request arrived.
+
+        Raises:
+          Exception: The file system's, if the request failed.
+        """
+        self._started.wait()
+        if self._size is None:
+            self.take()  # the failure is what was queued: raises it
+        assert self._size is not None
+        return self._size
+
+    def take(self) -> bytes:
+        """The next chunk (``b""`` at the end), waiting for it.
+
+        Raises:
+          Exception: The file system's, if the download failed.
+        """
+        item = self._queue.get()
+        if isinstance(item, BaseException):
+            raise item
+        with self._lock:
+            self._held -= len(item)
+            wake = self._paused and self._held < self._budget
+            if wake:
+                self._paused = False
+        if wake:
+            self._loop.call_soon_threadsafe(self._room.set)
+        return item
+
+    def cancel(self) -> None:
+        """Stops the download (what is queued is dropped)."""
+        self._future.cancel()
 
 
 def read_bytes(path: PathArg, storage_options: Mapping[str, Any] | None = None) -> bytes:

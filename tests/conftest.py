@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import gc
 import os
@@ -116,6 +117,22 @@ def s3(s3_server: Any, monkeypatch: pytest.MonkeyPatch) -> Any:
     options = s3_server.storage_options()
     monkeypatch.setitem(fsspec.config.conf, "s3", options)
     return types.SimpleNamespace(url=s3_server.make_bucket(), options=options, server=s3_server)
+
+
+@pytest.fixture
+def s3_requests(s3: Any, monkeypatch: pytest.MonkeyPatch) -> collections.Counter[tuple[str, bool]]:
+    """Counts the requests s3fs sends from here on: ``(operation, ranged)`` -> how many."""
+    import s3fs
+
+    requests: collections.Counter[tuple[str, bool]] = collections.Counter()
+    call = s3fs.S3FileSystem._call_s3
+
+    async def counted(self: Any, method: str, *args: Any, **kwargs: Any) -> Any:
+        requests[(method, "Range" in kwargs)] += 1
+        return await call(self, method, *args, **kwargs)
+
+    monkeypatch.setattr(s3fs.S3FileSystem, "_call_s3", counted)
+    return requests
 
 
 # --------------------------------------------------------- mp_prefetch's worker processes

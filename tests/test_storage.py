@@ -14,6 +14,7 @@ import sys
 import tempfile
 import textwrap
 from collections.abc import Iterator
+from typing import Any
 
 import pytest
 
@@ -264,3 +265,59 @@ def test_atomic_writer_to_memory(memory_dir: str) -> None:
         assert not storage.exists(url)
     assert storage.read_bytes(url) == b"payload"
     assert not os.path.exists(writer.temp_path)
+
+
+# --------------------------------------------------------- streamed remote reads (s3fs)
+def test_a_remote_file_read_from_its_start_is_one_streamed_get(s3: Any, s3_requests: Any) -> None:
+    data = bytes(range(256)) * 4096
+    url = f"{s3.url}/streamed.bin"
+    storage.write_bytes(url, data, s3.options)
+    s3_requests.clear()
+    # A budget of a few chunks: the download waits for the reads, which cross its chunks.
+    with storage.open_read(url, s3.options, read_ahead=64 << 10) as file:
+        assert file.size == len(data)
+        assert file.read(10) == data[:10]
+        assert file.read(70_000) == data[10:70_010]
+        assert file.read(1) == data[70_010:70_011]
+        file.seek(100_000)  # near ahead: skipped within the download
+        assert file.tell() == 100_000
+        assert file.read(200_000) == data[100_000:300_000]
+        assert file.read() == data[300_000:]
+        assert file.read(5) == b""
+    assert s3_requests == {("get_object", False): 1}  # no HEAD, no ranged GET
+
+
+def test_a_seek_away_from_the_download_reads_ranges(s3: Any, s3_requests: Any) -> None:
+    data = bytes(range(256)) * 4096
+    url = f"{s3.url}/ranged.bin"
+    storage.write_bytes(url, data, s3.options)
+    with storage.open_read(url, s3.options, read_ahead=64 << 10) as file:
+        assert file.read(100) == data[:100]
+        file.seek(10)  # backwards
+        assert file.read(20) == data[10:30]
+        file.seek(900_000)  # far ahead
+        assert file.read(100) == data[900_000:900_100]
+    with storage.open_read(url, s3.options, offset=500_000) as file:
+        assert file.tell() == 500_000 and file.read(10) == data[500_000:500_010]
+    assert s3_requests[("get_object", True)] >= 2
+
+
+def test_a_broken_download_goes_on_with_ranged_requests(
+    s3: Any, s3_requests: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import s3fs
+
+    data = bytes(range(256)) * 4096
+    url = f"{s3.url}/broken.bin"
+    storage.write_bytes(url, data, s3.options)
+    read = s3fs.core.S3AsyncStreamedFile.read
+
+    async def breaking(self: Any, length: int = -1) -> bytes:
+        if self.loc >= 300_000:
+            raise ConnectionResetError("the connection was reset")
+        return await read(self, length)
+
+    monkeypatch.setattr(s3fs.core.S3AsyncStreamedFile, "read", breaking)
+    with storage.open_read(url, s3.options, read_ahead=64 << 10) as file:
+        assert b"".join(iter(lambda: file.read(100_000), b"")) == data
+    assert s3_requests[("get_object", False)] == 1 and s3_requests[("get_object", True)] >= 1

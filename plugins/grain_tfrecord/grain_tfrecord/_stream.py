@@ -156,9 +156,7 @@ def open_stream(
       FileNotFoundError: If the file does not exist.
     """
     if compression is None:
-        raw = storage.open_read(path, storage_options)
-        raw.seek(offset)
-        return raw
+        return storage.open_read(path, storage_options, offset=offset)
     reader = InflatingReader(path, compression, storage_options)
     while offset > 0:  # a compressed stream can only be skipped by inflating it
         skipped = len(reader.read(min(offset, _MAX_READ)))
