@@ -8,8 +8,10 @@ parsing, overlap of transfer with work), not a network.
 * ``tfrecord_s3_full_pass``: ``TFRecordIterDataset`` over 4 files of 16 MiB in the bucket,
   both CRCs checked; elements are bytes (so elements/s is bytes/s). The pass streams each
   file with one GET. Baselines: a plain GET of the same objects (s3fs ``cat_file``: a HEAD
-  and a GET each) — target: grain_core >= 0.8x; and one GET each, read whole through s3fs's
-  streamed file (``open_async``), the requests the pass makes.
+  and a GET each) — target: grain_core >= 0.8x; one GET each, read whole through s3fs's
+  streamed file (``open_async``), the requests the pass makes; and the plain GET followed by
+  the same pass over local copies of the files (no overlap of transfer and parsing: what a
+  reader that downloads, then parses, costs).
 * ``parquet_s3_full_pass``: ``ParquetIterDataset`` (column batches of 65,536 rows) over one
   32 MiB file of 16 row groups in the bucket, row groups fetched ahead concurrently
   (``prefetch_bytes``), the footer read once per dataset; elements are the file's bytes.
@@ -142,6 +144,25 @@ if _HAVE_TFRECORD:
             return len(await file.read())
 
         return lambda: sum(fsspec.asyn.sync(fs.loop, get, p) for p in paths)
+
+    @tfrecord_s3_full_pass.baseline("GET, then parse")
+    def _() -> Callable[[], object]:
+        from grain_tfrecord import TFRecordIterDataset
+
+        paths, options = _tfrecord_files()
+        fs, _ = storage.filesystem(paths[0], options)
+        local = Path(tempfile.mkdtemp(prefix="grain_core-bench-tfrecord-"))
+        atexit.register(shutil.rmtree, local, ignore_errors=True)
+        for path in paths:
+            (local / path.rsplit("/", 1)[1]).write_bytes(fs.cat_file(path))
+        ds = TFRecordIterDataset(sorted(map(str, local.iterdir())))
+
+        def get_then_parse() -> int:
+            for path in paths:
+                fs.cat_file(storage.filesystem(path, options)[1])
+            return sum(1 for _ in ds)
+
+        return get_then_parse
 
 
 _HAVE_PARQUET = importlib.util.find_spec("grain_parquet") is not None

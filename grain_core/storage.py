@@ -291,8 +291,10 @@ class _RemoteFile:
         self._position = offset
         self._file: Any = None  # the fsspec file serving ranged reads, opened when needed
         self._download: _StreamedDownload | None = None
-        # The rest of the download's current chunk: self._chunk[self._chunk_pos:].
+        # The download's current chunk, which starts at byte self._chunk_start of the file;
+        # the reads are at self._chunk[self._chunk_pos].
         self._chunk = b""
+        self._chunk_start = 0
         self._chunk_pos = 0
         if offset == 0 and _streams(fs):
             self._download = _StreamedDownload(fs, fs_path, read_ahead)
@@ -336,6 +338,7 @@ class _RemoteFile:
         pieces: list[bytes | memoryview] = []
         while size > 0:
             if self._chunk_pos >= len(self._chunk):
+                self._chunk_start += len(self._chunk)
                 self._chunk = self._download.take()
                 self._chunk_pos = 0
                 if not self._chunk:
@@ -362,6 +365,10 @@ class _RemoteFile:
         elif whence == os.SEEK_END:
             offset += self.size
         if self._download is not None:
+            if self._chunk_start <= offset <= self._position:  # back within the chunk
+                self._chunk_pos = offset - self._chunk_start
+                self._position = offset
+                return offset
             ahead = offset - self._position
             if 0 <= ahead <= self._read_ahead:  # near ahead: the stream brings it soon
                 while ahead > 0:

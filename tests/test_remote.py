@@ -104,8 +104,21 @@ def test_a_tfrecord_pass_streams_each_file_with_one_get(s3: Any, s3_requests: An
     contents = _write_shards(f"{s3.url}/one-get", s3.options)
     ds = TFRecordIterDataset(f"{s3.url}/one-get/train.tfrecord-*", storage_options=s3.options)
     s3_requests.clear()
-    assert list(ds) == [r for records in contents for r in records]
+    everything = [r for records in contents for r in records]
+    assert list(ds) == everything
     assert s3_requests == {("get_object", False): 3}
+    # Building the random-access index scans the file through one streamed GET too, also where
+    # a header straddles the scan's 1 MiB reads (frames of 1021 bytes: one starts 9 bytes
+    # before 1 MiB) and the scan steps back to it.
+    big = f"{s3.url}/one-get/big.tfrecord"
+    records = [bytes([i % 256]) * 1005 for i in range(1100)]
+    with TFRecordWriter(big, storage_options=s3.options) as writer:
+        for record in records:
+            writer.write(record)
+    s3_requests.clear()
+    source = TFRecordDataSource(big, storage_options=s3.options)
+    assert s3_requests[("get_object", False)] == 1 and not s3_requests[("get_object", True)]
+    assert source[1027] == records[1027]
 
 
 def test_tfrecord_random_access_keeps_its_index_in_the_local_cache(s3: Any) -> None:

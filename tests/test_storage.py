@@ -282,6 +282,9 @@ def test_a_remote_file_read_from_its_start_is_one_streamed_get(s3: Any, s3_reque
         file.seek(100_000)  # near ahead: skipped within the download
         assert file.tell() == 100_000
         assert file.read(200_000) == data[100_000:300_000]
+        file.seek(299_990)  # a step back within the chunk read last
+        assert file.read(20) == data[299_990:300_010]
+        file.seek(300_000)
         assert file.read() == data[300_000:]
         assert file.read(5) == b""
     assert s3_requests == {("get_object", False): 1}  # no HEAD, no ranged GET
