@@ -269,14 +269,19 @@ def open_read(
     return cast(BinaryIO, _RemoteFile(text, fs, fs_path, read_ahead, offset))
 
 
-def _streams(fs: Any) -> bool:
-    """Whether ``fs`` reads a file as one streamed download (its own ``open_async``)."""
+def _streams(fs: Any, fs_path: str) -> bool:
+    """Whether ``fs`` reads ``fs_path`` as one streamed download (its own ``open_async``)."""
     import fsspec.asyn  # optional dependency (fs comes from fsspec, which is installed)
 
-    return (
-        isinstance(fs, fsspec.asyn.AsyncFileSystem)
-        and type(fs).open_async is not fsspec.asyn.AsyncFileSystem.open_async
-    )
+    if not isinstance(fs, fsspec.asyn.AsyncFileSystem):
+        return False
+    if type(fs).open_async is fsspec.asyn.AsyncFileSystem.open_async:
+        return False
+    # A path naming a version (s3fs's ?versionId=, gcsfs's generation) is read by ranges:
+    # the streamed file asks for the object's latest version.
+    split = getattr(fs, "split_path", None)
+    parts = split(fs_path) if split is not None else ()
+    return not (isinstance(parts, tuple) and len(parts) == 3 and parts[2])
 
 
 class _RemoteFile:
@@ -296,7 +301,7 @@ class _RemoteFile:
         self._chunk = b""
         self._chunk_start = 0
         self._chunk_pos = 0
-        if offset == 0 and _streams(fs):
+        if offset == 0 and _streams(fs, fs_path):
             self._download = _StreamedDownload(fs, fs_path, read_ahead)
             with _remote_errors(url, "Opening"):
                 self.size = self._download.size()

@@ -324,3 +324,20 @@ def test_a_broken_download_goes_on_with_ranged_requests(
     with storage.open_read(url, s3.options, read_ahead=64 << 10) as file:
         assert b"".join(iter(lambda: file.read(100_000), b"")) == data
     assert s3_requests[("get_object", False)] == 1 and s3_requests[("get_object", True)] >= 1
+
+
+def test_a_url_naming_a_version_reads_that_version(s3: Any) -> None:
+    import s3fs
+
+    options = {**s3.options, "version_aware": True}
+    fs = s3fs.S3FileSystem(**options)
+    bucket = s3.url.removeprefix("s3://")
+    fs.make_bucket_versioned(bucket)
+    url = f"{s3.url}/versioned.bin"
+    storage.write_bytes(url, b"old" * 1000, options)
+    version = fs.info(f"{bucket}/versioned.bin")["VersionId"]
+    storage.write_bytes(url, b"new" * 1000, options)
+    with storage.open_read(f"{url}?versionId={version}", options) as file:
+        assert file.read() == b"old" * 1000
+    with storage.open_read(url, options) as file:
+        assert file.read() == b"new" * 1000
