@@ -28,6 +28,7 @@ __all__ = [
     "measure",
     "measure_all",
     "steady_pass",
+    "with_config",
     "workload",
 ]
 
@@ -227,6 +228,25 @@ def steady_pass(make_iterator: Callable[[], Iterator[Any]], count: int) -> Calla
     current one runs out. The harness closes the iterator when the implementation is done.
     """
     return _SteadyPass(make_iterator, count)
+
+
+def with_config(name: str, value: Any, run: Callable[[], object]) -> Callable[[], object]:
+    """``run`` as a pass with grain_core's ``config`` option ``name`` set to ``value`` (the
+    previous value restored after each pass), keeping its ``close``."""
+    import grain_core  # import cost: only workloads that compare settings need it
+
+    def timed() -> object:
+        previous = getattr(grain_core.config, name)
+        grain_core.config.update(name, value)
+        try:
+            return run()
+        finally:
+            grain_core.config.update(name, previous)
+
+    close = getattr(run, "close", None)
+    if close is not None:
+        timed.close = close  # type: ignore[attr-defined]
+    return timed
 
 
 def import_google_grain() -> object:

@@ -12,6 +12,11 @@ model meanwhile (its worker server starts when the pipeline is built); the basel
 right after building" has no such gap. torch runs where ``GRAIN_BENCH_TORCH_PYTHON`` names a
 Python with torch installed (a virtualenv of its own: torch is never a dependency here);
 elsewhere that baseline is skipped. elements/s = 1 / seconds.
+
+By default grain_core computes the first results in the parent process while it decides
+whether the workers pay off (``py_mp_prefetch_in_process="auto"``, docs/workers.md), so its
+first batch comes from there; ``GRAIN_PY_MP_PREFETCH_IN_PROCESS=never`` in the environment
+(the children inherit it) measures the first batch from the workers.
 """
 
 from __future__ import annotations

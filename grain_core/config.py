@@ -37,10 +37,9 @@ _DEFAULTS: dict[str, Any] = {
     "py_mp_prefetch_dispatch": True,
     # grain_core's own: whether a dispatched mp_prefetch pipeline may run in the parent
     # process (grain_core.dataset.mp.in_process). "auto": when its first results show that
-    # workers would not deliver faster (opt-in: its thresholds are not yet tuned on a loaded
-    # machine); "never": always in workers; "always": never in workers (same output and
-    # checkpoints either way).
-    "py_mp_prefetch_in_process": "never",
+    # workers would not deliver faster; "never": always in workers; "always": never in
+    # workers (same output and checkpoints either way).
+    "py_mp_prefetch_in_process": "auto",
     # grain_core's own: worker processes copy arrays of at least this many bytes with
     # streaming (non-temporal) stores (glibc on x86); 0 leaves glibc's choice. Read when the
     # workers' forkserver starts (grain_core._ipc.pool).

@@ -52,6 +52,18 @@ def test_streaming_copy_threshold_is_validated(monkeypatch: pytest.MonkeyPatch) 
         Config()
 
 
+def test_in_process_decision_is_automatic_unless_the_environment_says(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.delenv("GRAIN_PY_MP_PREFETCH_IN_PROCESS", raising=False)
+    assert Config().py_mp_prefetch_in_process == "auto"
+    monkeypatch.setenv("GRAIN_PY_MP_PREFETCH_IN_PROCESS", "never")
+    assert Config().py_mp_prefetch_in_process == "never"
+    monkeypatch.setenv("GRAIN_PY_MP_PREFETCH_IN_PROCESS", "sometimes")
+    with pytest.raises(ValueError, match="py_mp_prefetch_in_process must be one of"):
+        Config()
+
+
 # Every option grain_core accepts, with how its effect is checked: an option accepted and
 # ignored would make users believe something is on that is not.
 def _check_debug_mode(cfg: Config, monkeypatch: pytest.MonkeyPatch) -> None:

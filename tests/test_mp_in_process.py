@@ -169,6 +169,11 @@ def test_payoff_sends_costly_results_to_idle_cores_only(monkeypatch: pytest.Monk
     assert (
         _decide(monkeypatch, WorkerPayoff(workers=2, results=10_000), costly, (0.0, 0.0)) is False
     )
+    # Other work at one of the two counts only (when the trial starts): a burst, not what
+    # the workers would meet.
+    counts = iter([4.0, 0.0])
+    monkeypatch.setattr(in_process, "others_running", lambda: next(counts))
+    assert _decide(monkeypatch, WorkerPayoff(workers=2, results=10_000), costly, (0.0, 0.0)) is True
     # A CPU quota of one core.
     _machine(monkeypatch, cores=1.0)
     assert (

@@ -20,8 +20,8 @@ caches) cost here, each measured from the consumer's call to its result (``recor
   does, plus a message's share), the parent receives it (``r``: a message's share, the
   bookkeeping of a result, and unpickling when it is not in shared memory);
 * the cores: ``C`` this process may use (its CPU affinity, at most its control group's CPU
-  quota) and ``O`` tasks of others ready to run on them (sampled from ``/proc/loadavg``
-  during the trial);
+  quota) and ``O`` tasks of others ready to run on them (from ``/proc/loadavg``, the fewer
+  of its counts when the trial starts and when it ends);
 * ``START_S``: starting and stopping the workers.
 
 In this process a result costs ``c + g``. With ``N`` workers it costs at best
@@ -36,8 +36,8 @@ starting the workers would. Once they run, ``delivered`` watches the time the co
 getting each result from them: when it is longer than computing it here took, the workers
 stop and this process computes the rest.
 
-``config.py_mp_prefetch_in_process`` chooses: ``"auto"`` decides as above, ``"never"``
-always uses the workers, ``"always"`` computes every result here.
+``config.py_mp_prefetch_in_process`` chooses: ``"auto"`` (the default) decides as above,
+``"never"`` always uses the workers, ``"always"`` computes every result here.
 """
 
 from __future__ import annotations
@@ -83,8 +83,6 @@ RESULT_S = 2e-6
 #: Pickling a result is timed this many times, the least taken: the first copy into fresh
 #: memory pays page faults that a worker's recycled shared-memory blocks do not.
 _TRANSPORTS_MEASURED = 3
-#: Samples of the other tasks ready to run taken during the trial.
-_LOAD_SAMPLES = 4
 
 
 def clock() -> float:
@@ -193,7 +191,7 @@ class WorkerPayoff:
         self._gaps = 0.0
         self._ended = 0.0
         self._cpu_mark = cpu_seconds()
-        self._load: list[float] = []
+        self._others = 0.0  # other tasks ready to run when the first result was computed
         self._in_process_s = 0.0  # c: wall seconds per result computed here
         # Once the workers run: whether their first result came, and the results since and the
         # seconds the consumer spent waiting for them.
@@ -217,12 +215,11 @@ class WorkerPayoff:
             cpu = cpu_seconds()
             self._first = (ended - started, cpu - self._cpu_mark)
             self._cpu_mark = cpu
+            self._others = others_running()
         else:
             self._reads += ended - started
             self._gaps += started - self._ended
         self._ended = ended
-        if self._spent >= len(self._load) * START_S / _LOAD_SAMPLES:
-            self._load.append(others_running())
         if self._spent < START_S:
             return None
         return self._pays_off(result)
@@ -256,22 +253,27 @@ class WorkerPayoff:
             u = (cpu_seconds() - self._cpu_mark) / later
         self._in_process_s = c
         n = self._workers
-        others = sum(self._load) / len(self._load)
-        cores = min(n + 1, usable_cores() * (n + 1) / (n + 1 + others))
         here = self._results * (c + g)
 
-        def through_workers(s: float, r: float) -> float:
+        def through_workers(s: float, r: float, cores: float) -> float:
             w = max(g + r, (c + s) / n, (u + s + r) / cores)
             return START_S + self._results * w
 
-        # Pickling a result costs as much as computing a cheap one: only when the workers
-        # could pay off with a free transport is it priced.
-        if through_workers(0.0, RESULT_S) >= MARGIN * here:
+        # Reading the machine's load and quota and pickling a result cost more than a cheap
+        # result does: each is measured only while the workers could still pay off, first on
+        # an idle machine with a free transport.
+        if through_workers(0.0, RESULT_S, min(n + 1, _cores_to_run_on())) >= MARGIN * here:
+            return False
+        # A load that lasts shows in both counts; a burst in one is not what the workers would
+        # meet for the rest of the iterator (and if they do, ``delivered`` hands back).
+        others = min(self._others, others_running())
+        cores = min(n + 1, usable_cores() * (n + 1) / (n + 1 + others))
+        if through_workers(0.0, RESULT_S, cores) >= MARGIN * here:
             return False
         transports = [_transport_seconds(result) for _ in range(_TRANSPORTS_MEASURED)]
         s = min(t[0] for t in transports)
         r = min(t[1] for t in transports)
-        return through_workers(s, r) < MARGIN * here
+        return through_workers(s, r, cores) < MARGIN * here
 
 
 def _transport_seconds(result: Any) -> tuple[float, float]:
