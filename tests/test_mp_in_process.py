@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 from collections.abc import Iterator
 from typing import Any
@@ -84,6 +85,21 @@ def test_checkpoints_are_interchangeable(mode: Any, restore_in: str) -> None:
     it.set_state(state)
     _same(list(it), rest)
     it.close()
+
+
+def test_the_dataset_graph_is_logged_once_with_the_nodes_computed_here(
+    mode: Any, caplog: pytest.LogCaptureFixture
+) -> None:
+    mode("always")
+    grain.config.update("py_dataset_visualization_output_dir", "")
+    try:
+        with caplog.at_level(logging.INFO, logger="grain_core"):
+            _run(_pipelines()[0])
+    finally:
+        grain.config.update("py_dataset_visualization_output_dir", None)
+    graphs = [r.getMessage() for r in caplog.records if "dataset graph" in r.getMessage()]
+    assert len(graphs) == 1
+    assert "MultiprocessPrefetch" in graphs[0] and "transform=_square" in graphs[0]
 
 
 def test_an_error_is_raised_at_its_position_again(mode: Any) -> None:

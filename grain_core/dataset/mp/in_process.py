@@ -150,6 +150,9 @@ class InProcessReader:
         self._pipeline: DatasetIterator[Any] = read_steps(self._reader, view.steps)
         if options is not None:
             self._pipeline._merge_dataset_options(options)
+        # In debug mode the consumer's mp_prefetch iterator reports this pipeline (its nodes
+        # appear below it, as the workers' do): it is no output of its own.
+        self._pipeline._ctx.output = None
         self._next = 0  # the position the reader reads next; -1: unknown
 
     def read(self, position: int) -> Any:
