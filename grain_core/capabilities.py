@@ -8,6 +8,7 @@ them by defining the methods; no base class is needed.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, Protocol, TypeVar, runtime_checkable
 
@@ -32,6 +33,7 @@ __all__ = [
     "HoleMaking",
     "InPlaceSliceable",
     "MetadataBlockSampler",
+    "ReadsInputsOnOwnThread",
     "RecordKeysSampler",
     "RecordRngDeclaring",
     "ShardStateCheckpointing",
@@ -274,4 +276,16 @@ class WorkerStageReceiver(Protocol):
     def receive_worker_stages(self) -> None:
         """Waits for the answer to the last request (elements that arrive first are kept for
         the consumer); returns at once if the worker has ended."""
+        ...
+
+
+@runtime_checkable
+class ReadsInputsOnOwnThread(Protocol):
+    """An iterator whose inputs are read by a thread of its own (thread prefetch). While
+    ``inputs_paused()`` is held, that thread stays out of its inputs, so the holder's thread
+    may use them: a report asking the workers under them for their statistics."""
+
+    def inputs_paused(self) -> contextlib.AbstractContextManager[Any]:
+        """A context in which the iterator's own thread does not read its inputs (it finishes
+        the read in progress first)."""
         ...

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import sys
+import threading
 from collections.abc import Iterator
 from typing import Any
 
@@ -218,6 +220,80 @@ def test_thread_prefetch_stages_run_on_another_thread() -> None:
     summary = get_execution_summary(it)
     assert [s.name.split("(")[0] for s in summary.stages[:3]] == ["Batch", "ThreadPrefetch", "Map"]
     assert [s.num_produced_elements for s in summary.stages] == [10, 30, 30, 30, 30]
+
+
+class _GatedReceiver(DatasetIterator[int]):
+    """A stand-in for a worker-stage receiver: its elements wait for ``gate`` (``reading`` is
+    set once a read has started), and it records whether statistics were asked for while a
+    read was in progress (the pipes of real workers would then be used by two threads)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.reading = threading.Event()
+        self.gate = threading.Event()
+        self.in_read = False
+        self.asked_during_read: list[bool] = []
+        self._next = 0
+
+    def __next__(self) -> int:
+        self.in_read = True
+        self.reading.set()
+        self.gate.wait()
+        self.in_read = False
+        self._next += 1
+        return self._next - 1
+
+    def get_state(self) -> dict[str, Any]:
+        return {"next": self._next}
+
+    def set_state(self, state: dict[str, Any]) -> None:
+        self._next = state["next"]
+
+    def request_worker_stages(self) -> None:
+        self.asked_during_read.append(self.in_read)
+
+    def receive_worker_stages(self) -> None:
+        self.asked_during_read.append(self.in_read)
+
+
+class _GatedDataset(grain.IterDataset[int]):
+    def __init__(self) -> None:
+        super().__init__()
+        self.iterator = _GatedReceiver()
+
+    def __iter__(self) -> DatasetIterator[int]:
+        return self.iterator
+
+
+def _runs_in(thread: threading.Thread, function: str) -> bool:
+    frame = sys._current_frames().get(thread.ident or -1)
+    while frame is not None:
+        if frame.f_code.co_name == function:
+            return True
+        frame = frame.f_back
+    return False
+
+
+def test_summary_waits_for_a_prefetch_thread_to_leave_its_inputs() -> None:
+    # device_put(DataLoader) reads the loader on a thread: asking its workers for statistics
+    # from the consumer's thread meanwhile used their pipes from two threads at once.
+    source = _GatedDataset()
+    it = iter(
+        WithOptionsIterDataset(ThreadPrefetchIterDataset(source, prefetch_buffer_size=2), TIMING)
+    )
+    receiver = source.iterator
+    it.start_prefetch()
+    assert receiver.reading.wait(timeout=60)  # the prefetch thread waits inside a read
+    summaries: list[Any] = []
+    reporter = threading.Thread(target=lambda: summaries.append(get_execution_summary(it)))
+    reporter.start()
+    while reporter.is_alive() and not _runs_in(reporter, "_readers_paused"):
+        threading.Event().wait(0.001)  # until the report waits for the read to end
+    receiver.gate.set()
+    reporter.join()
+    assert summaries and receiver.asked_during_read == [False, False]
+    assert next(it) == 0
+    it.close()
 
 
 def test_threaded_reads_time_map_stages() -> None:

@@ -671,23 +671,35 @@ def _snapshot(source: Any, owns_state_copies: bool) -> Any:
 
 
 def _produce(
-    source: Any, owns_state_copies: bool, stop: threading.Event, q: queue.Queue[Any]
+    source: Any,
+    owns_state_copies: bool,
+    stop: threading.Event,
+    q: queue.Queue[Any],
+    reading: threading.RLock,
 ) -> None:
-    """The producer thread of a ThreadPrefetchDatasetIterator: ``(element, state, error)``."""
+    """The producer thread of a ThreadPrefetchDatasetIterator: ``(element, state, error)``,
+    each read while holding ``reading``."""
     try:
-        _fill(source, owns_state_copies, stop, q)
+        _fill(source, owns_state_copies, stop, q, reading)
     finally:
         _PRODUCERS.pop(threading.current_thread(), None)
 
 
-def _fill(source: Any, owns_state_copies: bool, stop: threading.Event, q: queue.Queue[Any]) -> None:
+def _fill(
+    source: Any,
+    owns_state_copies: bool,
+    stop: threading.Event,
+    q: queue.Queue[Any],
+    reading: threading.RLock,
+) -> None:
     while not stop.is_set():
         try:
-            item: tuple[Any, Any, BaseException | None] = (
-                next(source),
-                _snapshot(source, owns_state_copies),
-                None,
-            )
+            with reading:
+                item: tuple[Any, Any, BaseException | None] = (
+                    next(source),
+                    _snapshot(source, owns_state_copies),
+                    None,
+                )
         except StopIteration:
             item = (_END, None, None)
         except BaseException as e:  # noqa: BLE001 - re-raised in the consumer
@@ -721,9 +733,16 @@ class ThreadPrefetchDatasetIterator(DatasetIterator[Any]):
             maxsize=prefetch_buffer_size
         )
         self._exhausted = False
+        # Held by the producer thread while it reads the source (see inputs_paused).
+        self._reading = threading.RLock()
 
     def _snapshot(self) -> Any:
         return _snapshot(self._source, self._owns_state_copies)
+
+    def inputs_paused(self) -> threading.RLock:
+        """Held, the producer thread stays out of the source (it finishes the read in progress
+        first), so the holder's thread may use it; reentrant for the producer thread itself."""
+        return self._reading
 
     def _start(self) -> None:
         if self._thread is None and not self._exhausted:
@@ -734,7 +753,13 @@ class ThreadPrefetchDatasetIterator(DatasetIterator[Any]):
             # closes the source (worker processes included).
             self._thread = threading.Thread(
                 target=_produce,
-                args=(self._source, self._owns_state_copies, self._stop, self._queue),
+                args=(
+                    self._source,
+                    self._owns_state_copies,
+                    self._stop,
+                    self._queue,
+                    self._reading,
+                ),
                 name="grain_core-thread-prefetch",
                 daemon=True,
             )

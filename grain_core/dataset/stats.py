@@ -44,6 +44,7 @@ or process boundary (see ``StageSummary.wait_share``).
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
 import threading
@@ -52,7 +53,7 @@ from collections.abc import Iterator, Sequence
 from typing import Any
 
 from grain_core import _tree
-from grain_core.capabilities import WorkerStageReceiver
+from grain_core.capabilities import ReadsInputsOnOwnThread, WorkerStageReceiver
 from grain_core.dataset import trace
 from grain_core.dataset.base import DatasetIterator, Indices, MapDataset, transform_name
 from grain_core.dataset.options import ExecutionTrackingMode
@@ -122,7 +123,9 @@ class _StageStats:
     a consumer stage makes on them.
 
     ``receiver`` (a weak reference) is the iterator of a stage that receives a worker process's
-    stages, which ``refresh_worker_stages`` asks for fresh ones.
+    stages, which ``refresh_worker_stages`` asks for fresh ones; ``reader_thread`` (a weak
+    reference) the iterator of a stage whose inputs its own thread reads, which that refresh
+    pauses while it uses them.
     """
 
     __slots__ = (
@@ -135,6 +138,7 @@ class _StageStats:
         "has_consumer",
         "in_workers",
         "receiver",
+        "reader_thread",
     )
 
     def __init__(self, name: str, kind: str, type_name: str = "", traced: bool = False) -> None:
@@ -156,6 +160,7 @@ class _StageStats:
         self.has_consumer = False
         self.in_workers = False
         self.receiver: weakref.ref[Any] | None = None
+        self.reader_thread: weakref.ref[Any] | None = None
 
     def first_element(self, element: Any, own_ns: int, tid: int) -> None:
         """Records what only the first element tells: its spec, and the thread."""
@@ -411,6 +416,8 @@ def _prepare(it: DatasetIterator[Any]) -> None:
         stats.link(child._stage_stats)  # type: ignore[attr-defined]
     if isinstance(it, WorkerStageReceiver):
         stats.receiver = weakref.ref(it)
+    if isinstance(it, ReadsInputsOnOwnThread):
+        stats.reader_thread = weakref.ref(it)
     stats.prepared = True
 
 
@@ -507,9 +514,12 @@ def attach_worker_stages(iterator: DatasetIterator[Any], snapshot: WorkerSnapsho
 def refresh_worker_stages(iterator: DatasetIterator[Any]) -> None:
     """Asks every stage under ``iterator`` that receives a worker process's stages for fresh
     ones, and waits for them (call it from the thread that iterates: the answers come on the
-    pipes its elements come on)."""
+    pipes its elements come on). Threads that read inputs of their own (thread prefetch,
+    ``device_put``) are kept out of those inputs meanwhile: they finish the read in progress
+    first."""
     _prepare_reachable(iterator)
     receivers = []
+    readers = []  # outermost first: each reader thread reads from the ones after it
     stack: list[_StageStats] = [iterator._stage_stats]  # type: ignore[attr-defined]
     seen: set[int] = set()
     while stack:
@@ -520,11 +530,24 @@ def refresh_worker_stages(iterator: DatasetIterator[Any]) -> None:
         receiver = stats.receiver() if stats.receiver is not None else None
         if receiver is not None:
             receivers.append(receiver)
+        reader = stats.reader_thread() if stats.reader_thread is not None else None
+        if reader is not None:
+            readers.append(reader)
         stack.extend(stats.inputs)
-    for receiver in receivers:  # all ask first: the workers answer at the same time
-        receiver.request_worker_stages()
-    for receiver in receivers:
-        receiver.receive_worker_stages()
+    if receivers:
+        with _readers_paused(readers):
+            for receiver in receivers:  # all ask first: the workers answer at the same time
+                receiver.request_worker_stages()
+            for receiver in receivers:
+                receiver.receive_worker_stages()
+
+
+@contextlib.contextmanager
+def _readers_paused(readers: Sequence[ReadsInputsOnOwnThread]) -> Iterator[None]:
+    with contextlib.ExitStack() as paused:
+        for reader in readers:
+            paused.enter_context(reader.inputs_paused())
+        yield
 
 
 def _category(description: str, kind: str) -> str:
