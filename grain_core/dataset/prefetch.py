@@ -680,38 +680,28 @@ def _produce(
     """The producer thread of a ThreadPrefetchDatasetIterator: ``(element, state, error)``,
     each read while holding ``reading``."""
     try:
-        _fill(source, owns_state_copies, stop, q, reading)
-    finally:
-        _PRODUCERS.pop(threading.current_thread(), None)
-
-
-def _fill(
-    source: Any,
-    owns_state_copies: bool,
-    stop: threading.Event,
-    q: queue.Queue[Any],
-    reading: threading.RLock,
-) -> None:
-    while not stop.is_set():
-        try:
-            with reading:
-                item: tuple[Any, Any, BaseException | None] = (
-                    next(source),
-                    _snapshot(source, owns_state_copies),
-                    None,
-                )
-        except StopIteration:
-            item = (_END, None, None)
-        except BaseException as e:  # noqa: BLE001 - re-raised in the consumer
-            item = (_END, None, e)
         while not stop.is_set():
             try:
-                q.put(item, timeout=0.1)
-                break
-            except queue.Full:
-                continue
-        if item[0] is _END:
-            return
+                with reading:
+                    item: tuple[Any, Any, BaseException | None] = (
+                        next(source),
+                        _snapshot(source, owns_state_copies),
+                        None,
+                    )
+            except StopIteration:
+                item = (_END, None, None)
+            except BaseException as e:  # noqa: BLE001 - re-raised in the consumer
+                item = (_END, None, e)
+            while not stop.is_set():
+                try:
+                    q.put(item, timeout=0.1)
+                    break
+                except queue.Full:
+                    continue
+            if item[0] is _END:
+                return
+    finally:
+        _PRODUCERS.pop(threading.current_thread(), None)
 
 
 class ThreadPrefetchDatasetIterator(DatasetIterator[Any]):
