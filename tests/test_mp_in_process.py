@@ -228,6 +228,15 @@ def _where(x: int) -> tuple[int, int]:
     return x, os.getpid()
 
 
+def _assert_computed_in_parent(in_parent: bool, pids: list[set[int]]) -> None:
+    """``pids``: the processes that computed each result, in order. In the parent: all of
+    them; otherwise the first (the trial that decided) and none after it."""
+    if in_parent:
+        assert set().union(*pids) == {os.getpid()}
+    else:
+        assert pids[0] == {os.getpid()} and os.getpid() not in set().union(*pids[1:])
+
+
 @pytest.mark.parametrize(("step", "in_parent"), [(1e-6, True), (1e3, False)])
 def test_auto_decides_on_the_measured_cost(
     mode: Any, monkeypatch: pytest.MonkeyPatch, step: float, in_parent: bool
@@ -242,11 +251,7 @@ def test_auto_decides_on_the_measured_cost(
     elements = list(it)
     it.close()
     assert [x for x, _ in elements] == list(range(40))
-    pids = [pid for _, pid in elements]
-    if in_parent:
-        assert set(pids) == {os.getpid()}
-    else:  # the first result decides: the workers compute the rest
-        assert pids[0] == os.getpid() and os.getpid() not in pids[1:]
+    _assert_computed_in_parent(in_parent, [{pid} for _, pid in elements])
 
 
 class _Where(grain.transforms.Map):
@@ -269,11 +274,7 @@ def test_the_data_loader_decides_as_mp_prefetch(
     )
     batches = list(loader)
     assert np.concatenate([x for x, _ in batches]).tolist() == list(range(24))
-    pids = [set(pid.tolist()) for _, pid in batches]
-    if in_parent:
-        assert set().union(*pids) == {os.getpid()}
-    else:
-        assert pids[0] == {os.getpid()} and os.getpid() not in set().union(*pids[1:])
+    _assert_computed_in_parent(in_parent, [set(pid.tolist()) for _, pid in batches])
 
 
 class _Scripted:
