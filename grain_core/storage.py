@@ -437,6 +437,7 @@ class _StreamedDownload:
         import asyncio  # see __init__
 
         self._room = asyncio.Event()
+        file = None
         try:
             file = await fs.open_async(fs_path, "rb")
             chunk = await file.read(self._chunk)
@@ -459,6 +460,9 @@ class _StreamedDownload:
         except Exception as e:
             self._queue.put(e)
             self._started.set()
+        finally:  # ended, failed or cancelled (the reader left the stream)
+            if file is not None:
+                await file.close()
 
     def size(self) -> int:
         """The file's size, once the response to the request arrived.
