@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import dataclasses
-import warnings
+import logging
 from typing import Any
 
 from grain_core._checks import non_negative_int
 
 __all__ = ["MultiprocessingOptions", "ReadOptions"]
+
+_LOG = logging.getLogger(__name__)
 
 
 @dataclasses.dataclass(slots=True)
@@ -33,10 +35,12 @@ class ReadOptions:
         non_negative_int("ReadOptions.num_threads", self.num_threads)
         non_negative_int("ReadOptions.prefetch_buffer_size", self.prefetch_buffer_size)
         if 0 < self.prefetch_buffer_size < self.num_threads:
-            warnings.warn(
-                f"ReadOptions.prefetch_buffer_size={self.prefetch_buffer_size} is smaller than "
-                f"num_threads={self.num_threads}: at most prefetch_buffer_size reads run at once.",
-                stacklevel=3,
+            # Logged, as Grain logs it (users' log monitoring matches the text).
+            _LOG.warning(
+                "ReadOptions.prefetch_buffer_size=%d is smaller than num_threads=%d: at most "
+                "prefetch_buffer_size reads run at once.",
+                self.prefetch_buffer_size,
+                self.num_threads,
             )
 
 
