@@ -520,3 +520,70 @@ def test_inspect_reads_the_schema_from_a_sample_of_examples(
     assert summary["details"]["schema_from_records"] == 10
     code, out, err = grain_core_cli("inspect", str(source), "--json", "--schema-sample", "1")
     assert json.loads(out)["schema"]["tokens"] == {"dtype": "int64", "shape": [0]}
+
+
+# ``grain-core convert`` that stops half-way through its records (and announces it) until its
+# stdin closes; the writing process is killed there.
+_HALTED_CONVERT = """
+import sys
+from grain_core import cli
+
+records_of = cli._records_of
+
+def halted(fmt, path, options):
+    records, total = records_of(fmt, path, options)
+    def first_half_then_wait():
+        for i, record in enumerate(records):
+            if i == 100:
+                print("writing", flush=True)
+                sys.stdin.read()
+            yield record
+    return first_half_then_wait(), total
+
+cli._records_of = halted
+sys.exit(cli.main(["convert", *sys.argv[1:]]))
+"""
+
+
+@pytest.mark.parametrize("suffix", [".tfrecord", ".array_record"])
+def test_a_killed_converts_hidden_files_go_with_the_next_write_of_its_target(
+    suffix: str, tmp_path: Path, grain_core_cli: RunCli
+) -> None:
+    tfrecord = pytest.importorskip("grain_tfrecord")
+    if suffix == ".array_record":
+        pytest.importorskip("grain_arrayrecord")
+    source = tmp_path / "in.tfrecord"
+    with tfrecord.TFRecordWriter(source) as writer:
+        for i in range(200):
+            writer.write(bytes([i]) * 1000)
+    out = tmp_path / "out"
+    out.mkdir()
+    target, other = out / f"data{suffix}", out / f"other{suffix}"
+    # Killed writing the target, killed writing another file, and still writing the target.
+    children = [
+        subprocess.Popen(
+            [sys.executable, "-c", _HALTED_CONVERT, str(source), str(path)],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        for path in (target, other, target)
+    ]
+    hidden = []
+    for child in children:
+        assert child.stdout is not None and child.stdout.readline() == "writing\n"
+        hidden.append({p for p in os.listdir(out) if p.startswith(f".tmp.{child.pid}.")})
+        assert hidden[-1], os.listdir(out)
+    killed_target, killed_other, live = children
+    for child in (killed_target, killed_other):
+        child.kill()
+        child.wait()
+    code, _, err = grain_core_cli("convert", str(source), str(target))
+    assert code == 0, err
+    left = set(os.listdir(out))
+    assert not hidden[0] & left  # the killed writer's files went with the next write
+    assert hidden[1] <= left and hidden[2] <= left  # another target's, and a live writer's
+    assert live.stdin is not None
+    live.stdin.close()
+    assert live.wait() == 0  # it checked for the target before the other convert wrote it
+    assert sorted(os.listdir(out)) == sorted({target.name, *hidden[1]})
