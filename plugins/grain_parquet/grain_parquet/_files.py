@@ -19,7 +19,7 @@ import pyarrow as pa
 import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 
-from grain_core import storage
+from grain_core import shard_names, storage
 
 __all__ = [
     "FooterCache",
@@ -121,8 +121,8 @@ def resolve_paths(
     """Resolves one path or a sequence of paths to :class:`ParquetPath`.
 
     Args:
-      paths: Local paths or URIs; a path with ``*``, ``?`` or ``[`` that does not exist as
-        such is a glob, expanded in sorted order (URLs through ``grain_core.storage``).
+      paths: Local paths or URIs, or shard patterns (``x@N``, ``x-*-of-N``, ``x-*``, globs:
+        ``grain_core.shard_names``), expanded in order.
       filesystem: Optional ``pyarrow.fs.FileSystem`` or fsspec ``AbstractFileSystem``; the
         paths are then paths on it (and not globs).
       what: The reader's name, for messages.
@@ -146,15 +146,7 @@ def resolve_paths(
     fs = _arrow_filesystem(filesystem)
     texts = [os.fspath(item) for item in items]
     if fs is None:
-        texts = [
-            match
-            for text in texts
-            for match in (
-                storage.glob(text)
-                if storage.has_magic(text) and not storage.exists(text)
-                else [text]
-            )
-        ]
+        texts = shard_names.expand(texts, what=what)
     return tuple(_resolve(text, fs) for text in texts)
 
 
