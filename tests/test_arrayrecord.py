@@ -556,6 +556,8 @@ def test_urls_array_record_cannot_open_use_the_default_shard_cache(
     assert source.__getitems__(range(len(records))) == records
     assert len(list((tmp_path / "user-cache" / "shards").glob("*.shard"))) == 3
     assert source._shard_cache is not None and source._shard_cache.max_bytes == 1 << 20
+    info = grain_arrayrecord.inspect_array_record(_local_urls(paths)[0], 1)
+    assert info.details["bytes"] == paths[0].stat().st_size
 
 
 def test_shard_cache_reads_downloaded_copies(
