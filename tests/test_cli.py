@@ -587,3 +587,55 @@ def test_a_killed_converts_hidden_files_go_with_the_next_write_of_its_target(
     live.stdin.close()
     assert live.wait() == 0  # it checked for the target before the other convert wrote it
     assert sorted(os.listdir(out)) == sorted({target.name, *hidden[1]})
+
+
+# What `grain-core inspect --help` promises, each form run for every format on shards that
+# `grain-core convert` wrote.
+_INSPECT_FORMS = ("x@2", "x-*-of-00002", "x-?????-of-00002", "x-*", "*")
+
+
+@pytest.mark.parametrize("suffix", [".tfrecord", ".array_record", ".parquet"])
+def test_inspect_reads_every_shard_pattern_of_every_format(
+    tmp_path: Path, grain_core_cli: RunCli, suffix: str
+) -> None:
+    for module in ("grain_tfrecord", "grain_arrayrecord", "grain_parquet"):
+        pytest.importorskip(module)
+    source = tmp_path / "in.tfrecord"
+    _write_examples(source, _examples(7))
+    data = tmp_path / "data"
+    data.mkdir()
+    base = data / f"x{suffix}"
+    converted = _subprocess(str(CONSOLE_SCRIPT), "convert", str(source), f"{base}@2")
+    assert converted.returncode == 0, converted.stderr
+    for form in _INSPECT_FORMS:
+        pattern = str(base) + form[1:] if form != "*" else str(data / f"*{suffix}-*")
+        code, out, err = grain_core_cli("inspect", pattern, "--json")
+        assert code == 0, (form, err)
+        assert json.loads(out)["num_records"] == 7, form
+    # x@2 through the installed command, and an unquoted glob that the shell expands into
+    # several paths.
+    for command in (
+        f"{CONSOLE_SCRIPT} inspect {base}@2 --json",
+        f"{CONSOLE_SCRIPT} inspect {data}/x{suffix}-* --json",
+    ):
+        shell = _subprocess("/bin/sh", "-c", command)
+        assert shell.returncode == 0, (command, shell.stderr)
+        assert json.loads(shell.stdout)["num_records"] == 7, command
+
+
+def test_inspect_help_lists_the_tested_forms(grain_core_cli: RunCli) -> None:
+    with pytest.raises(SystemExit):
+        grain_core_cli("inspect", "--help")
+    # argparse wraps the help text: compare without line breaks.
+    help_text = " ".join(_subprocess(str(CONSOLE_SCRIPT), "inspect", "--help").stdout.split())
+    for form in ("x@4", "x-*-of-00004", "x-*", "a glob", "several paths"):
+        assert form in help_text
+
+
+def test_no_format_claims_names_the_plugins_and_their_suffixes(grain_core_cli: RunCli) -> None:
+    pytest.importorskip("grain_arrayrecord")
+    code, _, err = grain_core_cli("inspect", "data.unknown-*")
+    assert code == 1
+    assert "No installed format claims 'data.unknown-*'" in err
+    assert "arrayrecord (.array_record, .arrayrecord) of plugin arrayrecord" in err
+    assert "pip install" not in err  # every first-party plugin is installed here
