@@ -3,7 +3,7 @@
 A path is a local path, an ``os.PathLike`` (``pathlib.Path``, ``etils.epath.Path``, Orbax's
 path objects: anything whose ``str()`` is a URL or that has ``__fspath__``), or a URL with a
 scheme (``s3://``, ``gs://``, ``memory://``, any fsspec protocol), resolved through fsspec
-(``pip install 'grainpipe[remote]'``, plus ``s3fs`` or ``gcsfs`` for the store you use).
+(``pip install fsspec``, plus ``s3fs`` or ``gcsfs`` for the store you use).
 ``file://`` URLs are local paths. A URL is never taken for a local folder named ``s3:``:
 without fsspec, or without an implementation for its scheme, it is an error naming what to
 install.
@@ -74,7 +74,7 @@ _UPLOAD_FROM_MEMORY: Final = 64 << 20
 # Temporary files are named ``.tmp.<pid>.<random>.<target name>``.
 _TEMP_PREFIX: Final = ".tmp."
 _URL = re.compile(r"^(?P<scheme>[A-Za-z][A-Za-z0-9+.\-]+)://")
-_REMOTE_PIP = "pip install 'grainpipe[remote]'"
+_REMOTE_PIP = "pip install fsspec"
 # Which package serves a scheme, for the error when it is missing.
 _SCHEME_PACKAGES: Final = {
     "s3": "s3fs",

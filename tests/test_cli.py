@@ -520,3 +520,51 @@ def test_inspect_reads_the_schema_from_a_sample_of_examples(
     assert summary["details"]["schema_from_records"] == 10
     code, out, err = grain_core_cli("inspect", str(source), "--json", "--schema-sample", "1")
     assert json.loads(out)["schema"]["tokens"] == {"dtype": "int64", "shape": [0]}
+
+
+@pytest.mark.parametrize(
+    ("url", "missing", "package"),
+    [
+        ("s3://bucket/x.tfrecord", "fsspec", "fsspec s3fs"),
+        ("gs://bucket/x.tfrecord", "gs", "gcsfs"),
+        ("hf://datasets/user/x.tfrecord", "hf", "huggingface_hub"),
+    ],
+)
+def test_a_missing_store_package_is_one_line_naming_what_to_install(
+    url: str, missing: str, package: str, monkeypatch: pytest.MonkeyPatch, grain_core_cli: RunCli
+) -> None:
+    pytest.importorskip("grain_tfrecord")
+    if missing == "fsspec":
+        monkeypatch.setitem(sys.modules, "fsspec", None)
+    else:  # the scheme's implementation cannot be imported, as when its package is missing
+        registry = importlib.import_module("fsspec.registry")
+        monkeypatch.setitem(
+            registry.known_implementations,
+            missing,
+            {"class": "no_such_store_package.FileSystem", "err": f"Install {package}"},
+        )
+        monkeypatch.delitem(registry._registry, missing, raising=False)
+    code, out, err = grain_core_cli("inspect", url)
+    assert code == 1 and out == ""
+    assert err.count("\n") == 1, err
+    assert err.startswith(f"grain-core inspect: error: Opening {url} needs ")
+    assert err.endswith(f": pip install {package}\n")
+
+
+def test_an_import_error_without_a_hint_gets_one(
+    grain_core_cli: RunCli, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def fail(args: Any) -> int:
+        try:
+            import no_such_module_for_this_test  # noqa: F401
+        except ImportError as e:
+            raise ImportError("Install it to access the store") from e
+        return 0
+
+    monkeypatch.setattr(cli, "_cmd_plugins", fail)
+    code, _, err = grain_core_cli("plugins")
+    assert code == 1
+    assert err == (
+        "grain-core plugins: error: Install it to access the store: "
+        "pip install no_such_module_for_this_test\n"
+    )

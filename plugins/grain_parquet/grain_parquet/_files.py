@@ -195,7 +195,7 @@ def _fsspec_filesystem(path: str, arrow_error: Exception) -> tuple[pafs.FileSyst
     except ImportError:
         raise ValueError(
             f"{path}: pyarrow cannot open this URI ({arrow_error}). For other schemes install "
-            "fsspec and its filesystem package: pip install 'grainpipe-parquet[fsspec]'."
+            "fsspec and its filesystem package: pip install fsspec."
         ) from None
     try:
         fs, fs_path = fsspec.core.url_to_fs(path)
