@@ -226,6 +226,13 @@ def _remote_errors(
     except (StorageError, ImportError, TypeError, AttributeError):
         raise
     except Exception as e:  # botocore, aiohttp and gcsfs raise their own exception types
+        if _is_credential_error(e):
+            raise PermissionError(
+                f"No usable credentials to access {url} ({type(e).__name__}: {e}). Pass them in "
+                "storage_options (s3fs: key= and secret=; gcsfs: token=) or set them in the "
+                "environment (AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY, "
+                "GOOGLE_APPLICATION_CREDENTIALS)."
+            ) from e
         where = "" if byte_range is None else f" bytes {byte_range[0]}-{byte_range[1]} of"
         raise StorageError(
             f"{what}{where} {url} failed after the file system's retries "
@@ -234,6 +241,17 @@ def _remote_errors(
             url=url,
             byte_range=byte_range,
         ) from e
+
+
+def _is_credential_error(error: BaseException) -> bool:
+    """Whether ``error`` says that no credentials could be found or used (botocore's
+    ``NoCredentialsError``, ``PartialCredentialsError``, ``CredentialRetrievalError``, SSO
+    token errors; google-auth's ``DefaultCredentialsError`` and ``RefreshError``): a store
+    that refuses to sign a request, not one that cannot be reached."""
+    names = {cls.__name__ for cls in type(error).__mro__}
+    return any("Credential" in name for name in names) or bool(
+        names & {"RefreshError", "NoAuthTokenError", "TokenRetrievalError", "SSOTokenLoadError"}
+    )
 
 
 # --------------------------------------------------------------------------- reading

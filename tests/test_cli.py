@@ -6,6 +6,7 @@ import importlib
 import importlib.util
 import json
 import os
+import socket
 import subprocess
 import sys
 import textwrap
@@ -568,3 +569,28 @@ def test_an_import_error_without_a_hint_gets_one(
         "grain-core plugins: error: Install it to access the store: "
         "pip install no_such_module_for_this_test\n"
     )
+
+
+def test_an_unreachable_store_fails_with_one_line_within_its_retries(tmp_path: Path) -> None:
+    """A store that refuses connections (a closed port on 127.0.0.1) ends ``inspect`` after
+    the configured retries with one line naming the URL, instead of waiting silently."""
+    pytest.importorskip("s3fs")
+    pytest.importorskip("grain_tfrecord")
+    with socket.socket() as listener:
+        listener.bind(("127.0.0.1", 0))
+        closed = f"http://127.0.0.1:{listener.getsockname()[1]}"
+    store = {
+        "endpoint_url": closed,
+        "key": "testing",
+        "secret": "testing",
+        "config_kwargs": {"retries": {"max_attempts": 2}},
+    }
+    result = _subprocess(
+        sys.executable, "-m", "grain_core", "inspect", "s3://bucket/x.tfrecord",
+        FSSPEC_S3=json.dumps(store),
+    )  # fmt: skip
+    assert result.returncode == 1, result.stderr
+    assert result.stderr.count("\n") == 1, result.stderr
+    assert result.stderr.startswith("grain-core inspect: error: Looking up s3://bucket/x.tfrecord")
+    assert "failed after the file system's retries" in result.stderr
+    assert "Check that the store is reachable" in result.stderr
