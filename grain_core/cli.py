@@ -70,6 +70,24 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (plugins.PluginError, OSError, ValueError) as err:
         print(f"grain-core {args.command}: error: {_cli_spelling(str(err))}", file=sys.stderr)
         return 1
+    except ImportError as err:  # an optional dependency: one line naming what to install
+        print(f"grain-core {args.command}: error: {_install_hint(err)}", file=sys.stderr)
+        return 1
+
+
+def _install_hint(err: ImportError) -> str:
+    """``err``'s message, with the ``pip install`` of the missing module where it names none
+    (fsspec's own errors: "Install huggingface_hub to access HfFileSystem")."""
+    message = str(err)
+    if "pip install" in message:
+        return message
+    cause: BaseException | None = err
+    while cause is not None and not (isinstance(cause, ImportError) and cause.name):
+        cause = cause.__cause__ or cause.__context__
+    if cause is None:
+        return message
+    missing = str(cause.name).split(".")[0]  # type: ignore[attr-defined]
+    return f"{message}: pip install {missing}"
 
 
 def _cli_spelling(message: str) -> str:
@@ -532,7 +550,7 @@ def progress(iterable: Iterable[_T], total: int | None, unit: str) -> Iterable[_
     """Wraps ``iterable`` in a tqdm progress bar when stderr is a terminal and tqdm exists
     (``total=None``: a count without an end).
 
-    tqdm is optional (``pip install 'grainpipe[progress]'``): without it, or when output is
+    tqdm is optional (``pip install tqdm``): without it, or when output is
     redirected, the iterable is returned unchanged so logs stay clean.
     """
     if not sys.stderr.isatty():

@@ -383,7 +383,8 @@ def read_error(
     """
     if _CHECKSUM_ERROR not in str(err):
         return ValueError(
-            f"Cannot read row group {row_group} of Parquet file {file.display}: {err}. The "
+            f"Cannot read row group {row_group} of Parquet file {file.display}: "
+            f"{str(err).rstrip('.')}. The "
             "file is probably corrupted; re-create or re-download it."
         )
     column = _column_failing_checksum(file, row_group, read_kwargs, columns)
