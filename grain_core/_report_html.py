@@ -1,6 +1,6 @@
 """The HTML page of ``grain-core profile``: plotly charts, with plotly.js inlined once.
 
-plotly is optional (``pip install 'grainpipe[report]'``); only this module imports it. The
+plotly is optional (``pip install plotly``); only this module imports it. The
 page works offline: the one ``<script>`` with plotly.js is in the file. A small script in the
 page's head records script errors and, once the page has loaded, shows them at the top of the
 page (``#report-status``) and counts the charts that rendered (``data-rendered-charts`` on the
@@ -67,7 +67,7 @@ def require_plotly() -> None:
     except ImportError as e:
         raise ImportError(
             "The grain-core profile report draws its charts with plotly, which is not "
-            "installed: pip install 'grainpipe[report]' (or pip install plotly)."
+            "installed: pip install plotly."
         ) from e
 
 

@@ -2,7 +2,7 @@
 
 :func:`profile` runs a pipeline for some batches under a :class:`~grain_core.experimental.Trace`
 and writes a self-contained HTML page (:mod:`grain_core._report_html`, which needs the optional
-``plotly``: ``pip install 'grainpipe[report]'``): the verdict on the bottleneck in plain
+``plotly``: ``pip install plotly``): the verdict on the bottleneck in plain
 words, throughput over time, each stage's share of the time, how busy each process was, the
 consumer's waiting share and the dataset graph. :func:`report_from_trace` makes the same page
 from a trace saved with ``Trace.save`` or ``profile(..., trace_output=...)``.

@@ -8,7 +8,7 @@ may use one directory: a shard is downloaded once and never again while its copy
 Layout of the directory (all files are created by the cache, owner-only; nothing else belongs
 there):
 
-* ``<key>.shard``: the shard's bytes; its modification time is its last use (LRU order).
+* ``<key>.shard``: the shard's bytes (``key``: a hash of the URL and the object's version); its modification time is its last use (LRU order).
 * ``<key>.json``: ``{"url", "size", "version", "sha256"}``, written after the shard. A copy
   is valid when both exist, the shard has ``size`` bytes and the remote object still has
   ``size`` and ``version`` (its ETag/generation, looked up once per process); the first use
@@ -345,13 +345,13 @@ class ShardCache:
     ) -> PinnedShard | None:
         """Pins the entry of ``url``, downloading it first if needed; None when a download
         ahead (``ahead``) finds no room."""
-        key = _key(url)
         with self._lock:
             version = self._versions.get(url)
         if version is None:
-            version = storage.version(url, storage_options)
+            version = _current_version(url, storage_options)
             with self._lock:
                 self._versions[url] = version
+        key = _key(url, version)
         with self._open_directory() as directory_fd:
             lock = self._open_lock(directory_fd, key)
             try:
@@ -658,8 +658,19 @@ def _max_bytes_from_environment() -> int:
         ) from None
 
 
-def _key(url: str) -> str:
-    return hashlib.sha1(url.encode("utf-8")).hexdigest()
+def _current_version(url: str, storage_options: Mapping[str, Any] | None) -> tuple[int, str]:
+    """``url``'s size and version as the store reports them for the object itself: not from
+    a listing the file system cached (a glob's), whose fields differ from a lookup's, so that
+    every process sharing the directory names the same version."""
+    fs, fs_path = storage.filesystem(url, storage_options)
+    fs.invalidate_cache(fs_path)
+    return storage.version(url, storage_options)
+
+
+def _key(url: str, version: tuple[int, str]) -> str:
+    """The entry name of ``url`` at ``version``: a changed object is another entry, so that a
+    process never waits for readers of the old one to let go."""
+    return hashlib.sha1(f"{url}\0{version[0]}\0{version[1]}".encode()).hexdigest()
 
 
 def _sha256(fd: int) -> str:

@@ -3,7 +3,7 @@
 A path is a local path, an ``os.PathLike`` (``pathlib.Path``, ``etils.epath.Path``, Orbax's
 path objects: anything whose ``str()`` is a URL or that has ``__fspath__``), or a URL with a
 scheme (``s3://``, ``gs://``, ``memory://``, any fsspec protocol), resolved through fsspec
-(``pip install 'grainpipe[remote]'``, plus ``s3fs`` or ``gcsfs`` for the store you use).
+(``pip install fsspec``, plus ``s3fs`` or ``gcsfs`` for the store you use).
 ``file://`` URLs are local paths. A URL is never taken for a local folder named ``s3:``:
 without fsspec, or without an implementation for its scheme, it is an error naming what to
 install.
@@ -77,7 +77,7 @@ _UPLOAD_FROM_MEMORY: Final = 64 << 20
 _TEMP_PREFIX: Final = ".tmp."
 _TEMP_LAYER: Final = re.escape(_TEMP_PREFIX) + r"(\d+)\.[a-z0-9_]{8}\."
 _URL = re.compile(r"^(?P<scheme>[A-Za-z][A-Za-z0-9+.\-]+)://")
-_REMOTE_PIP = "pip install 'grainpipe[remote]'"
+_REMOTE_PIP = "pip install fsspec"
 # Which package serves a scheme, for the error when it is missing.
 _SCHEME_PACKAGES: Final = {
     "s3": "s3fs",
@@ -229,6 +229,13 @@ def _remote_errors(
     except (StorageError, ImportError, TypeError, AttributeError):
         raise
     except Exception as e:  # botocore, aiohttp and gcsfs raise their own exception types
+        if _is_credential_error(e):
+            raise PermissionError(
+                f"No usable credentials to access {url} ({type(e).__name__}: {e}). Pass them in "
+                "storage_options (s3fs: key= and secret=; gcsfs: token=) or set them in the "
+                "environment (AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY, "
+                "GOOGLE_APPLICATION_CREDENTIALS)."
+            ) from e
         where = "" if byte_range is None else f" bytes {byte_range[0]}-{byte_range[1]} of"
         raise StorageError(
             f"{what}{where} {url} failed after the file system's retries "
@@ -237,6 +244,17 @@ def _remote_errors(
             url=url,
             byte_range=byte_range,
         ) from e
+
+
+def _is_credential_error(error: BaseException) -> bool:
+    """Whether ``error`` says that no credentials could be found or used (botocore's
+    ``NoCredentialsError``, ``PartialCredentialsError``, ``CredentialRetrievalError``, SSO
+    token errors; google-auth's ``DefaultCredentialsError`` and ``RefreshError``): a store
+    that refuses to sign a request, not one that cannot be reached."""
+    names = {cls.__name__ for cls in type(error).__mro__}
+    return any("Credential" in name for name in names) or bool(
+        names & {"RefreshError", "NoAuthTokenError", "TokenRetrievalError", "SSOTokenLoadError"}
+    )
 
 
 # --------------------------------------------------------------------------- reading

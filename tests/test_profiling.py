@@ -20,7 +20,7 @@ from grain_core import _report_html, cli, profiling
 from grain_core.dataset.trace import validate_trace_events
 from grain_core.profiling import ProcessTime, ProfileData, StageTime, verdict
 
-pytest.importorskip("plotly", reason="the report needs plotly: pip install 'grainpipe[report]'")
+pytest.importorskip("plotly", reason="the report needs plotly: pip install plotly")
 
 SYNC = grain.ReadOptions(num_threads=0)
 
@@ -185,7 +185,7 @@ def test_bad_arguments_are_refused(tmp_path: Path) -> None:
 
 def test_missing_plotly_names_the_extra(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     monkeypatch.setitem(sys.modules, "plotly", None)
-    with pytest.raises(ImportError, match=r"pip install 'grainpipe\[report\]'"):
+    with pytest.raises(ImportError, match=r"pip install plotly"):
         profiling.profile(_pipeline, output=tmp_path / "r.html")
 
 

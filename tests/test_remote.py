@@ -183,8 +183,6 @@ def test_arrayrecord_reads_the_bucket_through_the_shard_cache(s3: Any, tmp_path:
         storage.write_bytes(f"{s3.url}/ar/part-{k}.array_record", local.read_bytes(), s3.options)
         contents.append(_records(k))
     everything = [r for records in contents for r in records]
-    with pytest.raises(ValueError, match=r"cannot open 's3://.*' itself.*shard_cache="):
-        grain_arrayrecord.ArrayRecordDataSource(f"{s3.url}/ar/*", storage_options=s3.options)
     cache = ShardCache(tmp_path / "cache", max_bytes=1 << 20)
     source = grain_arrayrecord.ArrayRecordDataSource(
         f"{s3.url}/ar/*", shard_cache=cache, storage_options=s3.options
@@ -204,6 +202,23 @@ def test_arrayrecord_reads_the_bucket_through_the_shard_cache(s3: Any, tmp_path:
         grain_arrayrecord.ArrayRecordDataSource(
             f"{s3.url}/ar/missing", shard_cache=cache, storage_options=s3.options
         )
+
+
+def test_arrayrecord_url_without_a_shard_cache_uses_the_default_one(
+    s3: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    grain_arrayrecord = pytest.importorskip("grain_arrayrecord")
+    local = tmp_path / "one.array_record"
+    with grain_arrayrecord.ArrayRecordWriter(local) as writer:
+        for record in _records(0):
+            writer.write(record)
+    storage.write_bytes(f"{s3.url}/one.array_record", local.read_bytes(), s3.options)
+    monkeypatch.setenv("GRAIN_CORE_CACHE_DIR", str(tmp_path / "user-cache"))
+    # The same call as for the local file: the URL goes through the default cache.
+    for path, options in ((str(local), None), (f"{s3.url}/one.array_record", s3.options)):
+        source = grain_arrayrecord.ArrayRecordDataSource(path, storage_options=options)
+        assert source.__getitems__(range(len(source))) == _records(0)
+    assert len(list((tmp_path / "user-cache" / "shards").glob("*.shard"))) == 1
 
 
 # ----------------------------------------------------------------------------- checkpoints

@@ -11,7 +11,7 @@ until the test lets it go, so forks and other processes act during a download wi
 
 from __future__ import annotations
 
-import hashlib
+import json
 import multiprocessing
 import os
 import signal
@@ -354,13 +354,16 @@ def _third_process(script: str, *args: str) -> str:
     return done.stdout.strip()
 
 
-def _key(url: str) -> str:
-    """The entry name of ``url`` (the SHA-1 of the URL)."""
-    return hashlib.sha1(url.encode()).hexdigest()
+def _entry_key(cache: sc.ShardCache, url: str) -> str:
+    """The name of ``url``'s entry in the directory (from its metadata)."""
+    for meta in Path(cache.directory).glob("*.json"):
+        if json.loads(meta.read_text())["url"] == url:
+            return meta.stem
+    raise AssertionError(f"no entry of {url}")
 
 
 def _lock_file(cache: sc.ShardCache, url: str) -> str:
-    return os.path.join(cache.directory, _key(url) + ".lock")
+    return os.path.join(cache.directory, _entry_key(cache, url) + ".lock")
 
 
 def _child(body: Any) -> int:
@@ -465,7 +468,7 @@ def test_a_planted_symlink_is_replaced_never_followed(tmp_path: Path, name: str)
     cache = sc.ShardCache(directory, verify=False)
     cache.local_path(url)  # a valid entry, whose files the other user replaces by links
     victim = _planted(tmp_path)
-    key = _key(url)
+    key = _entry_key(cache, url)
     planted = {
         "lock": f"{key}.lock",
         "cache.lock": ".cache.lock",

@@ -400,3 +400,23 @@ async def _until_closed(closed: list[bool]) -> None:
         if closed:
             return
         await asyncio.sleep(0)
+
+
+def test_missing_credentials_are_reported_as_credentials(
+    s3_server: Any, monkeypatch: pytest.MonkeyPatch, tmp_path: pathlib.Path
+) -> None:
+    """A store that cannot sign a request for lack of credentials says so, as a
+    PermissionError naming the URL and where credentials go, not as retries and reachability."""
+    for variable in list(os.environ):
+        if variable.startswith("AWS_"):
+            monkeypatch.delenv(variable)
+    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", str(tmp_path / "none"))
+    monkeypatch.setenv("AWS_CONFIG_FILE", str(tmp_path / "none"))
+    monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")
+    options = {"endpoint_url": s3_server.endpoint, "client_kwargs": {"region_name": "eu-west-1"}}
+    with pytest.raises(
+        PermissionError, match=r"No usable credentials to access s3://b1/x\.bin"
+    ) as e:
+        storage.read_bytes("s3://b1/x.bin", storage_options=options)
+    assert "AWS_ACCESS_KEY_ID" in str(e.value) and "reachable" not in str(e.value)
+    assert type(e.value.__cause__).__name__ == "NoCredentialsError"

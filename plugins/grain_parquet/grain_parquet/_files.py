@@ -23,7 +23,7 @@ import pyarrow as pa
 import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 
-from grain_core import storage
+from grain_core import shard_names, storage
 
 __all__ = [
     "TRANSFER_ERRORS",
@@ -203,8 +203,8 @@ def resolve_paths(
     """Resolves one path or a sequence of paths to :class:`ParquetPath`.
 
     Args:
-      paths: Local paths or URLs; a path with ``*``, ``?`` or ``[`` that does not exist as
-        such is a glob, expanded in sorted order (URLs through ``grain_core.storage``).
+      paths: Local paths or URLs, or shard patterns (``x@N``, ``x-*-of-N``, ``x-*``, globs:
+        ``grain_core.shard_names``), expanded in order.
       filesystem: Optional ``pyarrow.fs.FileSystem`` or fsspec ``AbstractFileSystem``; the
         paths are then paths on it (and not globs).
       what: The reader's name, for messages.
@@ -231,15 +231,7 @@ def resolve_paths(
     texts = [os.fspath(item) for item in items]
     options = dict(storage_options or {})
     if fs is None:
-        texts = [
-            match
-            for text in texts
-            for match in (
-                storage.glob(text, options)
-                if storage.has_magic(text) and not storage.exists(text, options)
-                else [text]
-            )
-        ]
+        texts = shard_names.expand(texts, options, what=what)
     return tuple(_resolve(text, fs, options) for text in texts)
 
 
@@ -391,7 +383,8 @@ def read_error(
     """
     if _CHECKSUM_ERROR not in str(err):
         return ValueError(
-            f"Cannot read row group {row_group} of Parquet file {file.display}: {err}. The "
+            f"Cannot read row group {row_group} of Parquet file {file.display}: "
+            f"{str(err).rstrip('.')}. The "
             "file is probably corrupted; re-create or re-download it."
         )
     column = _column_failing_checksum(file, row_group, read_kwargs, columns)
