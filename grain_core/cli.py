@@ -413,7 +413,7 @@ def _cmd_convert(args: argparse.Namespace) -> int:
         f"{count} records: {args.input} ({source_format.name}) -> {written} "
         f"({target_format.name}) in {seconds:.2f} s"
     )
-    if rows.first is not None:
+    if isinstance(rows.first, dict):  # rows: a format of records (bytes) has no columns
         changed = _schema_changes(rows.first, _first_row(target_format, outputs[0]))
         if changed:
             print(
