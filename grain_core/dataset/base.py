@@ -69,7 +69,11 @@ class _FirstParent:
     def __get__(self, obj: Any, objtype: Any = None) -> Any:
         if obj is None:
             return self
-        return obj._parents[0]
+        parents = obj._parents
+        if not parents:
+            # hasattr(node, "_parent") must say False for a source (MaxText's close asks).
+            raise AttributeError(f"{type(obj).__name__} has no parent", name="_parent", obj=obj)
+        return parents[0]
 
 
 class _Node:
@@ -229,13 +233,29 @@ class MapDataset(_Node, Generic[T], abc.ABC):
         return ConcatenateMapDataset(datasets)
 
     # --------------------------------------------------------------- transforms
+    # Without batch_fn a batch is the elements' structure with stacked leaves, which no type
+    # expresses: Any, so that a checker infers a pipeline ending in batch() without help.
+    @overload
+    def batch(
+        self, batch_size: int, *, drop_remainder: bool = False, batch_fn: None = None
+    ) -> MapDataset[Any]: ...
+
+    @overload
+    def batch(
+        self,
+        batch_size: int,
+        *,
+        drop_remainder: bool = False,
+        batch_fn: Callable[[Sequence[T]], S],
+    ) -> MapDataset[S]: ...
+
     def batch(
         self,
         batch_size: int,
         *,
         drop_remainder: bool = False,
         batch_fn: Callable[[Sequence[T]], S] | None = None,
-    ) -> MapDataset[S]:
+    ) -> MapDataset[Any]:
         """Groups consecutive elements; leaves are stacked into NumPy arrays."""
         from grain_core.dataset.batch import BatchMapDataset
 
@@ -655,13 +675,29 @@ class IterDataset(_Node, Iterable[T], Generic[T], abc.ABC):
 
         return MixedIterDataset(datasets, weights)
 
+    @overload
+    def batch(
+        self, batch_size: int, *, drop_remainder: bool = False, batch_fn: None = None
+    ) -> IterDataset[Any]: ...
+
+    @overload
+    def batch(
+        self,
+        batch_size: int,
+        *,
+        drop_remainder: bool = False,
+        batch_fn: Callable[[Sequence[T]], S],
+    ) -> IterDataset[S]: ...
+
     def batch(
         self,
         batch_size: int,
         *,
         drop_remainder: bool = False,
         batch_fn: Callable[[Sequence[T]], S] | None = None,
-    ) -> IterDataset[S]:
+    ) -> IterDataset[Any]:
+        """Groups consecutive elements; leaves are stacked into NumPy arrays (see
+        ``MapDataset.batch``)."""
         from grain_core.dataset.batch import BatchIterDataset
 
         return BatchIterDataset(self, batch_size, drop_remainder=drop_remainder, batch_fn=batch_fn)
