@@ -14,6 +14,8 @@ import math
 import os
 from typing import Any
 
+from grain_core.options import IN_PROCESS_MODES
+
 __all__ = ["Config", "config"]
 
 #: Traceback modes Grain accepts. grain_core never removes frames from tracebacks, so only
@@ -36,18 +38,17 @@ _DEFAULTS: dict[str, Any] = {
     # (grain_core.dataset.mp.dispatch). False: each worker computes its fixed strided share.
     "py_mp_prefetch_dispatch": True,
     # grain_core's own: whether a dispatched mp_prefetch pipeline may run in the parent
-    # process (grain_core.dataset.mp.in_process). "auto": when its first results show that
-    # workers would not deliver faster; "never": always in workers; "always": never in
-    # workers (same output and checkpoints either way).
-    "py_mp_prefetch_in_process": "auto",
+    # process (grain_core.dataset.mp.in_process) when its MultiprocessingOptions.in_process
+    # is None. "never": in the workers asked for; "auto": in the parent while its first
+    # results show that workers would not deliver faster; "always": never in workers (same
+    # output and checkpoints either way; docs/workers.md says what the parent gives up).
+    "py_mp_prefetch_in_process": "never",
     # grain_core's own: worker processes copy arrays of at least this many bytes with
     # streaming (non-temporal) stores (glibc on x86); 0 leaves glibc's choice. Read when the
     # workers' forkserver starts (grain_core._ipc.pool).
     "py_mp_worker_streaming_copy_bytes": 2 * 1024 * 1024,
 }
 
-#: Values of ``py_mp_prefetch_in_process``.
-_IN_PROCESS_MODES = ("auto", "never", "always")
 
 #: The smallest threshold glibc accepts for ``x86_non_temporal_threshold``.
 _MIN_STREAMING_COPY_BYTES = 0x4040
@@ -109,9 +110,9 @@ def _checked(name: str, value: Any) -> Any:
         _check_output_dir(value)
     elif name == "py_mp_prefetch_dispatch" and value not in (False, True):
         raise ValueError(f"py_mp_prefetch_dispatch must be a bool, got {value!r}.")
-    elif name == "py_mp_prefetch_in_process" and value not in _IN_PROCESS_MODES:
+    elif name == "py_mp_prefetch_in_process" and value not in IN_PROCESS_MODES:
         raise ValueError(
-            f"py_mp_prefetch_in_process must be one of {_IN_PROCESS_MODES}, got {value!r}."
+            f"py_mp_prefetch_in_process must be one of {IN_PROCESS_MODES}, got {value!r}."
         )
     elif name == "py_mp_worker_streaming_copy_bytes" and (
         not isinstance(value, int)

@@ -52,13 +52,13 @@ def test_streaming_copy_threshold_is_validated(monkeypatch: pytest.MonkeyPatch) 
         Config()
 
 
-def test_in_process_decision_is_automatic_unless_the_environment_says(
+def test_workers_compute_unless_the_environment_opts_into_the_parent(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     monkeypatch.delenv("GRAIN_PY_MP_PREFETCH_IN_PROCESS", raising=False)
-    assert Config().py_mp_prefetch_in_process == "auto"
-    monkeypatch.setenv("GRAIN_PY_MP_PREFETCH_IN_PROCESS", "never")
     assert Config().py_mp_prefetch_in_process == "never"
+    monkeypatch.setenv("GRAIN_PY_MP_PREFETCH_IN_PROCESS", "auto")
+    assert Config().py_mp_prefetch_in_process == "auto"
     monkeypatch.setenv("GRAIN_PY_MP_PREFETCH_IN_PROCESS", "sometimes")
     with pytest.raises(ValueError, match="py_mp_prefetch_in_process must be one of"):
         Config()

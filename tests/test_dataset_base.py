@@ -214,6 +214,15 @@ def test_subclasses_written_for_grain_read_their_input_as_self_parent():
     ]  # fmt: skip
 
 
+def test_a_source_has_no_parent_attribute():
+    """``hasattr(node, "_parent")`` is False for a source and its iterator (MaxText's
+    iterator clean-up asks it of every node; an IndexError escaped hasattr)."""
+    source = MD.range(3)
+    assert not hasattr(source, "_parent")
+    assert not hasattr(iter(source.to_iter_dataset()), "_parent")
+    assert hasattr(source.map(str), "_parent")
+
+
 # --------------------------------------------------- set_state refuses positions it would truncate
 def _pipelines() -> dict[str, tuple[object, tuple]]:
     """name -> (make the iterable, path of a position in its state)."""

@@ -26,13 +26,21 @@ def test_multiprocessing_options_validation():
 
 def test_stall_thresholds_are_positive_seconds_or_none():
     options = MultiprocessingOptions()
-    assert (options.stall_warning_s, options.stall_timeout_s) == (60.0, None)  # warn, no kill
+    assert (options.stall_warning_s, options.stall_timeout_s) == (30.0, None)  # warn, no kill
     MultiprocessingOptions(stall_warning_s=None, stall_timeout_s=0.5)
     for bad in (0, -1.0, float("inf"), float("nan"), True, "60"):
         with pytest.raises(ValueError, match="stall_timeout_s must be a positive number"):
             MultiprocessingOptions(stall_timeout_s=bad)  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="stall_warning_s"):
         MultiprocessingOptions(stall_warning_s=0)
+
+
+def test_in_process_is_a_mode_or_none():
+    assert MultiprocessingOptions().in_process is None  # the config's: "never" by default
+    for mode in ("never", "auto", "always"):
+        assert MultiprocessingOptions(in_process=mode).in_process == mode
+    with pytest.raises(ValueError, match="in_process must be one of"):
+        MultiprocessingOptions(in_process="sometimes")
 
 
 def test_dataset_options_merge_prefers_explicit_fields_of_self():

@@ -199,6 +199,21 @@ def test_a_killed_writers_temp_file_is_removed_by_the_next_write(tmp_path: pathl
     assert sorted(p.name for p in tmp_path.iterdir()) == [busy.name, "state.json"]
 
 
+def test_a_writer_written_by_name_keeps_its_temp_file_locked(tmp_path: pathlib.Path) -> None:
+    # A library that writes temp_path by name (ArrayRecord) has the caller close ``file``; the
+    # lock that tells a cleaning writer on another host that the file is live stays held.
+    writer = storage.AtomicWriter(tmp_path / "data.array_record")
+    writer.file.close()
+    probe = os.open(writer.temp_path, os.O_RDONLY)
+    try:
+        with pytest.raises(BlockingIOError):
+            fcntl.flock(probe, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        writer.commit()
+        fcntl.flock(probe, fcntl.LOCK_EX | fcntl.LOCK_NB)  # released with the rename
+    finally:
+        os.close(probe)
+
+
 def test_a_killed_remote_writers_spool_file_is_removed_by_the_next_write(
     tmp_path: pathlib.Path, memory_dir: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:

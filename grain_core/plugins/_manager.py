@@ -359,18 +359,23 @@ class Registry:
         return self.get(_FORMATS.key, names[0])
 
     def _no_format_message(self, path: str) -> str:
-        formats = self.objects(_FORMATS.key)
         installed = "; ".join(
-            f"{f.name} ({', '.join(f.suffixes + f.url_patterns)})" for f in formats
+            f"{fmt.name} ({', '.join(fmt.suffixes + fmt.url_patterns)}) of plugin {report.name}"
+            for registrations in self._objects[_FORMATS.key].values()
+            for fmt, report in registrations
         )
         message = f"No installed format claims {path!r}. Installed formats: {installed or 'none'}."
         file_name = path_for_matching(path)
         for first_party in _FIRST_PARTY:
             if any(file_name.endswith(s) for s in first_party.suffixes):
                 return f"{message} {first_party.suffixes[0]} files need: {first_party.install_hint}"
+        claimed = {suffix for fmt in self.objects(_FORMATS.key) for suffix in fmt.suffixes}
+        missing = [fp for fp in _FIRST_PARTY if not claimed.issuperset(fp.suffixes)]
+        if not missing:
+            return f"{message} Name the format explicitly, or install a plugin for this format."
         return (
-            f"{message} Install a plugin for this format (first-party: "
-            + ", ".join(fp.install_hint for fp in _FIRST_PARTY)
+            f"{message} Install a plugin for this format (first-party, not installed: "
+            + ", ".join(fp.install_hint for fp in missing)
             + ") or name the format explicitly."
         )
 
