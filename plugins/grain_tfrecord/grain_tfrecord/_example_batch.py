@@ -378,7 +378,8 @@ class _WireBatch:
             assert isinstance(serialized, np.ndarray)
             width = serialized.dtype.itemsize
             self.size = serialized.size
-            self.data = np.ascontiguousarray(serialized).tobytes() + bytes(_PAD)
+            # One copy: the array's buffer joined with the padding the windows read past.
+            self.data = b"".join((np.ascontiguousarray(serialized).data, bytes(_PAD)))
             self.starts = np.arange(self.size, dtype=np.int64) * width
             self.ends = self.starts + width
             # Where each record's bytes end before its NUL padding (NumPy's length of an S
