@@ -648,12 +648,14 @@ def test_no_format_claims_names_the_plugins_and_their_suffixes(grain_core_cli: R
         ("s3://bucket/x.tfrecord", "fsspec", "fsspec s3fs"),
         ("gs://bucket/x.tfrecord", "gs", "gcsfs"),
         ("hf://datasets/user/x.tfrecord", "hf", "huggingface_hub"),
+        # Parquet too (pyarrow's own GCS client waited for the network for minutes).
+        ("gs://bucket/x.parquet", "gs", "gcsfs"),
     ],
 )
 def test_a_missing_store_package_is_one_line_naming_what_to_install(
     url: str, missing: str, package: str, monkeypatch: pytest.MonkeyPatch, grain_core_cli: RunCli
 ) -> None:
-    pytest.importorskip("grain_tfrecord")
+    pytest.importorskip("grain_parquet" if url.endswith(".parquet") else "grain_tfrecord")
     if missing == "fsspec":
         monkeypatch.setitem(sys.modules, "fsspec", None)
     else:  # the scheme's implementation cannot be imported, as when its package is missing
