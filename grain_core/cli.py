@@ -70,6 +70,24 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (plugins.PluginError, OSError, ValueError) as err:
         print(f"grain-core {args.command}: error: {_cli_spelling(str(err))}", file=sys.stderr)
         return 1
+    except ImportError as err:  # an optional dependency: one line naming what to install
+        print(f"grain-core {args.command}: error: {_install_hint(err)}", file=sys.stderr)
+        return 1
+
+
+def _install_hint(err: ImportError) -> str:
+    """``err``'s message, with the ``pip install`` of the missing module where it names none
+    (fsspec's own errors: "Install huggingface_hub to access HfFileSystem")."""
+    message = str(err)
+    if "pip install" in message:
+        return message
+    cause: BaseException | None = err
+    while cause is not None and not (isinstance(cause, ImportError) and cause.name):
+        cause = cause.__cause__ or cause.__context__
+    if cause is None:
+        return message
+    missing = str(cause.name).split(".")[0]  # type: ignore[attr-defined]
+    return f"{message}: pip install {missing}"
 
 
 def _cli_spelling(message: str) -> str:
@@ -417,7 +435,50 @@ def _cmd_convert(args: argparse.Namespace) -> int:
         f"{count} records: {args.input} ({source_format.name}) -> {written} "
         f"({target_format.name}) in {seconds:.2f} s"
     )
+    if isinstance(rows.first, dict):  # rows: a format of records (bytes) has no columns
+        changed = _schema_changes(rows.first, _first_row(target_format, outputs[0]))
+        if changed:
+            print(
+                f"note: {target_format.name} stores these columns with other types than "
+                f"{source_format.name} did: {changed}"
+            )
     return 0
+
+
+def _first_row(fmt: plugins.FormatSpec, path: str) -> Any:
+    """The first record of ``path`` as its format reads it back (decoded into a row where the
+    format has a decoder); None if it has none."""
+    records, _ = _records_of(fmt, path, {})
+    record = next(iter(records), None)
+    if isinstance(record, bytes) and fmt.record_decoder is not None:
+        return fmt.record_decoder(record)
+    return record
+
+
+def _column_type(value: Any) -> str:
+    """A column value's type as ``convert`` compares them: dtype (``string`` / ``bytes`` for
+    text) and shape, e.g. ``int32``, ``int64[1]``."""
+    array = np.asarray(value)
+    if array.dtype.kind in "USO":
+        first = array.flat[0] if array.size else value
+        kind = "string" if isinstance(first, str) else "bytes"
+    else:
+        kind = str(array.dtype)
+    return kind + (str(list(array.shape)) if array.shape else "")
+
+
+def _schema_changes(written: Any, read_back: Any) -> str:
+    """The columns whose type differs between the first row written and the first read back
+    (``x: int32 -> int64[1]``); empty when they agree or the records are not rows."""
+    if not isinstance(written, dict) or not isinstance(read_back, dict):
+        return ""
+    changes = []
+    for name, value in written.items():
+        if name in read_back:
+            before, after = _column_type(value), _column_type(read_back[name])
+            if before != after:
+                changes.append(f"{name}: {before} -> {after}")
+    return "; ".join(changes)
 
 
 @contextlib.contextmanager
@@ -465,17 +526,24 @@ class _RowsOf:
         self._fmt = fmt
         self._path = path
         self._columns: dict[str, str] | None = None
+        #: The first record as it was written (a decoded row where it was decoded).
+        self.first: Any = None
 
     def write(self, writer: plugins.RecordWriter, record: Any, index: int) -> None:
         if self._columns is None:
             try:
                 writer.write(record)
+                if index == 0:
+                    self.first = record
                 return
             except TypeError:
                 if index > 0 or self._fmt.record_decoder is None:
                     raise
                 self._columns = {}
-        writer.write(self._decode(record, index))
+        row = self._decode(record, index)
+        writer.write(row)
+        if index == 0:
+            self.first = row
 
     def _decode(self, record: Any, index: int) -> Any:
         decoder, columns = self._fmt.record_decoder, self._columns
@@ -532,7 +600,7 @@ def progress(iterable: Iterable[_T], total: int | None, unit: str) -> Iterable[_
     """Wraps ``iterable`` in a tqdm progress bar when stderr is a terminal and tqdm exists
     (``total=None``: a count without an end).
 
-    tqdm is optional (``pip install 'grainpipe[progress]'``): without it, or when output is
+    tqdm is optional (``pip install tqdm``): without it, or when output is
     redirected, the iterable is returned unchanged so logs stay clean.
     """
     if not sys.stderr.isatty():

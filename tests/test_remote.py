@@ -22,6 +22,7 @@ pytest.importorskip("moto.server")
 pytest.importorskip("s3fs")
 grain_tfrecord = pytest.importorskip("grain_tfrecord")
 
+import killed_saves  # noqa: E402
 from grain_tfrecord import TFRecordDataSource, TFRecordIterDataset, TFRecordWriter  # noqa: E402
 from s3_server import running_s3_server  # noqa: E402
 
@@ -330,6 +331,30 @@ def test_elastic_shard_state_files_in_the_bucket(s3: Any) -> None:
     CheckpointHandler().restore(f"{s3.url}/elastic", fresh)
     after = [x for batch in fresh for x in batch.ravel().tolist()]
     assert sorted(before + after) == list(range(40))
+
+
+def test_a_save_killed_at_each_file_boundary_in_the_bucket_restores_old_new_or_refused(
+    s3: Any,
+) -> None:
+    # One process overwriting its checkpoint, and two saving into a fresh directory, die
+    # before each of their uploads (each upload is whole or absent).
+    for kill_at in range(8):
+        directory = f"{s3.url}/overwritten_{kill_at}"
+        old = killed_saves.save_killed_at(directory, 1, 1, kill_at=99)
+        try:
+            new = killed_saves.save_killed_at(directory, 1, 3, kill_at)
+        except killed_saves.Killed:
+            new = old
+        for count in (1, 2):
+            killed_saves.check_old_new_or_refused(directory, count, old, new, directory)
+    for kill_at in range(9):
+        directory = f"{s3.url}/fresh_{kill_at}"
+        try:
+            new = killed_saves.save_killed_at(directory, 2, 2, kill_at)
+        except killed_saves.Killed:
+            assert isinstance(killed_saves.restore_all(directory, 3), ValueError)
+            continue
+        killed_saves.check_old_new_or_refused(directory, 3, None, new, directory)
 
 
 # ------------------------------------------------------------------------------------- CLI

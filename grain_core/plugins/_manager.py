@@ -60,6 +60,7 @@ __all__ = [
     "list_shuffle_strategies",
     "list_worker_backends",
     "loaded_plugin_names",
+    "plugin_install_command",
     "registry",
     "reset",
     "resolve_public_name",
@@ -92,6 +93,13 @@ _KINDS = (_FORMATS, _SHUFFLES, _SHARDINGS, _BACKENDS)
 _EXPORTS = _Kind("exports", "public name", "", object)
 
 
+def plugin_install_command(package: str) -> str:
+    """The command that installs first-party plugin ``package`` (its directory under
+    ``plugins/``): its ``grainpipe-*`` distribution is on no package index yet, and alone it
+    fails on its ``grainpipe`` dependency, so the core is installed beside it."""
+    return f"pip install . ./plugins/{package} (in a clone of grain_core)"
+
+
 @dataclasses.dataclass(frozen=True)
 class _FirstParty:
     distribution: str
@@ -101,10 +109,7 @@ class _FirstParty:
 
     @property
     def install_hint(self) -> str:
-        return (
-            f"pip install {self.distribution} (from a grain_core source checkout: "
-            f"pip install ./plugins/{self.package})"
-        )
+        return plugin_install_command(self.package)
 
 
 # The project's own format plugins: what to tell a user who needs one that is missing.
@@ -370,7 +375,7 @@ class Registry:
             return f"{message} Name the format explicitly, or install a plugin for this format."
         return (
             f"{message} Install a plugin for this format (first-party, not installed: "
-            + ", ".join(f"pip install {fp.distribution}" for fp in missing)
+            + ", ".join(fp.install_hint for fp in missing)
             + ") or name the format explicitly."
         )
 
