@@ -622,6 +622,11 @@ def test_inspect_reads_every_shard_pattern_of_every_format(
         shell = _subprocess("/bin/sh", "-c", command)
         assert shell.returncode == 0, (command, shell.stderr)
         assert json.loads(shell.stdout)["num_records"] == 7, command
+    # convert reads the same forms, several paths included.
+    joined = tmp_path / "joined.tfrecord"
+    shell = _subprocess("/bin/sh", "-c", f"{CONSOLE_SCRIPT} convert {data}/x{suffix}-* {joined}")
+    assert shell.returncode == 0, shell.stderr
+    assert shell.stdout.startswith(f"7 records: {base}-00000-of-00002 {base}-00001-of-00002 (")
 
 
 def test_inspect_help_lists_the_tested_forms(grain_core_cli: RunCli) -> None:
