@@ -40,9 +40,11 @@ def _tfrecord_dataset_module(name: str) -> types.ModuleType:
     except ModuleNotFoundError as err:
         if err.name != "grain_tfrecord":
             raise
+        from grain_core import plugins  # import cost: only for the error
+
         raise ImportError(
             f"{name} is provided by the grainpipe-tfrecord plugin, which is not installed: "
-            "pip install grainpipe-tfrecord",
+            f"{plugins.plugin_install_command('grain_tfrecord')}",
             name=name,
         ) from err
     module = types.ModuleType(name, "Grain's TFRecord module path, served by grain_tfrecord.")

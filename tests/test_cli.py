@@ -622,6 +622,11 @@ def test_inspect_reads_every_shard_pattern_of_every_format(
         shell = _subprocess("/bin/sh", "-c", command)
         assert shell.returncode == 0, (command, shell.stderr)
         assert json.loads(shell.stdout)["num_records"] == 7, command
+    # convert reads the same forms, several paths included.
+    joined = tmp_path / "joined.tfrecord"
+    shell = _subprocess("/bin/sh", "-c", f"{CONSOLE_SCRIPT} convert {data}/x{suffix}-* {joined}")
+    assert shell.returncode == 0, shell.stderr
+    assert shell.stdout.startswith(f"7 records: {base}-00000-of-00002 {base}-00001-of-00002 (")
 
 
 def test_inspect_help_lists_the_tested_forms(grain_core_cli: RunCli) -> None:
@@ -648,12 +653,14 @@ def test_no_format_claims_names_the_plugins_and_their_suffixes(grain_core_cli: R
         ("s3://bucket/x.tfrecord", "fsspec", "fsspec s3fs"),
         ("gs://bucket/x.tfrecord", "gs", "gcsfs"),
         ("hf://datasets/user/x.tfrecord", "hf", "huggingface_hub"),
+        # Parquet too (pyarrow's own GCS client waited for the network for minutes).
+        ("gs://bucket/x.parquet", "gs", "gcsfs"),
     ],
 )
 def test_a_missing_store_package_is_one_line_naming_what_to_install(
     url: str, missing: str, package: str, monkeypatch: pytest.MonkeyPatch, grain_core_cli: RunCli
 ) -> None:
-    pytest.importorskip("grain_tfrecord")
+    pytest.importorskip("grain_parquet" if url.endswith(".parquet") else "grain_tfrecord")
     if missing == "fsspec":
         monkeypatch.setitem(sys.modules, "fsspec", None)
     else:  # the scheme's implementation cannot be imported, as when its package is missing
