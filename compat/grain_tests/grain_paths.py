@@ -80,43 +80,8 @@ PRIVATE_MODULES: dict[str, tuple[str, ...]] = {
     "grain._src.python.experimental.example_packing.packing": ("grain_core.python.experimental",),
 }
 
-#: Names that Grain spells differently: (Grain module, Grain name) -> "module:name" (a
-#: grain_core name, or one of the adapters below).
-RENAMED: dict[tuple[str, str], str] = {
-    (f"{_TRANSFORMATIONS}.process_prefetch", "multiprocess_prefetch"): (
-        "grain_paths:multiprocess_prefetch"
-    ),
-    (f"{_TRANSFORMATIONS}.process_prefetch", "ProcessPrefetchIterDataset"): (
-        "grain_paths:process_prefetch"
-    ),
-}
-
-
-def multiprocess_prefetch(
-    ds: Any,
-    num_workers: int = 0,
-    buffer_size: int = 1,
-    worker_init_fn: Any = None,
-    sequential_slice: bool = False,
-) -> Any:
-    """Grain's internal ``multiprocess_prefetch``: the public ``IterDataset.mp_prefetch``."""
-    options = grain_core.MultiprocessingOptions(num_workers, per_worker_buffer_size=buffer_size)
-    return ds.mp_prefetch(options, worker_init_fn, sequential_slice)
-
-
-def process_prefetch(parent: Any, buffer_size: int, worker_init_fn: Any = None) -> Any:
-    """Grain's ``ProcessPrefetchIterDataset`` (the pipeline in one background process):
-    ``mp_prefetch`` with one worker.
-
-    Raises:
-      ValueError: if ``buffer_size`` is not positive.
-    """
-    if buffer_size <= 0:
-        raise ValueError(f"`buffer_size` must be greater than 0, got {buffer_size}.")
-    init = None if worker_init_fn is None else (lambda index, count: worker_init_fn())
-    options = grain_core.MultiprocessingOptions(1, per_worker_buffer_size=buffer_size)
-    return parent.mp_prefetch(options, init)
-
+#: Names that Grain spells differently: (Grain module, Grain name) -> "module:name".
+RENAMED: dict[tuple[str, str], str] = {}
 
 #: Grain's test helpers, run from the wheel against the mapped modules.
 WHEEL_HELPERS = (
