@@ -423,7 +423,7 @@ class DataLoader:
         read_options: ReadOptions | None = None,
         enable_profiling: bool = False,
         worker_backend: str | Any = "local",
-        worker_stall_warning_s: float | None = 60.0,
+        worker_stall_warning_s: float | None = 30.0,
         worker_stall_timeout_s: float | None = None,
     ) -> None:
         if worker_count is None:

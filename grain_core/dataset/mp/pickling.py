@@ -14,8 +14,12 @@ or id, as their type and Python value in workers.
 from __future__ import annotations
 
 import copyreg
+import dataclasses
 import io
+import marshal
 import pickle
+import types
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -24,9 +28,11 @@ import numpy as np
 
 from grain_core._ipc import shm
 from grain_core.dataset.base import IterDataset, MapDataset
+from grain_core.options import MultiprocessingOptions
 
 __all__ = [
     "FIXED_SIZE_TYPES",
+    "EngineInput",
     "dumps",
     "dumps_message",
     "pickle_init_fn",
@@ -39,6 +45,53 @@ FIXED_SIZE_TYPES = frozenset({int, float, bool, complex, type(None)})
 
 #: Arrays in a pipeline at least this large travel to the workers in shared memory, read-only.
 SHARED_ARRAY_MIN_BYTES = 1024 * 1024
+
+
+@dataclasses.dataclass(eq=False)
+class EngineInput:
+    """What an ``mp_prefetch`` engine runs, built once by ``mp_prefetch``'s dataset.
+
+    Attributes:
+      pipeline: The pipeline the workers run.
+      options: Worker count, buffer, backend and watchdog thresholds.
+      sequential_slice: Workers take contiguous blocks instead of strided shares.
+      worker_init_fn: Called in each worker before the pipeline is unpickled.
+      share_arrays: Large arrays of the pipeline go to the workers in shared memory (workers
+        on this host).
+    """
+
+    pipeline: IterDataset[Any]
+    options: MultiprocessingOptions
+    sequential_slice: bool = False
+    worker_init_fn: Callable[[int, int], None] | None = None
+    share_arrays: bool = True
+    _payload: tuple[bytes, bytes | None] | None = dataclasses.field(
+        default=None, init=False, repr=False
+    )
+
+    @property
+    def num_workers(self) -> int:
+        return self.options.num_workers
+
+    def payload(self) -> tuple[bytes, bytes | None]:
+        """The cloudpickled pipeline and ``worker_init_fn``, computed once.
+
+        Raises:
+          Exception: The pickling error, with a note naming the first node that cannot be
+            pickled.
+        """
+        if self._payload is None:
+            dataset, blocks = pickle_pipeline(self.pipeline, share_arrays=self.share_arrays)
+            if blocks:
+                # Workers started from this payload map these blocks; every engine holds this
+                # input, so the blocks outlive every worker that may start from them.
+                weakref.finalize(self, shm.unlink_shm, blocks)
+            init = None if self.worker_init_fn is None else pickle_init_fn(self.worker_init_fn)
+            self._payload = (dataset, init)
+        return self._payload
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {**self.__dict__, "_payload": None}
 
 
 def dumps(message: tuple[Any, ...]) -> bytes:
@@ -85,12 +138,27 @@ def _numpy_scalar_from_bytes(dtype: str, data: bytes) -> Any:
     return np.frombuffer(data, dtype)[0]
 
 
-class _SharingPickler(cloudpickle.Pickler):  # type: ignore[misc]
-    """cloudpickle, with large plain NumPy arrays copied into shared-memory blocks (named in
-    ``blocks``) and pickled as the block's name: a worker maps the block read-only."""
+class _PipelinePickler(cloudpickle.Pickler):  # type: ignore[misc]
+    """cloudpickle, keeping the file name of the code of functions it pickles by value (those
+    of ``__main__`` or of a file run by path), which cloudpickle replaces by
+    ``<dynamic-code>``: worker tracebacks and stage names then show the user's file and line.
+    The workers run the parent's interpreter, so the code goes as ``marshal`` writes it."""
+
+    def __init__(self, file: io.BytesIO) -> None:
+        super().__init__(file, protocol=pickle.HIGHEST_PROTOCOL)
+
+    def reducer_override(self, obj: Any) -> Any:
+        if type(obj) is types.CodeType:
+            return marshal.loads, (marshal.dumps(obj),)
+        return super().reducer_override(obj)
+
+
+class _SharingPickler(_PipelinePickler):
+    """The pipeline pickler, with large plain NumPy arrays copied into shared-memory blocks
+    (named in ``blocks``) and pickled as the block's name: a worker maps the block read-only."""
 
     def __init__(self, file: io.BytesIO, blocks: list[str]) -> None:
-        super().__init__(file, protocol=pickle.HIGHEST_PROTOCOL)
+        super().__init__(file)
         self._blocks = blocks
 
     def reducer_override(self, obj: Any) -> Any:
@@ -129,7 +197,7 @@ def pickle_pipeline(ds: IterDataset[Any], share_arrays: bool = True) -> tuple[by
         if share_arrays:
             _SharingPickler(buffer, blocks).dump(ds)
         else:
-            cloudpickle.Pickler(buffer, protocol=pickle.HIGHEST_PROTOCOL).dump(ds)
+            _PipelinePickler(buffer).dump(ds)
         return buffer.getvalue(), blocks
     except Exception as e:
         shm.unlink_shm(blocks)
@@ -144,8 +212,10 @@ def pickle_pipeline(ds: IterDataset[Any], share_arrays: bool = True) -> tuple[by
 
 
 def pickle_init_fn(init_fn: Callable[[int, int], None]) -> bytes:
+    buffer = io.BytesIO()
     try:
-        return cloudpickle.dumps(init_fn)  # type: ignore[no-any-return]
+        _PipelinePickler(buffer).dump(init_fn)
+        return buffer.getvalue()
     except Exception as e:
         e.add_note(
             f"worker_init_fn {init_fn!r} cannot be pickled! It is sent to every worker "
