@@ -155,6 +155,24 @@ def test_maxtext_subclasses_of_the_tfrecord_reader_work(tmp_path: Path) -> None:
     assert out.strip() == str([b"record %d" % i for i in range(5)])
 
 
+def test_tfrecord_path_without_the_plugin_says_what_to_install(tmp_path: Path) -> None:
+    out = _ok(
+        """
+        import sys
+        import grain_core
+        grain_core.install_as_grain()
+        sys.modules["grain_tfrecord"] = None  # as if not installed
+        try:
+            from grain._src.python.dataset.sources.tfrecord_dataset import _TFRecordReader
+        except ImportError as err:
+            print(err)
+        """,
+        tmp_path,
+    )
+    assert "grain._src.python.dataset.sources.tfrecord_dataset" in out
+    assert "pip install grainpipe-tfrecord" in out
+
+
 def test_unknown_private_path_names_itself_and_the_docs(tmp_path: Path) -> None:
     out = _ok(
         """
