@@ -23,6 +23,12 @@ Test selection is by installed packages, not by markers: tests of plugin ``x`` l
 ``tests/test_<x>*.py`` and start with ``pytest.importorskip("grain_<x>")``, so
 ``tests-core`` runs the suite and they skip there. Extra arguments go to pytest:
 ``nox -s tests-core -- -k sharding``.
+
+``nox -s tests-clients`` (CPython 3.12) runs Keras 3 and MaxText 0.2.5 unmodified on grain_core
+after ``install_as_grain()`` (``tests/clients``, which other sessions do not collect) and
+compares their values with Google Grain's, computed in a second virtualenv. It is not in the
+default run: Grain's side alone starts about 20 spawned worker processes that each import JAX
+and Keras, and the session took over 8 minutes on the 2-core machine.
 """
 
 from __future__ import annotations
@@ -143,6 +149,67 @@ def _ensure_chromium(session: nox.Session) -> None:
     if shutil.which("chromium") or not shutil.which("apt-get") or os.geteuid() != 0:
         return
     session.run("apt-get", "install", "-y", "-q", "chromium", external=True, success_codes=[0, 100])
+
+
+# Keras 3 and MaxText 0.2.5 (which needs CPython 3.12+), unmodified, on grain_core; Google
+# Grain only in a second virtualenv of that session, never a dependency of a package.
+CLIENTS_PYTHON = "3.12"
+CLIENTS = (
+    "keras",
+    "jax",
+    # What MaxText's input pipeline imports and calls (its tokenizer: tiktoken).
+    "ml-collections",
+    "etils",
+    "pyyaml",
+    "pillow",
+    "protobuf",
+    "tiktoken",
+    "absl-py",
+)
+MAXTEXT = "maxtext==0.2.5"
+GOOGLE_GRAIN = "grain==0.2.18"
+
+
+@nox.session(name="tests-clients", python=CLIENTS_PYTHON, default=False)
+def tests_clients(session: nox.Session) -> None:
+    """Keras 3 (JAX) and MaxText 0.2.5's Grain input pipeline on grain_core
+    (``tests/clients``), compared with Google Grain: the data files are written once, a second
+    virtualenv with ``grain`` (sharing this one's other packages) computes every scenario, and
+    the tests compare. MaxText is installed without its dependencies; the heavy ones its
+    pipeline imports but never calls are stand-ins (``tests/clients/stand_ins``)."""
+    formats = [str(PLUGINS[name]) for name in ("arrayrecord", "parquet", "tfrecord")]
+    session.install(".", *formats, "pytest", "hypothesis", *CLIENTS)
+    session.install("--no-deps", MAXTEXT)
+    tmp = Path(session.create_tmp())
+    data, values = tmp / "clients-data", tmp / "google-grain-values.pickle"
+    env = {
+        "PYTHONPATH": str(ROOT / "tests" / "clients" / "stand_ins"),
+        "JAX_PLATFORMS": "cpu",
+        "KERAS_BACKEND": "jax",
+    }
+    scenarios = str(ROOT / "tests" / "clients" / "scenarios.py")
+    session.run("python", scenarios, "write-data", str(data), env=env)
+    google = tmp / "google-grain-venv"
+    shutil.rmtree(google, ignore_errors=True)
+    session.run("python", "-m", "venv", str(google))
+    google_python = str(google / "bin" / "python")
+    # This session's packages behind Grain's own: only grain and what it needs are installed.
+    site = subprocess.run(
+        [google_python, "-c", "import sysconfig; print(sysconfig.get_path('purelib'))"],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.strip()
+    ours = session.run(
+        "python", "-c", "import sysconfig; print(sysconfig.get_path('purelib'))", silent=True
+    )
+    (Path(site) / "session-packages.pth").write_text(str(ours).strip() + "\n")
+    session.run(google_python, "-m", "pip", "install", "-q", GOOGLE_GRAIN, external=True)
+    session.run(
+        google_python, scenarios, "reference", str(data), str(values), env=env, external=True
+    )
+    env.update({"GRAIN_CLIENTS_DATA": str(data), "GRAIN_CLIENTS_REFERENCE": str(values)})
+    session.run("pytest", *(session.posargs or ["tests/clients"]), env=env)
 
 
 @nox.session(name="tests-remote", default=False)
