@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
-import warnings
+import logging
 from typing import Any
 
 from grain_core._checks import non_negative_int
@@ -13,6 +13,8 @@ __all__ = ["IN_PROCESS_MODES", "MultiprocessingOptions", "ReadOptions"]
 #: Where a dispatched ``mp_prefetch`` pipeline may be computed (``MultiprocessingOptions.
 #: in_process``, ``config.py_mp_prefetch_in_process``).
 IN_PROCESS_MODES = ("never", "auto", "always")
+
+_LOG = logging.getLogger(__name__)
 
 
 @dataclasses.dataclass(slots=True)
@@ -37,10 +39,12 @@ class ReadOptions:
         non_negative_int("ReadOptions.num_threads", self.num_threads)
         non_negative_int("ReadOptions.prefetch_buffer_size", self.prefetch_buffer_size)
         if 0 < self.prefetch_buffer_size < self.num_threads:
-            warnings.warn(
-                f"ReadOptions.prefetch_buffer_size={self.prefetch_buffer_size} is smaller than "
-                f"num_threads={self.num_threads}: at most prefetch_buffer_size reads run at once.",
-                stacklevel=3,
+            # Logged, as Grain logs it (users' log monitoring matches the text).
+            _LOG.warning(
+                "ReadOptions.prefetch_buffer_size=%d is smaller than num_threads=%d: at most "
+                "prefetch_buffer_size reads run at once.",
+                self.prefetch_buffer_size,
+                self.num_threads,
             )
 
 

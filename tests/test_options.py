@@ -6,14 +6,18 @@ from grain_core import MultiprocessingOptions, ReadOptions
 from grain_core.dataset.options import DatasetOptions, ExecutionTrackingMode, FilterRatioChecker
 
 
-def test_read_options_defaults_and_validation():
+def test_read_options_defaults_and_validation(caplog: pytest.LogCaptureFixture) -> None:
     assert ReadOptions() == ReadOptions(num_threads=16, prefetch_buffer_size=500)
-    with pytest.raises(ValueError, match="num_threads"):
+    with pytest.raises(ValueError, match="num_threads must be non-negative"):
         ReadOptions(num_threads=-1)
-    with pytest.raises(ValueError, match="prefetch_buffer_size"):
+    with pytest.raises(ValueError, match="prefetch_buffer_size must be non-negative"):
         ReadOptions(prefetch_buffer_size=-1)
-    with pytest.warns(UserWarning, match="smaller than"):
+    with caplog.at_level("WARNING"):
+        ReadOptions(num_threads=8, prefetch_buffer_size=0)
+        assert caplog.records == []
         ReadOptions(num_threads=8, prefetch_buffer_size=2)
+    assert [r.levelname for r in caplog.records] == ["WARNING"]
+    assert "prefetch_buffer_size=2 is smaller than num_threads=8" in caplog.text
 
 
 def test_multiprocessing_options_validation():

@@ -32,6 +32,12 @@ from grain_core.dataset.base import DatasetIterator, IterDataset
 from grain_core.dataset.interleave import InterleaveIterDataset
 from grain_core.dataset.mp import dispatch, remote, rotation
 from grain_core.dataset.mp.consumer import ClassConsumer, DispatchedClassIterator
+from grain_core.dataset.mp.in_process import (
+    MARGIN,
+    seconds_per_result_with_workers,
+    transport_seconds,
+    usable_cores,
+)
 from grain_core.dataset.mp.pickling import EngineInput
 from grain_core.dataset.mp.shm_batch import shared_memory_batch_fn
 from grain_core.dataset.mp.worker import start_worker_server
@@ -41,10 +47,14 @@ from grain_core.dataset.with_options import WithOptionsIterDataset
 from grain_core.options import MultiprocessingOptions
 
 __all__ = [
+    "MARGIN",
     "MultiprocessPrefetchIterDataset",
     "mp_prefetch",
+    "seconds_per_result_with_workers",
     "shared_memory_batch_fn",
     "start_worker_server",
+    "transport_seconds",
+    "usable_cores",
 ]
 
 
