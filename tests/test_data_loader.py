@@ -95,7 +95,7 @@ def test_worker_stall_thresholds_reach_the_workers_options() -> None:
         None,
         7.5,
     )
-    assert _loader(2, []).multiprocessing_options.stall_warning_s == 60.0
+    assert _loader(2, []).multiprocessing_options.stall_warning_s == 30.0
     with pytest.raises(ValueError, match="stall_timeout_s"):
         _loader(2, [], worker_stall_timeout_s=0)
 
