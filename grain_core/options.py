@@ -64,6 +64,12 @@ class MultiprocessingOptions:
       stall_timeout_s: the watchdog's deadline (local workers): after this many seconds the
         wait raises ``grain_core.multiprocessing.WorkerStalledError`` (a ``RuntimeError``)
         with the same report; the worker is left running. None (the default): wait forever.
+      persistent_workers: keep the worker processes (local workers) running when an
+        iterator is closed or collected (a ``for`` loop's, when the loop ends), for the next
+        iterator over the same dataset (the next epoch): it starts without starting
+        processes, and gives the same output as new workers. They stop when the dataset (or ``DataLoader``) is closed or collected. As
+        PyTorch's ``DataLoader(persistent_workers=True)``; False (the default): each
+        iterator starts and stops its own.
 
     Raises:
       ValueError: if a count is negative, ``backend`` is an empty name, or a stall threshold
@@ -76,6 +82,7 @@ class MultiprocessingOptions:
     backend: str | Any = "local"
     stall_warning_s: float | None = 60.0
     stall_timeout_s: float | None = None
+    persistent_workers: bool = False
 
     def __post_init__(self) -> None:
         non_negative_int("MultiprocessingOptions.num_workers", self.num_workers)

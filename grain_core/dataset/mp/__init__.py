@@ -35,7 +35,7 @@ from grain_core.dataset.interleave import InterleaveIterDataset
 from grain_core.dataset.mp import dispatch, remote, rotation
 from grain_core.dataset.mp.pickling import pickle_init_fn, pickle_pipeline
 from grain_core.dataset.mp.shm_batch import shared_memory_batch_fn
-from grain_core.dataset.mp.worker import start_worker_server
+from grain_core.dataset.mp.worker import WarmWorkers, start_worker_server
 from grain_core.dataset.multithread import multithread_prefetch
 from grain_core.dataset.options import DatasetOptions
 from grain_core.dataset.with_options import WithOptionsIterDataset
@@ -132,6 +132,7 @@ class MultiprocessPrefetchIterDataset(IterDataset[Any]):
         self.worker_init_fn = worker_init_fn
         self.sequential_slice = sequential_slice
         self._payload: tuple[bytes, bytes | None] | None = None
+        self._warm: WarmWorkers | None = None
         #: Where the workers run: None for local processes.
         self.backend = remote.worker_backend(options)
         if self.backend is not None:
@@ -163,8 +164,26 @@ class MultiprocessPrefetchIterDataset(IterDataset[Any]):
             self._payload = (dataset, init)
         return self._payload
 
+    @property
+    def warm_workers(self) -> WarmWorkers | None:
+        """Where iterators leave their workers for the next one
+        (``MultiprocessingOptions.persistent_workers``, local workers); None: each iterator
+        stops its own."""
+        if self._warm is None and self.options.persistent_workers and self.backend is None:
+            self._warm = WarmWorkers()
+            weakref.finalize(self, self._warm.close)
+        return self._warm
+
+    def close(self) -> None:
+        """Stops the worker processes kept for the next iterator
+        (``MultiprocessingOptions.persistent_workers``); those of an open iterator stop when
+        it is closed. Iterators made later start new ones."""
+        if self._warm is not None:
+            self._warm.close()
+            self._warm = None
+
     def __getstate__(self) -> dict[str, Any]:
-        return {**self.__dict__, "_payload": None}
+        return {**self.__dict__, "_payload": None, "_warm": None}
 
     def __iter__(self) -> DatasetIterator[Any]:
         make: Callable[[int], DatasetIterator[Any]]

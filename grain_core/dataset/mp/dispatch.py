@@ -74,7 +74,14 @@ from grain_core.dataset.mp.protocol import (
     shared_ahead_room,
     stats_request_message,
 )
-from grain_core.dataset.mp.worker import GROUP_S, WorkerLoop, WorkerSpec, run_worker, start_workers
+from grain_core.dataset.mp.worker import (
+    GROUP_S,
+    WorkerLoop,
+    WorkerSpec,
+    lease_workers,
+    release_workers,
+    run_worker,
+)
 from grain_core.dataset.options import DatasetOptions, FilterRatioChecker
 from grain_core.plugins import loaded_plugin_names
 
@@ -448,7 +455,8 @@ class PositionDispatcher(ClassFrontiers):
         self._stop_workers()
 
     def _stop_workers(self) -> None:
-        """Stops the workers, if they run, and drops the results they sent ahead."""
+        """Stops the workers, if they run (or keeps them for the next iterator), and drops the
+        results they sent ahead."""
         if self._finalizer is not None:
             self._receive_last_stats()
             self._finalizer()  # the workers' blocks go with them
@@ -471,36 +479,48 @@ class PositionDispatcher(ClassFrontiers):
             self._payoff = WorkerPayoff(self._count, sum(self.lengths) - sum(self.frontier))
 
     def _start_workers(self, options: DatasetOptions) -> None:
-        """Starts the workers and gives them their first runs from the consumer's positions."""
+        """Starts the workers (or takes those the last iterator left running) and gives them
+        their first runs from the consumer's positions."""
         mp_ds = self._mp_ds
-        dataset, init_fn = mp_ds.payload()
         plugins = loaded_plugin_names()
-        specs = [
-            WorkerSpec(
-                index=w,
-                count=self._count,
-                init_fn=init_fn,
-                dataset=dataset,
-                sequential_slice=False,
-                state=None,
-                plugins=plugins,
-                options=options,
-                shm_prefix=WorkerPool.new_prefix(w),
-                pool_size=2 * self._buffer + 2,
-                buffer_size=mp_ds.options.per_worker_buffer_size,
-            )
-            for w in range(self._count)
-        ]
-        self._pool = pool = start_workers(specs, worker_main, mp_ds.options)
-        self._finalizer = weakref.finalize(self, pool.shutdown)
+
+        def make_specs() -> list[WorkerSpec]:
+            dataset, init_fn = mp_ds.payload()
+            return [
+                WorkerSpec(
+                    index=w,
+                    count=self._count,
+                    init_fn=init_fn,
+                    dataset=dataset,
+                    sequential_slice=False,
+                    state=None,
+                    plugins=plugins,
+                    options=options,
+                    shm_prefix=WorkerPool.new_prefix(w),
+                    pool_size=2 * self._buffer + 2,
+                    buffer_size=mp_ds.options.per_worker_buffer_size,
+                )
+                for w in range(self._count)
+            ]
+
+        warm = mp_ds.warm_workers
+        lease = lease_workers(
+            warm, (worker_main, options, plugins), make_specs, worker_main, mp_ds.options
+        )
+        self._pool = lease.pool
+        self._recycled = lease.recycled
+        self._finalizer = weakref.finalize(
+            self, release_workers, warm, lease, functools.partial(_held_blocks, self._held)
+        )
         self._cpu_mark = [0.0] * self._count
         self._since_learned = [0] * self._count
         self._stats_requests = [0] * self._count
         self._stats_answered = [0] * self._count
-        self._generation = 0
+        self._generation = lease.first_generation
         self.error = None
         self._forget_work()
-        self._assign()
+        # Workers of an iterator before this one drop its work on hearing the new generation.
+        self._assign(every_worker=lease.reused)
 
     def next_of(self, cls: int, options: DatasetOptions) -> Any:
         """The next element of class ``cls``.
@@ -898,6 +918,13 @@ class PositionDispatcher(ClassFrontiers):
         self._assigned[cls] = first + given
         self._outstanding[worker] += given
         return count - given
+
+
+def _held_blocks(
+    held: dict[tuple[int, int], tuple[int, int, Any, list[str]]],
+) -> list[tuple[int, list[str]]]:
+    """The blocks of the results in ``held`` (a dispatcher's, by position), by worker."""
+    return [(worker, names) for worker, _, _, names in held.values() if names]
 
 
 class ClassDispatcher(Protocol):
