@@ -6,29 +6,43 @@ Below both the dataset layer (whose iterators save themselves under Orbax) and
 ``ElasticIterator`` over an IterDataset writes ``shard_state_{k}.json`` per input dataset.
 Directories are local paths or URLs (see :mod:`grain_core.storage`); every file is written
 atomically, so a crash during a save leaves each file old or new, never truncated.
+
+A save of several files has one commit point: an ``ElasticIterator``'s process file, written
+after its shard-state files, lists the SHA-256 of each of them. A shard-state file that no
+process file lists, or whose content is not the one listed, belongs to a save that did not
+finish, and restoring from it is refused (naming the directory and the file) instead of
+combining files of two moments. Checkpoints without such a list (written by Google Grain or
+earlier versions) restore as before, but shard-state files without any process file are
+refused.
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
 import sys
 from collections.abc import Callable, Coroutine, Mapping
-from typing import Any
+from typing import Any, Final
 
 from grain_core import storage
 
 __all__ = [
     "load_coroutine",
+    "load_json",
     "process_file_name",
     "read_process_file",
-    "read_shard_process_file",
-    "read_shard_state_file",
-    "read_shard_state_files",
+    "read_shard_process_state",
+    "read_shard_states",
     "save_coroutine",
     "shard_file",
     "write_process_file",
-    "write_shard_state_files",
+    "write_shard_checkpoint",
     "written_process_counts",
 ]
+
+# The key of a process file's commit record: ``{"<k>": sha256 of shard_state_<k>.json}`` for
+# every shard-state file of the same save. The rest of the file is the iterator's state.
+_SHARD_DIGESTS: Final = "shard_state_sha256"
 
 
 def _process_index_and_count() -> tuple[int, int]:
@@ -96,18 +110,6 @@ def read_process_file(directory: Any, *, any_process: bool = False) -> str:
     )
 
 
-def read_shard_process_file(directory: Any, shard: tuple[int, int]) -> str | None:
-    """The text of shard ``(i, n)``'s ``process_{i}-of-{n}.json``, or None if it is missing.
-
-    Raises:
-      ValueError: If the file is not UTF-8 text, naming it.
-    """
-    try:
-        return _read_text(storage.join(directory, process_file_name(shard)))
-    except FileNotFoundError:
-        return None
-
-
 def _process_files(directory: Any) -> list[str]:
     return storage.glob(storage.join(directory, "process_*-of-*.json"), allow_empty=True)
 
@@ -129,43 +131,160 @@ def _read_text(path: str) -> str:
         ) from e
 
 
-def shard_file(directory: Any, key: int) -> str:
-    """Path of the state file of input dataset ``key`` in ``directory``."""
-    return storage.join(directory, f"shard_state_{key}.json")
-
-
-def read_shard_state_file(directory: Any, key: int) -> str | None:
-    """The text of ``shard_state_{key}.json``, or None if it is missing.
+def load_json(text: str, path: str) -> Any:
+    """Parses the checkpoint file ``path`` holding ``text``.
 
     Raises:
-      ValueError: If the file is not UTF-8 text, naming it.
+      ValueError: If it is not valid JSON, naming the file.
     """
     try:
-        return _read_text(shard_file(directory, key))
-    except FileNotFoundError:
-        return None
+        return json.loads(text)
+    except json.JSONDecodeError as e:
+        raise ValueError(
+            f"Checkpoint file {path} is not valid JSON ({e}); it is truncated or corrupt. "
+            "Restore an earlier checkpoint."
+        ) from e
 
 
-def write_shard_state_files(directory: Any, texts: Mapping[int, str]) -> None:
-    """Writes ``shard_state_{k}.json`` holding ``texts[k]`` for every ``k``, each atomically."""
-    for key, text in texts.items():
-        storage.write_bytes(shard_file(directory, key), text.encode())
+def _shard_file_name(key: int | str) -> str:
+    return f"shard_state_{key}.json"
 
 
-def read_shard_state_files(directory: Any, first: int, step: int) -> dict[int, str]:
-    """Reads ``shard_state_{k}.json`` for ``k = first, first + step, ...`` until one is missing.
+def shard_file(directory: Any, key: int) -> str:
+    """Path of the state file of input dataset ``key`` in ``directory``."""
+    return storage.join(directory, _shard_file_name(key))
+
+
+def _digest(text: str) -> str:
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+def write_shard_checkpoint(
+    directory: Any, shard: tuple[int, int], state: Mapping[str, Any], shard_texts: Mapping[int, str]
+) -> None:
+    """Writes an ``ElasticIterator`` shard's save: ``shard_state_{k}.json`` holding
+    ``shard_texts[k]`` for every ``k``, then (the commit point) ``process_{i}-of-{n}.json``
+    holding ``state`` and the digest of each shard-state file. Each file is atomic.
 
     Raises:
-      ValueError: If a file is not UTF-8 text, naming it.
+      OSError: If a file cannot be written, naming it (the save is then incomplete, and
+        restoring it is refused until a save of the directory completes).
     """
-    texts: dict[int, str] = {}
-    key = first
-    while True:
+    for key, text in shard_texts.items():
+        storage.write_bytes(shard_file(directory, key), text.encode())
+    record = {**state, _SHARD_DIGESTS: {str(k): _digest(t) for k, t in shard_texts.items()}}
+    write_process_file(directory, json.dumps(record, indent=4), shard)
+
+
+def read_shard_process_state(directory: Any, shard: tuple[int, int]) -> Any:
+    """The state in shard ``(i, n)``'s ``process_{i}-of-{n}.json`` (without its commit
+    record), or None if the file is missing.
+
+    Raises:
+      ValueError: If the file is not UTF-8 JSON, naming it.
+    """
+    path = storage.join(directory, process_file_name(shard))
+    try:
+        record = load_json(_read_text(path), path)
+    except FileNotFoundError:
+        return None
+    if isinstance(record, dict):
+        record.pop(_SHARD_DIGESTS, None)
+    return record
+
+
+def read_shard_states(
+    directory: Any, shard: tuple[int, int], wanted: Callable[[int, int], bool]
+) -> dict[int, Any]:
+    """The saved states of the input datasets ``k`` for which ``wanted(k, n)`` holds (``n``:
+    the number of shards that saved), from the complete save in ``directory``.
+
+    The save is complete when the process file of every saving shard exists and every
+    shard-state file read has the digest its shard's process file lists (files that no
+    process file lists are not read). A checkpoint without digests (Google Grain's, earlier
+    versions') is read as it is.
+
+    Args:
+      directory: The checkpoint directory.
+      shard: ``(i, n)`` of the restoring shard, for messages.
+      wanted: Which inputs to read.
+
+    Raises:
+      ValueError: If the directory holds no checkpoint, only part of one, or files of several
+        saves, naming the directory and the missing or mismatched file; if a file is not UTF-8
+        JSON, naming it.
+    """
+    counts = written_process_counts(directory)
+    if not counts:
+        orphans = _shard_state_keys(directory)
+        if orphans:
+            raise ValueError(
+                f"The checkpoint in {directory} is incomplete: it has "
+                f"{_shard_file_name(orphans[0])} but no process_*-of-*.json file, "
+                "which a save writes last. The save was interrupted; restore an earlier "
+                "checkpoint."
+            )
+        raise ValueError(
+            f"{directory} holds no ElasticIterator checkpoint: neither "
+            f"{process_file_name(shard)} nor shard_state_*.json files. Check the directory."
+        )
+    if len(counts) > 1:
+        raise ValueError(
+            f"The checkpoint in {directory} mixes saves of "
+            f"{' and '.join(map(str, sorted(counts)))} shards (process_*-of-*.json files): "
+            "restore from a directory that one save wrote."
+        )
+    (count,) = counts
+    listed: dict[int, tuple[str, str]] = {}  # key -> (digest, the process file listing it)
+    legacy = []
+    for index in range(count):
+        name = process_file_name((index, count))
+        path = storage.join(directory, name)
         try:
-            texts[key] = _read_text(shard_file(directory, key))
+            record = load_json(_read_text(path), path)
         except FileNotFoundError:
-            return texts
-        key += step
+            raise ValueError(
+                f"The checkpoint in {directory} is incomplete: {name} is missing (shard "
+                f"{index} of {count} did not finish its save). Restore an earlier checkpoint."
+            ) from None
+        digests = record.get(_SHARD_DIGESTS) if isinstance(record, dict) else None
+        if digests is None:
+            legacy.append(name)
+        else:
+            listed.update({int(k): (d, name) for k, d in digests.items()})
+    if legacy and listed:
+        raise ValueError(
+            f"The checkpoint in {directory} mixes saves: {legacy[0]} lists no shard-state "
+            "files, other process files do. Restore from a directory that one save wrote."
+        )
+    keys = sorted(listed) if listed else _shard_state_keys(directory)
+    states = {}
+    for key in keys:
+        if not wanted(key, count):
+            continue
+        path = shard_file(directory, key)
+        try:
+            text = _read_text(path)
+        except FileNotFoundError:
+            raise ValueError(
+                f"The checkpoint in {directory} is incomplete: {path} is missing, which "
+                f"{listed[key][1]} lists. Restore an earlier checkpoint."
+            ) from None
+        if key in listed and _digest(text) != listed[key][0]:
+            raise ValueError(
+                f"The checkpoint in {directory} mixes two saves: {path} is not the file that "
+                f"{listed[key][1]} lists (its content differs); a later save was interrupted. "
+                "Restore an earlier checkpoint."
+            )
+        states[key] = load_json(text, path)
+    return states
+
+
+def _shard_state_keys(directory: Any) -> list[int]:
+    """The ``k`` of every ``shard_state_{k}.json`` in ``directory``, sorted."""
+    names = storage.glob(storage.join(directory, _shard_file_name("*")), allow_empty=True)
+    keys = (n.rsplit("shard_state_", 1)[1].removesuffix(".json") for n in names)
+    return sorted(int(k) for k in keys if k.isdigit())
 
 
 def save_coroutine(directory: Any, text: str) -> Coroutine[Any, Any, None]:

@@ -1,6 +1,6 @@
 """The HTML page of ``grain-core profile``: plotly charts, with plotly.js inlined once.
 
-plotly is optional (``pip install 'grainpipe[report]'``); only this module imports it. The
+plotly is optional (``pip install plotly``); only this module imports it. The
 page works offline: the one ``<script>`` with plotly.js is in the file. A small script in the
 page's head records script errors and, once the page has loaded, shows them at the top of the
 page (``#report-status``) and counts the charts that rendered (``data-rendered-charts`` on the
@@ -67,7 +67,7 @@ def require_plotly() -> None:
     except ImportError as e:
         raise ImportError(
             "The grain-core profile report draws its charts with plotly, which is not "
-            "installed: pip install 'grainpipe[report]' (or pip install plotly)."
+            "installed: pip install plotly."
         ) from e
 
 
@@ -88,15 +88,17 @@ def _figures(data: ProfileData) -> list[Any]:
         title="Throughput over time", xaxis_title="seconds", yaxis_title="batches per second"
     )
 
+    from grain_core.profiling import format_share, stage_label  # import cycle: it renders here
+
     shown = list(data.stages[:15])[::-1]
-    labels = [("[worker] " if s.in_workers else "") + _short(s.name) for s in shown]
+    labels = [("[worker] " if s.in_workers else "") + _short(stage_label(s.name)) for s in shown]
     stages = go.Figure(
         go.Bar(
             x=[100 * s.share for s in shown],
             y=labels,
             orientation="h",
             marker_color=[_CATEGORY_COLOURS.get(s.category, "#888") for s in shown],
-            text=[f"{100 * s.share:.1f}% · {s.category}" for s in shown],
+            text=[f"{format_share(s.share)} · {s.category}" for s in shown],
             hovertext=[f"{s.name}<br>{s.self_s:.3f} s in {s.calls} calls" for s in shown],
         )
     )

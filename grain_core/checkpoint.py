@@ -4,7 +4,9 @@ Each process writes ``process_{i}-of-{n}.json`` (``i, n`` from JAX when it is in
 else ``0, 1``) into the checkpoint directory, a local path or a URL (``s3://``, ``gs://``:
 see :mod:`grain_core.storage`). Files are written atomically (locally: temporary file, fsync,
 rename; on object stores: one whole-object upload), so a crash during a save leaves the old
-or the new checkpoint, never a truncated one. The file I/O lives in ``_checkpoint_io``.
+or the new checkpoint, never a truncated one; an ``ElasticIterator``'s save of several files
+is committed by its process file, written last (restoring part of a save is refused). The
+file I/O lives in ``_checkpoint_io``.
 """
 
 from __future__ import annotations
@@ -14,7 +16,12 @@ import functools
 import json
 from typing import Any
 
-from grain_core._checkpoint_io import process_file_name, read_process_file, write_process_file
+from grain_core._checkpoint_io import (
+    load_json,
+    process_file_name,
+    read_process_file,
+    write_process_file,
+)
 from grain_core.capabilities import ShardStateCheckpointing
 from grain_core.storage import join
 
@@ -59,13 +66,7 @@ class CheckpointHandler:
             return item
         text = read_process_file(directory, any_process=_same_state_everywhere(item))
         path = join(directory, process_file_name())
-        try:
-            state = json.loads(text)
-        except json.JSONDecodeError as e:
-            raise ValueError(
-                f"Checkpoint file {path} is not valid JSON ({e}); it is truncated or corrupt. "
-                "Restore an earlier checkpoint."
-            ) from e
+        state = load_json(text, path)
         try:
             item.set_state(text.encode() if _takes_bytes(item) else state)
         except ValueError as e:

@@ -24,7 +24,7 @@ from typing import Any, TypeVar
 
 import numpy as np
 
-from grain_core import plugins, storage
+from grain_core import plugins, shard_names, storage
 
 __all__ = ["main"]
 
@@ -70,6 +70,24 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (plugins.PluginError, OSError, ValueError) as err:
         print(f"grain-core {args.command}: error: {_cli_spelling(str(err))}", file=sys.stderr)
         return 1
+    except ImportError as err:  # an optional dependency: one line naming what to install
+        print(f"grain-core {args.command}: error: {_install_hint(err)}", file=sys.stderr)
+        return 1
+
+
+def _install_hint(err: ImportError) -> str:
+    """``err``'s message, with the ``pip install`` of the missing module where it names none
+    (fsspec's own errors: "Install huggingface_hub to access HfFileSystem")."""
+    message = str(err)
+    if "pip install" in message:
+        return message
+    cause: BaseException | None = err
+    while cause is not None and not (isinstance(cause, ImportError) and cause.name):
+        cause = cause.__cause__ or cause.__context__
+    if cause is None:
+        return message
+    missing = str(cause.name).split(".")[0]  # type: ignore[attr-defined]
+    return f"{message}: pip install {missing}"
 
 
 def _cli_spelling(message: str) -> str:
@@ -145,7 +163,12 @@ def _parser() -> argparse.ArgumentParser:
 
     inspecting = commands.add_parser("inspect", help="describe a data file through its format")
     inspecting.add_argument(
-        "path", help="file or shard pattern to inspect (x-00000-of-00004, x@4, x-*, globs)"
+        "paths",
+        nargs="+",
+        metavar="PATH",
+        help="files or shard patterns, read together: a file, x@4 (x-00000-of-00004 ... "
+        "x-00003-of-00004), x-*-of-00004, x-*, a glob (quoted, or expanded by the shell into "
+        "several paths)",
     )
     inspecting.add_argument("--format", help="format name; by default chosen from the path")
     inspecting.add_argument("--sample", type=int, default=3, help="records to show (default 3)")
@@ -299,15 +322,17 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
         raise ValueError(f"--sample must be non-negative, got {args.sample}.")
     if args.schema_sample < 1:
         raise ValueError(f"--schema-sample must be at least 1, got {args.schema_sample}.")
-    fmt = plugins.get_format(args.format) if args.format else plugins.format_for_path(args.path)
+    shown = " ".join(args.paths)
+    fmt = _format_of(args.paths, args.format)
     options = _read_options(args)
     inspector = fmt.get("inspector")
     if "schema_sample" in inspect.signature(inspector).parameters:
         options["schema_sample"] = args.schema_sample
-    info = _call(inspector, fmt, "inspector", args.path, args.sample, options=options)
+    paths = args.paths[0] if len(args.paths) == 1 else list(args.paths)
+    info = _call(inspector, fmt, "inspector", paths, args.sample, options=options)
     if args.json:
         summary = {
-            "path": args.path,
+            "path": shown,
             "format": fmt.name,
             "num_records": info.num_records,
             "schema": info.schema,
@@ -316,7 +341,7 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
         }
         print(json.dumps(summary, indent=2, default=_json_default))
         return 0
-    print(f"path:    {args.path}")
+    print(f"path:    {shown}")
     print(f"format:  {fmt.name}")
     print(f"records: {'unknown' if info.num_records is None else info.num_records}")
     print(f"schema:  {json.dumps(info.schema, default=_json_default)}")
@@ -328,6 +353,21 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
             text = text[: _SAMPLE_CHARS - 3] + "..."
         print(f"sample[{i}]: {text}")
     return 0
+
+
+def _format_of(paths: Sequence[str], name: str | None) -> plugins.FormatSpec:
+    """The format named ``name``, else the one claiming every path.
+
+    Raises:
+      ValueError: If the paths are claimed by different formats.
+    """
+    if name:
+        return plugins.get_format(name)
+    formats = [plugins.format_for_path(path) for path in paths]
+    if len({fmt.name for fmt in formats}) > 1:
+        named = ", ".join(f"{p} ({f.name})" for p, f in zip(paths, formats, strict=True))
+        raise ValueError(f"The paths are of different formats: {named}. Inspect them one by one.")
+    return formats[0]
 
 
 def _cmd_convert(args: argparse.Namespace) -> int:
@@ -429,7 +469,7 @@ def _output_paths(output: str, shards: int | None) -> list[str]:
     if count < 1:
         raise ValueError(f"The output {output} names {count} shards; give at least 1.")
     base = output if match is None else match["base"]
-    return [f"{base}-{i:05d}-of-{count:05d}" for i in range(count)]
+    return shard_names.shard_names(base, count)
 
 
 class _RowsOf:
@@ -510,7 +550,7 @@ def progress(iterable: Iterable[_T], total: int | None, unit: str) -> Iterable[_
     """Wraps ``iterable`` in a tqdm progress bar when stderr is a terminal and tqdm exists
     (``total=None``: a count without an end).
 
-    tqdm is optional (``pip install 'grainpipe[progress]'``): without it, or when output is
+    tqdm is optional (``pip install tqdm``): without it, or when output is
     redirected, the iterable is returned unchanged so logs stay clean.
     """
     if not sys.stderr.isatty():

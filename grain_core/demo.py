@@ -42,7 +42,7 @@ FORMATS = {
     "parquet": ("images.parquet", "grainpipe-parquet", "plugins/grain_parquet"),
     "tfrecord": ("images.tfrecord", "grainpipe-tfrecord", "plugins/grain_tfrecord"),
 }
-DEMO_INSTALL_HINT = "pip install 'grainpipe[demo]'"
+DEMO_INSTALL_HINT = "pip install jax tqdm"
 _PIXELS = int(np.prod(_demo.IMAGE_SHAPE))
 _CLASSES = 10
 _HIDDEN = 256
@@ -136,15 +136,15 @@ def write_dataset(fmt: str, workdir: Path, num_records: int) -> tuple[Any, str]:
 
     Without the plugin the records stay in memory, and the description says what to install.
     """
-    file_name, distribution, directory = FORMATS[fmt]
+    file_name, _, directory = FORMATS[fmt]
     images, labels = generate(num_records)
     try:
         spec = plugins.get_format(fmt)
     except plugins.PluginError as err:
         print(
             f"note: the {fmt} format plugin is not installed ({err}). Install it with "
-            f"`pip install {distribution}` (or `pip install ./{directory}` from a grain_core "
-            "checkout) to read from a file; this run reads in-memory records instead."
+            f"`{plugins.plugin_install_command(directory.removeprefix('plugins/'))}` to read "
+            "from a file; this run reads in-memory records instead."
         )
         return [encode(im, lb) for im, lb in zip(images, labels, strict=True)], "in-memory records"
     path = workdir / file_name

@@ -2,7 +2,7 @@
 
 :func:`profile` runs a pipeline for some batches under a :class:`~grain_core.experimental.Trace`
 and writes a self-contained HTML page (:mod:`grain_core._report_html`, which needs the optional
-``plotly``: ``pip install 'grainpipe[report]'``): the verdict on the bottleneck in plain
+``plotly``: ``pip install plotly``): the verdict on the bottleneck in plain
 words, throughput over time, each stage's share of the time, how busy each process was, the
 consumer's waiting share and the dataset graph. :func:`report_from_trace` makes the same page
 from a trace saved with ``Trace.save`` or ``profile(..., trace_output=...)``.
@@ -27,6 +27,7 @@ import re
 import sys
 import threading
 import time
+import traceback
 from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
@@ -34,23 +35,48 @@ from typing import Any
 import cloudpickle
 
 from grain_core import _report_html
-from grain_core.dataset.base import IterDataset, MapDataset
+from grain_core.dataset.base import DatasetIterator, IterDataset, MapDataset
 from grain_core.dataset.debug import graph_of
+from grain_core.dataset.mp import (
+    MARGIN,
+    seconds_per_result_with_workers,
+    transport_seconds,
+    usable_cores,
+)
 from grain_core.dataset.stats import get_execution_summary
 from grain_core.dataset.trace import Trace, span_clock, write_report_file
 
 __all__ = [
+    "PipelineError",
     "ProfileData",
     "ProcessTime",
     "StageTime",
     "analyze",
+    "format_share",
     "load_pipeline",
     "profile",
     "report_from_trace",
+    "stage_label",
 ]
 
 #: Trace categories of stages that wait for others rather than compute.
 _WAITING = ("wait", "transport")
+#: Pickling the last batch is timed this many times, the least taken (as the engine does).
+_TRANSPORTS_MEASURED = 3
+#: Engine stages in the words of the user's pipeline (``mp_prefetch``'s own parts).
+_ENGINE_STAGES = {
+    "DispatchedClass": "receiving results from the workers",
+    "ProcessPrefetch": "receiving results from the workers",
+    "MultiprocessPrefetch": "mp_prefetch",
+    "ClassBatches": "batch",
+    "AssignedPositions": "the worker's share of positions",
+    "Prefetch": "read-ahead of to_iter_dataset",
+}
+
+
+class PipelineError(RuntimeError):
+    """The profiled pipeline (or the function building it) raised; the user's exception is
+    chained as ``__cause__`` with its traceback."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -92,6 +118,9 @@ class ProfileData:
       graph: the dataset graph (``DatasetGraph.to_dict()``), ``None`` if the trace has none.
       graph_text: the same as text.
       step_s: the simulated training step per batch (0: none).
+      transport_s: what moving one batch from a worker costs: the worker's and the main
+        process's seconds (measured on the last batch, as ``mp_prefetch`` prices it).
+      usable_cores: the CPU cores the profiled process could use (affinity, cgroup quota).
       verdict: the bottleneck in plain words.
     """
 
@@ -103,6 +132,8 @@ class ProfileData:
     graph: dict[str, Any] | None
     graph_text: str | None
     step_s: float
+    transport_s: tuple[float, float]
+    usable_cores: float
     verdict: str
 
     @property
@@ -174,9 +205,8 @@ def _dataset_from(pipeline: Any) -> IterDataset[Any]:
     try:
         ds = pipeline()
     except Exception as e:
-        raise RuntimeError(
-            f"The pipeline function {name} raised {type(e).__name__}: {e}. Fix it and run "
-            "again; its traceback follows above."
+        raise PipelineError(
+            f"The pipeline function {name} raised {type(e).__qualname__}: {e}"
         ) from e
     if not isinstance(ds, (IterDataset, MapDataset)):
         raise TypeError(
@@ -228,7 +258,7 @@ def profile(
     Raises:
       ValueError: if ``num_batches`` is not positive or ``step_seconds`` is negative.
       OSError: if ``output`` or ``trace_output`` cannot be written (checked before running).
-      RuntimeError: if the pipeline function raises (the error is chained).
+      PipelineError: if the pipeline function or the pipeline raises (the error is chained).
       ImportError: if plotly is missing for the report.
     """
     if isinstance(num_batches, bool) or not isinstance(num_batches, int) or num_batches <= 0:
@@ -242,6 +272,7 @@ def profile(
         _check_writable(trace_output, "trace")
     ds = _dataset_from(pipeline)
     batch_ends: list[int] = []
+    batch: Any = None
     loop: Iterable[int] = range(num_batches)
     if progress:
         from grain_core.cli import progress as progress_bar  # import cycle: cli imports us
@@ -254,9 +285,11 @@ def profile(
             loop_start = span_clock()
             for _ in loop:
                 try:
-                    next(it)
+                    batch = next(it)
                 except StopIteration:
                     break
+                except Exception as e:
+                    raise PipelineError(_failure(e, it, len(batch_ends))) from e
                 batch_ends.append(span_clock())
                 if step_seconds:
                     time.sleep(step_seconds)
@@ -265,6 +298,7 @@ def profile(
             it.close()
     trace_json = recording.to_json()
     start = recording.start_ns or 0
+    transports = [transport_seconds(batch) for _ in range(_TRANSPORTS_MEASURED)]
     trace_json["otherData"]["grain_core"] = {
         "loop_start_ns": loop_start - start,
         "batch_end_ns": [t - loop_start for t in batch_ends],
@@ -272,6 +306,8 @@ def profile(
         "graph": graph_of(summary).to_dict(),
         "graph_text": str(graph_of(summary)),
         "step_s": step_seconds,
+        "transport_s": [min(t[0] for t in transports), min(t[1] for t in transports)],
+        "usable_cores": usable_cores(),
     }
     if trace_output is not None:
         write_report_file(trace_output, json.dumps(trace_json))
@@ -279,6 +315,35 @@ def profile(
     if output is not None:
         write_report_file(output, _report_html.render(data))
     return data
+
+
+def _failure(error: Exception, it: DatasetIterator[Any], batch: int) -> str:
+    """What ``profile`` says when reading after ``batch`` batches raised ``error``: its type, message
+    and where: the worker process its note names (the worker's traceback is in the note), else
+    the innermost pipeline stage in its traceback."""
+    where = next(
+        (
+            note.split(". ", 1)[0].removeprefix("Raised in ")
+            for note in getattr(error, "__notes__", ())
+            if note.startswith("Raised in ")
+        ),
+        None,
+    )
+    if where is None:
+        for frame, _ in traceback.walk_tb(error.__traceback__):
+            owner = frame.f_locals.get("self")
+            if isinstance(owner, (MapDataset, DatasetIterator)) and owner is not it:
+                where = f"the stage {stage_label(_stage_name(owner))}"
+    return (
+        f"The pipeline raised {type(error).__qualname__}"
+        f"{f' in {where}' if where else ''} after {batch} batches: {error}"
+    )
+
+
+def _stage_name(owner: MapDataset[Any] | DatasetIterator[Any]) -> str:
+    stats = vars(owner).get("_stage_stats")
+    name = getattr(stats, "name", "")
+    return name if name else repr(owner)
 
 
 def report_from_trace(
@@ -388,9 +453,18 @@ def analyze(trace_json: dict[str, Any]) -> ProfileData:
         graph=extra.get("graph"),
         graph_text=extra.get("graph_text"),
         step_s=float(extra.get("step_s", 0.0)),
+        transport_s=_pair(extra.get("transport_s")),
+        usable_cores=float(extra.get("usable_cores") or usable_cores()),
         verdict="",
     )
     return dataclasses.replace(data, verdict=verdict(data))
+
+
+def _pair(value: Any) -> tuple[float, float]:
+    """A trace's transport seconds; for a trace without them, those of a small element."""
+    if isinstance(value, list) and len(value) == 2:
+        return float(value[0]), float(value[1])
+    return transport_seconds(0)
 
 
 def _main_pid(names: dict[int, str], by_thread: dict[tuple[int, int], list[Any]]) -> int:
@@ -421,29 +495,109 @@ def _stage_key(name: str) -> str:
     return re.sub(r"\[[0-9:]*\]", "[...]", name)
 
 
+_STAGE_NAME = re.compile(r"(?P<kind>[A-Za-z_]+)(?:\((?P<args>.*)\))?$")
+_TRANSFORM = re.compile(r"(?:transform=)?(?P<fn>[\w.<>]+) @ (?:\.\.\./)?(?P<where>[^)]*?)(?:\)|$)")
+
+
+def stage_label(name: str) -> str:
+    """A stage's name as the user's pipeline spells it: ``map square (pipe.py:9)`` for
+    ``MapMapDataset(transform=square @ .../pipe.py:9)``, ``shuffle(seed=1)``, and the engine's
+    own stages in words (``receiving results from the workers``)."""
+    if " > " in name:
+        return " > ".join(stage_label(part) for part in name.split(" > "))
+    match = _STAGE_NAME.match(name)
+    if match is None:
+        return name
+    kind = match.group("kind").removesuffix("MapDataset").removesuffix("IterDataset")
+    if kind in _ENGINE_STAGES:
+        return _ENGINE_STAGES[kind]
+    operation = re.sub(r"(?<!^)(?=[A-Z])", "_", kind).lower()
+    args = match.group("args")
+    transform = _TRANSFORM.match(args or "")
+    if transform:
+        return f"{operation} {transform.group('fn')} ({os.path.basename(transform.group('where'))})"
+    return f"{operation}({args})" if args else operation
+
+
+def format_share(share: float) -> str:
+    """A stage's share of the time as the report writes it, in the chart and the verdict."""
+    return f"{100 * share:.1f}%"
+
+
+def _duration(seconds: float) -> str:
+    return f"{seconds * 1e6:.0f} µs" if seconds < 1e-3 else f"{seconds * 1e3:.1f} ms"
+
+
 def _describe(stage: StageTime) -> str:
-    """A stage in words: "the map `decode`", "batching", "reading (SourceMapDataset)"."""
-    transform = re.search(r"transform=([A-Za-z_][\w.<>]*)", stage.name) or re.match(
-        r"[A-Za-z]+\(([A-Za-z_][\w.<>]*)", stage.name
-    )
-    kind = stage.name.split("(")[0]
+    """A stage in words: "the map `decode` (x.py:3)", "batching", "reading (source)"."""
+    label = stage_label(stage.name)
     if stage.category == "batch":
         return "batching"
+    if stage.category in _WAITING:
+        return label
     if stage.category == "read":
-        return f"reading ({kind})"
-    if transform and kind in ("Map", "MapMapDataset", "MapWithIndex", "RandomMap"):
-        return f"the map `{transform.group(1)}`"
-    if transform and kind in ("Filter", "FilterMapDataset"):
-        return f"the filter `{transform.group(1)}`"
-    return f"the stage {kind}"
+        return f"reading ({label})"
+    operation, _, rest = label.partition(" ")
+    if rest and not rest.startswith("("):
+        function, _, where = rest.partition(" ")
+        return f"the {operation} `{function}` {where}".rstrip()
+    return f"the stage {label}"
 
 
 def _sentence(text: str) -> str:
     return text[:1].upper() + text[1:]
 
 
+@dataclasses.dataclass(frozen=True)
+class _WorkerModel:
+    """What worker processes would give this pipeline, in the model ``mp_prefetch`` decides
+    with (docs/workers.md): a batch costs ``here_s`` in one process (its work and the
+    consumer's time between two), ``with_workers_s`` at best with ``workers`` workers on the
+    usable cores."""
+
+    work_s: float
+    move_s: float
+    here_s: float
+    workers: int
+    with_workers_s: float
+    cores: float
+
+    @property
+    def pays_off(self) -> bool:
+        return self.with_workers_s < MARGIN * self.here_s
+
+    def compared(self) -> str:
+        return (
+            f"computing a batch takes {_duration(self.work_s)} and moving one from a worker "
+            f"process about {_duration(self.move_s)}"
+        )
+
+
+def _worker_model(data: ProfileData) -> _WorkerModel:
+    batches = len(data.batch_end_s) or 1
+    work = sum(s.self_s for s in data.stages if s.category not in _WAITING) / batches
+    if data.step_s:
+        between = data.step_s
+    else:
+        between = max(0.0, data.window_s - data.consumer_wait_s) / batches
+    send, receive = data.transport_s
+    cores = max(1.0, data.usable_cores)
+
+    def per_batch(n: int) -> float:
+        return seconds_per_result_with_workers(
+            work, between, work, send, receive, n, min(n + 1, cores)
+        )
+
+    # Never more workers than usable cores; the fewest that come within 5% of the best.
+    counts = range(1, max(1, int(cores)) + 1)
+    best = min(per_batch(n) for n in counts)
+    workers = next(n for n in counts if per_batch(n) <= 1.05 * best)
+    return _WorkerModel(work, send + receive, work + between, workers, per_batch(workers), cores)
+
+
 def verdict(data: ProfileData) -> str:
-    """The bottleneck in plain words, with what to do about it."""
+    """The bottleneck in plain words, with what to do about it: worker processes only where
+    the model ``mp_prefetch`` decides with says they pay off, at most one per usable core."""
     computing = [s for s in data.stages if s.category not in _WAITING]
     workers = [p for p in data.processes if p.is_worker]
     waited = data.consumer_wait_share
@@ -453,49 +607,88 @@ def verdict(data: ProfileData) -> str:
             f"waited only {waited:.0%} of the time in next(). Speeding up the pipeline would "
             "not speed up training."
         )
-    lead = f"The consumer waited {waited:.0%} of the time for data. "
+    if data.step_s:
+        lead = (
+            f"With a {data.step_s * 1000:.0f} ms step the consumer waited {waited:.0%} of the "
+            "time for data. "
+        )
+    else:
+        lead = (
+            "No training step was simulated, so the consumer asked for each batch at once: "
+            "pass your step's time (--step-ms, or step_seconds=) to see whether the pipeline "
+            "keeps up with it. "
+        )
     if not computing:
         return lead + "No stage did measurable work: the time went to waiting."
+    model = _worker_model(data)
+    cheaper = "(e.g. vectorise it over a batch: batch before it)"
     if workers:
         in_workers = [s for s in computing if s.in_workers]
         main = [s for s in computing if not s.in_workers]
         utilisation = sum(p.utilisation for p in workers) / len(workers)
-        worker_total = sum(s.self_s for s in in_workers) or 1.0
         if in_workers and utilisation >= 0.5:
             top = in_workers[0]
-            return lead + (
-                f"{_sentence(_describe(top))} in workers uses {top.self_s / worker_total:.0%} "
-                f"of worker time, and the {len(workers)} workers are busy {utilisation:.0%} of "
-                f"the time: add workers (num_workers={2 * len(workers)}), or make "
-                f"{_describe(top)} cheaper (e.g. vectorise it over a batch: batch before it)."
+            busy = (
+                f"{_sentence(_describe(top))} in workers takes {format_share(top.share)} of "
+                f"all stage time, and the {len(workers)} workers are busy {utilisation:.0%} of "
+                "the time: "
             )
-        if not main:
-            moving = max(data.stages, key=lambda s: s.share if not s.in_workers else -1.0)
+            if model.pays_off and model.workers > len(workers):
+                return (
+                    lead
+                    + busy
+                    + (
+                        f"add workers (num_workers={model.workers}, for {model.cores:g} usable "
+                        f"cores), or make {_describe(top)} cheaper {cheaper}."
+                    )
+                )
+            return (
+                lead
+                + busy
+                + (
+                    f"more workers would not help on {model.cores:g} usable cores; make "
+                    f"{_describe(top)} cheaper {cheaper}."
+                )
+            )
+        moving = max(data.stages, key=lambda s: s.share if not s.in_workers else -1.0)
+        if not main or moving.share > main[0].share:
+            if not model.pays_off:
+                return lead + (
+                    f"The workers are idle {1 - utilisation:.0%} of the time: {model.compared()}"
+                    f" ({_describe(moving)}: {format_share(moving.share)} of all stage time), "
+                    "so this pipeline is faster in one process: remove .mp_prefetch (or set "
+                    "num_workers=0)."
+                )
             return lead + (
-                f"The workers are idle {1 - utilisation:.0%} of the time and the main process "
-                f"does no stage work: the time goes to receiving elements from the workers "
-                f"({moving.name}: {moving.share:.0%} of all stage time). Send smaller elements "
-                "(batch or decode later), or check that the workers were not still starting."
+                f"The workers are idle {1 - utilisation:.0%} of the time and the time goes to "
+                f"{stage_label(moving.name)} ({format_share(moving.share)} of all stage time): "
+                "send smaller elements (batch or decode later), or check that the workers "
+                "were not still starting."
             )
         top_main = main[0]
         return lead + (
             f"The workers are idle {1 - utilisation:.0%} of the time, so they are not the "
             f"bottleneck; in the main process {_describe(top_main)} takes "
-            f"{top_main.share:.0%} of all stage time: move it before mp_prefetch so that "
-            "workers run it, or send smaller elements from the workers."
+            f"{format_share(top_main.share)} of all stage time: move it before mp_prefetch so "
+            "that workers run it."
         )
     top = computing[0]
-    share = top.self_s / (sum(s.self_s for s in computing) or 1.0)
-    advice = (
-        "read with more threads (ReadOptions(num_threads=...)) or in worker processes "
-        "(.mp_prefetch(...))"
+    where = f"{_sentence(_describe(top))} takes {format_share(top.share)} of all stage time"
+    if not model.pays_off:
+        return lead + (
+            f"{where}. Worker processes would not make this faster: {model.compared()}, on "
+            f"{model.cores:g} usable cores (docs/workers.md). Make {_describe(top)} cheaper "
+            f"{cheaper}, or profile with a heavier pipeline step."
+        )
+    start = (
+        "read with more threads (ReadOptions(num_threads=...)) or in worker processes: "
         if top.category == "read"
-        else "run it in worker processes: call .mp_prefetch(grain.MultiprocessingOptions("
-        "num_workers=N)) after it"
+        else "run it in worker processes: "
     )
     return lead + (
-        f"{_sentence(_describe(top))} takes {share:.0%} of the pipeline's working time "
-        f"(waits excluded), all in the main process: {advice}."
+        f"{where}, in the main process; {model.compared()}, so {start}call "
+        f".mp_prefetch(grain.MultiprocessingOptions(num_workers={model.workers})) after it "
+        f"(for {model.cores:g} usable cores)."
     )
 
 
@@ -535,13 +728,19 @@ def run(args: argparse.Namespace) -> int:
     if args.trace:
         data = report_from_trace(args.trace, args.output)
     else:
-        data = profile(
-            args.pipeline,
-            num_batches=args.num_batches,
-            output=args.output,
-            trace_output=args.trace_output,
-            step_seconds=args.step_ms / 1000,
-        )
+        try:
+            data = profile(
+                args.pipeline,
+                num_batches=args.num_batches,
+                output=args.output,
+                trace_output=args.trace_output,
+                step_seconds=args.step_ms / 1000,
+            )
+        except PipelineError as e:
+            # The user's own error: its traceback (with the stage's notes), then one line.
+            traceback.print_exception(e.__cause__ or e, file=sys.stderr)
+            print(f"grain-core profile: error: {e}", file=sys.stderr)
+            return 1
     print(
         f"{len(data.batch_end_s)} batches in {data.window_s:.2f} s "
         f"({_rate(data):.1f} batches/s); report written to {args.output} "

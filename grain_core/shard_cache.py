@@ -5,25 +5,38 @@ scheme it has no client for) reads a remote shard from a local copy kept here, a
 Streaming does. Every process on a host (DataLoader workers, several DataLoaders, later runs)
 may use one directory: a shard is downloaded once and never again while its copy is valid.
 
-Layout of the directory (all files are created by the cache; nothing else belongs there):
+Layout of the directory (all files are created by the cache, owner-only; nothing else belongs
+there):
 
-* ``<key>.shard``: the shard's bytes; its modification time is its last use (LRU order).
+* ``<key>.shard``: the shard's bytes (``key``: a hash of the URL and the object's version); its modification time is its last use (LRU order).
 * ``<key>.json``: ``{"url", "size", "version", "sha256"}``, written after the shard. A copy
   is valid when both exist, the shard has ``size`` bytes and the remote object still has
   ``size`` and ``version`` (its ETag/generation, looked up once per process); the first use
   in a process also re-hashes the copy (``verify=True``) and compares ``sha256``.
-* ``<key>.lock``: ``flock``-ed exclusively while the entry is downloaded or evicted, so a
-  second process waits for the first download instead of starting its own.
-* ``<key>.<size>.<random>.tmp``: a download in progress, renamed into place when complete
-  (readers never see a partial shard); its reserved ``size`` counts against the limit. A
-  temporary file whose entry lock is free was left by a killed process and is removed.
+* ``<key>.lock``: ``flock``-ed exclusively while the entry is checked, downloaded or evicted
+  (so a second process waits for the first download instead of starting its own), and shared
+  by every reader that pins the entry (:meth:`ShardCache.pin`): a pinned entry is never
+  evicted.
+* ``<key>.<size>.<random>.tmp``: a download in progress, ``flock``-ed by its downloader and
+  renamed into place when complete (readers never see a partial shard); its ``size`` counts
+  against the limit. One whose lock is free was left by a killed process: the next
+  reservation, and the next use of the same entry, remove it.
 * ``.cache.lock``: held while space is reserved, so that two processes never both count the
   same free bytes.
 
 Eviction: before a download, least recently used shards are removed until the new one fits
-``max_bytes``; shards being downloaded are never removed. A reader that has an evicted shard
-open keeps reading it (POSIX keeps the data until the file is closed), so the disk use may
-exceed ``max_bytes`` by the evicted shards still open.
+``max_bytes``; pinned shards and downloads in progress are never removed, and background
+downloads (:meth:`ShardCache.prefetch`) never remove a shard another one of this process
+fetched and nobody has used yet.
+
+Shared directories: every name is opened relative to a descriptor of the directory without
+following symbolic links. A link planted at a lock's name is replaced by the lock, one at an
+entry's name makes the entry invalid (the download replaces it); temporary files are created
+exclusively.
+
+Forks: the lock descriptors of a process are closed in a child forked from it (at-fork
+handlers), so the child holds no entry the parent locked, and it forgets the parent's
+background downloads: a child that uses the cache locks and downloads for itself.
 """
 
 from __future__ import annotations
@@ -32,30 +45,174 @@ import concurrent.futures
 import contextlib
 import errno
 import fcntl
-import glob
 import hashlib
 import json
 import os
 import re
-import tempfile
+import secrets
+import stat
 import threading
+import weakref
 from collections.abc import Iterable, Iterator, Mapping
 from typing import Any, Final
 
 from grain_core import storage
 
-__all__ = ["DEFAULT_MAX_BYTES", "ShardCache", "ShardCacheError"]
+__all__ = [
+    "DEFAULT_MAX_BYTES",
+    "MAX_BYTES_ENV",
+    "PinnedShard",
+    "ShardCache",
+    "ShardCacheError",
+    "ShardCacheFullError",
+]
 
 #: Default bound of the bytes of shards one cache directory holds.
 DEFAULT_MAX_BYTES: Final = 32 << 30
+#: Environment variable overriding :data:`DEFAULT_MAX_BYTES` (a number of bytes).
+MAX_BYTES_ENV: Final = "GRAIN_CORE_CACHE_MAX_BYTES"
 
 # Downloads are streamed to disk in blocks of this size (hashed on the way).
 _BLOCK: Final = 8 << 20
-_TEMP_NAME = re.compile(r"^(?P<key>[0-9a-f]{40})\.(?P<size>\d+)\.[^.]+\.tmp$")
+_TEMP_NAME = re.compile(r"^(?P<key>[0-9a-f]{40})\.(?P<size>\d+)\.[0-9a-f]+\.tmp$")
+_DIRECTORY_LOCK: Final = ".cache.lock"
+# How the cache opens names in its directory: never through a symbolic link, never a FIFO's
+# blocking open, never inherited by an exec'd program.
+_NO_FOLLOW: Final = os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK
+_OWNER_ONLY: Final = 0o600
+# How many pinned shards a full-cache error names.
+_NAMED_PINNED: Final = 3
 
 
 class ShardCacheError(OSError):
     """The cache directory cannot take a shard: full, read-only or out of disk space."""
+
+
+class ShardCacheFullError(ShardCacheError):
+    """The shards pinned by readers and the downloads in progress leave no room for a shard."""
+
+
+# ------------------------------------------------------------------- locks and forks
+# The lock descriptors this process holds, closed in a forked child: a lock held on a
+# descriptor the child inherited would be held for the child's whole life. Opening and
+# closing one happen under _REGISTRY_LOCK, which a fork waits for, so a child never inherits
+# a descriptor missing from the registry.
+_REGISTRY_LOCK = threading.Lock()
+_held: dict[int, _Lock] = {}
+_caches: weakref.WeakSet[ShardCache] = weakref.WeakSet()
+
+
+class _Lock:
+    """A ``flock``-able descriptor of one file in a cache directory, closed in forked
+    children."""
+
+    def __init__(self, directory_fd: int, name: str, mode: str) -> None:
+        """Opens ``name``: ``"existing"`` read-only, ``"lock"`` read-write and created if
+        missing (a link or non-file planted there is replaced), ``"new"`` created exclusively.
+
+        Raises:
+          FileNotFoundError: If an ``"existing"`` file is missing or not a regular file.
+          OSError: If it cannot be opened or created.
+        """
+        flags = (
+            _NO_FOLLOW
+            | {
+                "existing": os.O_RDONLY,
+                "lock": os.O_RDWR | os.O_CREAT,
+                "new": os.O_RDWR | os.O_CREAT | os.O_EXCL,
+            }[mode]
+        )
+        while True:
+            with _REGISTRY_LOCK:
+                try:
+                    fd = os.open(name, flags, _OWNER_ONLY, dir_fd=directory_fd)
+                except OSError as err:
+                    if mode != "lock" or err.errno not in (errno.ELOOP, errno.ENXIO):
+                        raise
+                    fd = -1
+                if fd >= 0 and stat.S_ISREG(os.fstat(fd).st_mode):
+                    self.fd = fd
+                    _held[fd] = self
+                    return
+            if fd >= 0:
+                os.close(fd)
+            if mode != "lock":
+                raise FileNotFoundError(errno.ENOENT, "not a regular file", name)
+            with contextlib.suppress(FileNotFoundError):  # a link or other non-file: replaced
+                os.unlink(name, dir_fd=directory_fd)
+
+    def acquire(self, *, shared: bool = False, wait: bool = True) -> bool:
+        """Takes (or converts to) the exclusive or shared lock; whether it was taken."""
+        operation = (fcntl.LOCK_SH if shared else fcntl.LOCK_EX) | (0 if wait else fcntl.LOCK_NB)
+        try:
+            fcntl.flock(self.fd, operation)
+        except BlockingIOError:
+            return False
+        return True
+
+    def release(self) -> None:
+        fcntl.flock(self.fd, fcntl.LOCK_UN)
+
+    def close(self) -> None:
+        """Closes the descriptor (releasing its lock); nothing in a forked child, where the
+        at-fork handler closed it already."""
+        with _REGISTRY_LOCK:
+            if _held.get(self.fd) is self:
+                del _held[self.fd]
+                os.close(self.fd)
+
+
+def _before_fork() -> None:
+    _REGISTRY_LOCK.acquire()
+
+
+def _after_fork_in_parent() -> None:
+    _REGISTRY_LOCK.release()
+
+
+def _after_fork_in_child() -> None:
+    global _REGISTRY_LOCK
+    for fd in _held:
+        with contextlib.suppress(OSError):
+            os.close(fd)
+    _held.clear()
+    _REGISTRY_LOCK = threading.Lock()
+    for cache in list(_caches):
+        cache._init_runtime()
+
+
+os.register_at_fork(
+    before=_before_fork,
+    after_in_parent=_after_fork_in_parent,
+    after_in_child=_after_fork_in_child,
+)
+
+
+class PinnedShard:
+    """A valid local copy of a shard that the cache does not evict until :meth:`close`.
+
+    Attributes:
+      path: The local file (open it before closing the pin; an open file stays readable).
+      url: The shard's URL.
+    """
+
+    def __init__(self, path: str, url: str, lock: _Lock) -> None:
+        self.path = path
+        self.url = url
+        self._lock = lock
+
+    def close(self) -> None:
+        """Lets the cache evict the shard again."""
+        self._lock.close()
+
+    def __enter__(self) -> PinnedShard:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"PinnedShard({self.url!r} at {self.path!r})"
 
 
 class ShardCache:
@@ -66,24 +223,29 @@ class ShardCache:
 
     Args:
       directory: The cache directory; default ``grain_core.storage.cache_dir("shards")``
-        (``$GRAIN_CORE_CACHE_DIR/shards``, else ``~/.cache/grain_core/shards``).
-      max_bytes: Bound of the bytes of shards kept (default 32 GiB).
+        (``$GRAIN_CORE_CACHE_DIR/shards``, else ``$XDG_CACHE_HOME/grain_core/shards``, else
+        ``~/.cache/grain_core/shards``).
+      max_bytes: Bound of the bytes of shards kept; default ``$GRAIN_CORE_CACHE_MAX_BYTES``,
+        else 32 GiB.
       read_ahead: Shards a reader may download in the background ahead of the one it reads.
       verify: Re-hash a cached shard the first time a process uses it (reads it once; a copy
         that changed on disk is downloaded again). With False only its size is checked.
 
     Raises:
-      ValueError: If ``max_bytes`` or ``read_ahead`` is out of range.
+      ValueError: If ``max_bytes`` (or ``$GRAIN_CORE_CACHE_MAX_BYTES``) or ``read_ahead`` is
+        out of range.
     """
 
     def __init__(
         self,
         directory: storage.PathArg | None = None,
         *,
-        max_bytes: int = DEFAULT_MAX_BYTES,
+        max_bytes: int | None = None,
         read_ahead: int = 2,
         verify: bool = True,
     ) -> None:
+        if max_bytes is None:
+            max_bytes = _max_bytes_from_environment()
         if isinstance(max_bytes, bool) or not isinstance(max_bytes, int) or max_bytes <= 0:
             raise ValueError(f"max_bytes must be a positive int, got {max_bytes!r}.")
         if isinstance(read_ahead, bool) or not isinstance(read_ahead, int) or read_ahead < 0:
@@ -98,11 +260,15 @@ class ShardCache:
         self._init_runtime()
 
     def _init_runtime(self) -> None:
+        """The per-process state: also what a forked child starts from (the parent's threads
+        and the downloads they ran are not in it)."""
         self._lock = threading.Lock()
         self._versions: dict[str, tuple[int, str]] = {}
         self._adopted: set[str] = set()  # keys whose copy this process has checked
-        self._downloads: dict[str, concurrent.futures.Future[str]] = {}
+        self._downloads: dict[str, concurrent.futures.Future[None]] = {}
+        self._fetched_ahead: set[str] = set()  # keys prefetched here and not used since
         self._pool: concurrent.futures.ThreadPoolExecutor | None = None
+        _caches.add(self)
 
     @property
     def directory(self) -> str:
@@ -120,28 +286,44 @@ class ShardCache:
         return self._read_ahead
 
     # ------------------------------------------------------------------ using shards
-    def local_path(self, url: str, storage_options: Mapping[str, Any] | None = None) -> str:
-        """The path of a valid local copy of ``url``, downloaded first if needed.
+    def pin(self, url: str, storage_options: Mapping[str, Any] | None = None) -> PinnedShard:
+        """A valid local copy of ``url`` (downloaded first if needed), kept until the pin is
+        closed.
 
         Waits for a download of the same shard in progress in this or another process.
 
         Raises:
           FileNotFoundError: If ``url`` does not exist.
-          ShardCacheError: If the directory is read-only, full (naming what holds it) or the
-            disk runs out of space.
+          ShardCacheFullError: If the pinned shards and downloads in progress leave no room,
+            naming ``max_bytes`` and what holds the space.
+          ShardCacheError: If the directory is read-only, the shard is larger than
+            ``max_bytes`` or the disk runs out of space.
           grain_core.storage.StorageError: If the download fails after retries.
         """
         with self._lock:
             pending = self._downloads.pop(url, None)
         if pending is not None:
             pending.result()  # a background download of it: its outcome, then check again
-        return self._fetch(url, storage_options)
+        pinned = self._pin(url, storage_options, ahead=False)
+        assert pinned is not None  # only a download ahead gives way
+        return pinned
+
+    def local_path(self, url: str, storage_options: Mapping[str, Any] | None = None) -> str:
+        """The path of a valid local copy of ``url``, downloaded first if needed. Unlike
+        :meth:`pin`, nothing keeps another reservation from evicting it before it is opened.
+
+        Raises:
+          As :meth:`pin`.
+        """
+        with self.pin(url, storage_options) as pinned:
+            return pinned.path
 
     def prefetch(
         self, urls: Iterable[str], storage_options: Mapping[str, Any] | None = None
     ) -> None:
         """Starts downloading ``urls`` in the background (at most ``read_ahead`` at once);
-        a later :meth:`local_path` waits for them. Failures surface there."""
+        a later :meth:`pin` waits for them, and failures surface there. A shard that does
+        not fit without evicting a pinned one or one fetched ahead is left for :meth:`pin`."""
         with self._lock:
             if self._pool is None:
                 self._pool = concurrent.futures.ThreadPoolExecutor(
@@ -149,44 +331,77 @@ class ShardCache:
                 )
             for url in urls:
                 if url not in self._downloads:
-                    self._downloads[url] = self._pool.submit(self._fetch, url, storage_options)
+                    self._downloads[url] = self._pool.submit(
+                        self._fetch_ahead, url, storage_options
+                    )
 
-    def _fetch(self, url: str, storage_options: Mapping[str, Any] | None) -> str:
-        key = hashlib.sha1(url.encode("utf-8")).hexdigest()
-        shard = self._path(key, ".shard")
+    def _fetch_ahead(self, url: str, storage_options: Mapping[str, Any] | None) -> None:
+        pinned = self._pin(url, storage_options, ahead=True)
+        if pinned is not None:
+            pinned.close()
+
+    def _pin(
+        self, url: str, storage_options: Mapping[str, Any] | None, *, ahead: bool
+    ) -> PinnedShard | None:
+        """Pins the entry of ``url``, downloading it first if needed; None when a download
+        ahead (``ahead``) finds no room."""
         with self._lock:
             version = self._versions.get(url)
         if version is None:
-            version = storage.version(url, storage_options)
+            version = _current_version(url, storage_options)
             with self._lock:
                 self._versions[url] = version
-        with self._locked(key):
-            if self._valid(key, url, version):
-                os.utime(shard)  # its last use, for LRU eviction
-                return shard
-            self._download(key, url, version, storage_options)
-            with self._lock:
-                self._adopted.add(key)
-        return shard
+        key = _key(url, version)
+        with self._open_directory() as directory_fd:
+            lock = self._open_lock(directory_fd, key)
+            try:
+                # Checked under the shared lock (readers of a valid copy do not wait for each
+                # other), downloaded under the exclusive one, then checked again.
+                lock.acquire(shared=True)
+                while not self._valid(directory_fd, key, url, version):
+                    lock.acquire()
+                    if not self._valid(directory_fd, key, url, version):
+                        if not self._download(
+                            directory_fd, key, url, version, storage_options, ahead
+                        ):
+                            lock.close()
+                            return None
+                    lock.acquire(shared=True)
+                with self._disk_errors(url, version[0]):
+                    os.utime(key + ".shard", dir_fd=directory_fd, follow_symlinks=False)
+                    self._remove_stale_downloads(directory_fd, key)
+            except BaseException:
+                lock.close()
+                raise
+        with self._lock:
+            if ahead:
+                self._fetched_ahead.add(key)
+            else:
+                self._fetched_ahead.discard(key)
+        return PinnedShard(self._path(key, ".shard"), url, lock)
 
-    def _valid(self, key: str, url: str, version: tuple[int, str]) -> bool:
-        """Whether the entry is a complete copy of ``url`` at ``version``; re-hashed on its
-        first use in this process (``verify``)."""
+    def _valid(self, directory_fd: int, key: str, url: str, version: tuple[int, str]) -> bool:
+        """Whether the entry is a complete copy of ``url`` at ``version`` (regular files, not
+        links); re-hashed on its first use in this process (``verify``)."""
         try:
-            with open(self._path(key, ".json"), encoding="utf-8") as file:
-                meta = json.load(file)
-            size = os.path.getsize(self._path(key, ".shard"))
+            meta = json.loads(_read_file(directory_fd, key + ".json"))
+            fd = os.open(key + ".shard", os.O_RDONLY | _NO_FOLLOW, dir_fd=directory_fd)
         except (OSError, ValueError):
             return False
-        if [meta.get("url"), meta.get("size"), meta.get("version")] != [url, *version]:
-            return False
-        if size != version[0]:
-            return False
-        with self._lock:
-            adopted = key in self._adopted
-        if not adopted and self._verify:
-            if _sha256(self._path(key, ".shard")) != meta.get("sha256"):
+        try:
+            info = os.fstat(fd)
+            if not isinstance(meta, dict) or not stat.S_ISREG(info.st_mode):
                 return False
+            if [meta.get("url"), meta.get("size"), meta.get("version")] != [url, *version]:
+                return False
+            if info.st_size != version[0]:
+                return False
+            with self._lock:
+                adopted = key in self._adopted
+            if not adopted and self._verify and _sha256(fd) != meta.get("sha256"):
+                return False
+        finally:
+            os.close(fd)
         with self._lock:
             self._adopted.add(key)
         return True
@@ -194,26 +409,33 @@ class ShardCache:
     # -------------------------------------------------------------------- downloading
     def _download(
         self,
+        directory_fd: int,
         key: str,
         url: str,
         version: tuple[int, str],
         storage_options: Mapping[str, Any] | None,
-    ) -> None:
-        """Downloads ``url`` into the entry (whose lock the caller holds)."""
+        ahead: bool,
+    ) -> bool:
+        """Downloads ``url`` into the entry (whose lock the caller holds exclusively); False
+        when a download ahead finds no room."""
         size = version[0]
         with contextlib.suppress(FileNotFoundError):
-            os.unlink(self._path(key, ".json"))  # the entry is invalid from here on
-        temp = self._reserve(key, url, size)
+            os.unlink(key + ".json", dir_fd=directory_fd)  # the entry is invalid from here on
+        try:
+            temp_name, temp = self._reserve(directory_fd, key, url, size, ahead)
+        except ShardCacheFullError:
+            if ahead:
+                return False
+            raise
         digest = hashlib.sha256()
         try:
             with self._disk_errors(url, size):
-                with open(temp, "wb") as out, storage.open_read(url, storage_options) as source:
+                with storage.open_read(url, storage_options) as source:
                     while block := source.read(_BLOCK):
                         digest.update(block)
-                        out.write(block)
-                    out.flush()
-                    os.fsync(out.fileno())
-            written = os.path.getsize(temp)
+                        _write_all(temp.fd, block)
+                os.fsync(temp.fd)
+                written = os.fstat(temp.fd).st_size
             if written != size:
                 raise storage.StorageError(
                     f"Downloading {url} into the shard cache {self._directory} gave {written} "
@@ -222,114 +444,167 @@ class ShardCache:
                     byte_range=(0, size),
                 )
             with self._disk_errors(url, size):
-                os.replace(temp, self._path(key, ".shard"))
+                os.replace(
+                    temp_name, key + ".shard", src_dir_fd=directory_fd, dst_dir_fd=directory_fd
+                )
                 meta = {"url": url, "size": size, "version": version[1]}
-                _write_json(self._path(key, ".json"), {**meta, "sha256": digest.hexdigest()})
+                _write_json(directory_fd, key + ".json", {**meta, "sha256": digest.hexdigest()})
         except BaseException:
             with contextlib.suppress(FileNotFoundError):
-                os.unlink(temp)
+                os.unlink(temp_name, dir_fd=directory_fd)
             raise
+        finally:
+            temp.close()
+        with self._lock:
+            self._adopted.add(key)
+        return True
 
-    def _reserve(self, key: str, url: str, size: int) -> str:
-        """Makes room for ``size`` bytes (evicting least recently used shards) and creates the
-        temporary file that holds the reservation; returns its path.
+    def _reserve(
+        self, directory_fd: int, key: str, url: str, size: int, ahead: bool
+    ) -> tuple[str, _Lock]:
+        """Makes room for ``size`` bytes (evicting least recently used unpinned shards; a
+        download ahead leaves shards fetched ahead alone) and creates the locked temporary
+        file that holds the reservation; returns its name and lock.
 
         Raises:
-          ShardCacheError: If the shard cannot fit, naming the directory and what fills it.
+          ShardCacheError: If the shard is larger than ``max_bytes``.
+          ShardCacheFullError: If it cannot fit, naming the limit and what fills it.
         """
         if size > self._max_bytes:
             raise ShardCacheError(
                 f"Shard cache {self._directory} cannot hold {url}: it has {size} bytes, more "
-                f"than max_bytes={self._max_bytes}. Raise max_bytes."
+                f"than max_bytes={self._max_bytes}. Raise max_bytes "
+                f"(or ${MAX_BYTES_ENV})."
             )
-        with self._disk_errors(url, size), self._locked(None):
-            shards, downloading = self._usage(exclude=key)
-            used = sum(s for _, _, s in shards) + downloading
-            for _, other, other_size in sorted(shards):
-                if used + size <= self._max_bytes:
-                    break
-                if self._evict(other):
-                    used -= other_size
-            if used + size > self._max_bytes:
-                raise ShardCacheError(
-                    f"Shard cache {self._directory} is full: {used} bytes are held by shards "
-                    f"being downloaded or written by other readers, and max_bytes="
-                    f"{self._max_bytes} leaves no room for {url} ({size} bytes). Raise "
-                    "max_bytes or use another directory."
-                )
-            fd, temp = tempfile.mkstemp(dir=self._directory, prefix=f"{key}.{size}.", suffix=".tmp")
-            os.close(fd)
-        return temp
+        with self._lock:
+            kept = set(self._fetched_ahead) if ahead else set()
+        cache_lock = self._open_lock(directory_fd, None)
+        try:
+            with self._disk_errors(url, size):
+                cache_lock.acquire()
+                shards, downloading = self._usage(directory_fd, exclude=key)
+                used = sum(s for _, _, s in shards) + downloading
+                held: list[tuple[str, int]] = []
+                for _, other, other_size in sorted(shards):
+                    if used + size <= self._max_bytes:
+                        break
+                    if other not in kept and self._evict(directory_fd, other):
+                        used -= other_size
+                    else:
+                        held.append((other, other_size))
+                if used + size > self._max_bytes:
+                    raise ShardCacheFullError(
+                        self._full_message(directory_fd, url, size, held, downloading)
+                    )
+                temp_name = f"{key}.{size}.{secrets.token_hex(6)}.tmp"
+                temp = _Lock(directory_fd, temp_name, "new")
+                temp.acquire()
+        finally:
+            cache_lock.close()
+        return temp_name, temp
 
-    def _usage(self, exclude: str) -> tuple[list[tuple[float, str, int]], int]:
+    def _full_message(
+        self,
+        directory_fd: int,
+        url: str,
+        size: int,
+        held: list[tuple[str, int]],
+        downloading: int,
+    ) -> str:
+        holders = []
+        if held:
+            names = []
+            for key, _ in held[:_NAMED_PINNED]:
+                try:
+                    names.append(str(json.loads(_read_file(directory_fd, key + ".json"))["url"]))
+                except (OSError, ValueError, KeyError, TypeError):
+                    names.append(key + ".shard")
+            more = f" and {len(held) - _NAMED_PINNED} more" if len(held) > _NAMED_PINNED else ""
+            holders.append(
+                f"{sum(s for _, s in held)} bytes by {len(held)} shards that open readers (in "
+                f"this or other processes) pin or that were fetched ahead ({', '.join(names)}"
+                f"{more})"
+            )
+        if downloading:
+            holders.append(f"{downloading} bytes by downloads in progress")
+        return (
+            f"Shard cache {self._directory} is full: max_bytes={self._max_bytes} leaves no "
+            f"room for {url} ({size} bytes); held: {'; '.join(holders)}. Raise max_bytes "
+            f"(or ${MAX_BYTES_ENV}), read fewer shards at once, or use another directory."
+        )
+
+    def _usage(self, directory_fd: int, exclude: str) -> tuple[list[tuple[float, str, int]], int]:
         """The shards ``(last use, key, size)`` other than ``exclude``, and the bytes reserved
         by downloads in progress; removes temporary files of killed downloads."""
         shards = []
-        for path in glob.glob(os.path.join(glob.escape(self._directory), "*.shard")):
-            key = os.path.basename(path)[: -len(".shard")]
-            if key == exclude:
+        for name in os.listdir(directory_fd):
+            if not name.endswith(".shard") or name == exclude + ".shard":
                 continue
             with contextlib.suppress(FileNotFoundError):
-                stat = os.stat(path)
-                shards.append((stat.st_mtime, key, stat.st_size))
-        downloading = 0
-        for name in os.listdir(self._directory):
-            match = _TEMP_NAME.match(name)
-            if match is None or match["key"] == exclude:
-                continue
-            if self._lock_is_free(match["key"]):  # its downloader is gone
-                with contextlib.suppress(FileNotFoundError):
-                    os.unlink(os.path.join(self._directory, name))
-            else:
-                downloading += int(match["size"])
-        return shards, downloading
+                info = os.stat(name, dir_fd=directory_fd, follow_symlinks=False)
+                shards.append((info.st_mtime, name[: -len(".shard")], info.st_size))
+        return shards, self._remove_stale_downloads(directory_fd, None)
 
-    def _evict(self, key: str) -> bool:
-        """Removes an entry unless another process holds it; whether it was removed."""
-        fd = self._open_lock(key)
-        try:
+    def _remove_stale_downloads(self, directory_fd: int, key: str | None) -> int:
+        """Removes the temporary files (of ``key``, or all) whose downloader is gone; returns
+        the bytes the live ones reserve."""
+        reserved = 0
+        for name in os.listdir(directory_fd):
+            match = _TEMP_NAME.match(name)
+            if match is None or (key is not None and match["key"] != key):
+                continue
             try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except BlockingIOError:
+                temp = _Lock(directory_fd, name, "existing")
+            except OSError:  # gone meanwhile, or not a file: nothing of a live download
+                with contextlib.suppress(OSError):
+                    os.unlink(name, dir_fd=directory_fd)
+                continue
+            try:
+                if temp.acquire(wait=False):  # its downloader is gone
+                    with contextlib.suppress(FileNotFoundError):
+                        os.unlink(name, dir_fd=directory_fd)
+                else:
+                    reserved += int(match["size"])
+            finally:
+                temp.close()
+        return reserved
+
+    def _evict(self, directory_fd: int, key: str) -> bool:
+        """Removes an entry unless it is pinned or downloaded; whether it was removed."""
+        lock = self._open_lock(directory_fd, key)
+        try:
+            if not lock.acquire(wait=False):
                 return False
             for suffix in (".json", ".shard"):
                 with contextlib.suppress(FileNotFoundError):
-                    os.unlink(self._path(key, suffix))
+                    os.unlink(key + suffix, dir_fd=directory_fd)
             return True
         finally:
-            os.close(fd)
-
-    def _lock_is_free(self, key: str) -> bool:
-        fd = self._open_lock(key)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            return False
-        finally:
-            os.close(fd)
-        return True
+            lock.close()
 
     # --------------------------------------------------------------------- plumbing
     def _path(self, key: str, suffix: str) -> str:
         return os.path.join(self._directory, key + suffix)
 
-    def _open_lock(self, key: str | None) -> int:
-        name = ".cache.lock" if key is None else key + ".lock"
+    @contextlib.contextmanager
+    def _open_directory(self) -> Iterator[int]:
+        """A descriptor of the cache directory (created owner-only if missing)."""
         try:
-            os.makedirs(self._directory, exist_ok=True)
-            return os.open(os.path.join(self._directory, name), os.O_RDWR | os.O_CREAT, 0o600)
+            os.makedirs(self._directory, mode=0o700, exist_ok=True)
+            fd = os.open(self._directory, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
         except OSError as err:
             raise self._directory_error(err) from err
-
-    @contextlib.contextmanager
-    def _locked(self, key: str | None) -> Iterator[None]:
-        """Holds the entry's lock (the directory's for None) exclusively."""
-        fd = self._open_lock(key)
         try:
-            fcntl.flock(fd, fcntl.LOCK_EX)
-            yield
+            yield fd
         finally:
             os.close(fd)
+
+    def _open_lock(self, directory_fd: int, key: str | None) -> _Lock:
+        """The lock of an entry (the directory's for None)."""
+        try:
+            return _Lock(directory_fd, _DIRECTORY_LOCK if key is None else key + ".lock", "lock")
+        except OSError as err:
+            raise self._directory_error(err) from err
 
     @contextlib.contextmanager
     def _disk_errors(self, url: str, size: int) -> Iterator[None]:
@@ -371,25 +646,79 @@ class ShardCache:
         return f"ShardCache({self._directory!r}, max_bytes={self._max_bytes})"
 
 
-def _sha256(path: str) -> str:
+def _max_bytes_from_environment() -> int:
+    text = os.environ.get(MAX_BYTES_ENV, "").strip()
+    if not text:
+        return DEFAULT_MAX_BYTES
+    try:
+        return int(text)
+    except ValueError:
+        raise ValueError(
+            f"${MAX_BYTES_ENV} must be a number of bytes, e.g. {DEFAULT_MAX_BYTES}; got {text!r}."
+        ) from None
+
+
+def _current_version(url: str, storage_options: Mapping[str, Any] | None) -> tuple[int, str]:
+    """``url``'s size and version as the store reports them for the object itself: not from
+    a listing the file system cached (a glob's), whose fields differ from a lookup's, so that
+    every process sharing the directory names the same version."""
+    fs, fs_path = storage.filesystem(url, storage_options)
+    fs.invalidate_cache(fs_path)
+    return storage.version(url, storage_options)
+
+
+def _key(url: str, version: tuple[int, str]) -> str:
+    """The entry name of ``url`` at ``version``: a changed object is another entry, so that a
+    process never waits for readers of the old one to let go."""
+    return hashlib.sha1(f"{url}\0{version[0]}\0{version[1]}".encode()).hexdigest()
+
+
+def _sha256(fd: int) -> str:
     digest = hashlib.sha256()
-    with open(path, "rb") as file:
-        while block := file.read(_BLOCK):
-            digest.update(block)
+    offset = 0
+    while block := os.pread(fd, _BLOCK, offset):
+        digest.update(block)
+        offset += len(block)
     return digest.hexdigest()
 
 
-def _write_json(path: str, value: Mapping[str, Any]) -> None:
-    """Writes ``value`` to ``path`` atomically (a temporary file renamed into place)."""
-    directory = os.path.dirname(path)
-    fd, temp = tempfile.mkstemp(dir=directory, prefix=".meta.", suffix=".json-tmp")
+def _read_file(directory_fd: int, name: str) -> bytes:
+    """The bytes of a regular file in the directory, never through a link.
+
+    Raises:
+      OSError: If it is missing, a link or not a regular file.
+    """
+    fd = os.open(name, os.O_RDONLY | _NO_FOLLOW, dir_fd=directory_fd)
     try:
-        with os.fdopen(fd, "w", encoding="utf-8") as file:
-            json.dump(value, file)
-            file.flush()
-            os.fsync(file.fileno())
-        os.replace(temp, path)
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise OSError(errno.EINVAL, "not a regular file", name)
+        with os.fdopen(os.dup(fd), "rb") as file:
+            return file.read()
+    finally:
+        os.close(fd)
+
+
+def _write_all(fd: int, data: bytes) -> None:
+    view = memoryview(data)
+    while view:
+        view = view[os.write(fd, view) :]
+
+
+def _write_json(directory_fd: int, name: str, value: Mapping[str, Any]) -> None:
+    """Writes ``value`` to ``name`` atomically (an exclusive temporary file renamed into
+    place, replacing whatever was there, link or file)."""
+    temp = f".meta.{secrets.token_hex(6)}.json-tmp"
+    fd = os.open(
+        temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | _NO_FOLLOW, _OWNER_ONLY, dir_fd=directory_fd
+    )
+    try:
+        try:
+            _write_all(fd, json.dumps(value).encode("utf-8"))
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.replace(temp, name, src_dir_fd=directory_fd, dst_dir_fd=directory_fd)
     except BaseException:
         with contextlib.suppress(FileNotFoundError):
-            os.unlink(temp)
+            os.unlink(temp, dir_fd=directory_fd)
         raise

@@ -17,7 +17,7 @@ __all__ = ["NoSharding", "ShardByJaxProcess", "ShardOptions", "even_split"]
 
 _LOG = logging.getLogger(__name__)
 
-JAX_INSTALL_HINT = "pip install 'grainpipe[jax]'"
+JAX_INSTALL_HINT = "pip install jax"
 
 
 @dataclasses.dataclass(frozen=True)

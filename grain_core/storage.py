@@ -3,7 +3,7 @@
 A path is a local path, an ``os.PathLike`` (``pathlib.Path``, ``etils.epath.Path``, Orbax's
 path objects: anything whose ``str()`` is a URL or that has ``__fspath__``), or a URL with a
 scheme (``s3://``, ``gs://``, ``memory://``, any fsspec protocol), resolved through fsspec
-(``pip install 'grainpipe[remote]'``, plus ``s3fs`` or ``gcsfs`` for the store you use).
+(``pip install fsspec``, plus ``s3fs`` or ``gcsfs`` for the store you use).
 ``file://`` URLs are local paths. A URL is never taken for a local folder named ``s3:``:
 without fsspec, or without an implementation for its scheme, it is an error naming what to
 install.
@@ -71,10 +71,13 @@ READ_AHEAD_BYTES: Final = 16 << 20
 _STREAM_CHUNK: Final = 1 << 20
 # Uploads up to this size are sent from memory in one PUT; larger ones from the spooled file.
 _UPLOAD_FROM_MEMORY: Final = 64 << 20
-# Temporary files are named ``.tmp.<pid>.<random>.<target name>``.
+# Temporary files are named ``.tmp.<pid>.<random>.<target name>``; a writer that writes its
+# output through another atomic writer (``grain-core convert``'s format writers) names its
+# own after that one's: ``.tmp.<pid>.<random>..tmp.<pid>.<random>.<target name>``.
 _TEMP_PREFIX: Final = ".tmp."
+_TEMP_LAYER: Final = re.escape(_TEMP_PREFIX) + r"(\d+)\.[a-z0-9_]{8}\."
 _URL = re.compile(r"^(?P<scheme>[A-Za-z][A-Za-z0-9+.\-]+)://")
-_REMOTE_PIP = "pip install 'grainpipe[remote]'"
+_REMOTE_PIP = "pip install fsspec"
 # Which package serves a scheme, for the error when it is missing.
 _SCHEME_PACKAGES: Final = {
     "s3": "s3fs",
@@ -226,6 +229,13 @@ def _remote_errors(
     except (StorageError, ImportError, TypeError, AttributeError):
         raise
     except Exception as e:  # botocore, aiohttp and gcsfs raise their own exception types
+        if _is_credential_error(e):
+            raise PermissionError(
+                f"No usable credentials to access {url} ({type(e).__name__}: {e}). Pass them in "
+                "storage_options (s3fs: key= and secret=; gcsfs: token=) or set them in the "
+                "environment (AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY, "
+                "GOOGLE_APPLICATION_CREDENTIALS)."
+            ) from e
         where = "" if byte_range is None else f" bytes {byte_range[0]}-{byte_range[1]} of"
         raise StorageError(
             f"{what}{where} {url} failed after the file system's retries "
@@ -234,6 +244,17 @@ def _remote_errors(
             url=url,
             byte_range=byte_range,
         ) from e
+
+
+def _is_credential_error(error: BaseException) -> bool:
+    """Whether ``error`` says that no credentials could be found or used (botocore's
+    ``NoCredentialsError``, ``PartialCredentialsError``, ``CredentialRetrievalError``, SSO
+    token errors; google-auth's ``DefaultCredentialsError`` and ``RefreshError``): a store
+    that refuses to sign a request, not one that cannot be reached."""
+    names = {cls.__name__ for cls in type(error).__mro__}
+    return any("Credential" in name for name in names) or bool(
+        names & {"RefreshError", "NoAuthTokenError", "TokenRetrievalError", "SSOTokenLoadError"}
+    )
 
 
 # --------------------------------------------------------------------------- reading
@@ -727,7 +748,10 @@ class AtomicWriter:
                 dir=directory, prefix=f"{_TEMP_PREFIX}{os.getpid()}.", suffix="." + name
             )
         # Held until the rename: tells a cleaning writer on another host that this file is live.
+        # On a descriptor of its own, so that it stays held when the caller closes ``file`` to
+        # let a library write ``temp_path`` by name.
         fcntl.flock(fd, fcntl.LOCK_EX)
+        self._lock = os.dup(fd)
         self.file: BinaryIO = os.fdopen(fd, "wb")
         self._done = False
 
@@ -761,6 +785,7 @@ class AtomicWriter:
             raise
         self._done = True
         self.file.close()
+        os.close(self._lock)
         if self._remote:
             os.unlink(self.temp_path)
         _remove_stale_temp_files(self._temp_sibling)
@@ -791,6 +816,7 @@ class AtomicWriter:
         self._done = True
         with contextlib.suppress(OSError):  # the buffered rest may not fit (disk full)
             self.file.close()
+        os.close(self._lock)
         with contextlib.suppress(FileNotFoundError):
             os.unlink(self.temp_path)
 
@@ -870,25 +896,25 @@ def _default_file_mode() -> int:
 
 
 def _remove_stale_temp_files(path: str) -> None:
-    """Removes temporary files of ``path`` whose writer is gone (killed before its rename).
+    """Removes temporary files of ``path`` whose writers are gone (killed before their rename).
 
-    A candidate is a regular file of ours named ``.tmp.<pid>.<random>.<name>`` whose process no
-    longer runs and on which no writer holds the lock (a writer on another host sharing the
-    directory holds it); anything else is left alone.
+    A candidate is a regular file of ours named ``.tmp.<pid>.<random>.<name>``, or a temporary
+    file of such a file (``.tmp.<pid>.<random>..tmp.<pid>.<random>.<name>``), none of whose
+    processes still runs and on which no writer holds the lock (a writer on another host sharing
+    the directory holds it); anything else is left alone.
     """
     directory, name = os.path.split(os.path.abspath(path))
-    pattern = re.compile(re.escape(_TEMP_PREFIX) + r"(\d+)\.[a-z0-9_]{8}\." + re.escape(name))
+    pattern = re.compile(f"(?:{_TEMP_LAYER})+{re.escape(name)}")
     try:
         entries = os.listdir(directory)
     except OSError:
         return
     me = os.getpid()
     for entry in entries:
-        match = pattern.fullmatch(entry)
-        if match is None:
+        if pattern.fullmatch(entry) is None:
             continue
-        pid = int(match[1])
-        if pid == me or _process_alive(pid):
+        pids = {int(pid) for pid in re.findall(_TEMP_LAYER, entry[: -len(name)])}
+        if me in pids or any(_process_alive(pid) for pid in pids):
             continue
         candidate = os.path.join(directory, entry)
         try:

@@ -393,7 +393,7 @@ def test_missing_files_and_empty_globs(tmp_path: Path) -> None:
     missing = tmp_path / "nope.array_record"
     with pytest.raises(FileNotFoundError, match="nope.array_record"):
         ArrayRecordDataSource(missing)
-    with pytest.raises(FileNotFoundError, match=r"No ArrayRecord files match .*\*\.array_record"):
+    with pytest.raises(FileNotFoundError, match=r"pattern .*\*\.array_record' matches no file"):
         ArrayRecordDataSource(str(tmp_path / "*.array_record"))
     with pytest.raises(FileNotFoundError, match="nope.array_record"):
         ArrayRecordDataSource(f"{missing}[0:3]")
@@ -545,12 +545,19 @@ def _local_urls(paths: Sequence[Path]) -> list[str]:
     return [f"local://{p}" for p in paths]
 
 
-def test_urls_array_record_cannot_open_need_a_shard_cache(
-    files: tuple[list[Path], list[bytes]],
+def test_urls_array_record_cannot_open_use_the_default_shard_cache(
+    files: tuple[list[Path], list[bytes]], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     pytest.importorskip("fsspec")
-    with pytest.raises(ValueError, match=r"cannot open 'local://.*' itself.*shard_cache="):
-        ArrayRecordDataSource(_local_urls(files[0]))
+    monkeypatch.setenv("GRAIN_CORE_CACHE_DIR", str(tmp_path / "user-cache"))
+    monkeypatch.setenv("GRAIN_CORE_CACHE_MAX_BYTES", str(1 << 20))
+    paths, records = files
+    source = ArrayRecordDataSource(_local_urls(paths))
+    assert source.__getitems__(range(len(records))) == records
+    assert len(list((tmp_path / "user-cache" / "shards").glob("*.shard"))) == 3
+    assert source._shard_cache is not None and source._shard_cache.max_bytes == 1 << 20
+    info = grain_arrayrecord.inspect_array_record(_local_urls(paths)[0], 1)
+    assert info.details["bytes"] == paths[0].stat().st_size
 
 
 def test_shard_cache_reads_downloaded_copies(
@@ -588,3 +595,75 @@ def test_opening_a_cached_shard_downloads_the_next_ones_ahead(
         future.result()
     assert len(list((tmp_path / "cache").glob("*.shard"))) == 3
     assert source[len(records) - 1] == records[-1]
+
+
+class _CountingLocalFS:
+    """fsspec's local file system under ``countingar://``, counting each file's downloads."""
+
+    opens: dict[str, int] = {}
+
+    @classmethod
+    def register(cls) -> None:
+        fsspec = pytest.importorskip("fsspec")
+        from fsspec.implementations.local import LocalFileSystem
+
+        class Counting(LocalFileSystem):  # type: ignore[misc]
+            protocol = "countingar"
+
+            @classmethod
+            def _strip_protocol(cls, path: Any) -> Any:
+                return super()._strip_protocol(str(path).split("://", 1)[-1])
+
+            def _open(self, path: str, mode: str = "rb", *args: Any, **kwargs: Any) -> Any:
+                name = self._strip_protocol(path)
+                _CountingLocalFS.opens[name] = _CountingLocalFS.opens.get(name, 0) + 1
+                return super()._open(path, mode, *args, **kwargs)
+
+        fsspec.register_implementation("countingar", Counting, clobber=True)
+
+
+@pytest.mark.parametrize("shards_kept", [2.5, 5])
+def test_a_cache_smaller_than_the_glob_serves_every_shard_over_epochs(
+    tmp_path: Path, shards_kept: float
+) -> None:
+    from grain_core.shard_cache import ShardCache
+
+    _CountingLocalFS.register()
+    _CountingLocalFS.opens.clear()
+    remote = tmp_path / "bucket"
+    remote.mkdir()
+    shards = [
+        _write(remote / f"part-{k}.array_record", [bytes([k]) * 2000 + bytes(4)] * 50)
+        for k in range(5)
+    ]
+    size = max(p.stat().st_size for p in shards)
+    directory = tmp_path / "cache"
+    cache = ShardCache(directory, max_bytes=int(shards_kept * size), read_ahead=2)
+    source = ArrayRecordDataSource(f"countingar://{remote}/part-*.array_record", shard_cache=cache)
+    assert len(source) == 250
+    assert sorted(_CountingLocalFS.opens.values()) == [1] * 5
+
+    def disk_use() -> int:
+        return sum(p.stat().st_size for p in directory.iterdir() if p.suffix in (".shard", ".tmp"))
+
+    epochs = 3
+    for _ in range(epochs):
+        for start in range(0, 250, 10):
+            records = source.__getitems__(range(start, start + 10))
+            assert records == [bytes([start // 50]) * 2000 + bytes(4)] * 10
+            assert disk_use() <= cache.max_bytes
+    # Within the limit nothing is downloaded twice; below the data set, once per epoch.
+    per_shard = 1 if shards_kept >= 5 else 1 + epochs
+    assert sorted(_CountingLocalFS.opens.values()) == [per_shard] * 5
+    source.close()
+
+
+def test_shard_patterns_name_the_files_grain_core_convert_writes(tmp_path: Path) -> None:
+    records = [_record(i) for i in range(10)]
+    for k in range(2):
+        _write(tmp_path / f"x.array_record-{k:05d}-of-00002", records[k * 5 : k * 5 + 5])
+    for pattern in ("x.array_record@2", "x.array_record-*-of-00002", "x.array_record-*"):
+        source = ArrayRecordDataSource(str(tmp_path / pattern))
+        assert source.__getitems__(range(10)) == records
+    with pytest.raises(FileNotFoundError, match=r"x\.array_record@3' names 3 shards"):
+        ArrayRecordDataSource(str(tmp_path / "x.array_record@3"))

@@ -6,6 +6,7 @@ import importlib
 import importlib.util
 import json
 import os
+import socket
 import subprocess
 import sys
 import textwrap
@@ -520,3 +521,195 @@ def test_inspect_reads_the_schema_from_a_sample_of_examples(
     assert summary["details"]["schema_from_records"] == 10
     code, out, err = grain_core_cli("inspect", str(source), "--json", "--schema-sample", "1")
     assert json.loads(out)["schema"]["tokens"] == {"dtype": "int64", "shape": [0]}
+
+
+# ``grain-core convert`` that stops half-way through its records (and announces it) until its
+# stdin closes; the writing process is killed there.
+_HALTED_CONVERT = """
+import sys
+from grain_core import cli
+
+records_of = cli._records_of
+
+def halted(fmt, path, options):
+    records, total = records_of(fmt, path, options)
+    def first_half_then_wait():
+        for i, record in enumerate(records):
+            if i == 100:
+                print("writing", flush=True)
+                sys.stdin.read()
+            yield record
+    return first_half_then_wait(), total
+
+cli._records_of = halted
+sys.exit(cli.main(["convert", *sys.argv[1:]]))
+"""
+
+
+@pytest.mark.parametrize("suffix", [".tfrecord", ".array_record"])
+def test_a_killed_converts_hidden_files_go_with_the_next_write_of_its_target(
+    suffix: str, tmp_path: Path, grain_core_cli: RunCli
+) -> None:
+    tfrecord = pytest.importorskip("grain_tfrecord")
+    if suffix == ".array_record":
+        pytest.importorskip("grain_arrayrecord")
+    source = tmp_path / "in.tfrecord"
+    with tfrecord.TFRecordWriter(source) as writer:
+        for i in range(200):
+            writer.write(bytes([i]) * 1000)
+    out = tmp_path / "out"
+    out.mkdir()
+    target, other = out / f"data{suffix}", out / f"other{suffix}"
+    # Killed writing the target, killed writing another file, and still writing the target.
+    children = [
+        subprocess.Popen(
+            [sys.executable, "-c", _HALTED_CONVERT, str(source), str(path)],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        for path in (target, other, target)
+    ]
+    hidden = []
+    for child in children:
+        assert child.stdout is not None and child.stdout.readline() == "writing\n"
+        hidden.append({p for p in os.listdir(out) if p.startswith(f".tmp.{child.pid}.")})
+        assert hidden[-1], os.listdir(out)
+    killed_target, killed_other, live = children
+    for child in (killed_target, killed_other):
+        child.kill()
+        child.wait()
+    code, _, err = grain_core_cli("convert", str(source), str(target))
+    assert code == 0, err
+    left = set(os.listdir(out))
+    assert not hidden[0] & left  # the killed writer's files went with the next write
+    assert hidden[1] <= left and hidden[2] <= left  # another target's, and a live writer's
+    assert live.stdin is not None
+    live.stdin.close()
+    assert live.wait() == 0  # it checked for the target before the other convert wrote it
+    assert sorted(os.listdir(out)) == sorted({target.name, *hidden[1]})
+
+
+# What `grain-core inspect --help` promises, each form run for every format on shards that
+# `grain-core convert` wrote.
+_INSPECT_FORMS = ("x@2", "x-*-of-00002", "x-?????-of-00002", "x-*", "*")
+
+
+@pytest.mark.parametrize("suffix", [".tfrecord", ".array_record", ".parquet"])
+def test_inspect_reads_every_shard_pattern_of_every_format(
+    tmp_path: Path, grain_core_cli: RunCli, suffix: str
+) -> None:
+    for module in ("grain_tfrecord", "grain_arrayrecord", "grain_parquet"):
+        pytest.importorskip(module)
+    source = tmp_path / "in.tfrecord"
+    _write_examples(source, _examples(7))
+    data = tmp_path / "data"
+    data.mkdir()
+    base = data / f"x{suffix}"
+    converted = _subprocess(str(CONSOLE_SCRIPT), "convert", str(source), f"{base}@2")
+    assert converted.returncode == 0, converted.stderr
+    for form in _INSPECT_FORMS:
+        pattern = str(base) + form[1:] if form != "*" else str(data / f"*{suffix}-*")
+        code, out, err = grain_core_cli("inspect", pattern, "--json")
+        assert code == 0, (form, err)
+        assert json.loads(out)["num_records"] == 7, form
+    # x@2 through the installed command, and an unquoted glob that the shell expands into
+    # several paths.
+    for command in (
+        f"{CONSOLE_SCRIPT} inspect {base}@2 --json",
+        f"{CONSOLE_SCRIPT} inspect {data}/x{suffix}-* --json",
+    ):
+        shell = _subprocess("/bin/sh", "-c", command)
+        assert shell.returncode == 0, (command, shell.stderr)
+        assert json.loads(shell.stdout)["num_records"] == 7, command
+
+
+def test_inspect_help_lists_the_tested_forms(grain_core_cli: RunCli) -> None:
+    with pytest.raises(SystemExit):
+        grain_core_cli("inspect", "--help")
+    # argparse wraps the help text: compare without line breaks.
+    help_text = " ".join(_subprocess(str(CONSOLE_SCRIPT), "inspect", "--help").stdout.split())
+    for form in ("x@4", "x-*-of-00004", "x-*", "a glob", "several paths"):
+        assert form in help_text
+
+
+def test_no_format_claims_names_the_plugins_and_their_suffixes(grain_core_cli: RunCli) -> None:
+    pytest.importorskip("grain_arrayrecord")
+    code, _, err = grain_core_cli("inspect", "data.unknown-*")
+    assert code == 1
+    assert "No installed format claims 'data.unknown-*'" in err
+    assert "arrayrecord (.array_record, .arrayrecord) of plugin arrayrecord" in err
+    assert "pip install" not in err  # every first-party plugin is installed here
+
+
+@pytest.mark.parametrize(
+    ("url", "missing", "package"),
+    [
+        ("s3://bucket/x.tfrecord", "fsspec", "fsspec s3fs"),
+        ("gs://bucket/x.tfrecord", "gs", "gcsfs"),
+        ("hf://datasets/user/x.tfrecord", "hf", "huggingface_hub"),
+    ],
+)
+def test_a_missing_store_package_is_one_line_naming_what_to_install(
+    url: str, missing: str, package: str, monkeypatch: pytest.MonkeyPatch, grain_core_cli: RunCli
+) -> None:
+    pytest.importorskip("grain_tfrecord")
+    if missing == "fsspec":
+        monkeypatch.setitem(sys.modules, "fsspec", None)
+    else:  # the scheme's implementation cannot be imported, as when its package is missing
+        registry = importlib.import_module("fsspec.registry")
+        monkeypatch.setitem(
+            registry.known_implementations,
+            missing,
+            {"class": "no_such_store_package.FileSystem", "err": f"Install {package}"},
+        )
+        monkeypatch.delitem(registry._registry, missing, raising=False)
+    code, out, err = grain_core_cli("inspect", url)
+    assert code == 1 and out == ""
+    assert err.count("\n") == 1, err
+    assert err.startswith(f"grain-core inspect: error: Opening {url} needs ")
+    assert err.endswith(f": pip install {package}\n")
+
+
+def test_an_import_error_without_a_hint_gets_one(
+    grain_core_cli: RunCli, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def fail(args: Any) -> int:
+        try:
+            import no_such_module_for_this_test  # noqa: F401
+        except ImportError as e:
+            raise ImportError("Install it to access the store") from e
+        return 0
+
+    monkeypatch.setattr(cli, "_cmd_plugins", fail)
+    code, _, err = grain_core_cli("plugins")
+    assert code == 1
+    assert err == (
+        "grain-core plugins: error: Install it to access the store: "
+        "pip install no_such_module_for_this_test\n"
+    )
+
+
+def test_an_unreachable_store_fails_with_one_line_within_its_retries(tmp_path: Path) -> None:
+    """A store that refuses connections (a closed port on 127.0.0.1) ends ``inspect`` after
+    the configured retries with one line naming the URL, instead of waiting silently."""
+    pytest.importorskip("s3fs")
+    pytest.importorskip("grain_tfrecord")
+    with socket.socket() as listener:
+        listener.bind(("127.0.0.1", 0))
+        closed = f"http://127.0.0.1:{listener.getsockname()[1]}"
+    store = {
+        "endpoint_url": closed,
+        "key": "testing",
+        "secret": "testing",
+        "config_kwargs": {"retries": {"max_attempts": 2}},
+    }
+    result = _subprocess(
+        sys.executable, "-m", "grain_core", "inspect", "s3://bucket/x.tfrecord",
+        FSSPEC_S3=json.dumps(store),
+    )  # fmt: skip
+    assert result.returncode == 1, result.stderr
+    assert result.stderr.count("\n") == 1, result.stderr
+    assert result.stderr.startswith("grain-core inspect: error: Looking up s3://bucket/x.tfrecord")
+    assert "failed after the file system's retries" in result.stderr
+    assert "Check that the store is reachable" in result.stderr

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import logging
+import subprocess
+import sys
 from collections.abc import Iterator
 from typing import Any
 
@@ -257,3 +259,65 @@ def test_the_graph_shows_the_nodes_in_worker_processes(
     assert any(r[1].startswith("<- MapMapDataset(transform=_triple") for r in workers)
     assert all(r[1].endswith(" x2") for r in workers)  # summed over both workers
     assert {n.in_workers for n in nodes} == {False, True}
+
+
+_LOGGING_SCRIPT = """
+import logging
+import sys
+
+import grain_core as grain
+from grain_core.dataset import debug
+
+mode = sys.argv[1]
+if mode == "root-at-info":  # as Grain's debugging tutorial runs, absl setting the level
+    logging.getLogger().setLevel(logging.INFO)
+elif mode == "basic-config":
+    logging.basicConfig(level=logging.INFO, format="configured: %(message)s")
+grain.config.update("py_debug_mode", True)
+grain.config.update("py_dataset_visualization_output_dir", "")
+
+
+def run():
+    list(grain.MapDataset.range(8).map(lambda x: x + 1).to_iter_dataset().batch(4))
+
+
+run()
+if mode == "root-at-info":
+    debug_logger = logging.getLogger("grain_core.debug")
+    for handler in list(debug_logger.handlers):
+        if handler.get_name() == debug.HANDLER_NAME:
+            debug_logger.removeHandler(handler)
+    print("removed", file=sys.stderr, flush=True)
+    run()
+"""
+
+
+def _run_logging_script(tmp_path: Any, mode: str) -> str:
+    script = tmp_path / "tutorial.py"
+    script.write_text(_LOGGING_SCRIPT)
+    done = subprocess.run(
+        [sys.executable, str(script), mode], capture_output=True, text=True, check=True
+    )
+    return done.stderr
+
+
+def test_debug_output_shows_where_grains_does(tmp_path: Any) -> None:
+    """The root logger at INFO without a handler (Grain's tutorial run as a script): the graph
+    and the summary are shown, by a handler added once, which the user can remove."""
+    shown, removed = _run_logging_script(tmp_path, "root-at-info").split("removed\n")
+    assert shown.count(GRAPH_TITLE) == 1
+    assert shown.count("Execution summary (at the end of iteration)") == 1
+    assert removed == ""
+
+
+def test_a_configured_handler_shows_debug_output_once(tmp_path: Any) -> None:
+    err = _run_logging_script(tmp_path, "basic-config")
+    assert err.count(GRAPH_TITLE) == 1
+    assert err.count("configured: Execution summary") == 1
+    assert err.count("Execution summary") == 1
+
+
+def test_hidden_info_records_get_a_hint_not_a_handler(tmp_path: Any) -> None:
+    err = _run_logging_script(tmp_path, "default")
+    assert GRAPH_TITLE not in err and "Execution summary" not in err
+    assert err.count("logging.basicConfig(level=logging.INFO)") == 1

@@ -15,8 +15,10 @@ from __future__ import annotations
 import ast
 import dataclasses
 import importlib.util
+import json
 import os
 import re
+import shutil
 import socket
 import subprocess
 import sys
@@ -264,3 +266,40 @@ def test_readme_setup_is_two_commands_and_ci_runs_the_second() -> None:
     # Both commands work from a stock system Python (PEP 668): they install into .venv only.
     for command in commands:
         assert command.startswith("python3 -m venv .venv && .venv/bin/pip install ")
+
+
+def test_the_readme_pipeline_type_checks_without_annotations(tmp_path: Path) -> None:
+    """The README's first pipeline passes mypy and pyright as a user writes it (no annotation
+    on ``ds``): ``batch()`` without ``batch_fn`` has a type a checker can infer."""
+    (pipeline,) = [
+        b for b in blocks(ROOT / "README.md") if b.kind == PROGRAM and ".batch(" in b.code
+    ][:1]
+    user_code = tmp_path / "readme_pipeline.py"
+    user_code.write_text(pipeline.code)
+    # grain_core as an installed package is to a checker: found, its own errors not reported.
+    config = tmp_path / "mypy.ini"
+    config.write_text("[mypy]\n[mypy-grain_core.*]\nfollow_imports = silent\n")
+    checkers = []
+    if importlib.util.find_spec("mypy") is not None:
+        checkers.append(
+            [sys.executable, "-m", "mypy", "--no-incremental", "--config-file", str(config)]
+        )
+    pyright = shutil.which("basedpyright", path=os.path.dirname(sys.executable))
+    if pyright is not None:
+        settings = {"extraPaths": [str(ROOT)], "typeCheckingMode": "standard"}
+        (tmp_path / "pyrightconfig.json").write_text(json.dumps(settings))
+        checkers.append([pyright, "--pythonpath", sys.executable])
+    if not checkers:
+        pytest.skip("neither mypy nor basedpyright is installed (nox -s typecheck has both)")
+    # An editable install is an import hook that mypy does not follow: the checkout's path.
+    env = {**os.environ, "MYPYPATH": str(ROOT)}
+    for checker in checkers:
+        done = subprocess.run(
+            [*checker, str(user_code)],
+            capture_output=True,
+            text=True,
+            cwd=tmp_path,
+            env=env,
+            check=False,
+        )
+        assert done.returncode == 0, f"{pipeline.where}: {' '.join(checker)}\n{done.stdout}"

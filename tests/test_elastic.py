@@ -4,11 +4,17 @@ from __future__ import annotations
 
 import itertools
 import json
+import os
 import re
+import shutil
+import signal
+import subprocess
+import sys
 import tempfile
 from pathlib import Path
 from typing import Any
 
+import killed_saves
 import numpy as np
 import pytest
 from hypothesis import given, settings
@@ -518,3 +524,211 @@ def test_restore_from_a_directory_without_a_checkpoint_says_so(tmp_path: Path) -
     it = ElasticIterator(_files_ds(), 2, _shard(0, 2))
     with pytest.raises(ValueError, match="holds no ElasticIterator checkpoint.*process_0-of-2"):
         CheckpointHandler().restore(tmp_path, it)
+
+
+# ------------------------------------------------- checkpoints: complete or refused, never mixed
+def test_part_of_a_save_is_refused_naming_the_directory_and_file(tmp_path: Path) -> None:
+    # The reproduction: saves at steps 2 and 10; the first two shard-state files of step 10
+    # alone in a new directory restored as if the other inputs had not started (elements again).
+    handler = CheckpointHandler()
+    it = ElasticIterator(_files_ds(), 2, _shard(0, 1))
+    reference = _drain(ElasticIterator(_files_ds(), 2, _shard(0, 1)))
+    _take(it, 2)
+    handler.save(tmp_path / "step_2", it)
+    _take(it, 8)
+    handler.save(tmp_path / "step_10", it)
+    partial = tmp_path / "partial"
+    partial.mkdir()
+    for k in (0, 1):
+        shutil.copy(tmp_path / "step_10" / f"shard_state_{k}.json", partial)
+    for count in (1, 2):
+        with pytest.raises(
+            ValueError,
+            match=f"checkpoint in {re.escape(str(partial))} is incomplete: it has "
+            "shard_state_0.json but no process_",
+        ):
+            handler.restore(partial, ElasticIterator(_files_ds(), 2, _shard(0, count)))
+    # The same two files over step 2's checkpoint: a directory of two moments.
+    mixed = tmp_path / "mixed"
+    shutil.copytree(tmp_path / "step_2", mixed)
+    for name in ("shard_state_0.json", "shard_state_1.json"):
+        shutil.copy(tmp_path / "step_10" / name, mixed)
+    with pytest.raises(
+        ValueError,
+        match=f"checkpoint in {re.escape(str(mixed))} mixes two saves: "
+        f"{re.escape(str(mixed / 'shard_state_0.json'))} is not the file that "
+        "process_0-of-1.json lists",
+    ):
+        handler.restore(mixed, ElasticIterator(_files_ds(), 2, _shard(0, 2)))
+    # Under the shard count that saved it, the process file alone is the whole state: step 2.
+    restored = ElasticIterator(_files_ds(), 2, _shard(0, 1))
+    handler.restore(mixed, restored)
+    assert _drain(restored) == reference[4:]
+
+
+def test_a_missing_process_file_of_another_shard_is_named(tmp_path: Path) -> None:
+    _save_after("prefetch", 3, 12, 1, tmp_path)
+    (tmp_path / "process_1-of-3.json").unlink()
+    with pytest.raises(ValueError, match="is incomplete: process_1-of-3.json is missing"):
+        CheckpointHandler().restore(
+            tmp_path, ElasticIterator(PIPELINES["prefetch"](), 12, _shard(0, 2))
+        )
+    (tmp_path / "process_0-of-2.json").write_text((tmp_path / "process_0-of-3.json").read_text())
+    with pytest.raises(ValueError, match="mixes saves of 2 and 3 shards"):
+        CheckpointHandler().restore(
+            tmp_path, ElasticIterator(PIPELINES["prefetch"](), 12, _shard(0, 1))
+        )
+
+
+def test_a_checkpoint_without_digests_restores_as_before(tmp_path: Path) -> None:
+    # Google Grain's (and earlier versions') process files list no shard-state files.
+    before = _save_after("prefetch", 2, 12, 2, tmp_path)
+    for path in tmp_path.glob("process_*"):
+        state = json.loads(path.read_text())
+        del state["shard_state_sha256"]
+        path.write_text(json.dumps(state))
+    after = []
+    for i in range(3):
+        it = ElasticIterator(PIPELINES["prefetch"](), 12, _shard(i, 3))
+        CheckpointHandler().restore(tmp_path, it)
+        after += _steps(it)
+    assert sorted(x for step in before + after for x in step) == EXPECTED["prefetch"]
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    saved=st.integers(1, 3),
+    restored=st.integers(1, 3),
+    overwrite=st.booleans(),
+    old_steps=st.integers(0, 3),
+    more_steps=st.integers(1, 2),
+    kill_at=st.integers(0, 9),
+    cut=st.none() | st.floats(0, 1),
+)
+def test_a_killed_save_restores_as_the_old_state_the_new_state_or_an_error(
+    saved: int,
+    restored: int,
+    overwrite: bool,
+    old_steps: int,
+    more_steps: int,
+    kill_at: int,
+    cut: float | None,
+) -> None:
+    # Killed at every file boundary (cut None) and part-way through a file. A directory that
+    # several processes overwrite is left out: each process's files are of one save, but a
+    # crash between two processes' saves leaves them at different steps (see
+    # docs/storage.md: save each step to its own directory).
+    with tempfile.TemporaryDirectory() as tmp:
+        old = None
+        if overwrite:
+            saved = 1
+            old = killed_saves.save_killed_at(tmp, saved, old_steps, kill_at=99)
+        try:
+            new = killed_saves.save_killed_at(tmp, saved, old_steps + more_steps, kill_at, cut)
+        except killed_saves.Killed:
+            new = None
+        killed_saves.check_old_new_or_refused(
+            tmp,
+            restored,
+            old,
+            new if new is not None else old,
+            f"{saved=} {restored=} {old_steps=} {more_steps=} {kill_at=} {cut=}",
+        )
+        if new is None and old is None:
+            assert isinstance(killed_saves.restore_all(tmp, restored), ValueError)
+
+
+# The child saves after every step, announcing each save on a line, until its input ends,
+# then waits to be killed. Given write numbers, it forks once per number instead, and that
+# process kills itself (SIGKILL) at that file write of its second save, into a directory named
+# after the number; the child prints how each ended.
+_SAVING_CHILD = """
+import os, signal, sys
+import killed_saves
+from grain_core import storage
+from grain_core.checkpoint import CheckpointHandler
+
+def save_every_step(directory, kill_at):
+    writes, write_bytes = 0, storage.write_bytes
+    def write(path, data, storage_options=None):
+        nonlocal writes
+        writes += 1
+        if writes == kill_at:
+            os.kill(os.getpid(), signal.SIGKILL)
+        write_bytes(path, data, storage_options)
+    it = killed_saves.make(0, 1)
+    for step in range(99):
+        print(step, flush=True)
+        storage.write_bytes = write if step == 1 else write_bytes
+        CheckpointHandler().save(directory, it)
+        if next(it, None) is None:
+            break
+
+directory, kill_points = sys.argv[1], [int(k) for k in sys.argv[2:]]
+if not kill_points:
+    save_every_step(directory, 0)
+    sys.stdin.read()
+for kill_at in kill_points:
+    pid = os.fork()
+    if pid == 0:
+        sys.stdout = open(os.devnull, "w")
+        save_every_step(os.path.join(directory, str(kill_at)), kill_at)
+        os._exit(0)
+    print(kill_at, os.waitpid(pid, 0)[1], flush=True)
+"""
+
+
+def _run_saving_child(directory: Path, kill_points: list[int], lines: int = 0) -> list[str]:
+    """Runs the saving child; without kill points, SIGKILLs it once it announced ``lines``
+    saves. Returns the lines it printed."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(__file__).parent), *sys.path])}
+    child = subprocess.Popen(
+        [sys.executable, "-c", _SAVING_CHILD, str(directory), *map(str, kill_points)],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+        env=env,
+    )
+    assert child.stdout is not None and child.stdin is not None
+    printed = []
+    for line in child.stdout:
+        printed.append(line.strip())
+        if len(printed) == lines:
+            child.send_signal(signal.SIGKILL)
+    child.stdout.close()
+    child.stdin.close()
+    assert child.wait() == (-signal.SIGKILL if lines else 0)
+    return printed
+
+
+def _restores_a_step_or_refuses(directory: Path) -> None:
+    """Restoring ``directory`` with two shards continues after some step of the saving child,
+    or raises an error naming the directory."""
+    seen: list[list[int]] = [[]]
+    for batch in killed_saves.make(0, 1):
+        seen.append(seen[-1] + np.asarray(batch).ravel().tolist())
+    rest = killed_saves.restore_all(str(directory), 2)
+    if isinstance(rest, ValueError):
+        assert str(directory) in str(rest), rest
+        return
+    everything = sorted(x for f in killed_saves.INPUTS for x in f)
+    assert any(sorted(before + rest) == everything for before in seen), rest
+
+
+def test_a_sigkilled_save_at_each_file_boundary_restores_old_new_or_refused(
+    tmp_path: Path,
+) -> None:
+    # The second save writes 6 shard-state files and the process file: killed before each.
+    kill_points = list(range(1, 8))
+    printed = _run_saving_child(tmp_path, kill_points)
+    assert printed == [f"{k} {int(signal.SIGKILL)}" for k in kill_points]  # each died by SIGKILL
+    for kill_at in kill_points:
+        _restores_a_step_or_refuses(tmp_path / str(kill_at))
+
+
+@pytest.mark.parametrize("lines", [1, 2, 4])
+def test_a_sigkilled_save_at_any_moment_restores_a_step_or_refuses(
+    lines: int, tmp_path: Path
+) -> None:
+    _run_saving_child(tmp_path, [], lines)
+    _restores_a_step_or_refuses(tmp_path)

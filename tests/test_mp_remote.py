@@ -229,7 +229,10 @@ def test_backend_names_resolve_through_the_plugin_registry() -> None:
     with pytest.raises(ValueError, match="empty name"):
         MultiprocessingOptions(num_workers=1, backend="")
     if "ray" not in {b.name for b in plugins.list_worker_backends()}:
-        with pytest.raises(plugins.MissingPluginError, match="pip install grainpipe-ray"):
+        with pytest.raises(
+            plugins.MissingPluginError,
+            match=r"pip install \. \./plugins/grain_ray \(in a clone of grain_core\)",
+        ):
             remote.worker_backend(_opts(2, "ray"))
 
 

@@ -70,3 +70,51 @@ def test_plugins_require_a_bounded_range_of_the_core_that_holds_this_one(
     assert any(s.operator == "<" for s in core.specifier), f"{core} has no upper bound"
     next_minor = Version(f"{core_version.major}.{core_version.minor + 1}")
     assert next_minor not in core.specifier
+
+
+def _pip_install_commands() -> list[tuple[str, str]]:
+    """Every ``pip install ...`` that the code and the docs tell a user to run: (file, what
+    follows ``pip install`` up to the end of the command)."""
+    sources = [
+        *ROOT.glob("grain_core/**/*.py"),
+        *ROOT.glob("plugins/*/grain_*/**/*.py"),
+        *ROOT.glob("docs/*.md"),
+        *ROOT.glob("plugins/*/README.md"),
+        ROOT / "README.md",
+    ]
+    found = []
+    for path in sources:
+        text = path.read_text(encoding="utf-8")
+        for match in re.finditer(r"pip install (?!-e\b|-U\b|nox\b)([^`\"\n)(;]+)", text):
+            found.append((str(path.relative_to(ROOT)), match.group(1).strip().rstrip(".,:")))
+    return found
+
+
+def test_every_install_hint_names_what_a_clone_or_the_package_index_has() -> None:
+    """The grainpipe distributions are on no package index: a hint installs them from a clone
+    (``.`` and ``./plugins/<x>``, the core always beside a plugin, which alone fails on its
+    ``grainpipe`` dependency); anything else it names is an index package we depend on."""
+    plugin_dirs = {f"./plugins/{d.name}" for d in PLUGIN_DIRS}
+    declared: set[str] = set()
+    for directory in PROJECT_DIRS:
+        project = _project(directory)
+        requirements = [*project.get("dependencies", [])]
+        for extra in project.get("optional-dependencies", {}).values():
+            requirements.extend(extra)
+        declared.update(Requirement(r).name.lower() for r in requirements)
+    declared -= {PREFIX}
+    # The stores' fsspec implementations, named where their scheme is used.
+    declared |= {"gcsfs", "adlfs", "huggingface_hub", "tensorflow-cpu"}
+    commands = _pip_install_commands()
+    assert len(commands) > 10
+    for where, command in commands:
+        words = [w.strip("'\"") for w in command.split()]
+        # Placeholders of f-strings name table entries (storage's packages per scheme).
+        words = [w for w in words if w and not w.startswith("--") and "{" not in w]
+        targets = [re.sub(r"\[.*\]$", "", w) for w in words]
+        for target in targets:
+            assert not target.startswith(PREFIX), f"{where}: 'pip install {command}'"
+            if target.startswith("./plugins/"):
+                assert target in plugin_dirs and "." in targets, f"{where}: {command!r}"
+            elif target not in (".", "./"):
+                assert target.lower() in declared | plugin_dirs, f"{where}: {command!r}"

@@ -967,6 +967,22 @@ def test_cli_inspect(one_file: str, capsys: pytest.CaptureFixture[str]) -> None:
     assert summary["sample"][0]["text"] == "row 0"
 
 
+def test_cli_inspect_of_a_file_with_a_damaged_page_names_the_file(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    path = tmp_path / "damaged.parquet"
+    pq.write_table(pa.table({"x": list(range(1000))}), path, compression="snappy")
+    data = bytearray(path.read_bytes())
+    data[100:400] = bytes(300)  # inside the first data page; the footer is intact
+    path.write_bytes(bytes(data))
+    assert cli.main(["inspect", str(path)]) == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1, err
+    assert err.startswith(
+        f"grain-core inspect: error: Cannot read row group 0 of Parquet file {path}: "
+    )
+
+
 # --------------------------------------------------------------------- bad input
 Opener = Callable[[Any], Any]
 OPENERS: list[Opener] = [

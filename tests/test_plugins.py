@@ -194,7 +194,7 @@ def test_jax_process_policy_uses_jax() -> None:
 def test_jax_process_policy_without_jax_names_the_extra(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setitem(sys.modules, "jax", None)
     policy = plugins.get_sharding_policy("jax_process")
-    with pytest.raises(ImportError, match=r"grainpipe\[jax\]"):
+    with pytest.raises(ImportError, match=r"pip install jax"):
         policy.apply(grain_core.MapDataset.range(4))
 
 
@@ -457,7 +457,10 @@ def test_path_no_format_claims_lists_installed_formats(make_plugin: MakePlugin) 
         match=r"No installed format claims 'data.csv'. Installed formats: first \(.one\)",
     ):
         registry.format_for_path("data.csv")
-    with pytest.raises(NoFormatForPathError, match="pip install grainpipe-arrayrecord"):
+    with pytest.raises(
+        NoFormatForPathError,
+        match=r"pip install \. \./plugins/grain_arrayrecord \(in a clone of grain_core\)",
+    ):
         registry.format_for_path("/data/x.array_record-00001-of-00008")
 
 
@@ -482,7 +485,11 @@ def test_first_party_names_without_plugin_say_what_to_install(
     monkeypatch: pytest.MonkeyPatch, module: str, name: str, distribution: str
 ) -> None:
     monkeypatch.setattr(importlib.metadata, "entry_points", lambda **_: [])
-    hint = rf"grain_core.{module}.{name} is provided by the {distribution} plugin, which is not installed: pip install {distribution}"
+    package = "grain_" + distribution.removeprefix("grainpipe-")
+    hint = (
+        rf"grain_core.{module}.{name} is provided by the {distribution} plugin, which is not "
+        rf"installed: pip install \. \./plugins/{package} \(in a clone of grain_core\)"
+    )
     with pytest.raises(MissingPluginError, match=hint):
         getattr(getattr(grain_core, module), name)
     with pytest.raises(ImportError, match=hint):
@@ -493,8 +500,11 @@ def test_first_party_names_without_plugin_say_what_to_install(
 @pytest.mark.parametrize(
     ("core", "hint"),
     [
-        (None, "which is not installed: pip install grainpipe"),
-        ("other", "is another project's .*pip uninstall grain-core && pip install grainpipe"),
+        (None, r"which is not installed: pip install \. \(in a clone of grain_core\)"),
+        (
+            "other",
+            r"is another project's .*pip uninstall grain-core && pip install \. \(in a clone",
+        ),
     ],
 )
 def test_first_party_plugin_without_our_core_names_the_distribution(

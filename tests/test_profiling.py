@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import re
@@ -15,11 +16,11 @@ import numpy as np
 import pytest
 
 import grain_core as grain
-from grain_core import cli, profiling
+from grain_core import _report_html, cli, profiling
 from grain_core.dataset.trace import validate_trace_events
 from grain_core.profiling import ProcessTime, ProfileData, StageTime, verdict
 
-pytest.importorskip("plotly", reason="the report needs plotly: pip install 'grainpipe[report]'")
+pytest.importorskip("plotly", reason="the report needs plotly: pip install plotly")
 
 SYNC = grain.ReadOptions(num_threads=0)
 
@@ -59,6 +60,15 @@ PIPELINE_FILE = textwrap.dedent(
 
     def broken():
         raise FileNotFoundError("no data in /nowhere")
+
+    def check(x):
+        if x[0] == 20:
+            raise ValueError("boom")
+        return x
+
+    def raising():
+        source = np.arange(512, dtype=np.uint8).reshape(-1, 4)
+        return grain.MapDataset.source(source).map(check).to_iter_dataset().batch(2)
 
     not_a_function = 3
     """
@@ -136,7 +146,7 @@ def test_an_unwritable_output_fails_before_running(tmp_path: Path) -> None:
 
 def test_a_pipeline_function_that_raises_is_named(pipeline_file: Path) -> None:
     with pytest.raises(
-        RuntimeError, match="pipeline function broken raised FileNotFoundError"
+        profiling.PipelineError, match="pipeline function broken raised FileNotFoundError"
     ) as e:
         profiling.profile(f"{pipeline_file}:broken", output=None)
     assert isinstance(e.value.__cause__, FileNotFoundError)
@@ -175,23 +185,31 @@ def test_bad_arguments_are_refused(tmp_path: Path) -> None:
 
 def test_missing_plotly_names_the_extra(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     monkeypatch.setitem(sys.modules, "plotly", None)
-    with pytest.raises(ImportError, match=r"pip install 'grainpipe\[report\]'"):
+    with pytest.raises(ImportError, match=r"pip install plotly"):
         profiling.profile(_pipeline, output=tmp_path / "r.html")
 
 
 # -------------------------------------------------------------------------------- verdict
 def _data(
-    stages: list[StageTime], processes: list[ProcessTime], wait: float, step: float = 0.0
+    stages: list[StageTime],
+    processes: list[ProcessTime],
+    wait: float,
+    step: float = 0.0,
+    move_s: float = 50e-6,
+    cores: float = 8.0,
 ) -> ProfileData:
+    """10 batches in 10 s."""
     return ProfileData(
         window_s=10.0,
-        batch_end_s=(1.0,),
+        batch_end_s=tuple(float(i) for i in range(1, 11)),
         stages=tuple(stages),
         processes=tuple(processes),
         consumer_wait_s=10.0 * wait,
         graph=None,
         graph_text=None,
         step_s=step,
+        transport_s=(move_s / 2, move_s / 2),
+        usable_cores=cores,
         verdict="",
     )
 
@@ -201,36 +219,99 @@ DECODE = StageTime("MapMapDataset(transform=decode @ x.py:3)", "transform", True
 RECEIVE = StageTime("DispatchedClass", "transport", False, 1.0, 0.1, 10)
 
 
-def test_verdict_for_busy_workers_says_add_workers() -> None:
+def test_verdict_for_busy_workers_says_add_workers_up_to_the_usable_cores() -> None:
     busy = [ProcessTime(f"worker {i}", True, 9.0, 10.0) for i in range(2)]
     other = StageTime("Batch", "batch", True, 1.8, 0.2, 10)
-    text = verdict(_data([DECODE, other, RECEIVE], [MAIN, *busy], wait=0.7))
+    # A batch costs 1 s of work and the step 200 ms: 5 workers keep up with the step.
+    text = verdict(_data([DECODE, other, RECEIVE], [MAIN, *busy], wait=0.7, step=0.2))
     assert text == (
-        "The consumer waited 70% of the time for data. The map `decode` in workers uses 82% "
-        "of worker time, and the 2 workers are busy 90% of the time: add workers "
-        "(num_workers=4), or make the map `decode` cheaper (e.g. vectorise it over a batch: "
-        "batch before it)."
+        "With a 200 ms step the consumer waited 70% of the time for data. The map `decode` "
+        "(x.py:3) in workers takes 80.0% of all stage time, and the 2 workers are busy 90% of "
+        "the time: add workers (num_workers=5, for 8 usable cores), or make the map `decode` "
+        "(x.py:3) cheaper (e.g. vectorise it over a batch: batch before it)."
     )
+    # Never more workers than the cores the process may use.
+    text = verdict(_data([DECODE, other, RECEIVE], [MAIN, *busy], wait=0.7, cores=2))
+    assert "more workers would not help on 2 usable cores; make the map `decode`" in text
+    assert "num_workers" not in text
 
 
-def test_verdict_for_idle_workers_points_at_the_main_process() -> None:
+def test_verdict_recommends_workers_only_when_the_work_outweighs_moving_a_result() -> None:
+    # 10 batches; the map costs 0.8 s per batch, moving one 50 us: workers pay off.
+    heavy = StageTime(
+        "MapMapDataset(transform=decode @ .../x.py:3)", "transform", False, 8, 0.8, 10
+    )
+    text = verdict(_data([heavy], [MAIN], wait=0.95, cores=2))
+    assert (
+        "computing a batch takes 800.0 ms and moving one from a worker process about 50 µs" in text
+    )
+    assert "num_workers=2)) after it (for 2 usable cores)" in text
+    text = verdict(_data([heavy], [MAIN], wait=0.95, cores=16))
+    assert "num_workers=16)) after it (for 16 usable cores)" in text
+    # A cheap pipeline (40 us per batch, 50 us to move one) gets no worker advice.
+    cheap = dataclasses.replace(heavy, self_s=4e-4)
+    text = verdict(_data([cheap], [MAIN], wait=0.95, cores=16))
+    assert "Worker processes would not make this faster: computing a batch takes 40 µs" in text
+    assert "mp_prefetch" not in text
+    # Nor on a machine with one usable core.
+    text = verdict(_data([heavy], [MAIN], wait=0.95, cores=1))
+    assert "Worker processes would not make this faster" in text
+
+
+def test_verdict_for_idle_workers_points_at_the_main_process_or_at_one_process() -> None:
     idle = [ProcessTime(f"worker {i}", True, 1.0, 10.0) for i in range(2)]
-    main_map = StageTime("Map(augment @ x.py:9)", "transform", False, 5.0, 0.5, 10)
+    main_map = StageTime("Map(augment @ .../x.py:9)", "transform", False, 5.0, 0.5, 10)
     text = verdict(_data([main_map, DECODE], [MAIN, *idle], wait=0.9))
     assert "The workers are idle 90% of the time" in text
-    assert "the map `augment` takes 50% of all stage time: move it before mp_prefetch" in text
-    text = verdict(_data([RECEIVE, DECODE], [MAIN, *idle], wait=0.9))
-    assert "receiving elements from the workers (DispatchedClass" in text
+    assert "the map `augment` (x.py:9) takes 50.0% of all stage time: move it before" in text
+    receive = StageTime("DispatchedClass", "transport", False, 8.0, 0.8, 10)
+    cheap = dataclasses.replace(DECODE, self_s=1e-4, share=0.01)
+    text = verdict(_data([receive, cheap], [MAIN, *idle], wait=0.9))
+    assert "receiving results from the workers: 80.0% of all stage time" in text
+    assert "faster in one process: remove .mp_prefetch" in text
+    assert "DispatchedClass" not in text
 
 
 def test_verdict_without_workers_and_when_the_pipeline_keeps_up() -> None:
     read = StageTime("SourceMapDataset(source=x)", "read", False, 6.0, 0.6, 10)
     wait = StageTime("Prefetch", "wait", False, 4.0, 0.4, 10)
     text = verdict(_data([read, wait], [MAIN], wait=0.95))
-    assert "Reading (SourceMapDataset) takes 100% of the pipeline's working time" in text
+    assert "Reading (source(source=x)) takes 60.0% of all stage time" in text
     assert "ReadOptions(num_threads=...)" in text
     text = verdict(_data([read], [MAIN], wait=0.05, step=0.1))
     assert text.startswith("The input pipeline keeps up: with a 100 ms step")
+
+
+def test_without_a_step_the_verdict_asks_for_one() -> None:
+    read = StageTime("SourceMapDataset(source=x)", "read", False, 6.0, 1.0, 10)
+    text = verdict(_data([read], [MAIN], wait=1.0))
+    assert "pass your step's time (--step-ms, or step_seconds=)" in text
+    assert "waited" not in text
+
+
+def test_stage_labels_are_the_users_words() -> None:
+    assert profiling.stage_label("DispatchedClass") == "receiving results from the workers"
+    assert (
+        profiling.stage_label("MapMapDataset(transform=square @ .../tmp/p/pipe.py:9)")
+        == "map square (pipe.py:9)"
+    )
+    assert profiling.stage_label("ShuffleMapDataset(seed=3)") == "shuffle(seed=3)"
+    assert profiling.stage_label("Batch") == "batch"
+    assert profiling.stage_label("MapWithIndexMapDataset") == "map_with_index"
+
+
+def test_the_chart_and_the_verdict_show_one_percentage_per_stage(tmp_path: Path) -> None:
+    data = profiling.profile(_pipeline, num_batches=12, output=None)
+    top = next(s for s in data.stages if s.category not in ("wait", "transport"))
+    assert profiling.format_share(top.share) in data.verdict
+    figures = _report_html._figures(data)
+    bars = figures[1].data[0]
+    label = profiling.stage_label(top.name)
+    assert (
+        f"{profiling.format_share(top.share)} · {top.category}"
+        == bars.text[list(bars.y).index(label)]
+    )
+    assert not any("MapDataset" in y for y in bars.y)
 
 
 # -------------------------------------------------------------------------------- the CLI
@@ -242,10 +323,42 @@ def test_cli_profile_and_report_from_trace(
     assert cli.main([*argv, "--trace-output", str(trace_out)]) == 0
     printed = capsys.readouterr().out
     assert re.match(r"4 batches in [0-9.]+ s \([0-9.]+ batches/s\); report written to ", printed)
-    assert "The consumer waited" in printed and out.is_file()
+    assert "--step-ms" in printed and out.is_file()
     assert cli.main(["profile", "--trace", str(trace_out), "-o", str(tmp_path / "b.html")]) == 0
     assert cli.main(["profile", f"{pipeline_file}:make", "-o", "/nonexistent/r.html"]) == 1
     assert "Cannot write the report '/nonexistent/r.html'" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_cli_profile_shows_the_users_exception(
+    pipeline_file: Path, tmp_path: Path, workers: int
+) -> None:
+    """The user's own error: its type, the stage or worker, and its traceback with the user's
+    file and line (a worker's too: functions of a file run by path travel by value)."""
+    pipeline = f"{pipeline_file}:raising"
+    if workers:
+        wrapper = tmp_path / "with_workers.py"
+        wrapper.write_text(
+            "import grain_core as grain\n"
+            f"import importlib.util, sys\nspec = importlib.util.spec_from_file_location('u', {str(pipeline_file)!r})\n"
+            "u = importlib.util.module_from_spec(spec); spec.loader.exec_module(u)\n"
+            "def make():\n"
+            f"    return u.raising().mp_prefetch(grain.MultiprocessingOptions(num_workers={workers}))\n"
+        )
+        pipeline = f"{wrapper}:make"
+    done = subprocess.run(
+        [sys.executable, "-m", "grain_core", "profile", pipeline, "-o", str(tmp_path / "r.html")],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    assert done.returncode == 1
+    last = done.stderr.strip().splitlines()[-1]
+    where = "mp_prefetch worker process" if workers else "the stage map check (user_pipeline.py:"
+    assert last.startswith(f"grain-core profile: error: The pipeline raised ValueError in {where}")
+    assert re.search(r" after \d+ batches: boom$", last)
+    assert f'File "{pipeline_file}", line 17, in check\n    raise ValueError("boom")' in done.stderr
+    assert "<dynamic-code>" not in done.stderr
 
 
 # -------------------------------------------------------------------- in a real browser

@@ -22,6 +22,7 @@ pytest.importorskip("moto.server")
 pytest.importorskip("s3fs")
 grain_tfrecord = pytest.importorskip("grain_tfrecord")
 
+import killed_saves  # noqa: E402
 from grain_tfrecord import TFRecordDataSource, TFRecordIterDataset, TFRecordWriter  # noqa: E402
 from s3_server import running_s3_server  # noqa: E402
 
@@ -182,8 +183,6 @@ def test_arrayrecord_reads_the_bucket_through_the_shard_cache(s3: Any, tmp_path:
         storage.write_bytes(f"{s3.url}/ar/part-{k}.array_record", local.read_bytes(), s3.options)
         contents.append(_records(k))
     everything = [r for records in contents for r in records]
-    with pytest.raises(ValueError, match=r"cannot open 's3://.*' itself.*shard_cache="):
-        grain_arrayrecord.ArrayRecordDataSource(f"{s3.url}/ar/*", storage_options=s3.options)
     cache = ShardCache(tmp_path / "cache", max_bytes=1 << 20)
     source = grain_arrayrecord.ArrayRecordDataSource(
         f"{s3.url}/ar/*", shard_cache=cache, storage_options=s3.options
@@ -203,6 +202,23 @@ def test_arrayrecord_reads_the_bucket_through_the_shard_cache(s3: Any, tmp_path:
         grain_arrayrecord.ArrayRecordDataSource(
             f"{s3.url}/ar/missing", shard_cache=cache, storage_options=s3.options
         )
+
+
+def test_arrayrecord_url_without_a_shard_cache_uses_the_default_one(
+    s3: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    grain_arrayrecord = pytest.importorskip("grain_arrayrecord")
+    local = tmp_path / "one.array_record"
+    with grain_arrayrecord.ArrayRecordWriter(local) as writer:
+        for record in _records(0):
+            writer.write(record)
+    storage.write_bytes(f"{s3.url}/one.array_record", local.read_bytes(), s3.options)
+    monkeypatch.setenv("GRAIN_CORE_CACHE_DIR", str(tmp_path / "user-cache"))
+    # The same call as for the local file: the URL goes through the default cache.
+    for path, options in ((str(local), None), (f"{s3.url}/one.array_record", s3.options)):
+        source = grain_arrayrecord.ArrayRecordDataSource(path, storage_options=options)
+        assert source.__getitems__(range(len(source))) == _records(0)
+    assert len(list((tmp_path / "user-cache" / "shards").glob("*.shard"))) == 1
 
 
 # ----------------------------------------------------------------------------- checkpoints
@@ -315,6 +331,30 @@ def test_elastic_shard_state_files_in_the_bucket(s3: Any) -> None:
     CheckpointHandler().restore(f"{s3.url}/elastic", fresh)
     after = [x for batch in fresh for x in batch.ravel().tolist()]
     assert sorted(before + after) == list(range(40))
+
+
+def test_a_save_killed_at_each_file_boundary_in_the_bucket_restores_old_new_or_refused(
+    s3: Any,
+) -> None:
+    # One process overwriting its checkpoint, and two saving into a fresh directory, die
+    # before each of their uploads (each upload is whole or absent).
+    for kill_at in range(8):
+        directory = f"{s3.url}/overwritten_{kill_at}"
+        old = killed_saves.save_killed_at(directory, 1, 1, kill_at=99)
+        try:
+            new = killed_saves.save_killed_at(directory, 1, 3, kill_at)
+        except killed_saves.Killed:
+            new = old
+        for count in (1, 2):
+            killed_saves.check_old_new_or_refused(directory, count, old, new, directory)
+    for kill_at in range(9):
+        directory = f"{s3.url}/fresh_{kill_at}"
+        try:
+            new = killed_saves.save_killed_at(directory, 2, 2, kill_at)
+        except killed_saves.Killed:
+            assert isinstance(killed_saves.restore_all(directory, 3), ValueError)
+            continue
+        killed_saves.check_old_new_or_refused(directory, 3, None, new, directory)
 
 
 # ------------------------------------------------------------------------------------- CLI

@@ -1,27 +1,38 @@
-"""grain_core.shard_cache: downloads on first use, validity, LRU eviction, sharing between
-real processes, and the errors for a full or unwritable directory.
+"""grain_core.shard_cache: downloads on first use, validity, LRU eviction, pins, sharing
+between real processes, forks during downloads, planted symbolic links, and the errors for a
+full or unwritable directory.
 
 Remote files are local files behind a URL scheme array_record cannot open
 (``countinglocal://``: fsspec's local file system, counting the downloads in a file beside
-each shard), so several processes see the same "remote" files.
+each shard), so several processes see the same "remote" files. ``gatedlocal://`` is the same
+with a gate: a download reports on a pipe that it started (holding the entry's lock) and waits
+until the test lets it go, so forks and other processes act during a download without sleeps.
 """
 
 from __future__ import annotations
 
+import json
 import multiprocessing
 import os
+import signal
+import stat
+import subprocess
+import sys
+import textwrap
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import pytest
 
 fsspec = pytest.importorskip("fsspec")
 
+from conftest import fails_after  # noqa: E402
 from fsspec.implementations.local import LocalFileSystem  # noqa: E402
 
 from grain_core import shard_cache as sc  # noqa: E402
 
 PROTOCOL = "countinglocal"
+GATED = "gatedlocal"
 
 
 class _CountingLocalFS(LocalFileSystem):  # type: ignore[misc]
@@ -32,8 +43,8 @@ class _CountingLocalFS(LocalFileSystem):  # type: ignore[misc]
 
     @classmethod
     def _strip_protocol(cls, path: Any) -> Any:
-        if isinstance(path, str) and path.startswith(PROTOCOL + "://"):
-            path = path[len(PROTOCOL) + 3 :]
+        if isinstance(path, str) and path.startswith(f"{cls.protocol}://"):
+            path = path[len(cls.protocol) + 3 :]
         return super()._strip_protocol(path)
 
     def _open(self, path: str, mode: str = "rb", **kwargs: Any) -> Any:
@@ -43,8 +54,32 @@ class _CountingLocalFS(LocalFileSystem):  # type: ignore[misc]
         return super()._open(path, mode, **kwargs)
 
 
+class _Gate:
+    """Pipes between a gated download and the test: ``started`` (the download writes a byte
+    once it holds the entry's lock) and ``go`` (it waits for a byte there)."""
+
+    def __init__(self) -> None:
+        self.started_r, self.started_w = os.pipe()
+        self.go_r, self.go_w = os.pipe()
+
+
+class _GatedLocalFS(_CountingLocalFS):
+    """``countinglocal://`` whose downloads wait at the class's gate (when one is set)."""
+
+    protocol = GATED
+    gate: ClassVar[_Gate | None] = None
+
+    def _open(self, path: str, mode: str = "rb", **kwargs: Any) -> Any:
+        gate = type(self).gate
+        if "r" in mode and gate is not None:
+            os.write(gate.started_w, b"s")
+            os.read(gate.go_r, 1)
+        return super()._open(path, mode, **kwargs)
+
+
 def _register() -> None:
     fsspec.register_implementation(PROTOCOL, _CountingLocalFS, clobber=True)
+    fsspec.register_implementation(GATED, _GatedLocalFS, clobber=True)
 
 
 @pytest.fixture(autouse=True)
@@ -52,15 +87,15 @@ def _counting_protocol() -> None:
     _register()
 
 
-def _remote(tmp_path: Path, name: str, data: bytes) -> str:
+def _remote(tmp_path: Path, name: str, data: bytes, protocol: str = PROTOCOL) -> str:
     remote = tmp_path / "remote"
     remote.mkdir(exist_ok=True)
     (remote / name).write_bytes(data)
-    return f"{PROTOCOL}://{remote / name}"
+    return f"{protocol}://{remote / name}"
 
 
 def _downloads(url: str) -> int:
-    log = Path(url[len(PROTOCOL) + 3 :] + ".opens")
+    log = Path(url.split("://", 1)[1] + ".opens")
     return len(log.read_text().splitlines()) if log.exists() else 0
 
 
@@ -136,10 +171,11 @@ def test_a_cache_full_of_downloads_in_progress_names_the_directory(tmp_path: Pat
 
     directory = tmp_path / "cache"
     directory.mkdir()
-    # Another process is downloading an 800-byte shard: its lock is held, its file reserved.
+    # Another process is downloading an 800-byte shard: its temporary file reserves the bytes
+    # and is locked by its downloader.
     key = "f" * 40
-    (directory / f"{key}.800.xyz.tmp").write_bytes(b"")
-    held = os.open(directory / f"{key}.lock", os.O_RDWR | os.O_CREAT)
+    (directory / f"{key}.800.abc.tmp").write_bytes(b"")
+    held = os.open(directory / f"{key}.800.abc.tmp", os.O_RDONLY)
     fcntl.flock(held, fcntl.LOCK_EX)
     try:
         url = _remote(tmp_path, "a.bin", b"a" * 400)
@@ -245,3 +281,277 @@ def test_bad_arguments(tmp_path: Path) -> None:
         sc.ShardCache(tmp_path, read_ahead=-1)
     with pytest.raises(ValueError, match="must be local"):
         sc.ShardCache("s3://bucket/cache")
+
+
+# ----------------------------------------------------------------------------- pins
+def test_a_pinned_shard_is_not_evicted_and_a_full_cache_names_the_limit_and_holders(
+    tmp_path: Path,
+) -> None:
+    urls = [_remote(tmp_path, f"{n}.bin", n.encode() * 400) for n in "abc"]
+    cache = sc.ShardCache(tmp_path / "cache", max_bytes=1000)  # two of the three
+    with cache.pin(urls[0]) as pinned_a, cache.pin(urls[1]):
+        assert Path(pinned_a.path).read_bytes() == b"a" * 400
+        with pytest.raises(
+            sc.ShardCacheFullError,
+            match=r"max_bytes=1000 leaves no room for .*c\.bin \(400 bytes\); held: 800 bytes "
+            r"by 2 shards .*a\.bin, .*b\.bin",
+        ):
+            cache.pin(urls[2])
+    # Unpinned, the least recently used one makes room.
+    with cache.pin(urls[2]):
+        assert len(_entries(cache)) == 2
+    assert [_downloads(u) for u in urls] == [1, 1, 1]
+
+
+def test_a_download_ahead_never_evicts_one_fetched_ahead_and_not_yet_used(tmp_path: Path) -> None:
+    urls = [_remote(tmp_path, f"{n}.bin", n.encode() * 400) for n in "abc"]
+    cache = sc.ShardCache(tmp_path / "cache", max_bytes=1000, read_ahead=1)
+    cache.prefetch(urls[:1])
+    cache.prefetch(urls[1:])  # does not fit beside a.bin without evicting it: left for pin
+    cache.pin(urls[1]).close()
+    with cache.pin(urls[0]) as pinned:
+        assert Path(pinned.path).read_bytes() == b"a" * 400
+    assert [_downloads(u) for u in urls] == [1, 1, 0]
+
+
+# ---------------------------------------------------------------------------- forks
+_LOCK_PROBE = textwrap.dedent(
+    """
+    import fcntl, os, sys
+    fd = os.open(sys.argv[1], os.O_RDONLY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        print("free")
+    except BlockingIOError:
+        print("held")
+    """
+)
+_THIRD_PROCESS = textwrap.dedent(
+    """
+    import sys
+    import fsspec
+    from fsspec.implementations.local import LocalFileSystem
+    from grain_core.shard_cache import ShardCache
+
+    class Local(LocalFileSystem):
+        protocol = sys.argv[3]
+
+        @classmethod
+        def _strip_protocol(cls, path):
+            return super()._strip_protocol(path.split("://", 1)[-1])
+
+    fsspec.register_implementation(sys.argv[3], Local, clobber=True)
+    print(open(ShardCache(sys.argv[1]).local_path(sys.argv[2]), "rb").read().decode())
+    """
+)
+
+
+def _third_process(script: str, *args: str) -> str:
+    """What a third process sharing the directory prints (``script`` run with ``args``)."""
+    done = subprocess.run(
+        [sys.executable, "-c", script, *args], capture_output=True, text=True, check=True
+    )
+    return done.stdout.strip()
+
+
+def _entry_key(cache: sc.ShardCache, url: str) -> str:
+    """The name of ``url``'s entry in the directory (from its metadata)."""
+    for meta in Path(cache.directory).glob("*.json"):
+        if json.loads(meta.read_text())["url"] == url:
+            return meta.stem
+    raise AssertionError(f"no entry of {url}")
+
+
+def _lock_file(cache: sc.ShardCache, url: str) -> str:
+    return os.path.join(cache.directory, _entry_key(cache, url) + ".lock")
+
+
+def _child(body: Any) -> int:
+    """Forks; the child runs ``body()`` (exit status 0 if it returns True) under a hang
+    guard, the parent gets the child's pid."""
+    pid = os.fork()
+    if pid == 0:
+        code = 1
+        try:
+            signal.alarm(60)  # a hang in the child ends it (and fails the test)
+            code = 0 if body() else 2
+        finally:
+            os._exit(code)
+    return pid
+
+
+def _exit_status(pid: int) -> int:
+    return os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
+
+
+def test_a_child_forked_during_a_download_blocks_nobody_and_fetches_for_itself(
+    tmp_path: Path,
+) -> None:
+    gate = _Gate()
+    url = _remote(tmp_path, "a.bin", b"a" * 1000, protocol=GATED)
+    other = _remote(tmp_path, "b.bin", b"b" * 1000)
+    cache = sc.ShardCache(tmp_path / "cache")
+    to_child_r, to_child_w = os.pipe()
+    _GatedLocalFS.gate = gate
+    try:
+        with fails_after(60):
+            cache.prefetch([url])
+            os.read(gate.started_r, 1)  # the parent's download holds the entry now
+
+            def child() -> bool:
+                _GatedLocalFS.gate = None
+                os.read(to_child_r, 1)  # the parent's download has ended
+                # The parent's download thread is not in this process: the cache looks
+                # for itself, and downloads what nobody has.
+                same = Path(cache.local_path(url)).read_bytes() == b"a" * 1000
+                own = Path(cache.local_path(other)).read_bytes() == b"b" * 1000
+                os.read(to_child_r, 1)  # alive until the parent has checked
+                return same and own
+
+            pid = _child(child)
+            os.write(gate.go_w, b"g")
+            # Before: the child's copy of the download's lock descriptor kept the entry
+            # locked for the child's whole life, and this waited for it.
+            assert Path(cache.local_path(url)).read_bytes() == b"a" * 1000
+            assert _third_process(_LOCK_PROBE, _lock_file(cache, url)) == "free"
+            assert _third_process(_THIRD_PROCESS, cache.directory, url, GATED) == "a" * 1000
+            os.write(to_child_w, b"1")
+            os.write(to_child_w, b"2")
+            assert _exit_status(pid) == 0
+    finally:
+        _GatedLocalFS.gate = None
+    assert (_downloads(url), _downloads(other)) == (1, 1)
+
+
+def test_a_forked_child_downloading_is_waited_for_and_holds_no_pin_of_its_parent(
+    tmp_path: Path,
+) -> None:
+    gate = _Gate()
+    pinned_url = _remote(tmp_path, "a.bin", b"a" * 1000)
+    url = _remote(tmp_path, "c.bin", b"c" * 1000, protocol=GATED)
+    cache = sc.ShardCache(tmp_path / "cache")
+    pinned = cache.pin(pinned_url)
+    _GatedLocalFS.gate = gate
+    try:
+        with fails_after(60):
+            pid = _child(lambda: Path(cache.local_path(url)).read_bytes() == b"c" * 1000)
+            os.read(gate.started_r, 1)  # the child's download holds its entry now
+            _GatedLocalFS.gate = None
+            pinned.close()  # the child has no copy of the parent's pin
+            assert _third_process(_LOCK_PROBE, _lock_file(cache, pinned_url)) == "free"
+            os.write(gate.go_w, b"g")
+            # The parent waits for the child's download and takes its copy.
+            assert Path(cache.local_path(url)).read_bytes() == b"c" * 1000
+            assert _exit_status(pid) == 0
+    finally:
+        _GatedLocalFS.gate = None
+    assert _downloads(url) == 1
+
+
+# -------------------------------------------------------------- shared directories
+def _planted(tmp_path: Path) -> Path:
+    victim = tmp_path / "victim.txt"
+    victim.write_bytes(b"not yours")
+    os.utime(victim, ns=(1_000_000_000, 1_000_000_000))
+    return victim
+
+
+def _untouched(victim: Path) -> bool:
+    info = victim.stat()
+    return victim.read_bytes() == b"not yours" and info.st_mtime_ns == 1_000_000_000
+
+
+@pytest.mark.parametrize("name", ["lock", "cache.lock", "json", "shard", "tmp"])
+def test_a_planted_symlink_is_replaced_never_followed(tmp_path: Path, name: str) -> None:
+    url = _remote(tmp_path, "a.bin", b"not yours")  # the victim's size and bytes: a link
+    directory = tmp_path / "cache"  # to it passes every check that follows links
+    cache = sc.ShardCache(directory, verify=False)
+    cache.local_path(url)  # a valid entry, whose files the other user replaces by links
+    victim = _planted(tmp_path)
+    key = _entry_key(cache, url)
+    planted = {
+        "lock": f"{key}.lock",
+        "cache.lock": ".cache.lock",
+        "json": f"{key}.json",
+        "shard": f"{key}.shard",
+        "tmp": f"{key}.9.0123456789ab.tmp",
+    }[name]
+    link = directory / planted
+    link.unlink(missing_ok=True)
+    link.symlink_to(victim)
+    if name in ("json", "shard"):  # an entry whose file is a link is invalid: downloaded
+        fresh = sc.ShardCache(directory, verify=False)
+    else:
+        fresh = sc.ShardCache(directory, verify=False, max_bytes=100)
+        fresh.local_path(_remote(tmp_path, "b.bin", b"b" * 60))  # a reservation (evicts a)
+    assert Path(fresh.local_path(url)).read_bytes() == b"not yours"
+    assert _untouched(victim)
+    assert not link.is_symlink()
+    assert all(not p.is_symlink() for p in directory.iterdir())
+
+
+def test_files_are_created_owner_only(tmp_path: Path) -> None:
+    directory = tmp_path / "cache"
+    sc.ShardCache(directory).local_path(_remote(tmp_path, "a.bin", b"a" * 10))
+    assert stat.S_IMODE(directory.stat().st_mode) == 0o700
+    assert {stat.S_IMODE(p.stat().st_mode) for p in directory.iterdir()} == {0o600}
+
+
+_KILLED_DOWNLOAD = textwrap.dedent(
+    """
+    import sys
+    import fsspec
+    from fsspec.implementations.local import LocalFileSystem
+    from grain_core.shard_cache import ShardCache
+
+    class Stuck(LocalFileSystem):
+        protocol = "countinglocal"
+
+        @classmethod
+        def _strip_protocol(cls, path):
+            return super()._strip_protocol(path.split("://", 1)[-1])
+
+        def _open(self, path, mode="rb", **kwargs):
+            file = super()._open(path, mode, **kwargs)
+            real_read = file.read
+
+            def read(size=-1):  # half the shard, then the process is killed
+                data = real_read(500)
+                print("half", flush=True)
+                sys.stdin.read()
+                return data
+
+            file.read = read
+            return file
+
+    fsspec.register_implementation("countinglocal", Stuck, clobber=True)
+    ShardCache(sys.argv[1], max_bytes=int(sys.argv[3])).local_path(sys.argv[2])
+    """
+)
+
+
+@pytest.mark.parametrize("next_use", ["same shard", "another shard"])
+def test_a_killed_download_is_counted_then_removed_by_the_next_operation(
+    tmp_path: Path, next_use: str
+) -> None:
+    url = _remote(tmp_path, "a.bin", b"a" * 1000)
+    directory = tmp_path / "cache"
+    killed = subprocess.Popen(
+        [sys.executable, "-c", _KILLED_DOWNLOAD, str(directory), url, "1500"],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    assert killed.stdout is not None and killed.stdout.readline() == "half\n"
+    # While it runs, its reservation counts: a second shard of 1000 bytes does not fit.
+    with pytest.raises(sc.ShardCacheFullError, match="1000 bytes by downloads in progress"):
+        sc.ShardCache(directory, max_bytes=1500).local_path(_remote(tmp_path, "b.bin", b"b" * 1000))
+    killed.kill()
+    killed.wait()
+    assert [p.name for p in directory.glob("*.tmp")]  # the partial file stays behind
+    cache = sc.ShardCache(directory, max_bytes=1500)
+    if next_use == "same shard":
+        assert Path(cache.local_path(url)).read_bytes() == b"a" * 1000
+    else:
+        cache.local_path(_remote(tmp_path, "b.bin", b"b" * 1000))
+    assert not list(directory.glob("*.tmp"))

@@ -199,6 +199,21 @@ def test_a_killed_writers_temp_file_is_removed_by_the_next_write(tmp_path: pathl
     assert sorted(p.name for p in tmp_path.iterdir()) == [busy.name, "state.json"]
 
 
+def test_a_writer_written_by_name_keeps_its_temp_file_locked(tmp_path: pathlib.Path) -> None:
+    # A library that writes temp_path by name (ArrayRecord) has the caller close ``file``; the
+    # lock that tells a cleaning writer on another host that the file is live stays held.
+    writer = storage.AtomicWriter(tmp_path / "data.array_record")
+    writer.file.close()
+    probe = os.open(writer.temp_path, os.O_RDONLY)
+    try:
+        with pytest.raises(BlockingIOError):
+            fcntl.flock(probe, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        writer.commit()
+        fcntl.flock(probe, fcntl.LOCK_EX | fcntl.LOCK_NB)  # released with the rename
+    finally:
+        os.close(probe)
+
+
 def test_a_killed_remote_writers_spool_file_is_removed_by_the_next_write(
     tmp_path: pathlib.Path, memory_dir: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -385,3 +400,23 @@ async def _until_closed(closed: list[bool]) -> None:
         if closed:
             return
         await asyncio.sleep(0)
+
+
+def test_missing_credentials_are_reported_as_credentials(
+    s3_server: Any, monkeypatch: pytest.MonkeyPatch, tmp_path: pathlib.Path
+) -> None:
+    """A store that cannot sign a request for lack of credentials says so, as a
+    PermissionError naming the URL and where credentials go, not as retries and reachability."""
+    for variable in list(os.environ):
+        if variable.startswith("AWS_"):
+            monkeypatch.delenv(variable)
+    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", str(tmp_path / "none"))
+    monkeypatch.setenv("AWS_CONFIG_FILE", str(tmp_path / "none"))
+    monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")
+    options = {"endpoint_url": s3_server.endpoint, "client_kwargs": {"region_name": "eu-west-1"}}
+    with pytest.raises(
+        PermissionError, match=r"No usable credentials to access s3://b1/x\.bin"
+    ) as e:
+        storage.read_bytes("s3://b1/x.bin", storage_options=options)
+    assert "AWS_ACCESS_KEY_ID" in str(e.value) and "reachable" not in str(e.value)
+    assert type(e.value.__cause__).__name__ == "NoCredentialsError"

@@ -38,6 +38,7 @@ __all__ = [
     "IteratorContext",
     "MapDataset",
     "MultiprocessingContext",
+    "ShareContext",
 ]
 
 T = TypeVar("T")
@@ -228,13 +229,29 @@ class MapDataset(_Node, Generic[T], abc.ABC):
         return ConcatenateMapDataset(datasets)
 
     # --------------------------------------------------------------- transforms
+    # Without batch_fn a batch is the elements' structure with stacked leaves, which no type
+    # expresses: Any, so that a checker infers a pipeline ending in batch() without help.
+    @overload
+    def batch(
+        self, batch_size: int, *, drop_remainder: bool = False, batch_fn: None = None
+    ) -> MapDataset[Any]: ...
+
+    @overload
+    def batch(
+        self,
+        batch_size: int,
+        *,
+        drop_remainder: bool = False,
+        batch_fn: Callable[[Sequence[T]], S],
+    ) -> MapDataset[S]: ...
+
     def batch(
         self,
         batch_size: int,
         *,
         drop_remainder: bool = False,
         batch_fn: Callable[[Sequence[T]], S] | None = None,
-    ) -> MapDataset[S]:
+    ) -> MapDataset[Any]:
         """Groups consecutive elements; leaves are stacked into NumPy arrays."""
         from grain_core.dataset.batch import BatchMapDataset
 
@@ -396,6 +413,66 @@ class IteratorContext:
             )
         self.dataset_options = self.dataset_options.merge(other.dataset_options)
         self.is_dataloader_pipeline = self.is_dataloader_pipeline or other.is_dataloader_pipeline
+
+
+class ShareContext(IteratorContext):
+    """The context of share ``index`` of ``count`` of a pipeline read on threads
+    (``multithread_prefetch``): the pipeline's options and flags (read and written through to
+    its context), and its own worker identity, the pipeline's composed with the share's: share
+    ``i`` of ``n`` inside worker ``p`` of ``P`` is worker ``p + P * i`` of ``P * n``, so steps
+    that number their elements by worker (``random_map``) number them as one thread would.
+    """
+
+    __slots__ = ("_pipeline", "_index", "_count", "_outer", "_composed")
+
+    def __init__(self, pipeline: IteratorContext, index: int, count: int) -> None:
+        self._pipeline = pipeline
+        self._index = index
+        self._count = count
+        self._outer: MultiprocessingContext | None = None
+        self._composed = MultiprocessingContext()
+
+    @property
+    def dataset_options(self) -> DatasetOptions:
+        return self._pipeline.dataset_options
+
+    @dataset_options.setter
+    def dataset_options(self, options: DatasetOptions) -> None:
+        self._pipeline.dataset_options = options
+
+    @property
+    def is_dataloader_pipeline(self) -> bool:
+        return self._pipeline.is_dataloader_pipeline
+
+    @is_dataloader_pipeline.setter
+    def is_dataloader_pipeline(self, value: bool) -> None:
+        self._pipeline.is_dataloader_pipeline = value
+
+    @property
+    def output(self) -> Any:
+        return self._pipeline.output
+
+    @output.setter
+    def output(self, value: Any) -> None:
+        self._pipeline.output = value
+
+    @property
+    def mp_context(self) -> MultiprocessingContext:
+        outer = self._pipeline.mp_context
+        if outer is not self._outer:
+            # Workers replace the pipeline's context once, after building it: compose lazily.
+            self._outer = outer
+            self._composed = MultiprocessingContext(
+                outer.process_index + outer.process_count * self._index,
+                outer.process_count * self._count,
+            )
+        return self._composed
+
+    @mp_context.setter
+    def mp_context(self, value: MultiprocessingContext) -> None:
+        raise AttributeError(
+            "A thread share's worker identity derives from its pipeline's; set the pipeline's."
+        )
 
 
 class DatasetIterator(Iterator[T], abc.ABC):
@@ -594,13 +671,29 @@ class IterDataset(_Node, Iterable[T], Generic[T], abc.ABC):
 
         return MixedIterDataset(datasets, weights)
 
+    @overload
+    def batch(
+        self, batch_size: int, *, drop_remainder: bool = False, batch_fn: None = None
+    ) -> IterDataset[Any]: ...
+
+    @overload
+    def batch(
+        self,
+        batch_size: int,
+        *,
+        drop_remainder: bool = False,
+        batch_fn: Callable[[Sequence[T]], S],
+    ) -> IterDataset[S]: ...
+
     def batch(
         self,
         batch_size: int,
         *,
         drop_remainder: bool = False,
         batch_fn: Callable[[Sequence[T]], S] | None = None,
-    ) -> IterDataset[S]:
+    ) -> IterDataset[Any]:
+        """Groups consecutive elements; leaves are stacked into NumPy arrays (see
+        ``MapDataset.batch``)."""
         from grain_core.dataset.batch import BatchIterDataset
 
         return BatchIterDataset(self, batch_size, drop_remainder=drop_remainder, batch_fn=batch_fn)

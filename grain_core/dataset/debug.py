@@ -47,7 +47,7 @@ from grain_core.dataset.stats import (
 )
 from grain_core.dataset.trace import write_report_file
 
-__all__ = ["DatasetGraph", "GraphNode", "dataset_graph", "watch_output"]
+__all__ = ["HANDLER_NAME", "DatasetGraph", "GraphNode", "dataset_graph", "watch_output"]
 
 _logger = logging.getLogger("grain_core.debug")
 
@@ -57,6 +57,22 @@ _monotonic = time.monotonic
 _REPORTING_CLASSES: dict[type[Any], type[Any]] = {}
 _graph_files = itertools.count()
 _hinted_at_logging = False
+#: The name of the handler grain_core adds to ``grain_core.debug`` when no other would show
+#: its records (``docs/debugging.md`` says how to remove it).
+HANDLER_NAME = "grain_core.debug"
+
+
+class _FallbackHandler(logging.StreamHandler):  # type: ignore[type-arg]
+    """Writes ``grain_core.debug``'s records to stderr while no other handler would show them
+    (a handler configured later takes over: no record is shown twice)."""
+
+    def handle(self, record: logging.LogRecord) -> bool:
+        if _shown_by_a_handler(record.levelno, besides=self):
+            return False
+        return bool(super().handle(record))
+
+
+_fallback_handler: _FallbackHandler | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -231,15 +247,38 @@ def _reporting_class(cls: type[Any]) -> type[Any]:
     return reporting
 
 
+def _shown_by_a_handler(level: int, besides: logging.Handler | None = None) -> bool:
+    """Whether a handler of ``grain_core.debug`` or of a logger it propagates to (other than
+    ``besides``) would show a record of ``level`` (Python's last resort shows warnings only)."""
+    logger: logging.Logger | None = _logger
+    while logger is not None:
+        if any(h is not besides and h.level <= level for h in logger.handlers):
+            return True
+        logger = logger.parent if logger.propagate else None
+    return False
+
+
 def _hint_at_logging() -> None:
-    global _hinted_at_logging
-    if not _hinted_at_logging and not _logger.isEnabledFor(logging.INFO):
-        _hinted_at_logging = True
-        _logger.warning(
-            "grain_core debug output is logged at level INFO to the 'grain_core.debug' logger, "
-            "which does not show it now: call logging.basicConfig(level=logging.INFO) or "
-            "logging.getLogger('grain_core.debug').setLevel(logging.INFO)."
-        )
+    """Makes debug output visible as Grain's is: where INFO records of ``grain_core.debug``
+    are enabled but no handler would show them (the root logger at INFO without a handler),
+    adds a handler that writes them to stderr, once per process; where they are disabled,
+    says once how to enable them."""
+    global _hinted_at_logging, _fallback_handler
+    if not _logger.isEnabledFor(logging.INFO):
+        if not _hinted_at_logging:
+            _hinted_at_logging = True
+            _logger.warning(
+                "grain_core debug output is logged at level INFO to the 'grain_core.debug' "
+                "logger, which does not show it now: call "
+                "logging.basicConfig(level=logging.INFO) or "
+                "logging.getLogger('grain_core.debug').setLevel(logging.INFO)."
+            )
+        return
+    if _fallback_handler is None and not _shown_by_a_handler(logging.INFO):
+        _fallback_handler = _FallbackHandler()
+        _fallback_handler.set_name(HANDLER_NAME)
+        _fallback_handler.setFormatter(logging.Formatter("%(message)s"))
+        _logger.addHandler(_fallback_handler)
 
 
 def _log_summary(it: DatasetIterator[Any], when: str) -> None:

@@ -389,67 +389,44 @@ def _check_iter_graph(ds: IterDataset[Any]) -> None:
 
 
 # -------------------------------------------------------------------- checkpoint files
-def _load(text: str, path: str) -> Any:
-    try:
-        return json.loads(text)
-    except json.JSONDecodeError as e:
-        raise ValueError(
-            f"Checkpoint file {path} is not valid JSON ({e}); it is truncated or corrupt. "
-            "Restore an earlier checkpoint."
-        ) from e
-
-
 def _shard(options: ShardOptions) -> tuple[int, int]:
     return options.shard_index, options.shard_count
 
 
 def write_shard_state_files(directory: Any, iterator: ElasticIterator) -> None:
-    """Writes this shard's pipeline state (``process_{s}-of-{S}.json``) and
-    ``shard_state_{k}.json`` for every input dataset ``k`` of this shard, each atomically."""
-    state = iterator.get_state()
-    _checkpoint_io.write_shard_state_files(
+    """Writes ``shard_state_{k}.json`` for every input dataset ``k`` of this shard, then this
+    shard's pipeline state (``process_{s}-of-{S}.json``, the save's commit point: see
+    ``_checkpoint_io.write_shard_checkpoint``)."""
+    _checkpoint_io.write_shard_checkpoint(
         directory,
+        _shard(iterator.shard_options),
+        iterator.get_state(),
         {key: json.dumps(s, indent=4) for key, s in iterator.get_shard_states().items()},
-    )
-    _checkpoint_io.write_process_file(
-        directory, json.dumps(state, indent=4), _shard(iterator.shard_options)
     )
 
 
 def restore_shard_state_files(directory: Any, iterator: ElasticIterator) -> None:
     """Restores this shard's pipeline state if the checkpoint has one for this shard count
-    (exact, buffers included); else reads this shard's files ``k = shard_index, shard_index +
-    shard_count, ...`` (until one is missing) and redistributes them.
+    (exact, buffers included); else reads this shard's inputs ``k = shard_index, shard_index +
+    shard_count, ...`` of the complete save in the directory and redistributes them.
 
     Raises:
-      ValueError: if the directory has neither kind of file; if a file is not valid JSON,
-        naming it; if a shard that saved the checkpoint held elements that another shard count
-        cannot take over (see ``set_shard_states``).
+      ValueError: if the directory holds no checkpoint, part of one or files of several saves
+        (naming the directory and the file); if a file is not valid JSON, naming it; if a
+        shard that saved the checkpoint held elements that another shard count cannot take
+        over (see ``set_shard_states``).
     """
     options = iterator.shard_options
     shard = _shard(options)
-    text = _checkpoint_io.read_shard_process_file(directory, shard)
-    if text is not None:
-        iterator.set_state(_load(text, _checkpoint_io.process_file_name(shard)))
+    state = _checkpoint_io.read_shard_process_state(directory, shard)
+    if state is not None:
+        iterator.set_state(state)
         return
-    texts = _checkpoint_io.read_shard_state_files(
-        directory, options.shard_index, options.shard_count
-    )
-    states = {k: _load(t, _checkpoint_io.shard_file(directory, k)) for k, t in texts.items()}
-    saved_counts = _checkpoint_io.written_process_counts(directory)
-    if not states and not saved_counts:
-        raise ValueError(
-            f"{directory} holds no ElasticIterator checkpoint: neither "
-            f"{_checkpoint_io.process_file_name(shard)} nor shard_state_*.json files. Check the "
-            "directory."
-        )
-    # Input k < n was saved by shard k of n: reading those, every shard refuses what any
+    index, count = shard
+    # Input k < n was saved by shard k of n: reading those too, every shard refuses what any
     # saving shard held, not only the shards that read its inputs.
-    first_inputs = [
-        _load(t, _checkpoint_io.shard_file(directory, k))
-        for n in saved_counts
-        for k in range(n)
-        if k not in states and (t := _checkpoint_io.read_shard_state_file(directory, k))
-    ]
-    _refuse_held([*states.values(), *first_inputs], options.shard_count)
-    iterator.set_shard_states(states)
+    read = _checkpoint_io.read_shard_states(
+        directory, shard, lambda k, saved_count: k % count == index or k < saved_count
+    )
+    _refuse_held(read.values(), count)
+    iterator.set_shard_states({k: s for k, s in read.items() if k % count == index})

@@ -6,11 +6,18 @@ import copy
 from typing import Any
 
 from grain_core._checks import non_negative_int
-from grain_core.dataset.base import IterDataset
+from grain_core.capabilities import SupportsNextBlock
+from grain_core.dataset.base import (
+    DatasetIterator,
+    ElementBlock,
+    IteratorContext,
+    IterDataset,
+    ShareContext,
+)
 from grain_core.dataset.interleave import InterleaveIterDataset
 from grain_core.dataset.worker_slicing import slice_for_worker
 
-__all__ = ["multithread_prefetch"]
+__all__ = ["ThreadShareIterDataset", "multithread_prefetch"]
 
 
 def multithread_prefetch(
@@ -26,7 +33,9 @@ def multithread_prefetch(
     Thread ``i`` runs a rebuilt copy of the pipeline sliced ``i::num_threads`` at its first
     sliceable node (like ``mp_prefetch`` workers; ``sequential_slice`` gives contiguous blocks),
     reading up to ``buffer_size`` elements ahead. The output order is that of ``mp_prefetch``
-    with ``num_threads`` workers. Each thread has its own nodes and iterators; user transforms
+    with ``num_threads`` workers, and each thread's iterators see the worker identity ``i`` of
+    ``num_threads`` in their context, so ``random_map`` gives each element the random stream
+    it gets on one thread. Each thread has its own nodes and iterators; user transforms
     are shared, as in ``to_iter_dataset``'s read threads, so they must be thread-safe.
 
     Args:
@@ -46,8 +55,12 @@ def multithread_prefetch(
     if num_threads == 0:
         return ds
     shards = [
-        slice_for_worker(
-            copy.deepcopy(ds) if copy_per_thread else ds, i, num_threads, sequential_slice
+        ThreadShareIterDataset(
+            slice_for_worker(
+                copy.deepcopy(ds) if copy_per_thread else ds, i, num_threads, sequential_slice
+            ),
+            i,
+            num_threads,
         )
         for i in range(num_threads)
     ]
@@ -57,3 +70,66 @@ def multithread_prefetch(
         num_make_iter_threads=num_threads,
         iter_buffer_size=buffer_size,
     )
+
+
+class ThreadShareIterDataset(IterDataset[Any]):
+    """Share ``index`` of ``count`` of a pipeline read on its own thread: its iterators see
+    that worker identity (composed with the pipeline's, see ``ShareContext``); elements and
+    state are the parent's."""
+
+    def __init__(self, parent: IterDataset[Any], index: int, count: int) -> None:
+        super().__init__(parent)
+        self.index = index
+        self.count = count
+
+    def __iter__(self) -> DatasetIterator[Any]:
+        parent = iter(self._parents[0])
+        blockwise = isinstance(parent, SupportsNextBlock)
+        share = _BlockwiseThreadShareIterator if blockwise else _ThreadShareIterator
+        return share(parent, self.index, self.count)
+
+    def __repr__(self) -> str:
+        return f"ThreadShareIterDataset(index={self.index}, count={self.count})"
+
+
+class _ThreadShareIterator(DatasetIterator[Any]):
+    """Gives its parents the share's context whenever it joins a pipeline's."""
+
+    def __init__(self, parent: DatasetIterator[Any], index: int, count: int) -> None:
+        super().__init__(parent)
+        self._index = index
+        self._count = count
+        parent._share_ctx(ShareContext(self._ctx, index, count))
+
+    def _share_ctx(self, ctx: IteratorContext) -> None:
+        if self._ctx is ctx:
+            return
+        self._ctx = ctx
+        self._parents[0]._share_ctx(ShareContext(ctx, self._index, self._count))
+        self._start_stage_timing_if_enabled()
+
+    def __next__(self) -> Any:
+        return next(self._parents[0])
+
+    def get_state(self) -> dict[str, Any]:
+        return self._parents[0].get_state()
+
+    def set_state(self, state: dict[str, Any]) -> None:
+        self._parents[0].set_state(state)
+
+    def _progress_held(self) -> None:
+        return None
+
+    def _get_next_index(self) -> int:
+        return self._parents[0]._get_next_index()
+
+    def _set_next_index(self, index: int) -> None:
+        self._parents[0]._set_next_index(index)
+
+
+class _BlockwiseThreadShareIterator(_ThreadShareIterator):
+    """A share whose parent hands out blocks (``SupportsNextBlock``) keeps that capability."""
+
+    def next_block(self, max_size: int) -> ElementBlock[Any]:
+        parent: SupportsNextBlock[Any] = self._parents[0]  # type: ignore[assignment]  # checked in __iter__
+        return parent.next_block(max_size)

@@ -120,7 +120,7 @@ class JaxProcessPolicy:
     """Contiguous blocks, one per JAX process."""
 
     name = "jax_process"
-    description = "contiguous blocks, one per JAX process (needs grainpipe[jax])"
+    description = "contiguous blocks, one per JAX process (needs jax)"
 
     def apply(self, ds: MapDataset, options: ShardOptions | None = None) -> MapDataset:
         """Returns this JAX process's contiguous block of ``ds``.

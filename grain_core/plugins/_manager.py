@@ -60,6 +60,7 @@ __all__ = [
     "list_shuffle_strategies",
     "list_worker_backends",
     "loaded_plugin_names",
+    "plugin_install_command",
     "registry",
     "reset",
     "resolve_public_name",
@@ -92,6 +93,13 @@ _KINDS = (_FORMATS, _SHUFFLES, _SHARDINGS, _BACKENDS)
 _EXPORTS = _Kind("exports", "public name", "", object)
 
 
+def plugin_install_command(package: str) -> str:
+    """The command that installs first-party plugin ``package`` (its directory under
+    ``plugins/``): its ``grainpipe-*`` distribution is on no package index yet, and alone it
+    fails on its ``grainpipe`` dependency, so the core is installed beside it."""
+    return f"pip install . ./plugins/{package} (in a clone of grain_core)"
+
+
 @dataclasses.dataclass(frozen=True)
 class _FirstParty:
     distribution: str
@@ -101,10 +109,7 @@ class _FirstParty:
 
     @property
     def install_hint(self) -> str:
-        return (
-            f"pip install {self.distribution} (from a grain_core source checkout: "
-            f"pip install ./plugins/{self.package})"
-        )
+        return plugin_install_command(self.package)
 
 
 # The project's own format plugins: what to tell a user who needs one that is missing.
@@ -354,18 +359,23 @@ class Registry:
         return self.get(_FORMATS.key, names[0])
 
     def _no_format_message(self, path: str) -> str:
-        formats = self.objects(_FORMATS.key)
         installed = "; ".join(
-            f"{f.name} ({', '.join(f.suffixes + f.url_patterns)})" for f in formats
+            f"{fmt.name} ({', '.join(fmt.suffixes + fmt.url_patterns)}) of plugin {report.name}"
+            for registrations in self._objects[_FORMATS.key].values()
+            for fmt, report in registrations
         )
         message = f"No installed format claims {path!r}. Installed formats: {installed or 'none'}."
         file_name = path_for_matching(path)
         for first_party in _FIRST_PARTY:
             if any(file_name.endswith(s) for s in first_party.suffixes):
                 return f"{message} {first_party.suffixes[0]} files need: {first_party.install_hint}"
+        claimed = {suffix for fmt in self.objects(_FORMATS.key) for suffix in fmt.suffixes}
+        missing = [fp for fp in _FIRST_PARTY if not claimed.issuperset(fp.suffixes)]
+        if not missing:
+            return f"{message} Name the format explicitly, or install a plugin for this format."
         return (
-            f"{message} Install a plugin for this format (first-party: "
-            + ", ".join(f"pip install {fp.distribution}" for fp in _FIRST_PARTY)
+            f"{message} Install a plugin for this format (first-party, not installed: "
+            + ", ".join(fp.install_hint for fp in missing)
             + ") or name the format explicitly."
         )
 

@@ -36,8 +36,8 @@ PUBLIC_EXPORT_MODULES = ("grain_core.sources", "grain_core.experimental")
 
 _NAME_RE = re.compile(r"[a-z][a-z0-9_]*")
 # Sharded and globbed file names: "x.tfrecord-00003-of-00016", "x.tfrecord-*-of-*",
-# "x.array_record-?????-of-00004", "x.array_record@8", "x.parquet*".
-_SHARD_SUFFIX_RE = re.compile(r"(?:-(?:\d+|\*|\?+)-of-(?:\d+|\*|\?+)|@(?:\d+|\*)|\*)$")
+# "x.array_record-?????-of-00004", "x.array_record@8", "x.array_record-*", "x.parquet*".
+_SHARD_SUFFIX_RE = re.compile(r"(?:-(?:\d+|\*|\?+)-of-(?:\d+|\*|\?+)|@(?:\d+|\*)|-?\*)$")
 
 
 def check_object_name(kind: str, name: object) -> str:

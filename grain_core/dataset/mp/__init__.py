@@ -33,6 +33,12 @@ from grain_core._ipc import shm
 from grain_core.dataset.base import DatasetIterator, IterDataset
 from grain_core.dataset.interleave import InterleaveIterDataset
 from grain_core.dataset.mp import dispatch, remote, rotation
+from grain_core.dataset.mp.in_process import (
+    MARGIN,
+    seconds_per_result_with_workers,
+    transport_seconds,
+    usable_cores,
+)
 from grain_core.dataset.mp.pickling import pickle_init_fn, pickle_pipeline
 from grain_core.dataset.mp.shm_batch import shared_memory_batch_fn
 from grain_core.dataset.mp.worker import WarmWorkers, start_worker_server
@@ -42,10 +48,14 @@ from grain_core.dataset.with_options import WithOptionsIterDataset
 from grain_core.options import MultiprocessingOptions
 
 __all__ = [
+    "MARGIN",
     "MultiprocessPrefetchIterDataset",
     "mp_prefetch",
+    "seconds_per_result_with_workers",
     "shared_memory_batch_fn",
     "start_worker_server",
+    "transport_seconds",
+    "usable_cores",
 ]
 
 

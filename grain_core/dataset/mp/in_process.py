@@ -65,6 +65,8 @@ __all__ = [
     "clock",
     "cpu_seconds",
     "others_running",
+    "seconds_per_result_with_workers",
+    "transport_seconds",
     "usable_cores",
 ]
 
@@ -93,6 +95,16 @@ def clock() -> float:
 def cpu_seconds() -> float:
     """The CPU seconds this process has used (all its threads)."""
     return time.process_time()
+
+
+def seconds_per_result_with_workers(
+    c: float, g: float, u: float, s: float, r: float, workers: int, cores: float
+) -> float:
+    """``w`` of the module docstring: the best a result can cost the consumer when
+    ``workers`` processes compute them on ``cores`` cores (``K``), from what one costs in this
+    process (``c`` wall, ``u`` CPU seconds), the consumer's time between two (``g``) and its
+    transport (``s`` sending, ``r`` receiving)."""
+    return max(g + r, (c + s) / workers, (u + s + r) / cores)
 
 
 def _cores_to_run_on() -> int:
@@ -259,7 +271,7 @@ class WorkerPayoff:
         here = self._results * (c + g)
 
         def through_workers(s: float, r: float, cores: float) -> float:
-            w = max(g + r, (c + s) / n, (u + s + r) / cores)
+            w = seconds_per_result_with_workers(c, g, u, s, r, n, cores)
             return START_S + self._results * w
 
         # Reading the machine's load and quota and pickling a result cost more than a cheap
@@ -273,13 +285,13 @@ class WorkerPayoff:
         cores = min(n + 1, usable_cores() * (n + 1) / (n + 1 + others))
         if through_workers(0.0, RESULT_S, cores) >= MARGIN * here:
             return False
-        transports = [_transport_seconds(result) for _ in range(_TRANSPORTS_MEASURED)]
+        transports = [transport_seconds(result) for _ in range(_TRANSPORTS_MEASURED)]
         s = min(t[0] for t in transports)
         r = min(t[1] for t in transports)
         return through_workers(s, r, cores) < MARGIN * here
 
 
-def _transport_seconds(result: Any) -> tuple[float, float]:
+def transport_seconds(result: Any) -> tuple[float, float]:
     """Seconds a worker spends sending ``result`` and the parent receiving it (``s``, ``r``),
     its copies measured by pickling it here."""
     start = time.perf_counter()

@@ -15,7 +15,9 @@ from __future__ import annotations
 
 import copyreg
 import io
+import marshal
 import pickle
+import types
 from collections.abc import Callable
 from typing import Any
 
@@ -85,12 +87,27 @@ def _numpy_scalar_from_bytes(dtype: str, data: bytes) -> Any:
     return np.frombuffer(data, dtype)[0]
 
 
-class _SharingPickler(cloudpickle.Pickler):  # type: ignore[misc]
-    """cloudpickle, with large plain NumPy arrays copied into shared-memory blocks (named in
-    ``blocks``) and pickled as the block's name: a worker maps the block read-only."""
+class _PipelinePickler(cloudpickle.Pickler):  # type: ignore[misc]
+    """cloudpickle, keeping the file name of the code of functions it pickles by value (those
+    of ``__main__`` or of a file run by path), which cloudpickle replaces by
+    ``<dynamic-code>``: worker tracebacks and stage names then show the user's file and line.
+    The workers run the parent's interpreter, so the code goes as ``marshal`` writes it."""
+
+    def __init__(self, file: io.BytesIO) -> None:
+        super().__init__(file, protocol=pickle.HIGHEST_PROTOCOL)
+
+    def reducer_override(self, obj: Any) -> Any:
+        if type(obj) is types.CodeType:
+            return marshal.loads, (marshal.dumps(obj),)
+        return super().reducer_override(obj)
+
+
+class _SharingPickler(_PipelinePickler):
+    """The pipeline pickler, with large plain NumPy arrays copied into shared-memory blocks
+    (named in ``blocks``) and pickled as the block's name: a worker maps the block read-only."""
 
     def __init__(self, file: io.BytesIO, blocks: list[str]) -> None:
-        super().__init__(file, protocol=pickle.HIGHEST_PROTOCOL)
+        super().__init__(file)
         self._blocks = blocks
 
     def reducer_override(self, obj: Any) -> Any:
@@ -129,7 +146,7 @@ def pickle_pipeline(ds: IterDataset[Any], share_arrays: bool = True) -> tuple[by
         if share_arrays:
             _SharingPickler(buffer, blocks).dump(ds)
         else:
-            cloudpickle.Pickler(buffer, protocol=pickle.HIGHEST_PROTOCOL).dump(ds)
+            _PipelinePickler(buffer).dump(ds)
         return buffer.getvalue(), blocks
     except Exception as e:
         shm.unlink_shm(blocks)
@@ -144,8 +161,10 @@ def pickle_pipeline(ds: IterDataset[Any], share_arrays: bool = True) -> tuple[by
 
 
 def pickle_init_fn(init_fn: Callable[[int, int], None]) -> bytes:
+    buffer = io.BytesIO()
     try:
-        return cloudpickle.dumps(init_fn)  # type: ignore[no-any-return]
+        _PipelinePickler(buffer).dump(init_fn)
+        return buffer.getvalue()
     except Exception as e:
         e.add_note(
             f"worker_init_fn {init_fn!r} cannot be pickled! It is sent to every worker "

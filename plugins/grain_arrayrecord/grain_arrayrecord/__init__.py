@@ -17,11 +17,11 @@ except ModuleNotFoundError as err:
     raise ImportError(
         "grain_arrayrecord needs grain_core from the `grainpipe` distribution, "
         + (
-            "which is not installed: pip install grainpipe"
+            "which is not installed: pip install . (in a clone of grain_core)"
             if err.name == "grain_core"
             else "but the grain_core installed here has no grain_core.plugins: it is another "
             "project's (the package index's `grain-core`). Replace it: "
-            "pip uninstall grain-core && pip install grainpipe"
+            "pip uninstall grain-core && pip install . (in a clone of grain_core)"
         ),
         name="grain_core",
     ) from err

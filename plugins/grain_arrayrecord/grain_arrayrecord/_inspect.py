@@ -2,9 +2,8 @@
 
 from __future__ import annotations
 
-import os
-
 from grain_arrayrecord._source import ArrayRecordDataSource, writer_group_size
+from grain_core import storage
 from grain_core.plugins import FormatInfo
 
 __all__ = ["inspect_array_record"]
@@ -32,7 +31,7 @@ def inspect_array_record(path: str, sample_size: int) -> FormatInfo:
         )
     details = {
         "files": files,
-        "bytes": sum(os.path.getsize(f) for f in files),
+        "bytes": sum(storage.size(f) for f in files),
         "group_size": group_sizes[0] if len(group_sizes) == 1 else group_sizes or None,
         "first_record_preview": None if first is None else _preview(first),
     }

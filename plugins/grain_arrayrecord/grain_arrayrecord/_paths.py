@@ -1,6 +1,7 @@
 """Turning the ``paths`` argument into read instructions: files plus record ranges.
 
-Accepted forms: a path, a glob, ``"file[start:end]"`` (records ``start`` to ``end - 1``), or a
+Accepted forms: a path, a shard pattern (``x@N``, ``x-*-of-N``, ``x-*``, any glob: see
+``grain_core.shard_names``), ``"file[start:end]"`` (records ``start`` to ``end - 1``), or a
 FileInstruction-like object (TFDS protocol: ``filename``, ``skip``, ``take``,
 ``examples_in_shard``), alone or in a sequence. Paths may be URLs (``gs://``, ``s3://``, any
 fsspec URL): their globs are listed through ``grain_core.storage``, and their existence is
@@ -15,7 +16,7 @@ import re
 from collections.abc import Mapping, Sequence
 from typing import Any, Protocol, runtime_checkable
 
-from grain_core import storage
+from grain_core import shard_names, storage
 
 __all__ = ["FileInstructionLike", "ReadInstruction", "PathsArg", "parse_paths"]
 
@@ -105,16 +106,11 @@ def _parse_one(item: Any, storage_options: Mapping[str, Any] | None) -> list[Rea
     match = _RANGE_SUFFIX_RE.match(text)
     if match:
         return [_from_range_string(text, match)]
-    if storage.has_magic(text):
-        found = storage.glob(text, storage_options, allow_empty=True)
-        if not found:
-            raise FileNotFoundError(
-                f"No ArrayRecord files match the glob {text!r}; check the directory and pattern."
-            )
-        return [ReadInstruction(p, 0, None, p) for p in map(storage.path_string, found)]
-    if storage.is_url(text):
-        return [ReadInstruction(text, 0, None, text)]
-    raise FileNotFoundError(f"ArrayRecord file {text!r} does not exist.")
+    files = shard_names.expand(text, storage_options, what="ArrayRecordDataSource")
+    missing = [f for f in files if not _exists(f)]
+    if missing:
+        raise FileNotFoundError(f"ArrayRecord file {missing[0]!r} does not exist.")
+    return [ReadInstruction(f, 0, None, f) for f in files]
 
 
 def _from_range_string(text: str, match: re.Match[str]) -> ReadInstruction:

@@ -29,16 +29,21 @@ Remote files. A URL array_record opens itself (``gs://``) is passed to its reade
 read there waits on the network, so a block's share of such a file is always one indexed
 read (array_record fetches its chunks in parallel) and the shares of several files are read
 on a thread pool at once. A URL of another scheme (``s3://``, ``memory://``, ...) is read
-from a local copy in a ``grain_core.shard_cache.ShardCache`` (opt-in: without one it is an
-error saying so); opening a shard there starts downloading the next ``read_ahead`` shards of
-the source in the background, so a pass over the shards in order overlaps the downloads with
-reading.
+from a local copy in a ``grain_core.shard_cache.ShardCache`` (the default one under the
+user's cache directory unless one is passed); opening a shard there starts downloading the
+next ``read_ahead`` shards of the source in the background, so a pass over the shards in order
+overlaps the downloads with reading. The source pins the copies it has open, so the cache
+never evicts them; when the cache has no room for the next shard, the source closes its
+least recently used idle copies (waiting for reads in progress on them) and asks again, so a
+cache smaller than the data set serves every shard, and its full-cache error comes only when
+the pins of this source and others alone fill it.
 """
 
 from __future__ import annotations
 
 import bisect
 import concurrent.futures
+import contextlib
 import hashlib
 import json
 import operator
@@ -46,7 +51,7 @@ import os
 import re
 import threading
 import warnings
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import Any, SupportsIndex
 
 import numpy as np
@@ -54,7 +59,7 @@ from array_record.python import array_record_module  # type: ignore[import-untyp
 
 from grain_arrayrecord._paths import PathsArg, parse_paths
 from grain_core import storage
-from grain_core.shard_cache import ShardCache
+from grain_core.shard_cache import PinnedShard, ShardCache, ShardCacheFullError
 from grain_core.sources import record_keys_array
 
 __all__ = ["ArrayRecordDataSource", "RecordIndexError"]
@@ -95,15 +100,16 @@ class ArrayRecordDataSource:
       reader_options: ArrayRecord reader options, e.g. ``{"index_storage_option":
         "offloaded"}``; ``readahead_buffer_size`` defaults to ``"0"`` (random access).
       shard_cache: Where URLs array_record cannot open itself (``s3://``, ...) are
-        downloaded to and read from; see ``grain_core.shard_cache``. Plain paths and globs
-        are downloaded when the source is created (to count their records); ranges and
-        FileInstructions when first read.
+        downloaded to and read from; default ``ShardCache()`` (``$GRAIN_CORE_CACHE_DIR``
+        or the user's cache directory, bounded by ``$GRAIN_CORE_CACHE_MAX_BYTES`` or 32 GiB;
+        see ``grain_core.shard_cache``). Plain paths and globs are downloaded when the
+        source is created (to count their records), one after another, and kept while they
+        fit; ranges and FileInstructions when first read.
       storage_options: For URLs, passed to their fsspec file system (globs, downloads).
 
     Raises:
       ValueError: On empty ``paths``, a wrong element type, a bad range, bad
-        ``reader_options``, a file that is not a readable ArrayRecord file, or a URL that
-        needs ``shard_cache``.
+        ``reader_options`` or a file that is not a readable ArrayRecord file.
       FileNotFoundError: If a file does not exist or a glob matches nothing.
     """
 
@@ -117,30 +123,32 @@ class ArrayRecordDataSource:
     ) -> None:
         self._storage_options = dict(storage_options or {})
         self._instructions = parse_paths(paths, self._storage_options)
-        self._shard_cache = shard_cache
-        uncached = [
-            i.path for i in self._instructions if _needs_cache(i.path) and shard_cache is None
-        ]
-        if uncached:
-            raise ValueError(
-                f"array_record cannot open {uncached[0]!r} itself (it reads local files and "
-                "gs:// URLs). Pass shard_cache=grain_core.shard_cache.ShardCache(directory, "
-                "max_bytes=...) to read such files from local copies."
-            )
         self._cached_paths = list(
             dict.fromkeys(i.path for i in self._instructions if _needs_cache(i.path))
+        )
+        self._cached = frozenset(self._cached_paths)
+        self._shard_cache = (
+            shard_cache if shard_cache is not None or not self._cached else ShardCache()
         )
         self._reader_options = _options_string(reader_options)
         self._init_runtime()
         plain = sorted({i.path for i in self._instructions if i.end is None})
         counts: dict[str, int] = {}
-        if plain:
-            with concurrent.futures.ThreadPoolExecutor(min(16, len(plain))) as pool:
+        opened_here = [p for p in plain if p not in self._cached]
+        if opened_here:
+            with concurrent.futures.ThreadPoolExecutor(min(16, len(opened_here))) as pool:
                 counts = dict(
                     zip(
-                        plain, pool.map(lambda p: self._reader(p).num_records(), plain), strict=True
+                        opened_here,
+                        pool.map(lambda p: self._reader(p).num_records(), opened_here),
+                        strict=True,
                     )
                 )
+        # Cached shards one after another (their downloads overlap through read-ahead), so
+        # that a cache smaller than the data set is not asked for all of them at once.
+        for path in (p for p in self._cached_paths if p in plain):
+            with self._cached_reader(path) as reader:
+                counts[path] = reader.num_records()
         counts_per_instruction = [
             (i.end if i.end is not None else counts[i.path]) - i.start for i in self._instructions
         ]
@@ -163,6 +171,11 @@ class ArrayRecordDataSource:
         self._lock = threading.Lock()  # guards opening readers, never reading
         self._readers: dict[str, Any] = {}
         self._pool: concurrent.futures.ThreadPoolExecutor | None = None  # remote reads
+        # Cached shards: the pin of each open copy, and the reads in progress on it (a copy
+        # is closed only when none is); _idle is notified when a count drops to 0.
+        self._pins: dict[str, PinnedShard] = {}
+        self._reads: dict[str, int] = {}
+        self._idle = threading.Condition(self._lock)
 
     @property
     def paths(self) -> list[str]:
@@ -248,7 +261,12 @@ class ArrayRecordDataSource:
     def _read(self, instruction: int, positions: np.ndarray) -> list[bytes]:
         """Reads ``positions`` (record numbers within the file) of one instruction's file."""
         path = self._paths[instruction]
-        reader = self._reader(path)
+        if path in self._cached:
+            with self._cached_reader(path) as reader:
+                return self._read_records(path, reader, positions)
+        return self._read_records(path, self._reader(path), positions)
+
+    def _read_records(self, path: str, reader: Any, positions: np.ndarray) -> list[bytes]:
         count = positions.size
         first = int(positions[0])
         try:
@@ -269,26 +287,87 @@ class ArrayRecordDataSource:
             ) from None
 
     def _reader(self, path: str) -> Any:
+        """The open reader of a file (a cached shard's stays open until the cache needs its
+        room)."""
+        if path in self._cached:
+            with self._cached_reader(path) as reader:
+                return reader
         reader = self._readers.get(path)
         if reader is None:
-            # Downloads happen outside the lock, so that shards arrive in parallel; the cache
-            # lets one thread (or process) download a shard and the others wait for it.
-            local = self._local_path(path)
             with self._lock:
                 reader = self._readers.get(path)
                 if reader is None:
-                    reader = self._readers[path] = self._open(path, local)
+                    reader = self._readers[path] = self._open(path, path)
         return reader
 
-    def _local_path(self, path: str) -> str:
-        """What array_record opens for ``path``: itself, or its copy in the shard cache (the
-        following shards then start downloading in the background)."""
-        if not _needs_cache(path):
-            return path
+    @contextlib.contextmanager
+    def _cached_reader(self, path: str) -> Iterator[Any]:
+        """The reader of a cached shard's pinned copy, kept open while the block runs."""
+        with self._lock:
+            reader = self._readers.pop(path, None)
+            if reader is not None:
+                self._readers[path] = reader  # the most recently used last
+                self._reads[path] += 1
+        if reader is None:
+            # Downloads happen outside the lock, so that shards arrive in parallel; the cache
+            # lets one thread (or process) download a shard and the others wait for it.
+            pinned = self._pin(path)
+            self._prefetch_after(path)
+            with self._lock:
+                reader = self._readers.get(path)
+                if reader is None:
+                    try:
+                        reader = self._readers[path] = self._open(path, pinned.path)
+                    except BaseException:
+                        pinned.close()
+                        raise
+                    self._pins[path] = pinned
+                    self._reads[path] = 0
+                else:
+                    pinned.close()
+                self._reads[path] += 1
+        try:
+            yield reader
+        finally:
+            with self._lock:
+                self._reads[path] -= 1
+                if not self._reads[path]:
+                    self._idle.notify_all()
+
+    def _pin(self, path: str) -> PinnedShard:
+        """Pins ``path``'s copy, closing this source's least recently used idle copies while
+        the cache has no room for it.
+
+        Raises:
+          ShardCacheFullError: If the cache is full with none of this source's copies open.
+        """
         assert self._shard_cache is not None
-        local = self._shard_cache.local_path(path, self._storage_options)
-        self._prefetch_after(path)
-        return local
+        while True:
+            try:
+                return self._shard_cache.pin(path, self._storage_options)
+            except ShardCacheFullError:
+                if not self._close_idle_copy():
+                    raise
+
+    def _close_idle_copy(self) -> bool:
+        """Closes the least recently used open copy no read uses (waiting for one if all
+        are read); False if this source has none open."""
+        with self._lock:
+            while True:
+                if not self._pins:
+                    return False
+                idle = next(
+                    (p for p in self._readers if p in self._pins and not self._reads[p]), None
+                )
+                if idle is not None:
+                    break
+                self._idle.wait()
+            reader = self._readers.pop(idle)
+            pinned = self._pins.pop(idle)
+            del self._reads[idle]
+        reader.close()
+        pinned.close()
+        return True
 
     def _open(self, path: str, local: str) -> Any:
         reason: str | None
@@ -355,9 +434,13 @@ class ArrayRecordDataSource:
         """Closes the open files; a later read reopens them."""
         with self._lock:
             readers, self._readers = self._readers, {}
+            pins, self._pins = self._pins, {}
+            self._reads = {}
             pool, self._pool = self._pool, None
         for reader in readers.values():
             reader.close()
+        for pinned in pins.values():
+            pinned.close()
         if pool is not None:
             pool.shutdown()
 
@@ -369,7 +452,8 @@ class ArrayRecordDataSource:
 
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
-        del state["_lock"], state["_readers"], state["_pool"]
+        for runtime in ("_lock", "_readers", "_pool", "_pins", "_reads", "_idle"):
+            del state[runtime]
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:

@@ -1,17 +1,21 @@
 """Finding and opening Parquet files, and turning Arrow columns into NumPy.
 
-Paths may be local paths, ``file://`` URIs, any URI pyarrow's filesystem layer understands
-(``s3://``, ``gs://``, ``hdfs://``) or, with ``fsspec`` installed, any fsspec URL
-(``memory://``). A ``filesystem`` argument (a ``pyarrow.fs.FileSystem`` or an fsspec
-filesystem) overrides URI resolution. Every error raised here names the file.
+Paths may be local paths, ``file://`` URIs or URLs (``s3://``, ``gs://``, any fsspec
+protocol), which are read through ``grain_core.storage`` like every other reader's: the
+``storage_options`` and fsspec's configuration apply, the file system retries, and a read that
+still fails is a ``StorageError`` naming the URL and the byte range (a refused one a
+``PermissionError`` naming the URL), never advice that the file is corrupt. A ``filesystem``
+argument (a ``pyarrow.fs.FileSystem`` or an fsspec filesystem) overrides URL resolution.
+Every error raised here names the file.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import io
 import itertools
 import os
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -19,12 +23,14 @@ import pyarrow as pa
 import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 
-from grain_core import storage
+from grain_core import shard_names, storage
 
 __all__ = [
+    "TRANSFER_ERRORS",
     "FooterCache",
     "ParquetPath",
     "PathLike",
+    "RangeFile",
     "check_columns",
     "check_same_schema",
     "column_to_numpy",
@@ -41,6 +47,57 @@ PathLike = str | os.PathLike[str]
 
 _MAGIC = b"PAR1"
 
+#: Failures to get a file's bytes (after the file system's retries), as opposed to bytes that
+#: do not decode: passed on as they are, never reported as a corrupt file.
+TRANSFER_ERRORS = (storage.StorageError, PermissionError, FileNotFoundError)
+
+
+class RangeFile(io.RawIOBase):
+    """A read-only file of ``size`` bytes whose reads are ``read_range(start, end)`` calls, for
+    pyarrow (which reads it by ``seek`` and ``read``).
+
+    Args:
+      read_range: Returns bytes ``[start, end)``.
+      size: The file's size in bytes.
+    """
+
+    def __init__(self, read_range: Callable[[int, int], Any], size: int) -> None:
+        super().__init__()
+        self._read_range = read_range
+        self._size = size
+        self._position = 0
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def tell(self) -> int:
+        return self._position
+
+    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
+        if whence == io.SEEK_SET:
+            self._position = offset
+        elif whence == io.SEEK_CUR:
+            self._position += offset
+        else:
+            self._position = self._size + offset
+        return self._position
+
+    def read(self, size: int = -1) -> Any:
+        """``size`` bytes from the position (all the rest for a negative ``size``)."""
+        start = self._position
+        end = self._size if size < 0 else min(start + size, self._size)
+        data = self._read_range(start, end) if end > start else b""
+        self._position += len(data)
+        return data
+
+    def readinto(self, buffer: Any) -> int:
+        data = self.read(len(buffer))
+        memoryview(buffer).cast("B")[: len(data)] = data
+        return len(data)
+
 
 @dataclasses.dataclass(frozen=True)
 class ParquetPath:
@@ -48,23 +105,40 @@ class ParquetPath:
 
     Attributes:
       display: The path as the user gave it (used in messages and ``repr``).
-      filesystem: The pyarrow filesystem holding it; None for a local file, which pyarrow
-        opens itself (so ``memory_map=True`` works).
-      path: The path on ``filesystem`` (absolute, for local files).
+      filesystem: The pyarrow filesystem given for it; None for a local file, which pyarrow
+        opens itself (so ``memory_map=True`` works), or a URL, read through
+        ``grain_core.storage``.
+      path: The path on ``filesystem``, the URL, or the absolute path of a local file.
+      storage_options: For a URL, passed to its fsspec file system.
     """
 
     display: str
     filesystem: pafs.FileSystem | None
     path: str
+    storage_options: Mapping[str, Any] = dataclasses.field(default_factory=dict, compare=False)
 
-    def open_input(self) -> Any:
-        """Opens the file for reading raw bytes."""
+    @property
+    def is_url(self) -> bool:
+        """Whether the file is a URL read through ``grain_core.storage``."""
+        return self.filesystem is None and storage.is_url(self.path)
+
+    def open_input(self, size: int | None = None) -> Any:
+        """Opens the file for reading raw bytes (``size``: the file's size, when known).
+
+        Raises:
+          StorageError / PermissionError / FileNotFoundError: For a URL that cannot be read.
+        """
+        if self.is_url:
+            reader = storage.RangeReader(self.path, self.storage_options)
+            return RangeFile(reader.read, self.size() if size is None else size)
         if self.filesystem is None:
             return open(self.path, "rb")
         return self.filesystem.open_input_file(self.path)
 
     def size(self) -> int:
         """The file size in bytes."""
+        if self.is_url:
+            return storage.size(self.path, self.storage_options)
         if self.filesystem is None:
             return os.path.getsize(self.path)
         return int(self.filesystem.get_file_info(self.path).size)
@@ -72,7 +146,7 @@ class ParquetPath:
     @property
     def is_remote(self) -> bool:
         """Whether the file is read through a filesystem other than the local disk."""
-        return self.filesystem is not None
+        return self.filesystem is not None or self.is_url
 
     def version(self) -> tuple[int, str]:
         """``(size, version)`` of the file; the version changes whenever its content does
@@ -84,7 +158,7 @@ class ParquetPath:
         """
         fs = self.filesystem
         if fs is None:
-            return storage.version(self.path)
+            return storage.version(self.path, self.storage_options)
         if isinstance(fs, pafs.PyFileSystem) and isinstance(fs.handler, pafs.FSSpecHandler):
             return storage.version_of(fs.handler.fs.info(self.path))
         info = fs.get_file_info(self.path)
@@ -97,8 +171,12 @@ class ParquetPath:
         filesystem issues them concurrently.
 
         Raises:
+          StorageError: If a read of a URL fails after retries, naming it and the range.
           OSError: If a read fails.
         """
+        if self.is_url:
+            reader = storage.RangeReader(self.path, self.storage_options)
+            return reader.read_many([start for start, _ in ranges], [end for _, end in ranges])
         fs = self.filesystem
         if (
             fs is not None
@@ -116,19 +194,25 @@ class ParquetPath:
 
 
 def resolve_paths(
-    paths: PathLike | Sequence[PathLike], filesystem: Any = None, *, what: str = "Parquet"
+    paths: PathLike | Sequence[PathLike],
+    filesystem: Any = None,
+    *,
+    what: str = "Parquet",
+    storage_options: Mapping[str, Any] | None = None,
 ) -> tuple[ParquetPath, ...]:
     """Resolves one path or a sequence of paths to :class:`ParquetPath`.
 
     Args:
-      paths: Local paths or URIs; a path with ``*``, ``?`` or ``[`` that does not exist as
-        such is a glob, expanded in sorted order (URLs through ``grain_core.storage``).
+      paths: Local paths or URLs, or shard patterns (``x@N``, ``x-*-of-N``, ``x-*``, globs:
+        ``grain_core.shard_names``), expanded in order.
       filesystem: Optional ``pyarrow.fs.FileSystem`` or fsspec ``AbstractFileSystem``; the
         paths are then paths on it (and not globs).
       what: The reader's name, for messages.
+      storage_options: For URLs, passed to their fsspec file system.
 
     Raises:
-      ValueError: If no path is given, or a URI scheme cannot be opened.
+      ValueError: If no path is given, or a URL's scheme has no file system.
+      ImportError: If a URL needs fsspec or its file system's package, naming it.
       TypeError: If ``paths`` or ``filesystem`` has the wrong type.
       FileNotFoundError: If a glob matches nothing, naming it.
     """
@@ -145,17 +229,10 @@ def resolve_paths(
             raise TypeError(f"{what} paths must be str or os.PathLike, got {item!r}.")
     fs = _arrow_filesystem(filesystem)
     texts = [os.fspath(item) for item in items]
+    options = dict(storage_options or {})
     if fs is None:
-        texts = [
-            match
-            for text in texts
-            for match in (
-                storage.glob(text)
-                if storage.has_magic(text) and not storage.exists(text)
-                else [text]
-            )
-        ]
-    return tuple(_resolve(text, fs) for text in texts)
+        texts = shard_names.expand(texts, options, what=what)
+    return tuple(_resolve(text, fs, options) for text in texts)
 
 
 def _arrow_filesystem(filesystem: Any) -> pafs.FileSystem | None:
@@ -173,40 +250,23 @@ def _arrow_filesystem(filesystem: Any) -> pafs.FileSystem | None:
     )
 
 
-def _resolve(path: str, filesystem: pafs.FileSystem | None) -> ParquetPath:
+def _resolve(
+    path: str, filesystem: pafs.FileSystem | None, storage_options: Mapping[str, Any]
+) -> ParquetPath:
     if filesystem is not None:
         if isinstance(filesystem, pafs.LocalFileSystem):
             return ParquetPath(path, None, os.path.abspath(path))
         return ParquetPath(path, filesystem, path)
-    if "://" not in path:
-        return ParquetPath(path, None, os.path.abspath(path))
-    try:
-        fs, fs_path = pafs.FileSystem.from_uri(path)
-    except (pa.ArrowInvalid, pa.ArrowNotImplementedError, ValueError) as err:
-        fs, fs_path = _fsspec_filesystem(path, err)
-    if isinstance(fs, pafs.LocalFileSystem):
-        return ParquetPath(path, None, fs_path)
-    return ParquetPath(path, fs, fs_path)
-
-
-def _fsspec_filesystem(path: str, arrow_error: Exception) -> tuple[pafs.FileSystem, str]:
-    try:
-        import fsspec
-    except ImportError:
-        raise ValueError(
-            f"{path}: pyarrow cannot open this URI ({arrow_error}). For other schemes install "
-            "fsspec and its filesystem package: pip install 'grainpipe-parquet[fsspec]'."
-        ) from None
-    try:
-        fs, fs_path = fsspec.core.url_to_fs(path)
-    except (ImportError, ValueError) as err:
-        raise ValueError(f"{path}: neither pyarrow nor fsspec can open this URI: {err}") from None
-    return pafs.PyFileSystem(pafs.FSSpecHandler(fs)), fs_path
+    text = storage.path_string(path)  # file:// URLs are local paths
+    if not storage.is_url(text):
+        return ParquetPath(path, None, os.path.abspath(text))
+    storage.filesystem(text, storage_options)  # an unknown scheme or a missing package: now
+    return ParquetPath(path, None, text, storage_options)
 
 
 def _exists(file: ParquetPath) -> bool:
     if file.filesystem is None:
-        return os.path.exists(file.path)
+        return storage.exists(file.path, file.storage_options)
     return bool(file.filesystem.get_file_info(file.path).type != pafs.FileType.NotFound)
 
 
@@ -215,6 +275,8 @@ def _diagnose(file: ParquetPath) -> str:
     try:
         with file.open_input() as handle:
             head = handle.read(len(_MAGIC))
+    except TRANSFER_ERRORS:
+        raise
     except OSError as err:
         return f"cannot be read ({err})"
     if head == _MAGIC:
@@ -228,7 +290,10 @@ def _diagnose(file: ParquetPath) -> str:
 
 
 def open_parquet(
-    file: ParquetPath, read_kwargs: Mapping[str, Any], metadata: pq.FileMetaData | None = None
+    file: ParquetPath,
+    read_kwargs: Mapping[str, Any],
+    metadata: pq.FileMetaData | None = None,
+    size: int | None = None,
 ) -> pq.ParquetFile:
     """Opens ``file`` with ``pyarrow.parquet.ParquetFile(**read_kwargs)``.
 
@@ -236,19 +301,26 @@ def open_parquet(
       file: The file.
       read_kwargs: Keyword arguments for ``ParquetFile`` (``memory_map``, ``pre_buffer``, ...).
       metadata: The file's footer, when already read (saves reading it again).
+      size: The file's size, when known (saves asking a remote store for it).
 
     Raises:
       FileNotFoundError: If the file does not exist.
       ValueError: If it is not a readable Parquet file; the message says why.
       TypeError: On an unknown keyword argument.
+      StorageError / PermissionError: If a URL cannot be read (see ``TRANSFER_ERRORS``).
     """
     kwargs = {"page_checksum_verification": True, **read_kwargs}
-    if file.filesystem is not None:
+    source: Any = file.path
+    if file.is_url:
+        source = file.open_input(size)
+    elif file.filesystem is not None:
         kwargs["filesystem"] = file.filesystem
     try:
-        return pq.ParquetFile(file.path, metadata=metadata, **kwargs)
+        return pq.ParquetFile(source, metadata=metadata, **kwargs)
     except TypeError as err:
         raise TypeError(f"Invalid Parquet read option for {file.display}: {err}") from None
+    except (storage.StorageError, PermissionError):
+        raise
     except (pa.ArrowException, OSError) as err:
         if isinstance(err, FileNotFoundError) or not _exists(file):
             raise FileNotFoundError(f"Parquet file not found: {file.display}") from None
@@ -284,7 +356,7 @@ class FooterCache:
         cached = self._footers.get(file.path)
         if cached is not None and cached[0] == version:
             return cached[1], version[0]
-        with open_parquet(file, read_kwargs) as handle:
+        with open_parquet(file, read_kwargs, size=version[0]) as handle:
             metadata = handle.metadata
         self._footers[file.path] = (version, metadata)
         return metadata, version[0]
@@ -311,7 +383,8 @@ def read_error(
     """
     if _CHECKSUM_ERROR not in str(err):
         return ValueError(
-            f"Cannot read row group {row_group} of Parquet file {file.display}: {err}. The "
+            f"Cannot read row group {row_group} of Parquet file {file.display}: "
+            f"{str(err).rstrip('.')}. The "
             "file is probably corrupted; re-create or re-download it."
         )
     column = _column_failing_checksum(file, row_group, read_kwargs, columns)
@@ -336,12 +409,16 @@ def _column_failing_checksum(
     """The first of ``columns`` whose pages in ``row_group`` fail their checksum, if any."""
     try:
         handle = open_parquet(file, read_kwargs)
+    except TRANSFER_ERRORS:
+        raise
     except (OSError, ValueError):
         return None
     with handle:
         for name in columns if columns is not None else handle.schema_arrow.names:
             try:
                 handle.read_row_group(row_group, columns=[name])
+            except TRANSFER_ERRORS:
+                raise
             except (pa.ArrowException, OSError) as err:
                 if _CHECKSUM_ERROR in str(err):
                     return str(name)

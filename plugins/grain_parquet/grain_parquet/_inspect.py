@@ -4,8 +4,16 @@ from __future__ import annotations
 
 from typing import Any
 
+import pyarrow as pa
+
 from grain_core.plugins import FormatInfo
-from grain_parquet._files import column_to_numpy, open_parquet, resolve_paths, rows_from_columns
+from grain_parquet._files import (
+    column_to_numpy,
+    open_parquet,
+    read_error,
+    resolve_paths,
+    rows_from_columns,
+)
 
 __all__ = ["inspect_parquet"]
 
@@ -18,7 +26,8 @@ def inspect_parquet(path: str, sample_size: int) -> FormatInfo:
       sample_size: How many leading rows to return in ``sample``.
 
     Raises:
-      FileNotFoundError / ValueError: If a file is missing or not Parquet.
+      FileNotFoundError / ValueError: If a file is missing, not Parquet, or its first rows
+        cannot be decoded (the message names the file).
     """
     files = resolve_paths(path, what="inspect_parquet")
     sample: list[Any] = []
@@ -31,7 +40,10 @@ def inspect_parquet(path: str, sample_size: int) -> FormatInfo:
             schema = schema or handle.schema_arrow
             count = min(max(sample_size - len(sample), 0), metadata.num_rows)
             if count:
-                batch = next(handle.iter_batches(batch_size=count))
+                try:
+                    batch = next(handle.iter_batches(batch_size=count))
+                except (pa.ArrowException, OSError) as err:  # the first rows: row group 0
+                    raise read_error(file, 0, err, {}, None) from err
                 sample += rows_from_columns(
                     batch.schema.names, [column_to_numpy(c) for c in batch.columns]
                 )

@@ -15,7 +15,7 @@ import bisect
 import copy
 import itertools
 import operator
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -25,6 +25,7 @@ import pyarrow.parquet as pq
 from grain_core import DatasetIterator, IterDataset
 from grain_core.experimental import ElementBlock, InterleaveIterDataset
 from grain_parquet._files import (
+    TRANSFER_ERRORS,
     FooterCache,
     ParquetPath,
     PathLike,
@@ -76,6 +77,8 @@ class ParquetIterDataset(IterDataset[dict[str, Any]]):
         row groups fetched ahead of decoding, several ranged reads at once; per open file
         (``cycle_length`` files are open at a time). 0 fetches each row group when reached.
       filesystem: A ``pyarrow.fs.FileSystem`` or fsspec filesystem the paths are on.
+      storage_options: For URLs (``s3://``, ``gs://``, ...), passed to the fsspec file system
+        (credentials, endpoint, retries), as for every reader; see ``docs/storage.md``.
       **read_kwargs: Passed to ``pyarrow.parquet.ParquetFile`` (``memory_map=True``,
         ``pre_buffer=True``, ``buffer_size``, ...). Page checksums are verified where the
         file has them unless ``page_checksum_verification=False``.
@@ -97,10 +100,13 @@ class ParquetIterDataset(IterDataset[dict[str, Any]]):
         cycle_length: int = 16,
         prefetch_bytes: int = DEFAULT_PREFETCH_BYTES,
         filesystem: Any = None,
+        storage_options: Mapping[str, Any] | None = None,
         **read_kwargs: Any,
     ) -> None:
         super().__init__()
-        self._files = resolve_paths(path, filesystem, what="ParquetIterDataset")
+        self._files = resolve_paths(
+            path, filesystem, what="ParquetIterDataset", storage_options=storage_options
+        )
         self._columns = check_columns(columns)
         self._column_batch_size = (
             None if column_batch_size is None else _positive("column_batch_size", column_batch_size)
@@ -301,6 +307,8 @@ class _ParquetFileIterator(DatasetIterator[dict[str, Any]]):
             self._stream = self._record_batches(self._pos, self._batch_start)
         try:
             item = next(self._stream, None)
+        except TRANSFER_ERRORS:
+            raise
         except (pa.ArrowException, OSError) as err:
             row_group = self._row_groups[self._reading]
             raise read_error(self._file, row_group, err, self._read_kwargs, self._columns) from err

@@ -21,13 +21,12 @@ from __future__ import annotations
 
 import bisect
 import concurrent.futures
-import io
 from collections.abc import Sequence
 from typing import Any
 
 import pyarrow.parquet as pq
 
-from grain_parquet._files import ParquetPath
+from grain_parquet._files import ParquetPath, RangeFile
 
 __all__ = ["DEFAULT_PREFETCH_BYTES", "RowGroupPrefetcher"]
 
@@ -183,7 +182,7 @@ def _plan_windows(ranges: list[list[tuple[int, int]]], target: int) -> list[tupl
     return windows
 
 
-class _FetchedBytes(io.RawIOBase):
+class _FetchedBytes(RangeFile):
     """A read-only file of which only some byte ranges are held (in memory).
 
     pyarrow reads through it exactly the column chunks whose bytes were fetched; a read
@@ -197,47 +196,17 @@ class _FetchedBytes(io.RawIOBase):
         ranges: list[tuple[int, int]],
         data: Sequence[bytes],
     ) -> None:
-        super().__init__()
+        super().__init__(self._held_or_fetched, size)
         self._file = file
-        self._size = size
         self._starts = [start for start, _ in ranges]
         self._ranges = ranges
         self._data = list(data)
-        self._position = 0
 
-    def readable(self) -> bool:
-        return True
-
-    def seekable(self) -> bool:
-        return True
-
-    def tell(self) -> int:
-        return self._position
-
-    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
-        if whence == io.SEEK_SET:
-            self._position = offset
-        elif whence == io.SEEK_CUR:
-            self._position += offset
-        else:
-            self._position = self._size + offset
-        return self._position
-
-    def read(self, size: int = -1) -> Any:
-        """``size`` bytes from the position, as a view of the fetched bytes where held."""
-        start = self._position
-        if size < 0:
-            size = self._size - start
+    def _held_or_fetched(self, start: int, end: int) -> Any:
+        """Bytes ``[start, end)``, as a view of the fetched bytes where held."""
         index = bisect.bisect_right(self._starts, start) - 1
-        if index >= 0 and start + size <= self._ranges[index][1]:
+        if index >= 0 and end <= self._ranges[index][1]:
             offset = start - self._starts[index]
-            data: Any = memoryview(self._data[index])[offset : offset + size]
-        else:
-            (data,) = self._file.read_ranges([(start, start + size)])
-        self._position += len(data)
+            return memoryview(self._data[index])[offset : offset + end - start]
+        (data,) = self._file.read_ranges([(start, end)])
         return data
-
-    def readinto(self, buffer: Any) -> int:
-        data = self.read(len(buffer))
-        memoryview(buffer).cast("B")[: len(data)] = data
-        return len(data)

@@ -15,7 +15,7 @@ import concurrent.futures
 import hashlib
 import operator
 import threading
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any, SupportsIndex
 
 import numpy as np
@@ -24,6 +24,7 @@ import pyarrow.parquet as pq
 
 from grain_core.sources import ColumnBlock, record_keys_array
 from grain_parquet._files import (
+    TRANSFER_ERRORS,
     ParquetPath,
     PathLike,
     check_columns,
@@ -89,6 +90,8 @@ class ParquetDataSource:
       columns: Columns to read (in this order); None reads all.
       cache_bytes: Bound of the decoded row-group cache in bytes; 0 disables caching.
       filesystem: A ``pyarrow.fs.FileSystem`` or fsspec filesystem the paths are on.
+      storage_options: For URLs (``s3://``, ``gs://``, ...), passed to the fsspec file system
+        (credentials, endpoint, retries), as for every reader; see ``docs/storage.md``.
       **read_kwargs: Passed to ``pyarrow.parquet.ParquetFile``. Page checksums are verified
         where the file has them unless ``page_checksum_verification=False``.
 
@@ -105,11 +108,14 @@ class ParquetDataSource:
         *,
         cache_bytes: int = DEFAULT_CACHE_BYTES,
         filesystem: Any = None,
+        storage_options: Mapping[str, Any] | None = None,
         **read_kwargs: Any,
     ) -> None:
         if isinstance(cache_bytes, bool) or not isinstance(cache_bytes, int) or cache_bytes < 0:
             raise ValueError(f"cache_bytes must be a non-negative int, got {cache_bytes!r}.")
-        self._files = resolve_paths(paths, filesystem, what="ParquetDataSource")
+        self._files = resolve_paths(
+            paths, filesystem, what="ParquetDataSource", storage_options=storage_options
+        )
         self._columns = check_columns(columns)
         self._cache_bytes = cache_bytes
         self._read_kwargs = dict(read_kwargs)
@@ -284,6 +290,8 @@ class ParquetDataSource:
                 self._handles[file_index] = handle
             try:
                 table = handle.read_row_group(row_group, columns=self._columns)
+            except TRANSFER_ERRORS:
+                raise
             except (pa.ArrowException, OSError) as err:
                 raise read_error(file, row_group, err, self._read_kwargs, self._columns) from err
         return _RowGroup.from_table(table)

@@ -23,7 +23,7 @@ from typing import Any, Final
 
 import crc32c
 
-from grain_core import storage
+from grain_core import shard_names
 
 __all__ = [
     "COMPRESSIONS",
@@ -148,7 +148,6 @@ def compression_for(path: str, compression: str | None) -> str | None:
     return name
 
 
-_SHARD_SPEC = re.compile(r"^(?P<base>.+)@(?P<count>\d+)$")
 _SHARD_NAME = re.compile(r"-\d+-of-\d+$")
 
 
@@ -157,28 +156,11 @@ def expand_paths(
     what: str,
     storage_options: Mapping[str, Any] | None = None,
 ) -> list[str]:
-    """Turns a path, a sequence of paths or patterns into the list of files, in order.
-
-    Paths may be local or URLs (``s3://bucket/x.tfrecord-*``). ``x.tfrecord@4`` names
-    ``x.tfrecord-00000-of-00004`` ... ``x.tfrecord-00003-of-00004``; a path with ``*``, ``?``
-    or ``[`` that does not exist as such is a glob, sorted.
+    """Turns a path, a sequence of paths or shard patterns into the list of files, in order
+    (``grain_core.shard_names.expand``: ``x@N``, ``x-*-of-N``, ``x-*``, globs; local or URLs).
 
     Raises:
       ValueError: If nothing is given.
-      FileNotFoundError: If a pattern matches no file, naming it.
+      FileNotFoundError: If a pattern matches no file or a named shard is missing, naming it.
     """
-    if isinstance(paths, str) or not isinstance(paths, Sequence):
-        paths = [paths]
-    files: list[str] = []
-    for path in map(storage.path_string, paths):
-        shard_spec = _SHARD_SPEC.match(path)
-        if shard_spec and not storage.exists(path, storage_options):
-            count = int(shard_spec["count"])
-            files.extend(f"{shard_spec['base']}-{i:05d}-of-{count:05d}" for i in range(count))
-        elif storage.has_magic(path) and not storage.exists(path, storage_options):
-            files.extend(storage.glob(path, storage_options))
-        else:
-            files.append(path)
-    if not files:
-        raise ValueError(f"{what} needs at least one path.")
-    return files
+    return shard_names.expand(paths, storage_options, what=what)

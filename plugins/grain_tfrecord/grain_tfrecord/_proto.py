@@ -20,7 +20,7 @@ def example_message_classes() -> SimpleNamespace:
     ``FeatureList``, ``FeatureLists``, ``BytesList``, ``FloatList`` and ``Int64List``.
 
     Raises:
-      ModuleNotFoundError: If ``protobuf`` is not installed (``pip install 'grainpipe-tfrecord[protobuf]'``).
+      ModuleNotFoundError: If ``protobuf`` is not installed (``pip install protobuf``).
     """
     try:
         from google.protobuf import (  # type: ignore[import-untyped]
@@ -30,7 +30,7 @@ def example_message_classes() -> SimpleNamespace:
         )
     except ModuleNotFoundError as err:
         raise ModuleNotFoundError(
-            "example_message_classes() needs protobuf: pip install 'grainpipe-tfrecord[protobuf]'",
+            "example_message_classes() needs protobuf: pip install protobuf",
             name=err.name,
         ) from None
     field = descriptor_pb2.FieldDescriptorProto
