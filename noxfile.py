@@ -212,6 +212,7 @@ def bench_tf(session: nox.Session) -> None:
         "python",
         "benchmarks/run.py",
         "--only",
-        "example_parse_batch,example_decode_long_floats,example_decode_long_ints",
+        "example_parse_batch,example_parse_batch_stacked,example_decode_long_floats,"
+        "example_decode_long_ints",
         *session.posargs,
     )

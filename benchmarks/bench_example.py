@@ -10,6 +10,9 @@ pass decodes all of them into NumPy. Workloads (passes alternate between impleme
   NumPy), the same then stacked per batch, ``decode_example`` per record then stacked, and
   tf.data's ``from_tensor_slices(records).batch(256).map(tf.io.parse_example)`` as NumPy
   when tensorflow is importable. Targets: >= 1x tf.data, >= 2x protobuf per record.
+* ``example_parse_batch_stacked``: the same with a plain ``.batch(256)``, as the docs' stream
+  example writes it (the records stacked into a fixed-width ``S`` array), against tf.data and
+  the ``batch_fn=list`` form. Target: >= 1x tf.data.
 * ``example_decode_long_floats``: ``decode_example`` per record of Examples holding a label
   and a 256-float list, against the protobuf runtime per record (target >= 1x).
 * ``example_decode_long_ints``: the same with 128 int64 token ids (up to 50,000) instead.
@@ -120,7 +123,14 @@ def _stacked(decode: Callable[[bytes], dict[str, Any]]) -> Callable[[], None]:
 
 if _HAVE_PLUGIN:
 
-    @workload(
+    def _parse_batches(batch_fn: Callable[[Any], Any] | None) -> Callable[[], None]:
+        from grain_tfrecord import ParseExamples
+
+        ds = grain_core.MapDataset.source(_records()).batch(BATCH, batch_fn=batch_fn)
+        ds = ds.map(ParseExamples(_spec()))
+        return lambda: _consume(ds)
+
+    example_parse_batch = workload(
         "example_parse_batch",
         elements=RECORDS,
         description=(
@@ -128,14 +138,15 @@ if _HAVE_PLUGIN:
             "source.batch(256, batch_fn=list).map(ParseExamples)"
         ),
         alternate=True,
-    )
-    def example_parse_batch() -> Callable[[], None]:
-        from grain_tfrecord import ParseExamples
-
-        ds = grain_core.MapDataset.source(_records()).batch(BATCH, batch_fn=list)
-        ds = ds.map(ParseExamples(_spec()))
-
-        return lambda: _consume(ds)
+    )(functools.partial(_parse_batches, list))
+    # The docs' stream example: a plain batch stacks the records into a fixed-width S array.
+    example_parse_batch_stacked = workload(
+        "example_parse_batch_stacked",
+        elements=RECORDS,
+        description="the same as the docs write it: source.batch(256).map(ParseExamples)",
+        alternate=True,
+    )(functools.partial(_parse_batches, None))
+    example_parse_batch_stacked.baseline("batch_fn=list")(functools.partial(_parse_batches, list))
 
     @example_parse_batch.baseline("protobuf runtime per record", requires="google.protobuf")
     def _protobuf_per_record() -> Callable[[], None]:
@@ -165,6 +176,9 @@ if _HAVE_PLUGIN:
         }
         return _stacked(functools.partial(decode_example, features=spec))
 
+    @example_parse_batch_stacked.baseline(
+        "tf.data batch + tf.io.parse_example", requires="tensorflow"
+    )
     @example_parse_batch.baseline("tf.data batch + tf.io.parse_example", requires="tensorflow")
     def _tf_data() -> Callable[[], None]:
         import tensorflow as tf  # optional peer, in its own virtualenv

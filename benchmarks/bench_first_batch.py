@@ -13,10 +13,10 @@ right after building" has no such gap. torch runs where ``GRAIN_BENCH_TORCH_PYTH
 Python with torch installed (a virtualenv of its own: torch is never a dependency here);
 elsewhere that baseline is skipped. elements/s = 1 / seconds.
 
-By default grain_core computes the first results in the parent process while it decides
-whether the workers pay off (``py_mp_prefetch_in_process="auto"``, docs/workers.md), so its
-first batch comes from there; ``GRAIN_PY_MP_PREFETCH_IN_PROCESS=never`` in the environment
-(the children inherit it) measures the first batch from the workers.
+grain_core's workers compute every result by default, so its first batch comes from them;
+``GRAIN_PY_MP_PREFETCH_IN_PROCESS=auto`` in the environment (the children inherit it)
+measures the opt-in mode, whose first results are computed in the parent process while it
+decides whether the workers pay off (docs/workers.md).
 """
 
 from __future__ import annotations

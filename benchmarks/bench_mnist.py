@@ -11,9 +11,9 @@ a seeded global shuffle, normalise to float32, batches of 128; one pass is one e
   slower).
 * ``mnist_batched_2_workers`` / ``mnist_per_element_2_workers``: the same pipelines through
   ``mp_prefetch`` with 2 worker processes, one epoch per pass (workers started by the pass,
-  from the server that stays up); baselines: 0 workers (target: at least its rate), and 2
-  workers with ``py_mp_prefetch_in_process="never"`` (the workers always compute: by default
-  the engine computes results in this process when workers would not deliver them faster).
+  from the server that stays up; the workers compute every result, the default); baselines:
+  0 workers, and 2 workers with the opt-in ``py_mp_prefetch_in_process="auto"`` (results
+  computed in this process while workers would not deliver them faster).
 * ``range_default_read_options``: ``range(1M).shuffle().map(add one).batch(256)``, whose
   per-element work holds the GIL: the default ``ReadOptions`` against ``num_threads=0``.
 
@@ -139,8 +139,8 @@ def _with_workers(batched: bool, workers: int) -> Callable[[], None]:
     return _drain(ds, RECORDS)
 
 
-def _always_workers(batched: bool) -> Callable[[], object]:
-    return with_config("py_mp_prefetch_in_process", "never", _with_workers(batched, 2))
+def _in_process_auto(batched: bool) -> Callable[[], object]:
+    return with_config("py_mp_prefetch_in_process", "auto", _with_workers(batched, 2))
 
 
 for _batched, _name in ((True, "mnist_batched"), (False, "mnist_per_element")):
@@ -151,8 +151,8 @@ for _batched, _name in ((True, "mnist_batched"), (False, "mnist_per_element")):
         alternate=True,
     )(functools.partial(_with_workers, _batched, 2))
     _bench.baseline("0 workers")(functools.partial(_with_workers, _batched, 0))
-    _bench.baseline("2 workers, py_mp_prefetch_in_process=never")(
-        functools.partial(_always_workers, _batched)
+    _bench.baseline("2 workers, py_mp_prefetch_in_process=auto")(
+        functools.partial(_in_process_auto, _batched)
     )
 
 

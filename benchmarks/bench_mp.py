@@ -1,10 +1,10 @@
 """Worker processes and the DataLoader (issue 4), each against Google Grain in the same run.
 
 * ``mp_cpu_heavy``: ~1 ms of GIL-bound NumPy work per element, 20,000 elements, batch 64, with
-  2 workers (positions dispatched to free workers; by default the first results are computed
-  in this process to decide that workers pay off); baselines: grain_core with 0 and 1
-  workers, with 2 workers that compute from the first result
-  (``py_mp_prefetch_in_process="never"``), with 2 workers in strict rotation (an IterDataset step after ``to_iter_dataset``), Grain
+  2 workers (positions dispatched to free workers, which compute every result); baselines:
+  grain_core with 0 and 1 workers, with 2 workers and the opt-in
+  ``py_mp_prefetch_in_process="auto"`` (the first results computed in this process decide
+  whether workers pay off), with 2 workers in strict rotation (an IterDataset step after ``to_iter_dataset``), Grain
   with 0 and 2 workers, and the same batches from a bare ``multiprocessing.Pool(2)`` (how two
   processes scale here now); passes alternate between the implementations.
 * ``mp_cpu_heavy_slow_core``: the same with each worker pinned to its own core and a busy
@@ -156,13 +156,12 @@ def _() -> Callable[[], None]:
     return _drain(_heavy_ds(grain, 0), HEAVY_OUT)
 
 
-@mp_cpu_heavy.baseline("grain_core 2 workers, py_mp_prefetch_in_process=never")
+@mp_cpu_heavy.baseline("grain_core 2 workers, py_mp_prefetch_in_process=auto")
 def _() -> Callable[[], object]:
     import grain_core as grain
 
-    # The workers compute from the first result (by default, results computed in this
-    # process first show whether workers pay off).
-    return with_config("py_mp_prefetch_in_process", "never", _drain(_heavy_ds(grain, 2), HEAVY_OUT))
+    # Results computed in this process first show whether workers pay off.
+    return with_config("py_mp_prefetch_in_process", "auto", _drain(_heavy_ds(grain, 2), HEAVY_OUT))
 
 
 @mp_cpu_heavy.baseline("grain_core 1 worker")

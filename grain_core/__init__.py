@@ -3,11 +3,16 @@
 ``import grain_core as grain`` gives the names of Google Grain's ``grain`` namespace. They are
 imported on first use: every worker process imports this package, and most of it is not what
 a worker runs.
+
+``grain_core.install_as_grain()`` makes ``import grain`` itself resolve to grain_core, for
+frameworks that import ``grain`` (Keras, MaxText); processes started after it (whose
+environment has ``GRAIN_CORE_AS_GRAIN=1``) install it when they import this package.
 """
 
 from __future__ import annotations
 
 import importlib
+import os
 from typing import TYPE_CHECKING, Any
 
 # Imported now: ``grain_core.config`` is this object, not the submodule of the same name.
@@ -26,6 +31,7 @@ if TYPE_CHECKING:
     )
     from grain_core.data_loader import DataLoader, DataLoaderIterator, load
     from grain_core.dataset.base import DatasetIterator, IterDataset, MapDataset
+    from grain_core.grain_alias import install_as_grain
     from grain_core.options import MultiprocessingOptions, ReadOptions
     from grain_core.plugins import hookimpl
     from grain_core.record import Record, RecordMetadata
@@ -48,6 +54,7 @@ __all__ = [
     "constants",
     "experimental",
     "hookimpl",
+    "install_as_grain",
     "load",
     "multiprocessing",
     "samplers",
@@ -78,9 +85,17 @@ _DEFINED_IN = {
     "MultiprocessingOptions": "grain_core.options",
     "ReadOptions": "grain_core.options",
     "hookimpl": "grain_core.plugins",
+    "install_as_grain": "grain_core.grain_alias",
     "Record": "grain_core.record",
     "RecordMetadata": "grain_core.record",
 }
+
+# A process started by one that called install_as_grain() (a worker, a spawned process):
+# pipelines that name grain's modules unpickle here too.
+if os.environ.get("GRAIN_CORE_AS_GRAIN") == "1":
+    from grain_core.grain_alias import install_as_grain as _install_as_grain  # only where asked
+
+    _install_as_grain()
 
 
 def __getattr__(name: str) -> Any:

@@ -257,7 +257,7 @@ def read_shard_states(
             f"The checkpoint in {directory} mixes saves: {legacy[0]} lists no shard-state "
             "files, other process files do. Restore from a directory that one save wrote."
         )
-    keys = sorted(listed) if listed else _shard_state_keys(directory)
+    keys = _shard_state_keys(directory) if legacy else sorted(listed)
     states = {}
     for key in keys:
         if not wanted(key, count):
@@ -266,11 +266,13 @@ def read_shard_states(
         try:
             text = _read_text(path)
         except FileNotFoundError:
+            if legacy:  # removed since the directory was listed: as if it had not been there
+                continue
             raise ValueError(
                 f"The checkpoint in {directory} is incomplete: {path} is missing, which "
                 f"{listed[key][1]} lists. Restore an earlier checkpoint."
             ) from None
-        if key in listed and _digest(text) != listed[key][0]:
+        if not legacy and _digest(text) != listed[key][0]:
             raise ValueError(
                 f"The checkpoint in {directory} mixes two saves: {path} is not the file that "
                 f"{listed[key][1]} lists (its content differs); a later save was interrupted. "

@@ -63,5 +63,5 @@ def non_negative_int(name: str, value: Any) -> int:
     """
     n = as_int(name, value)
     if n < 0:
-        raise ValueError(f"{name} must be >= 0, got {n}.")
+        raise ValueError(f"{name} must be non-negative, got {n}.")
     return n

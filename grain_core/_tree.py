@@ -19,7 +19,7 @@ import operator
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-__all__ = ["flatten", "map_structure", "spec_str", "unflatten"]
+__all__ = ["flatten", "map_structure", "same_structure", "spec_str", "unflatten"]
 
 
 def _is_namedtuple(x: object) -> bool:
@@ -85,6 +85,19 @@ def map_structure(fn: Callable[..., Any], *trees: Any) -> Any:
         _kinds.clear()
         _kinds_token = token
     return _map(fn, trees)
+
+
+def same_structure(a: Any, b: Any) -> bool:
+    """Whether ``a`` and ``b`` have one structure (as ``map_structure`` requires)."""
+    try:
+        map_structure(_ignore, a, b)
+    except ValueError:
+        return False
+    return True
+
+
+def _ignore(*leaves: Any) -> None:
+    return None
 
 
 def _map(fn: Callable[..., Any], trees: Sequence[Any]) -> Any:

@@ -186,7 +186,12 @@ def _parser() -> argparse.ArgumentParser:
     convert = commands.add_parser(
         "convert", help="copy the records of a file into another format, with a progress bar"
     )
-    convert.add_argument("input", help="file or shard pattern to read")
+    convert.add_argument(
+        "inputs",
+        nargs="+",
+        metavar="INPUT",
+        help="files or shard patterns to read, in order (the forms inspect takes)",
+    )
     convert.add_argument(
         "output",
         help="file to write, or N shards: x@N, x-?????-of-0000N (each file appears complete)",
@@ -371,18 +376,16 @@ def _format_of(paths: Sequence[str], name: str | None) -> plugins.FormatSpec:
 
 
 def _cmd_convert(args: argparse.Namespace) -> int:
-    source_format = (
-        plugins.get_format(args.from_format)
-        if args.from_format
-        else plugins.format_for_path(args.input)
-    )
+    source_format = _format_of(args.inputs, args.from_format)
+    shown = " ".join(args.inputs)
+    inputs = args.inputs[0] if len(args.inputs) == 1 else list(args.inputs)
     target_format = (
         plugins.get_format(args.to_format)
         if args.to_format
         else plugins.format_for_path(args.output)
     )
     make_writer = target_format.get("writer")
-    records, total = _records_of(source_format, args.input, _read_options(args))
+    records, total = _records_of(source_format, inputs, _read_options(args))
     outputs = _output_paths(args.output, args.shards)
     existing = [path for path in outputs if storage.exists(path)]
     if existing and not args.overwrite:
@@ -394,7 +397,7 @@ def _cmd_convert(args: argparse.Namespace) -> int:
     write_options = {}
     if args.output_compression is not None:
         write_options["compression"] = args.output_compression
-    rows = _RowsOf(source_format, args.input)
+    rows = _RowsOf(source_format, shown)
     started = time.perf_counter()
     count = 0
     # Each output (a path or URL) appears complete or not at all, whatever the format's
@@ -421,7 +424,7 @@ def _cmd_convert(args: argparse.Namespace) -> int:
             except (TypeError, ValueError) as err:
                 raise ValueError(
                     _as_user_path(
-                        f"Record {count} of {args.input} ({source_format.name}, a "
+                        f"Record {count} of {shown} ({source_format.name}, a "
                         f"{type(record).__name__}) cannot be written as {target_format.name} to "
                         f"{outputs[shard]}: {err}",
                         outputs[shard],
@@ -432,10 +435,53 @@ def _cmd_convert(args: argparse.Namespace) -> int:
     seconds = time.perf_counter() - started
     written = args.output if len(outputs) == 1 else f"{len(outputs)} files {outputs[0]} ..."
     print(
-        f"{count} records: {args.input} ({source_format.name}) -> {written} "
+        f"{count} records: {shown} ({source_format.name}) -> {written} "
         f"({target_format.name}) in {seconds:.2f} s"
     )
+    if isinstance(rows.first, dict):  # rows: a format of records (bytes) has no columns
+        changed = _schema_changes(rows.first, _first_row(target_format, outputs[0]))
+        if changed:
+            print(
+                f"note: {target_format.name} stores these columns with other types than "
+                f"{source_format.name} did: {changed}"
+            )
     return 0
+
+
+def _first_row(fmt: plugins.FormatSpec, path: str) -> Any:
+    """The first record of ``path`` as its format reads it back (decoded into a row where the
+    format has a decoder); None if it has none."""
+    records, _ = _records_of(fmt, path, {})
+    record = next(iter(records), None)
+    if isinstance(record, bytes) and fmt.record_decoder is not None:
+        return fmt.record_decoder(record)
+    return record
+
+
+def _column_type(value: Any) -> str:
+    """A column value's type as ``convert`` compares them: dtype (``string`` / ``bytes`` for
+    text) and shape, e.g. ``int32``, ``int64[1]``."""
+    array = np.asarray(value)
+    if array.dtype.kind in "USO":
+        first = array.flat[0] if array.size else value
+        kind = "string" if isinstance(first, str) else "bytes"
+    else:
+        kind = str(array.dtype)
+    return kind + (str(list(array.shape)) if array.shape else "")
+
+
+def _schema_changes(written: Any, read_back: Any) -> str:
+    """The columns whose type differs between the first row written and the first read back
+    (``x: int32 -> int64[1]``); empty when they agree or the records are not rows."""
+    if not isinstance(written, dict) or not isinstance(read_back, dict):
+        return ""
+    changes = []
+    for name, value in written.items():
+        if name in read_back:
+            before, after = _column_type(value), _column_type(read_back[name])
+            if before != after:
+                changes.append(f"{name}: {before} -> {after}")
+    return "; ".join(changes)
 
 
 @contextlib.contextmanager
@@ -483,17 +529,24 @@ class _RowsOf:
         self._fmt = fmt
         self._path = path
         self._columns: dict[str, str] | None = None
+        #: The first record as it was written (a decoded row where it was decoded).
+        self.first: Any = None
 
     def write(self, writer: plugins.RecordWriter, record: Any, index: int) -> None:
         if self._columns is None:
             try:
                 writer.write(record)
+                if index == 0:
+                    self.first = record
                 return
             except TypeError:
                 if index > 0 or self._fmt.record_decoder is None:
                     raise
                 self._columns = {}
-        writer.write(self._decode(record, index))
+        row = self._decode(record, index)
+        writer.write(row)
+        if index == 0:
+            self.first = row
 
     def _decode(self, record: Any, index: int) -> Any:
         decoder, columns = self._fmt.record_decoder, self._columns
@@ -524,9 +577,9 @@ def _column_mismatch(first: dict[str, str], here: dict[str, str]) -> str:
 
 
 def _records_of(
-    fmt: plugins.FormatSpec, path: str, options: dict[str, Any]
+    fmt: plugins.FormatSpec, path: str | list[str], options: dict[str, Any]
 ) -> tuple[Iterable[Any], int | None]:
-    """The records of ``path`` in file order, streamed when the format can, and their number
+    """The records of ``path`` (one or several) in file order, streamed when the format can, and their number
     when it is known up front."""
     if fmt.iter_dataset is not None:
         return _call(fmt.iter_dataset, fmt, "reader", path, options=options), None

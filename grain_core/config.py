@@ -1,7 +1,10 @@
 """Global configuration (``grain.config``).
 
-Grain backs these options with absl flags; grain_core keeps them in this object (seeded from
-``GRAIN_<NAME>`` environment variables) so the core needs no absl. Every option listed in
+grain_core keeps these options in this object (seeded from ``GRAIN_<NAME>`` environment
+variables), so the core needs no absl. Where absl is installed, each option is also the absl flag
+``--grain_<name>`` as in Grain (``--grain_py_debug_mode``), defined when ``absl.flags`` is
+imported, before or after grain_core: from then on the flag holds the value, so command lines,
+``config.update`` and absl's ``flagsaver`` all set the same option. Every option listed in
 ``_DEFAULTS`` has an effect; a value grain_core cannot honour is refused by :meth:`Config.update`
 with the reason, never accepted and ignored.
 
@@ -10,16 +13,21 @@ What the debugging options do is described in ``docs/debugging.md``.
 
 from __future__ import annotations
 
+import importlib.machinery
 import math
 import os
+import sys
+import types
+from collections.abc import Sequence
 from typing import Any
+
+from grain_core.options import IN_PROCESS_MODES
 
 __all__ = ["Config", "config"]
 
-#: Traceback modes Grain accepts. grain_core never removes frames from tracebacks, so only
-#: the modes that keep every frame are accepted (``auto`` is the default: grain_core's choice).
+#: Traceback modes Grain accepts. All are accepted (code and flags written for Grain set them);
+#: grain_core never removes frames from a traceback, so every mode keeps them all.
 _TRACEBACK_MODES = ("auto", "off", "tracebackhide", "quiet_remove_frames", "remove_frames")
-_SUPPORTED_TRACEBACK_MODES = ("auto", "off")
 
 _DEFAULTS: dict[str, Any] = {
     # Stage timing on every pipeline built while it is on, and the execution summary logged
@@ -36,18 +44,17 @@ _DEFAULTS: dict[str, Any] = {
     # (grain_core.dataset.mp.dispatch). False: each worker computes its fixed strided share.
     "py_mp_prefetch_dispatch": True,
     # grain_core's own: whether a dispatched mp_prefetch pipeline may run in the parent
-    # process (grain_core.dataset.mp.in_process). "auto": when its first results show that
-    # workers would not deliver faster; "never": always in workers; "always": never in
-    # workers (same output and checkpoints either way).
-    "py_mp_prefetch_in_process": "auto",
+    # process (grain_core.dataset.mp.in_process) when its MultiprocessingOptions.in_process
+    # is None. "never": in the workers asked for; "auto": in the parent while its first
+    # results show that workers would not deliver faster; "always": never in workers (same
+    # output and checkpoints either way; docs/workers.md says what the parent gives up).
+    "py_mp_prefetch_in_process": "never",
     # grain_core's own: worker processes copy arrays of at least this many bytes with
     # streaming (non-temporal) stores (glibc on x86); 0 leaves glibc's choice. Read when the
     # workers' forkserver starts (grain_core._ipc.pool).
     "py_mp_worker_streaming_copy_bytes": 2 * 1024 * 1024,
 }
 
-#: Values of ``py_mp_prefetch_in_process``.
-_IN_PROCESS_MODES = ("auto", "never", "always")
 
 #: The smallest threshold glibc accepts for ``x86_non_temporal_threshold``.
 _MIN_STREAMING_COPY_BYTES = 0x4040
@@ -80,11 +87,6 @@ def _checked(name: str, value: Any) -> Any:
     if name == "py_traceback_filtering":
         if value not in _TRACEBACK_MODES:
             raise ValueError(f"py_traceback_filtering must be one of {_TRACEBACK_MODES}.")
-        if value not in _SUPPORTED_TRACEBACK_MODES:
-            raise ValueError(
-                f"py_traceback_filtering={value!r} is not supported: grain_core never removes "
-                f"frames from tracebacks. Use one of {_SUPPORTED_TRACEBACK_MODES}."
-            )
     elif name == "py_relay_sigterm_to_main":
         if value not in (False, True):
             raise ValueError(f"py_relay_sigterm_to_main must be a bool, got {value!r}.")
@@ -109,9 +111,9 @@ def _checked(name: str, value: Any) -> Any:
         _check_output_dir(value)
     elif name == "py_mp_prefetch_dispatch" and value not in (False, True):
         raise ValueError(f"py_mp_prefetch_dispatch must be a bool, got {value!r}.")
-    elif name == "py_mp_prefetch_in_process" and value not in _IN_PROCESS_MODES:
+    elif name == "py_mp_prefetch_in_process" and value not in IN_PROCESS_MODES:
         raise ValueError(
-            f"py_mp_prefetch_in_process must be one of {_IN_PROCESS_MODES}, got {value!r}."
+            f"py_mp_prefetch_in_process must be one of {IN_PROCESS_MODES}, got {value!r}."
         )
     elif name == "py_mp_worker_streaming_copy_bytes" and (
         not isinstance(value, int)
@@ -173,6 +175,8 @@ class Config:
 
     def __init__(self) -> None:
         object.__setattr__(self, "_values", {k: _from_env(k, v) for k, v in _DEFAULTS.items()})
+        # absl's FlagValues once the options are absl flags (they then hold the values).
+        object.__setattr__(self, "_flags", None)
 
     def __getattr__(self, name: str) -> Any:
         values = object.__getattribute__(self, "_values")
@@ -181,6 +185,9 @@ class Config:
                 # Protocol lookups (copy, pickle, pytest ids) expect AttributeError.
                 raise AttributeError(name)
             raise _unknown(name, values)
+        flag_values = object.__getattribute__(self, "_flags")
+        if flag_values is not None:
+            return flag_values[_FLAG_PREFIX + name].value
         return values[name]
 
     def __setattr__(self, name: str, value: Any) -> None:
@@ -196,6 +203,9 @@ class Config:
         if name not in values:
             raise _unknown(name, values)
         values[name] = _checked(name, value)
+        flag_values = object.__getattribute__(self, "_flags")
+        if flag_values is not None:
+            flag_values[_FLAG_PREFIX + name].value = values[name]
 
     def get_or_default(self, name: str) -> Any:
         """Returns the option's value (there are no unparsed flags in grain_core)."""
@@ -203,3 +213,71 @@ class Config:
 
 
 config = Config()
+
+#: Grain's flag names: ``--grain_`` and the option's name.
+_FLAG_PREFIX = "grain_"
+
+
+def _define_absl_flags(flags: Any) -> None:
+    """Defines every option as the absl flag ``grain_<name>``, its default the option's current
+    value, checked as :meth:`Config.update` checks it."""
+    for name, value in object.__getattribute__(config, "_values").items():
+        flag = _FLAG_PREFIX + name
+        if flag in flags.FLAGS:
+            continue
+        default = _DEFAULTS[name]
+        if isinstance(default, bool):
+            define = flags.DEFINE_bool
+        elif isinstance(default, int):
+            define = flags.DEFINE_integer
+        elif isinstance(default, float):
+            define = flags.DEFINE_float
+        else:
+            define = flags.DEFINE_string
+        define(flag, value, f"grain_core.config.{name} (docs/debugging.md).")
+        flags.register_validator(flag, _flag_checker(name, flags.ValidationError))
+    object.__setattr__(config, "_flags", flags.FLAGS)
+
+
+def _flag_checker(name: str, error: type[Exception]) -> Any:
+    def check(value: Any) -> bool:
+        try:
+            _checked(name, value)
+        except ValueError as e:
+            raise error(str(e)) from None
+        return True
+
+    return check
+
+
+class _DefineFlagsOnAbslImport:
+    """Defines the flags right after ``absl.flags`` is imported (absl is optional and costs
+    time to import, so grain_core never imports it itself). A finder with only ``find_spec``
+    (a ``PathFinder`` subclass would list every distribution twice to importlib.metadata)."""
+
+    def find_spec(
+        self,
+        fullname: str,
+        path: Sequence[str] | None = None,
+        target: types.ModuleType | None = None,
+    ) -> importlib.machinery.ModuleSpec | None:
+        if fullname != "absl.flags":
+            return None
+        sys.meta_path.remove(self)
+        spec = importlib.machinery.PathFinder.find_spec(fullname, path, target)
+        if spec is not None and spec.loader is not None:
+            loader: Any = spec.loader
+            execute = loader.exec_module
+
+            def exec_then_define(module: types.ModuleType) -> None:
+                execute(module)
+                _define_absl_flags(module)
+
+            loader.exec_module = exec_then_define
+        return spec
+
+
+if "absl.flags" in sys.modules:
+    _define_absl_flags(sys.modules["absl.flags"])
+else:
+    sys.meta_path.insert(0, _DefineFlagsOnAbslImport())

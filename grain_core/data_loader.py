@@ -427,7 +427,7 @@ class DataLoader:
         read_options: ReadOptions | None = None,
         enable_profiling: bool = False,
         worker_backend: str | Any = "local",
-        worker_stall_warning_s: float | None = 60.0,
+        worker_stall_warning_s: float | None = 30.0,
         worker_stall_timeout_s: float | None = None,
         persistent_workers: bool = False,
     ) -> None:

@@ -24,6 +24,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import textwrap
 import time
 from pathlib import Path
 from typing import Any
@@ -45,6 +46,8 @@ FORMATS = {
 DEMO_INSTALL_HINT = "pip install jax tqdm"
 _PIXELS = int(np.prod(_demo.IMAGE_SHAPE))
 _CLASSES = 10
+#: The widest line the demo prints.
+_LINE = 100
 _HIDDEN = 256
 _LEARNING_RATE = 0.1
 
@@ -275,14 +278,21 @@ def _main_run(args: argparse.Namespace, workdir: Path, checkpoint_step: int) -> 
 
     workdir.mkdir(parents=True, exist_ok=True)
     source, description = write_dataset(args.format, workdir, args.records)
-    print(f"data:     {args.records:,} generated 28x28 images of 10 classes -> {description}")
-    print(
-        f"pipeline: DataLoader({args.workers} workers): IndexSampler(shuffle, seed=42, repeat) "
+    _say("data:", f"{args.records:,} generated 28x28 images of 10 classes -> {description}")
+    _say(
+        "pipeline:",
+        f"DataLoader({args.workers} workers): IndexSampler(shuffle, seed=42, repeat) "
         f"-> decode -> normalise -> batch({_demo.BATCH_SIZE}, drop_remainder=True) "
-        f"-> device_put({jax.devices()[0]})"
+        f"-> device_put({jax.devices()[0]})",
     )
     loader = make_loader(source, args.workers)
-    print(f"loader:   {_loader_throughput(loader, min(args.steps, 100))}")
+    measured = min(args.steps, 100)
+    per_batch = _loader_seconds_per_batch(loader, measured)
+    _say(
+        "loader:",
+        f"{1 / per_batch:,.0f} batches/s ({_demo.BATCH_SIZE / per_batch:,.0f} images/s) over "
+        f"{measured} batches, without training",
+    )
 
     checkpoint_dir = workdir / "checkpoint"
     training = _Training(init_params())
@@ -292,23 +302,27 @@ def _main_run(args: argparse.Namespace, workdir: Path, checkpoint_step: int) -> 
         if step == checkpoint_step:
             _save_checkpoint(checkpoint_dir, it, training.params, step)
 
-    print(
-        f"train:    {args.steps} steps of a 784-{_HIDDEN}-10 MLP (SGD, plain jax), "
-        f"checkpoint after step {checkpoint_step}"
+    _say(
+        "train:",
+        f"{args.steps} steps of a 784-{_HIDDEN}-10 MLP (SGD, plain jax), "
+        f"checkpoint after step {checkpoint_step}",
     )
     training.run(it, 0, args.steps, maybe_checkpoint)
     losses = training.float_losses()
-    print(
-        f"          {args.steps} steps in {training.wall_s:.2f} s; waiting for batches: "
-        f"{training.wait_s:.2f} s ({100 * training.wait_s / training.wall_s:.1f}% of the loop)"
+    _say(
+        "",
+        f"{args.steps} steps in {training.wall_s:.2f} s; waiting for batches: "
+        f"{training.wait_s:.2f} s ({100 * training.wait_s / training.wall_s:.1f}% of the loop). "
+        + _why_the_loop_waits(training, args.steps, per_batch),
     )
     shown = sorted({0, *range(0, args.steps, max(1, args.steps // 6)), args.steps - 1})
-    print("loss:     " + "  ".join(f"{s + 1}:{losses[s]:.4f}" for s in shown))
-    print(get_execution_summary(it))
+    _say("loss:", "  ".join(f"{s + 1}:{losses[s]:.4f}" for s in shown))
+    print(get_execution_summary(it).to_text(width=_LINE))
     it.close()
 
-    print(
-        f"preempt:  a fresh process restores the loader and parameters from step {checkpoint_step}"
+    _say(
+        "preempt:",
+        f"a fresh process restores the loader and parameters from step {checkpoint_step}",
     )
     resumed = _run_resumed_process(args, workdir, checkpoint_dir, checkpoint_step)
     if resumed is None:
@@ -316,17 +330,37 @@ def _main_run(args: argparse.Namespace, workdir: Path, checkpoint_step: int) -> 
     return _compare(training.digests, losses, resumed, checkpoint_step)
 
 
-def _loader_throughput(loader: Any, batches: int) -> str:
+def _loader_seconds_per_batch(loader: Any, batches: int) -> float:
+    """Seconds the loader takes per batch when nothing else runs (after its first batch)."""
     with iter(loader) as it:
         next(it)  # workers started and warm
         start = time.perf_counter()
         for _ in range(batches):
             next(it)
-        elapsed = time.perf_counter() - start
-    images = batches * _demo.BATCH_SIZE
+        return (time.perf_counter() - start) / batches
+
+
+def _say(label: str, text: str) -> None:
+    """Prints ``text`` after ``label`` in lines of at most ``_LINE`` characters."""
+    print(textwrap.fill(text, _LINE, initial_indent=f"{label:<10}", subsequent_indent=" " * 10))
+
+
+def _why_the_loop_waits(training: Any, steps: int, loader_s: float) -> str:
+    """A word on the loop's wait: this small model's step against the loader's time per batch,
+    on cores the workers share with the training step."""
+    step_s = max(0.0, training.wall_s - training.wait_s) / steps
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    if step_s < loader_s:
+        return (
+            f"The loop waits because this small model's step ({1000 * step_s:.1f} ms) is "
+            f"shorter than the loader needs per batch ({1000 * loader_s:.1f} ms measured above), "
+            f"and training shares this machine's {cores} cores with the workers; a real model's "
+            "longer step hides the loading."
+        )
     return (
-        f"{batches / elapsed:,.0f} batches/s ({images / elapsed:,.0f} images/s) over "
-        f"{batches} batches, without training"
+        f"A step ({1000 * step_s:.1f} ms) is longer than the loader needs per batch "
+        f"({1000 * loader_s:.1f} ms): the wait is the first batch (the workers starting) and "
+        f"moments when training and the workers competed for this machine's {cores} cores."
     )
 
 
@@ -380,9 +414,10 @@ def _compare(
     if len(resumed["digests"]) != len(expected_digests) or resumed["losses"] != expected_losses:
         print("FAILED: the resumed loss curve differs from the uninterrupted one.")
         return 1
-    print(
-        f"resume:   OK: steps {checkpoint_step + 1}-{len(digests)} after the restart read the "
+    _say(
+        "resume:",
+        f"OK: steps {checkpoint_step + 1}-{len(digests)} after the restart read the "
         f"same {len(expected_digests)} batches (SHA-1 of their bytes) and gave bit-identical "
-        f"losses (last {expected_losses[-1]!r})."
+        f"losses (last {expected_losses[-1]!r}).",
     )
     return 0

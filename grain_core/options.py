@@ -3,12 +3,18 @@
 from __future__ import annotations
 
 import dataclasses
-import warnings
+import logging
 from typing import Any
 
 from grain_core._checks import non_negative_int
 
-__all__ = ["MultiprocessingOptions", "ReadOptions"]
+__all__ = ["IN_PROCESS_MODES", "MultiprocessingOptions", "ReadOptions"]
+
+#: Where a dispatched ``mp_prefetch`` pipeline may be computed (``MultiprocessingOptions.
+#: in_process``, ``config.py_mp_prefetch_in_process``).
+IN_PROCESS_MODES = ("never", "auto", "always")
+
+_LOG = logging.getLogger(__name__)
 
 
 @dataclasses.dataclass(slots=True)
@@ -33,10 +39,12 @@ class ReadOptions:
         non_negative_int("ReadOptions.num_threads", self.num_threads)
         non_negative_int("ReadOptions.prefetch_buffer_size", self.prefetch_buffer_size)
         if 0 < self.prefetch_buffer_size < self.num_threads:
-            warnings.warn(
-                f"ReadOptions.prefetch_buffer_size={self.prefetch_buffer_size} is smaller than "
-                f"num_threads={self.num_threads}: at most prefetch_buffer_size reads run at once.",
-                stacklevel=3,
+            # Logged, as Grain logs it (users' log monitoring matches the text).
+            _LOG.warning(
+                "ReadOptions.prefetch_buffer_size=%d is smaller than num_threads=%d: at most "
+                "prefetch_buffer_size reads run at once.",
+                self.prefetch_buffer_size,
+                self.num_threads,
             )
 
 
@@ -64,24 +72,32 @@ class MultiprocessingOptions:
       stall_timeout_s: the watchdog's deadline (local workers): after this many seconds the
         wait raises ``grain_core.multiprocessing.WorkerStalledError`` (a ``RuntimeError``)
         with the same report; the worker is left running. None (the default): wait forever.
+      in_process: whether a pipeline the dispatching engine takes may be computed in this
+        process instead of the workers: ``"never"`` (workers, as asked), ``"auto"`` (here
+        while the workers would not deliver faster), ``"always"``; None (the default):
+        ``grain_core.config.py_mp_prefetch_in_process`` (``"never"`` unless set).
+        ``grain.experimental.pick_performance_config`` chooses ``"auto"``. What computing
+        here gives up: docs/workers.md.
       persistent_workers: keep the worker processes (local workers) running when an
         iterator is closed or collected (a ``for`` loop's, when the loop ends), for the next
         iterator over the same dataset (the next epoch): it starts without starting
-        processes, and gives the same output as new workers. They stop when the dataset (or ``DataLoader``) is closed or collected. As
-        PyTorch's ``DataLoader(persistent_workers=True)``; False (the default): each
-        iterator starts and stops its own.
+        processes, and gives the same output as new workers. They stop when the dataset
+        (or ``DataLoader``) is closed or collected. As PyTorch's
+        ``DataLoader(persistent_workers=True)``; False (the default): each iterator starts
+        and stops its own.
 
     Raises:
-      ValueError: if a count is negative, ``backend`` is an empty name, or a stall threshold
-        is not a positive number.
+      ValueError: if a count is negative, ``backend`` is an empty name, a stall threshold
+        is not a positive number, or ``in_process`` is not one of its values.
     """
 
     num_workers: int = 0
     per_worker_buffer_size: int = 1
     enable_profiling: bool = False
     backend: str | Any = "local"
-    stall_warning_s: float | None = 60.0
+    stall_warning_s: float | None = 30.0
     stall_timeout_s: float | None = None
+    in_process: str | None = None
     persistent_workers: bool = False
 
     def __post_init__(self) -> None:
@@ -93,6 +109,11 @@ class MultiprocessingOptions:
             raise ValueError(
                 'MultiprocessingOptions.backend must be "local", a worker backend name or '
                 "a WorkerBackend object, got an empty name."
+            )
+        if self.in_process not in (None, *IN_PROCESS_MODES):
+            raise ValueError(
+                f"MultiprocessingOptions.in_process must be one of {IN_PROCESS_MODES} or None, "
+                f"got {self.in_process!r}."
             )
         for name in ("stall_warning_s", "stall_timeout_s"):
             value = getattr(self, name)

@@ -194,11 +194,13 @@ class PinnedShard:
     Attributes:
       path: The local file (open it before closing the pin; an open file stays readable).
       url: The shard's URL.
+      size: Its bytes.
     """
 
-    def __init__(self, path: str, url: str, lock: _Lock) -> None:
+    def __init__(self, path: str, url: str, size: int, lock: _Lock) -> None:
         self.path = path
         self.url = url
+        self.size = size
         self._lock = lock
 
     def close(self) -> None:
@@ -378,7 +380,7 @@ class ShardCache:
                 self._fetched_ahead.add(key)
             else:
                 self._fetched_ahead.discard(key)
-        return PinnedShard(self._path(key, ".shard"), url, lock)
+        return PinnedShard(self._path(key, ".shard"), url, version[0], lock)
 
     def _valid(self, directory_fd: int, key: str, url: str, version: tuple[int, str]) -> bool:
         """Whether the entry is a complete copy of ``url`` at ``version`` (regular files, not
@@ -464,11 +466,15 @@ class ShardCache:
     ) -> tuple[str, _Lock]:
         """Makes room for ``size`` bytes (evicting least recently used unpinned shards; a
         download ahead leaves shards fetched ahead alone) and creates the locked temporary
-        file that holds the reservation; returns its name and lock.
+        file that holds the reservation; returns its name and lock. Where only downloads in
+        progress leave no room, waits for one of them to end and tries again (a download
+        ahead gives way instead).
 
         Raises:
           ShardCacheError: If the shard is larger than ``max_bytes``.
-          ShardCacheFullError: If it cannot fit, naming the limit and what fills it.
+          ShardCacheFullError: If the shards that cannot be evicted (pinned, being checked,
+            or for a download ahead, fetched ahead) leave no room, naming the limit and
+            what fills it.
         """
         if size > self._max_bytes:
             raise ShardCacheError(
@@ -478,30 +484,34 @@ class ShardCache:
             )
         with self._lock:
             kept = set(self._fetched_ahead) if ahead else set()
-        cache_lock = self._open_lock(directory_fd, None)
-        try:
-            with self._disk_errors(url, size):
-                cache_lock.acquire()
-                shards, downloading = self._usage(directory_fd, exclude=key)
-                used = sum(s for _, _, s in shards) + downloading
-                held: list[tuple[str, int]] = []
-                for _, other, other_size in sorted(shards):
+        while True:
+            cache_lock = self._open_lock(directory_fd, None)
+            try:
+                with self._disk_errors(url, size):
+                    cache_lock.acquire()
+                    shards, live = self._usage(directory_fd, exclude=key)
+                    downloading = sum(reserved for _, reserved in live)
+                    used = sum(s for _, _, s in shards) + downloading
+                    held: list[tuple[str, int]] = []
+                    for _, other, other_size in sorted(shards):
+                        if used + size <= self._max_bytes:
+                            break
+                        if other not in kept and self._evict(directory_fd, other):
+                            used -= other_size
+                        else:
+                            held.append((other, other_size))
                     if used + size <= self._max_bytes:
-                        break
-                    if other not in kept and self._evict(directory_fd, other):
-                        used -= other_size
-                    else:
-                        held.append((other, other_size))
-                if used + size > self._max_bytes:
-                    raise ShardCacheFullError(
-                        self._full_message(directory_fd, url, size, held, downloading)
-                    )
-                temp_name = f"{key}.{size}.{secrets.token_hex(6)}.tmp"
-                temp = _Lock(directory_fd, temp_name, "new")
-                temp.acquire()
-        finally:
-            cache_lock.close()
-        return temp_name, temp
+                        temp_name = f"{key}.{size}.{secrets.token_hex(6)}.tmp"
+                        temp = _Lock(directory_fd, temp_name, "new")
+                        temp.acquire()
+                        return temp_name, temp
+                    if ahead or used - downloading + size > self._max_bytes:
+                        raise ShardCacheFullError(
+                            self._full_message(directory_fd, url, size, held, downloading)
+                        )
+            finally:
+                cache_lock.close()
+            _wait_for_download(directory_fd, live[0][0])
 
     def _full_message(
         self,
@@ -533,9 +543,12 @@ class ShardCache:
             f"(or ${MAX_BYTES_ENV}), read fewer shards at once, or use another directory."
         )
 
-    def _usage(self, directory_fd: int, exclude: str) -> tuple[list[tuple[float, str, int]], int]:
-        """The shards ``(last use, key, size)`` other than ``exclude``, and the bytes reserved
-        by downloads in progress; removes temporary files of killed downloads."""
+    def _usage(
+        self, directory_fd: int, exclude: str
+    ) -> tuple[list[tuple[float, str, int]], list[tuple[str, int]]]:
+        """The shards ``(last use, key, size)`` other than ``exclude``, and the downloads in
+        progress ``(temporary file, bytes reserved)``; removes temporary files of killed
+        downloads."""
         shards = []
         for name in os.listdir(directory_fd):
             if not name.endswith(".shard") or name == exclude + ".shard":
@@ -545,10 +558,10 @@ class ShardCache:
                 shards.append((info.st_mtime, name[: -len(".shard")], info.st_size))
         return shards, self._remove_stale_downloads(directory_fd, None)
 
-    def _remove_stale_downloads(self, directory_fd: int, key: str | None) -> int:
+    def _remove_stale_downloads(self, directory_fd: int, key: str | None) -> list[tuple[str, int]]:
         """Removes the temporary files (of ``key``, or all) whose downloader is gone; returns
-        the bytes the live ones reserve."""
-        reserved = 0
+        the live ones with the bytes each reserves."""
+        live = []
         for name in os.listdir(directory_fd):
             match = _TEMP_NAME.match(name)
             if match is None or (key is not None and match["key"] != key):
@@ -564,10 +577,10 @@ class ShardCache:
                     with contextlib.suppress(FileNotFoundError):
                         os.unlink(name, dir_fd=directory_fd)
                 else:
-                    reserved += int(match["size"])
+                    live.append((name, int(match["size"])))
             finally:
                 temp.close()
-        return reserved
+        return live
 
     def _evict(self, directory_fd: int, key: str) -> bool:
         """Removes an entry unless it is pinned or downloaded; whether it was removed."""
@@ -671,6 +684,19 @@ def _key(url: str, version: tuple[int, str]) -> str:
     """The entry name of ``url`` at ``version``: a changed object is another entry, so that a
     process never waits for readers of the old one to let go."""
     return hashlib.sha1(f"{url}\0{version[0]}\0{version[1]}".encode()).hexdigest()
+
+
+def _wait_for_download(directory_fd: int, temp_name: str) -> None:
+    """Returns once the download writing ``temp_name`` has ended (its downloader holds the
+    file's lock until then)."""
+    try:
+        temp = _Lock(directory_fd, temp_name, "existing")
+    except OSError:  # ended already
+        return
+    try:
+        temp.acquire(shared=True)
+    finally:
+        temp.close()
 
 
 def _sha256(fd: int) -> str:

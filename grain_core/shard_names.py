@@ -73,7 +73,7 @@ def _expand_one(item: storage.PathArg, storage_options: Mapping[str, Any] | None
             )
         return names
     if storage.has_magic(text):
-        found = storage.glob(text, storage_options)
+        found = [storage.path_string(f) for f in storage.glob(text, storage_options)]
         if of_count and len(found) != int(of_count["count"]):
             raise FileNotFoundError(
                 f"{text!r} names {of_count['count']} shards, but {len(found)} files match; "

@@ -67,6 +67,12 @@ def _iterate(ds: Any) -> Any:
     return iter(ds.to_iter_dataset()) if hasattr(ds, "to_iter_dataset") else iter(ds)
 
 
+def _close_unless_given(it: Any, ds: Any) -> None:
+    """Closes an iterator built here; one the caller passed stays theirs to close."""
+    if it is not ds:
+        it.close()
+
+
 def _state_spec(state: Any) -> Any:
     if isinstance(state, Mapping):
         return {k: _state_spec(v) for k, v in state.items()}
@@ -92,7 +98,9 @@ def assert_equal_output_after_checkpoint(ds: Any, *, max_elements: int = 10_000)
 
     Iterates ``ds`` to the end recording ``get_state()`` before each element, checks the state's
     structure never changes, then for every recorded state builds a fresh iterator, restores the
-    state, checks ``get_state()`` round-trips exactly and the remaining output matches.
+    state, checks ``get_state()`` round-trips exactly and the remaining output matches. ``ds``
+    may be an iterator that is its own iterable (``ElasticIterator``): it is restored in place
+    and left open for the caller.
 
     Raises:
       AssertionError: on the first mismatch, naming the position.
@@ -115,7 +123,7 @@ def assert_equal_output_after_checkpoint(ds: Any, *, max_elements: int = 10_000)
             break
         if len(outputs) > max_elements:
             raise AssertionError(f"More than {max_elements} elements; pass a finite dataset.")
-    it.close()
+    _close_unless_given(it, ds)
     for pos, state in enumerate(states):
         fresh = _iterate(ds)
         fresh.set_state(state)
@@ -125,7 +133,7 @@ def assert_equal_output_after_checkpoint(ds: Any, *, max_elements: int = 10_000)
                 f"{fresh.get_state()} != {state}"
             )
         rest = _take(fresh, max_elements + 1)
-        fresh.close()
+        _close_unless_given(fresh, ds)
         if len(rest) != len(outputs) - pos:
             raise AssertionError(
                 f"Restored at position {pos}: got {len(rest)} remaining elements, expected "

@@ -18,12 +18,6 @@ import numpy as np
 import pytest
 from hypothesis import HealthCheck, settings
 
-# Tests of worker processes (crashes, tracebacks, stalls, statistics, ...) need the workers
-# to run: the default ("auto") would compute cheap test pipelines in the parent instead.
-# Read when grain_core.config is first imported, so set before that import; worker
-# processes and subprocesses inherit it. tests/test_mp_in_process.py tests "auto" itself.
-os.environ["GRAIN_PY_MP_PREFETCH_IN_PROCESS"] = "never"
-
 import grain_core as grain
 from grain_core.dataset.mp import dispatch as mp_dispatch
 

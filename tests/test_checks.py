@@ -31,7 +31,7 @@ def test_non_integers_are_a_type_error(value: Any) -> None:
     [
         (positive_int, 0, "n must be a positive integer, got 0."),
         (positive_int, -3, "n must be a positive integer, got -3."),
-        (non_negative_int, -1, "n must be >= 0, got -1."),
+        (non_negative_int, -1, "n must be non-negative, got -1."),
     ],
 )
 def test_out_of_range_is_a_value_error(check: Any, bad: int, message: str) -> None:

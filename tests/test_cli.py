@@ -622,6 +622,11 @@ def test_inspect_reads_every_shard_pattern_of_every_format(
         shell = _subprocess("/bin/sh", "-c", command)
         assert shell.returncode == 0, (command, shell.stderr)
         assert json.loads(shell.stdout)["num_records"] == 7, command
+    # convert reads the same forms, several paths included.
+    joined = tmp_path / "joined.tfrecord"
+    shell = _subprocess("/bin/sh", "-c", f"{CONSOLE_SCRIPT} convert {data}/x{suffix}-* {joined}")
+    assert shell.returncode == 0, shell.stderr
+    assert shell.stdout.startswith(f"7 records: {base}-00000-of-00002 {base}-00001-of-00002 (")
 
 
 def test_inspect_help_lists_the_tested_forms(grain_core_cli: RunCli) -> None:
@@ -713,3 +718,23 @@ def test_an_unreachable_store_fails_with_one_line_within_its_retries(tmp_path: P
     assert result.stderr.startswith("grain-core inspect: error: Looking up s3://bucket/x.tfrecord")
     assert "failed after the file system's retries" in result.stderr
     assert "Check that the store is reachable" in result.stderr
+
+
+def test_convert_says_when_the_target_format_changes_a_columns_type(
+    tmp_path: Path, grain_core_cli: RunCli
+) -> None:
+    pytest.importorskip("grain_tfrecord")
+    pytest.importorskip("grain_parquet")
+    pa = pytest.importorskip("pyarrow")
+    pq = pytest.importorskip("pyarrow.parquet")
+    source = tmp_path / "in.parquet"
+    table = pa.table({"x": pa.array(np.arange(4, dtype=np.int32)), "name": ["a", "b", "c", "d"]})
+    pq.write_table(table, source)
+    code, out, _ = grain_core_cli("convert", str(source), str(tmp_path / "out.tfrecord"))
+    assert code == 0
+    assert out.splitlines()[-1] == (
+        "note: tfrecord stores these columns with other types than parquet did: "
+        "x: int32 -> int64[1]; name: string -> bytes[1]"
+    )
+    code, out, _ = grain_core_cli("convert", str(source), str(tmp_path / "same.parquet"))
+    assert code == 0 and "note:" not in out

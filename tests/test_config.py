@@ -52,13 +52,13 @@ def test_streaming_copy_threshold_is_validated(monkeypatch: pytest.MonkeyPatch) 
         Config()
 
 
-def test_in_process_decision_is_automatic_unless_the_environment_says(
+def test_workers_compute_unless_the_environment_opts_into_the_parent(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     monkeypatch.delenv("GRAIN_PY_MP_PREFETCH_IN_PROCESS", raising=False)
-    assert Config().py_mp_prefetch_in_process == "auto"
-    monkeypatch.setenv("GRAIN_PY_MP_PREFETCH_IN_PROCESS", "never")
     assert Config().py_mp_prefetch_in_process == "never"
+    monkeypatch.setenv("GRAIN_PY_MP_PREFETCH_IN_PROCESS", "auto")
+    assert Config().py_mp_prefetch_in_process == "auto"
     monkeypatch.setenv("GRAIN_PY_MP_PREFETCH_IN_PROCESS", "sometimes")
     with pytest.raises(ValueError, match="py_mp_prefetch_in_process must be one of"):
         Config()
@@ -112,15 +112,13 @@ def _check_traceback_filtering(cfg: Config, monkeypatch: pytest.MonkeyPatch) -> 
     def fails(x: int) -> int:
         raise KeyError(x)
 
-    for mode in ("auto", "off"):  # both keep every frame, grain_core's among them
+    # Grain's modes are all accepted; every one keeps every frame, grain_core's among them.
+    for mode in ("auto", "off", "tracebackhide", "quiet_remove_frames", "remove_frames"):
         cfg.update("py_traceback_filtering", mode)
         with pytest.raises(KeyError) as info:
             next(iter(grain.MapDataset.range(3).map(fails).to_iter_dataset()))
         files = [f.filename for f in traceback.extract_tb(info.value.__traceback__)]
         assert any("grain_core" in f for f in files) and files[-1] == __file__
-    for mode in ("tracebackhide", "quiet_remove_frames", "remove_frames"):
-        with pytest.raises(ValueError, match=f"{mode}' is not supported: grain_core never"):
-            cfg.update("py_traceback_filtering", mode)
 
 
 def _check_relay_sigterm(cfg: Config, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -187,3 +185,48 @@ def test_unknown_and_tensorflow_options_are_refused() -> None:
         cfg.update("py_no_such", 1)
     with pytest.raises(ValueError, match="TensorFlow backend, which grain_core does not have"):
         cfg.update("tf_interleaved_shuffle", True)
+
+
+_FLAGS_SCRIPT = """
+import sys
+{first}
+{second}
+from absl import flags
+from absl.testing import flagsaver
+from grain_core import config
+
+flags.FLAGS(["trainer", "--grain_py_debug_mode", "--grain_py_mp_prefetch_in_process=never"])
+assert config.py_debug_mode is True and config.py_mp_prefetch_in_process == "never"
+with flagsaver.flagsaver(grain_py_debug_mode=False, grain_py_dataset_visualization_output_dir=""):
+    assert config.py_debug_mode is False and config.py_dataset_visualization_output_dir == ""
+assert config.py_debug_mode is True and config.py_dataset_visualization_output_dir is None
+config.update("py_debug_summary_interval", 5.0)
+assert flags.FLAGS.grain_py_debug_summary_interval == 5.0
+try:
+    flags.FLAGS.grain_py_traceback_filtering = "sometimes"
+except flags.IllegalFlagValueError as e:
+    assert "py_traceback_filtering must be one of" in str(e)
+else:
+    sys.exit("an invalid flag value was accepted")
+"""
+
+
+@pytest.mark.parametrize("absl_first", [True, False])
+def test_options_are_absl_flags_when_absl_is_imported(absl_first: bool) -> None:
+    import subprocess
+    import sys
+
+    pytest.importorskip("absl")
+    imports = ["import absl.flags", "import grain_core"]
+    first, second = imports if absl_first else imports[::-1]
+    script = _FLAGS_SCRIPT.format(first=first, second=second)
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+
+
+def test_grain_core_does_not_import_absl() -> None:
+    import subprocess
+    import sys
+
+    script = "import sys, grain_core; assert 'absl' not in sys.modules, 'absl imported'"
+    assert subprocess.run([sys.executable, "-c", script]).returncode == 0

@@ -214,6 +214,15 @@ def test_subclasses_written_for_grain_read_their_input_as_self_parent():
     ]  # fmt: skip
 
 
+def test_a_source_has_no_parent_attribute():
+    """``hasattr(node, "_parent")`` is False for a source and its iterator (MaxText's
+    iterator clean-up asks it of every node; an IndexError escaped hasattr)."""
+    source = MD.range(3)
+    assert not hasattr(source, "_parent")
+    assert not hasattr(iter(source.to_iter_dataset()), "_parent")
+    assert hasattr(source.map(str), "_parent")
+
+
 # --------------------------------------------------- set_state refuses positions it would truncate
 def _pipelines() -> dict[str, tuple[object, tuple]]:
     """name -> (make the iterable, path of a position in its state)."""
@@ -292,7 +301,7 @@ def _with(state: dict, path: tuple, value: object) -> dict:
         (2.7, TypeError, r"must be an integer, got float \(2\.7\)"),
         (True, TypeError, "must be an integer, got a bool"),
         ("3", TypeError, "must be an integer, got str"),
-        (-1, (ValueError, IndexError), "must be >= 0|out of range"),
+        (-1, (ValueError, IndexError), "must be non-negative|out of range"),
     ],
 )
 def test_set_state_refuses_a_position_it_would_truncate(

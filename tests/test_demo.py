@@ -48,6 +48,12 @@ def test_demo_trains_checkpoints_and_resumes_bit_exactly(
     assert "grain_core execution summary" in out
     assert "resume:   OK: steps 3-6 after the restart read the same 4 batches" in out
     assert "Traceback" not in done.stderr
+    assert max(len(line) for line in out.splitlines()) <= 100
+    # A word on why the loop waits: the step against the loader's time per batch.
+    flat = " ".join(out.split())
+    assert "The loop waits because this small model's step" in flat or (
+        "A step (" in flat and "the wait is the first batch" in flat
+    )
 
 
 def test_demo_without_the_format_plugin_reads_in_memory_records() -> None:

@@ -26,7 +26,9 @@ from grain_core._ipc import shm as _shm
 from grain_core._ipc.pool import WorkerPool
 from grain_core.dataset.mp import dispatch as mp_dispatch
 from grain_core.dataset.mp import positions
-from grain_core.dataset.mp.dispatch import DispatchWorkerLoop, PositionDispatcher, assign_message
+from grain_core.dataset.mp.consumer import ClassConsumer
+from grain_core.dataset.mp.dispatch import LocalWorkers
+from grain_core.dataset.mp.dispatch_worker import DispatchWorkerLoop
 from grain_core.dataset.mp.positions import (
     AssignedPositionsMapDataset,
     ClassBatchesMapDataset,
@@ -41,6 +43,7 @@ from grain_core.dataset.mp.protocol import (
     STATS,
     STATS_GENERATION,
     WANTS_CREDIT,
+    assign_message,
     stats_request_message,
 )
 from grain_core.dataset.mp.rotation import RotationWorkerLoop, credit_message, set_state_message
@@ -537,11 +540,12 @@ def test_small_elements_read_already_travel_several_to_a_message(
 
 
 # ------------------------------------------------------------------------------ commitments
-def _dispatcher(buffer: int = 2, read_ahead: int = 50) -> PositionDispatcher:
+def _dispatcher(buffer: int = 2, read_ahead: int = 50) -> LocalWorkers:
     ds = grain.MapDataset.range(100).to_iter_dataset(
         grain.ReadOptions(num_threads=2, prefetch_buffer_size=read_ahead)
     )
-    return PositionDispatcher(ds.mp_prefetch(mp_options(2, buffer)))
+    engine = ds.mp_prefetch(mp_options(2, buffer)).engine  # type: ignore[attr-defined]
+    return LocalWorkers(ClassConsumer(engine, LocalWorkers, "never"))
 
 
 def test_commitments_follow_the_cpu_cost_of_an_element() -> None:
@@ -579,7 +583,7 @@ class _RecordingPool:
 def test_a_waiting_consumer_always_gets_its_position_sent() -> None:
     d = _dispatcher(buffer=1)
     d._pool = pool = _RecordingPool()  # type: ignore[assignment]
-    d.frontier, d._assigned = [5, 4], [7, 6]
+    d._consumer.frontier[:], d._assigned = [5, 4], [7, 6]
     # Both workers sent all they were allowed; worker 0 computes (0, 5) after (1, 4).
     d._runs[0].extend([[1, 4, 2], [0, 5, 2]])
     d._runs[1].extend([[1, 9, 3]])
@@ -589,7 +593,7 @@ def test_a_waiting_consumer_always_gets_its_position_sent() -> None:
     assert pool.sent == [(0, assign_message(0, [], 3, []))]
     d._unblock(0, 5)  # already on its way
     assert len(pool.sent) == 1
-    d.frontier[1] = d._assigned[1] = 12  # no worker has (1, 12): the least busy takes it
+    d._consumer.frontier[1] = d._assigned[1] = 12  # no worker has (1, 12): the least busy takes it
     d._unblock(1, 12)
     assert pool.sent[1] == (1, assign_message(0, [(1, 12, 1)], 4, []))
     assert d._assigned[1] == 13 and d._outstanding[1] == 4

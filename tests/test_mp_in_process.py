@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
 from collections.abc import Iterator
 from typing import Any
 
@@ -12,7 +13,7 @@ import numpy as np
 import pytest
 
 import grain_core as grain
-from grain_core.dataset.mp import dispatch as mp_dispatch
+from grain_core.dataset.mp import consumer as mp_consumer
 from grain_core.dataset.mp import in_process
 from grain_core.dataset.mp.in_process import START_S, WorkerPayoff
 
@@ -113,8 +114,75 @@ def test_an_error_is_raised_at_its_position_again(mode: Any) -> None:
     it.close()
 
 
+_REPORTED = threading.Event()
+
+
+def _stuck_until_reported(x: int) -> int:
+    """Position 3 waits (in the parent: in-process) until the watchdog has reported it (a
+    minute at most: with no report, the test fails on the missing message)."""
+    if x == 3:
+        _REPORTED.wait(60)
+    return x
+
+
+class _SetOnReport(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__()
+        self.messages: list[tuple[int, str]] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.messages.append((record.levelno, record.getMessage()))
+        _REPORTED.set()
+
+
+@pytest.mark.parametrize(
+    ("thresholds", "level"), [((0.2, None), logging.WARNING), ((None, 0.2), logging.ERROR)]
+)
+def test_the_watchdog_reports_a_result_stuck_in_the_parent_with_its_stack(
+    thresholds: tuple[float | None, float | None], level: int
+) -> None:
+    # Computed here, the stuck element is no worker's: the parent's watchdog reports it with
+    # the stack of the thread computing it (past the timeout too: that thread cannot be
+    # interrupted, so the report is an error in the log and the element still comes).
+    _REPORTED.clear()
+    handler = _SetOnReport()
+    logger = logging.getLogger("grain_core")
+    logger.addHandler(handler)
+    warning_s, timeout_s = thresholds
+    options = grain.MultiprocessingOptions(
+        num_workers=2, in_process="always", stall_warning_s=warning_s, stall_timeout_s=timeout_s
+    )
+    ds = grain.MapDataset.range(6).map(_stuck_until_reported).to_iter_dataset()
+    try:
+        assert list(ds.mp_prefetch(options)) == list(range(6))
+    finally:
+        logger.removeHandler(handler)
+    assert handler.messages, "the watchdog did not report the stuck result"
+    level_given, message = handler.messages[0]
+    assert level_given == level
+    assert "has computed position 3 of" in message
+    assert "in _stuck_until_reported" in message and "_REPORTED.wait(60)" in message
+
+
+def _element_pid(x: int) -> tuple[int, int]:
+    return x, os.getpid()
+
+
+def test_workers_compute_what_they_are_asked_to_by_default() -> None:
+    # The default: each result comes from a worker process, however cheap the pipeline.
+    ds = grain.MapDataset.range(12).map(_element_pid).to_iter_dataset()
+    pids = {pid for _, pid in ds.mp_prefetch(grain.MultiprocessingOptions(num_workers=2))}
+    assert os.getpid() not in pids and len(pids) >= 1
+
+
+def test_the_options_choose_per_pipeline_over_the_config() -> None:
+    ds = grain.MapDataset.range(12).map(_element_pid).to_iter_dataset()
+    options = grain.MultiprocessingOptions(num_workers=2, in_process="always")
+    assert {pid for _, pid in ds.mp_prefetch(options)} == {os.getpid()}
+
+
 class FakeClock:
-    """``in_process.clock`` for the dispatcher, which reads it right before and right after
+    """``in_process.clock`` for the consumer, which reads it right before and right after
     each result: every result takes ``step`` seconds, all of it CPU (``cpu_seconds``), and
     the consumer none between two."""
 
@@ -122,7 +190,7 @@ class FakeClock:
         self.step = step
         self.now = 0.0
         self.calls = 0
-        monkeypatch.setattr(mp_dispatch, "clock", self)
+        monkeypatch.setattr(mp_consumer, "clock", self)
         monkeypatch.setattr(in_process, "cpu_seconds", lambda: self.now)
 
     def __call__(self) -> float:
@@ -305,7 +373,7 @@ def test_output_and_states_stay_those_of_the_workers_across_hand_overs(
     expected, expected_states = _run(_pipelines()[index])
     mode("auto")
     # Two results here, the workers take over, and hand back after two more.
-    monkeypatch.setattr(mp_dispatch, "WorkerPayoff", _Scripted([None, True], [True, False]))
+    monkeypatch.setattr(mp_consumer, "WorkerPayoff", _Scripted([None, True], [True, False]))
     elements, states = _run(_pipelines()[index])
     _same(elements, expected)
     assert states == expected_states

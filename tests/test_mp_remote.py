@@ -240,7 +240,7 @@ def test_backend_names_resolve_through_the_plugin_registry() -> None:
 def test_a_filter_dropping_past_the_raise_threshold_raises_on_either_dispatcher(
     backend: str,
 ) -> None:
-    # Both dispatchers count the holes of each class (ClassFrontiers.filtered_out); each of
+    # Every producer's holes are counted per class (ClassConsumer._filtered_out); each of
     # the two classes drops 3 of every 4 elements.
     chosen: Any = _InlineBackend(2) if backend == "inline" else "local"
     dropping = grain.MapDataset.range(3000).filter(lambda x: x % 8 < 2).to_iter_dataset()

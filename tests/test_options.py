@@ -6,14 +6,18 @@ from grain_core import MultiprocessingOptions, ReadOptions
 from grain_core.dataset.options import DatasetOptions, ExecutionTrackingMode, FilterRatioChecker
 
 
-def test_read_options_defaults_and_validation():
+def test_read_options_defaults_and_validation(caplog: pytest.LogCaptureFixture) -> None:
     assert ReadOptions() == ReadOptions(num_threads=16, prefetch_buffer_size=500)
-    with pytest.raises(ValueError, match="num_threads"):
+    with pytest.raises(ValueError, match="num_threads must be non-negative"):
         ReadOptions(num_threads=-1)
-    with pytest.raises(ValueError, match="prefetch_buffer_size"):
+    with pytest.raises(ValueError, match="prefetch_buffer_size must be non-negative"):
         ReadOptions(prefetch_buffer_size=-1)
-    with pytest.warns(UserWarning, match="smaller than"):
+    with caplog.at_level("WARNING"):
+        ReadOptions(num_threads=8, prefetch_buffer_size=0)
+        assert caplog.records == []
         ReadOptions(num_threads=8, prefetch_buffer_size=2)
+    assert [r.levelname for r in caplog.records] == ["WARNING"]
+    assert "prefetch_buffer_size=2 is smaller than num_threads=8" in caplog.text
 
 
 def test_multiprocessing_options_validation():
@@ -26,13 +30,21 @@ def test_multiprocessing_options_validation():
 
 def test_stall_thresholds_are_positive_seconds_or_none():
     options = MultiprocessingOptions()
-    assert (options.stall_warning_s, options.stall_timeout_s) == (60.0, None)  # warn, no kill
+    assert (options.stall_warning_s, options.stall_timeout_s) == (30.0, None)  # warn, no kill
     MultiprocessingOptions(stall_warning_s=None, stall_timeout_s=0.5)
     for bad in (0, -1.0, float("inf"), float("nan"), True, "60"):
         with pytest.raises(ValueError, match="stall_timeout_s must be a positive number"):
             MultiprocessingOptions(stall_timeout_s=bad)  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="stall_warning_s"):
         MultiprocessingOptions(stall_warning_s=0)
+
+
+def test_in_process_is_a_mode_or_none():
+    assert MultiprocessingOptions().in_process is None  # the config's: "never" by default
+    for mode in ("never", "auto", "always"):
+        assert MultiprocessingOptions(in_process=mode).in_process == mode
+    with pytest.raises(ValueError, match="in_process must be one of"):
+        MultiprocessingOptions(in_process="sometimes")
 
 
 def test_dataset_options_merge_prefers_explicit_fields_of_self():

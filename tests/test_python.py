@@ -250,13 +250,31 @@ def _records(values: list[Any], *, seed: int | None = None) -> list[Any]:
     ]
 
 
-def test_map_and_filter_operations_keep_metadata() -> None:
-    records = _records([1, 2, 3, 4])
+def test_map_and_filter_operations_keep_metadata_but_the_record_key() -> None:
+    records = _records([1, 2, 3, 4], seed=3)
     mapped = list(grain.MapOperation(lambda x: 10 * x)(iter(records)))
     assert [r.data for r in mapped] == [10, 20, 30, 40]
-    assert [r.metadata for r in mapped] == [r.metadata for r in records]
+    assert [r.metadata for r in mapped] == [r.metadata.remove_record_key() for r in records]
+    assert all(m.metadata.rng is r.metadata.rng for m, r in zip(mapped, records, strict=True))
     kept = list(grain.FilterOperation(lambda x: x % 2 == 0)(iter(records)))
-    assert [(r.metadata.index, r.data) for r in kept] == [(1, 2), (3, 4)]
+    assert [(r.metadata.index, r.metadata.record_key, r.data) for r in kept] == [
+        (1, None, 2),
+        (3, None, 4),
+    ]
+    randomized = list(grain.RandomMapOperation(lambda x, rng: x)(iter(records)))
+    assert [r.metadata.record_key for r in randomized] == [None] * 4
+
+
+@pytest.mark.parametrize(
+    ("first", "second"), [([1, 2], [3, 4, 5]), ({"a": 1}, {"b": 2}), ((1, 2), [1, 2])]
+)
+def test_batch_operation_names_records_of_another_structure(first: Any, second: Any) -> None:
+    records = _records([first, second, first])
+    with pytest.raises(
+        TypeError, match=r"Record structures do not match\. Record at position 0"
+    ) as e:
+        list(grain.BatchOperation(3)(iter(records)))
+    assert str(e.value).endswith(f"positions [1] have structures [{second!r}].")
 
 
 def test_random_map_operation_uses_the_record_generator() -> None:

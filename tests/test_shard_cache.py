@@ -166,28 +166,30 @@ def test_a_shard_larger_than_the_cache_is_refused(tmp_path: Path) -> None:
         sc.ShardCache(directory, max_bytes=1000).local_path(url)
 
 
-def test_a_cache_full_of_downloads_in_progress_names_the_directory(tmp_path: Path) -> None:
+def test_a_download_in_progress_is_waited_for_not_an_error(tmp_path: Path) -> None:
     import fcntl
+    import threading
 
     directory = tmp_path / "cache"
     directory.mkdir()
     # Another process is downloading an 800-byte shard: its temporary file reserves the bytes
     # and is locked by its downloader.
-    key = "f" * 40
-    (directory / f"{key}.800.abc.tmp").write_bytes(b"")
-    held = os.open(directory / f"{key}.800.abc.tmp", os.O_RDONLY)
+    temp = directory / f"{'f' * 40}.800.abc.tmp"
+    temp.write_bytes(b"")
+    held = os.open(temp, os.O_RDONLY)
     fcntl.flock(held, fcntl.LOCK_EX)
-    try:
-        url = _remote(tmp_path, "a.bin", b"a" * 400)
-        with pytest.raises(sc.ShardCacheError, match=rf"Shard cache {directory} is full"):
-            sc.ShardCache(directory, max_bytes=1000).local_path(url)
-    finally:
-        os.close(held)
-    # Once that process is gone, its temporary file is stale: removed, and the shard fits.
-    assert Path(sc.ShardCache(directory, max_bytes=1000).local_path(url)).read_bytes() == (
-        b"a" * 400
-    )
+    url = _remote(tmp_path, "a.bin", b"a" * 400)
+    cache = sc.ShardCache(directory, max_bytes=1000)
+    cache.prefetch([url])  # gives way while the download holds the room
+    paths: list[str] = []
+    reader = threading.Thread(target=lambda: paths.append(cache.local_path(url)))
+    with fails_after(60):
+        reader.start()
+        os.close(held)  # that process is gone: its file is stale, removed, and the shard fits
+        reader.join()
+    assert Path(paths[0]).read_bytes() == b"a" * 400
     assert not list(directory.glob("*.tmp"))
+    assert _downloads(url) == 1
 
 
 def test_an_unwritable_directory_is_named(tmp_path: Path) -> None:
@@ -536,22 +538,30 @@ def test_a_killed_download_is_counted_then_removed_by_the_next_operation(
 ) -> None:
     url = _remote(tmp_path, "a.bin", b"a" * 1000)
     directory = tmp_path / "cache"
+    cache = sc.ShardCache(directory, max_bytes=2000)
+    pinned = cache.pin(_remote(tmp_path, "c.bin", b"c" * 600))
     killed = subprocess.Popen(
-        [sys.executable, "-c", _KILLED_DOWNLOAD, str(directory), url, "1500"],
+        [sys.executable, "-c", _KILLED_DOWNLOAD, str(directory), url, "2000"],
         stdin=subprocess.PIPE,
         stdout=subprocess.PIPE,
         text=True,
     )
     assert killed.stdout is not None and killed.stdout.readline() == "half\n"
-    # While it runs, its reservation counts: a second shard of 1000 bytes does not fit.
-    with pytest.raises(sc.ShardCacheFullError, match="1000 bytes by downloads in progress"):
-        sc.ShardCache(directory, max_bytes=1500).local_path(_remote(tmp_path, "b.bin", b"b" * 1000))
+    # While it runs, its reservation counts; the error comes because the pinned shard and
+    # the new one alone exceed the bound.
+    with pytest.raises(
+        sc.ShardCacheFullError,
+        match=r"max_bytes=2000 leaves no room for .*b\.bin \(1500 bytes\); held: 600 bytes by 1 "
+        r"shards .*c\.bin\); 1000 bytes by downloads in progress",
+    ):
+        cache.local_path(_remote(tmp_path, "b.bin", b"b" * 1500))
     killed.kill()
     killed.wait()
+    pinned.close()
     assert [p.name for p in directory.glob("*.tmp")]  # the partial file stays behind
-    cache = sc.ShardCache(directory, max_bytes=1500)
+    cache = sc.ShardCache(directory, max_bytes=2000)
     if next_use == "same shard":
         assert Path(cache.local_path(url)).read_bytes() == b"a" * 1000
     else:
-        cache.local_path(_remote(tmp_path, "b.bin", b"b" * 1000))
+        cache.local_path(_remote(tmp_path, "b.bin", b"b" * 1500))
     assert not list(directory.glob("*.tmp"))

@@ -120,5 +120,5 @@ def test_even_split_logs_dropped_remainder(caplog: pytest.LogCaptureFixture) -> 
 
 
 def test_even_split_rejects_negative_length() -> None:
-    with pytest.raises(ValueError, match="num_examples must be >= 0, got -1"):
+    with pytest.raises(ValueError, match="num_examples must be non-negative, got -1"):
         even_split(-1, NoSharding())

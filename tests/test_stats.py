@@ -363,3 +363,18 @@ def test_untracked_iterators_are_not_tracking_and_ignore_snapshots() -> None:
     row = ("Map", "iter", "_MapIterator", 1, 1, 1, 1, 1, None, 0, ())
     stats.attach_worker_stages(it, ([row], 0, 1, {}, []))
     assert "_stage_stats" not in vars(it)
+
+
+def test_a_summary_fits_a_width() -> None:
+    def a_transform_with_a_long_descriptive_name(x: int) -> int:
+        return x + 1
+
+    ds = grain.MapDataset.range(64).map(a_transform_with_a_long_descriptive_name).batch(4)
+    it = iter(WithOptionsIterDataset(ds.to_iter_dataset(), TIMING))
+    list(it)
+    summary = get_execution_summary(it)
+    assert max(len(line) for line in str(summary).splitlines()) > 80
+    narrow = summary.to_text(width=80)
+    assert max(len(line) for line in narrow.splitlines()) <= 80
+    assert "self time" in narrow and "| min" not in narrow
+    assert narrow.splitlines()[0] == str(summary).splitlines()[0][: len(narrow.splitlines()[0])]

@@ -100,3 +100,11 @@ def test_source_checker_catches_missing_index_error():
 
     with pytest.raises(AssertionError, match="__getitems__"):
         check_random_access_source(WrongBatch(range(100)))
+
+
+def test_an_iterator_given_is_restored_in_place_and_left_open() -> None:
+    ds = grain.MapDataset.range(12).shuffle(3)
+    it = grain.experimental.ElasticIterator(ds, 4, grain.sharding.NoSharding())
+    assert_equal_output_after_checkpoint(it)
+    it.set_state({"global_next_index": 0})
+    assert [b.tolist() for b in it] == [b.tolist() for b in ds.batch(4)]

@@ -71,7 +71,9 @@ def pick_performance_config(
     ``to_iter_dataset`` nodes) to estimate element sizes. ``num_workers = min(budget / output
     size, max_workers or cpu_count)`` (all of ``max_workers`` when nothing could be measured);
     ``prefetch_buffer_size = min(budget / (input size * number of readers), max_buffer_size or
-    1000)``.
+    1000)``. The options it returns leave the in-process choice to measurement
+    (``in_process="auto"``: a pipeline the dispatching engine takes runs in this process while
+    workers would not deliver it faster; docs/workers.md says what that gives up).
 
     Raises:
       ValueError: If ``ram_budget_mb`` or ``samples_to_check`` is not positive.
@@ -105,6 +107,8 @@ def pick_performance_config(
     else:
         buffer = min(int(budget // (in_size * len(readers))), cap_buffer)
     return PerformanceConfig(
-        multiprocessing_options=MultiprocessingOptions(num_workers=max(num_workers, 0)),
+        multiprocessing_options=MultiprocessingOptions(
+            num_workers=max(num_workers, 0), in_process="auto"
+        ),
         read_options=ReadOptions(prefetch_buffer_size=max(buffer, 0)),
     )

@@ -69,7 +69,11 @@ class _FirstParent:
     def __get__(self, obj: Any, objtype: Any = None) -> Any:
         if obj is None:
             return self
-        return obj._parents[0]
+        parents = obj._parents
+        if not parents:
+            # hasattr(node, "_parent") must say False for a source (MaxText's close asks).
+            raise AttributeError(f"{type(obj).__name__} has no parent", name="_parent", obj=obj)
+        return parents[0]
 
 
 class _Node:

@@ -28,6 +28,7 @@ from grain_core.dataset.options import FilterRatioChecker
 from grain_core.options import ReadOptions
 
 __all__ = [
+    "READ_THREAD_PREFIX",
     "PrefetchDatasetIterator",
     "PrefetchIterDataset",
     "ReadConcurrency",
@@ -35,6 +36,10 @@ __all__ = [
     "ThreadPrefetchIterDataset",
     "read_index",
 ]
+
+#: The names of the threads that read elements for an iterator (the watchdog's reports show
+#: their stacks beside the consumer's).
+READ_THREAD_PREFIX = "grain_core-read"
 
 # Blocks of indices read with one ``_getitems`` call adapt to the cost of an element: they start
 # at one element (the first element arrives quickly) and double while a block takes less than
@@ -231,7 +236,7 @@ class PrefetchDatasetIterator(DatasetIterator[Any]):
         while self._read_index < self._len and self._in_flight < self._buffer_size and blocks > 0:
             if self._executor is None:
                 self._executor = concurrent.futures.ThreadPoolExecutor(
-                    self._num_threads, thread_name_prefix="grain_core-read"
+                    self._num_threads, thread_name_prefix=READ_THREAD_PREFIX
                 )
             start, count = self._next_chunk_range(self._buffer_size - self._in_flight)
             started.append((start, count, self._executor.submit(self._read, start, count)))

@@ -47,6 +47,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import dataclasses
+import textwrap
 import threading
 import weakref
 from collections.abc import Iterator, Sequence
@@ -640,8 +641,21 @@ class ExecutionSummary:
         return dataclasses.asdict(self)
 
     def __str__(self) -> str:
-        header = ("id", "stage", "elements", "self time", "avg", "min", "max", "share", "wait")
-        rows = []
+        return self.to_text()
+
+    def to_text(self, width: int | None = None) -> str:
+        """The summary as a table (``str(summary)``).
+
+        Args:
+          width: None: every column, stage names cut at 100 characters. Else the most
+            characters a line may have: the title is wrapped, the min and max columns are
+            left out and stage names are cut so that every row fits.
+        """
+        narrow = width is not None
+        header: tuple[str, ...] = (
+            "id", "stage", "elements", "self time", "avg", "min", "max", "share", "wait",
+        )  # fmt: skip
+        rows: list[tuple[str, ...]] = []
         for s in self.stages:
             rows.append(
                 (
@@ -658,6 +672,9 @@ class ExecutionSummary:
                     f"{100 * s.wait_share:.1f}%",
                 )
             )
+        if narrow:
+            header = header[:5] + header[7:]
+            rows = [row[:5] + row[7:] for row in rows]
         title = (
             f"grain_core execution summary: the consumer waited {_format_ns(self.output_wait_ns)} "
             "in next(). Self time excludes input stages; avg/min/max are per element; share is "
@@ -666,7 +683,9 @@ class ExecutionSummary:
         )
         if any(s.in_workers for s in self.stages):
             title += " [worker] stages ran in mp_prefetch worker processes (summed over them)."
-        return format_table(title, header, rows)
+        if width is None:
+            return format_table(title, header, rows)
+        return format_table("\n".join(textwrap.wrap(title, width)), header, rows, width=width)
 
 
 def stage_cell(name: str, depth: int, instances: int) -> str:
@@ -677,13 +696,19 @@ def stage_cell(name: str, depth: int, instances: int) -> str:
 
 
 def format_table(
-    title: str, header: Sequence[str], rows: Sequence[Sequence[str]], numbers: bool = True
+    title: str,
+    header: Sequence[str],
+    rows: Sequence[Sequence[str]],
+    numbers: bool = True,
+    width: int | None = None,
 ) -> str:
     """``rows`` under ``header`` as aligned text columns: the first right-aligned, the second
-    (a stage name, indented by depth) left-aligned and cut at 100 characters, the others
-    right-aligned if they are ``numbers``, else left-aligned."""
+    (a stage name, indented by depth) left-aligned and cut at 100 characters (or so that a
+    row fits in ``width``), the others right-aligned if they are ``numbers``, else
+    left-aligned."""
     widths = [max(len(r[i]) for r in (header, *rows)) for i in range(len(header))]
-    widths[1] = min(widths[1], 100)
+    others = sum(widths) - widths[1] + 3 * (len(widths) - 1)
+    widths[1] = min(widths[1], 100 if width is None else max(len(header[1]), width - others))
 
     def line(cells: Sequence[str]) -> str:
         name = cells[1] if len(cells[1]) <= widths[1] else cells[1][: widths[1] - 3] + "..."

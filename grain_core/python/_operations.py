@@ -1,7 +1,8 @@
 """Legacy DataLoader operations of ``grain.python`` (``MapOperation``, ``BatchOperation`` …).
 
-Each operation is a callable from an iterator of ``Record``s to an iterator of ``Record``s that
-keeps the records' metadata (the ``Operation`` protocol). Each is also the matching modern
+Each operation is a callable from an iterator of ``Record``s to an iterator of ``Record``s (the
+``Operation`` protocol); its output records keep their index and generator but no record key,
+as Grain's operations (a ``DataLoader`` running them as transforms keeps the key). Each is also the matching modern
 transform (``MapOperation`` is a ``transforms.Map``, ``BatchOperation`` a ``transforms.Batch``,
 …), so a ``DataLoader`` runs it exactly as that transform: ``RandomMapOperation`` gets the
 sampler's per-record generator and a sampler without a seed is rejected at construction.
@@ -15,7 +16,7 @@ from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
 
-from grain_core import transforms
+from grain_core import _tree, transforms
 from grain_core.data_loader import _RecordBatch, _RecordFilter, _RecordMap
 from grain_core.dataset.batch import make_batch
 from grain_core.record import Record
@@ -64,7 +65,7 @@ class MapOperation(transforms.Map):
         return self.map_function(element)
 
     def __call__(self, input_iterator: Iterable[Record[Any]]) -> Iterator[Record[Any]]:
-        return map(_RecordMap(self), input_iterator)
+        return map(_RecordMap(self), _without_record_keys(input_iterator))
 
     def __repr__(self) -> str:
         return f"MapOperation(map_function={_name(self.map_function)})"
@@ -90,7 +91,7 @@ class RandomMapOperation(transforms.RandomMap):
         return self.random_map_function(element, rng)
 
     def __call__(self, input_iterator: Iterable[Record[Any]]) -> Iterator[Record[Any]]:
-        return map(_RecordMap(self), input_iterator)
+        return map(_RecordMap(self), _without_record_keys(input_iterator))
 
     def __repr__(self) -> str:
         return f"RandomMapOperation(random_map_function={_name(self.random_map_function)})"
@@ -114,7 +115,7 @@ class FilterOperation(transforms.Filter):
         return bool(self.condition_function(element))
 
     def __call__(self, input_iterator: Iterable[Record[Any]]) -> Iterator[Record[Any]]:
-        return filter(_RecordFilter(self), input_iterator)
+        return filter(_RecordFilter(self), _without_record_keys(input_iterator))
 
     def __repr__(self) -> str:
         return f"FilterOperation(condition_function={_name(self.condition_function)})"
@@ -130,6 +131,8 @@ class BatchOperation(transforms.Batch):
 
     Raises:
       ValueError: If ``batch_size`` is not positive.
+      TypeError: When iterated, if the records of a batch have different structures (without
+        a ``batch_fn``).
     """
 
     def __call__(self, input_iterator: Iterable[Record[Any]]) -> Iterator[Record[Any]]:
@@ -138,4 +141,24 @@ class BatchOperation(transforms.Batch):
         while chunk := list(itertools.islice(records, self.batch_size)):
             if len(chunk) < self.batch_size and self.drop_remainder:
                 return
+            if self.batch_fn is None:
+                _check_same_structure([r.data for r in chunk])
             yield combine(chunk)
+
+
+def _without_record_keys(records: Iterable[Record[Any]]) -> Iterator[Record[Any]]:
+    for r in records:
+        yield Record(r.metadata.remove_record_key(), r.data)
+
+
+def _check_same_structure(values: list[Any]) -> None:
+    """Raises ``TypeError`` naming the values whose structure differs from the first's (the
+    message Grain's users match on)."""
+    first = values[0]
+    differing = [i for i, v in enumerate(values[1:], 1) if not _tree.same_structure(first, v)]
+    if differing:
+        raise TypeError(
+            f"Record structures do not match. Record at position 0 has structure {first}, "
+            f"while records at positions {differing} have structures "
+            f"{[values[i] for i in differing]}."
+        )

@@ -29,17 +29,17 @@ import weakref
 from collections.abc import Callable
 from typing import Any
 
-from grain_core._ipc import shm
 from grain_core.dataset.base import DatasetIterator, IterDataset
 from grain_core.dataset.interleave import InterleaveIterDataset
 from grain_core.dataset.mp import dispatch, remote, rotation
+from grain_core.dataset.mp.consumer import ClassConsumer, DispatchedClassIterator
 from grain_core.dataset.mp.in_process import (
     MARGIN,
     seconds_per_result_with_workers,
     transport_seconds,
     usable_cores,
 )
-from grain_core.dataset.mp.pickling import pickle_init_fn, pickle_pipeline
+from grain_core.dataset.mp.pickling import EngineInput
 from grain_core.dataset.mp.shm_batch import shared_memory_batch_fn
 from grain_core.dataset.mp.worker import WarmWorkers, start_worker_server
 from grain_core.dataset.multithread import multithread_prefetch
@@ -138,88 +138,69 @@ class MultiprocessPrefetchIterDataset(IterDataset[Any]):
         sequential_slice: bool = False,
     ) -> None:
         super().__init__(parent)
-        self.options = options
-        self.worker_init_fn = worker_init_fn
-        self.sequential_slice = sequential_slice
-        self._payload: tuple[bytes, bytes | None] | None = None
-        self._warm: WarmWorkers | None = None
         #: Where the workers run: None for local processes.
         self.backend = remote.worker_backend(options)
         if self.backend is not None:
             remote.check_remote_pipeline(
                 parent, self.backend, worker_init_fn is not None, sequential_slice
             )
-        if self.backend is None and options.num_workers > 0:
+        elif options.num_workers > 0:
             start_worker_server()
+        # What every engine runs, built once (with its pickled payload, on first use).
+        # Arrays go through this host's shared memory to local worker processes only.
+        self.engine = EngineInput(
+            parent,
+            options,
+            sequential_slice=sequential_slice,
+            worker_init_fn=worker_init_fn,
+            share_arrays=self.backend is None,
+        )
+        if self.backend is None and options.persistent_workers and options.num_workers > 0:
+            warm = self.engine.warm_workers = WarmWorkers()
+            weakref.finalize(self, warm.close)
+
+    @property
+    def options(self) -> MultiprocessingOptions:
+        return self.engine.options
 
     @property
     def num_workers(self) -> int:
-        return self.options.num_workers
-
-    def payload(self) -> tuple[bytes, bytes | None]:
-        """The cloudpickled pipeline and ``worker_init_fn``, computed once.
-
-        Raises:
-          Exception: The pickling error, with a note naming the first node that cannot be
-            pickled.
-        """
-        if self._payload is None:
-            # Arrays go through this host's shared memory to local worker processes only.
-            dataset, blocks = pickle_pipeline(self._parents[0], share_arrays=self.backend is None)
-            if blocks:
-                # Workers started from this payload map these blocks; iterators hold this
-                # dataset, so the blocks outlive every worker that may start from them.
-                weakref.finalize(self, shm.unlink_shm, blocks)
-            init = None if self.worker_init_fn is None else pickle_init_fn(self.worker_init_fn)
-            self._payload = (dataset, init)
-        return self._payload
-
-    @property
-    def warm_workers(self) -> WarmWorkers | None:
-        """Where iterators leave their workers for the next one
-        (``MultiprocessingOptions.persistent_workers``, local workers); None: each iterator
-        stops its own."""
-        if self._warm is None and self.options.persistent_workers and self.backend is None:
-            self._warm = WarmWorkers()
-            weakref.finalize(self, self._warm.close)
-        return self._warm
+        return self.engine.num_workers
 
     def close(self) -> None:
         """Stops the worker processes kept for the next iterator
         (``MultiprocessingOptions.persistent_workers``); those of an open iterator stop when
-        it is closed. Iterators made later start new ones."""
-        if self._warm is not None:
-            self._warm.close()
-            self._warm = None
-
-    def __getstate__(self) -> dict[str, Any]:
-        return {**self.__dict__, "_payload": None, "_warm": None}
+        it is closed, and iterators made later stop their own. Idempotent."""
+        if self.engine.warm_workers is not None:
+            self.engine.warm_workers.close()
 
     def __iter__(self) -> DatasetIterator[Any]:
+        engine = self.engine
+        backend = self.backend
         make: Callable[[int], DatasetIterator[Any]]
         # What a worker_init_fn sets up may differ by worker: element k then has to come from
         # worker k % N, as in a single strided share each, for the output to be deterministic.
         # (A worker backend takes none: check_remote_pipeline.)
-        if self.backend is not None:
-            make = functools.partial(
-                dispatch.DispatchedClassIterator, remote.BlockDispatcher(self, self.backend)
+        if backend is not None:
+            consumer = ClassConsumer(
+                engine, lambda c: remote.BackendWorkers(c, backend), in_process="never"
             )
-        elif self.worker_init_fn is None and dispatch.dispatchable(
-            self._parents[0], self.num_workers, self.sequential_slice
+            make = functools.partial(DispatchedClassIterator, consumer)
+        elif engine.worker_init_fn is None and dispatch.dispatchable(
+            engine.pipeline, engine.num_workers, engine.sequential_slice
         ):
-            make = functools.partial(
-                dispatch.DispatchedClassIterator, dispatch.PositionDispatcher(self)
-            )
+            consumer = ClassConsumer(engine, dispatch.LocalWorkers, engine.options.in_process)
+            make = functools.partial(DispatchedClassIterator, consumer)
         else:
-            make = functools.partial(rotation.RotationIterator, self)
-        workers = [_MergeInputIterDataset(make, w) for w in range(self.num_workers)]
+            make = functools.partial(rotation.RotationIterator, engine)
+        workers = [_MergeInputIterDataset(make, w) for w in range(engine.num_workers)]
         # Strict rotation that skips exhausted workers is an interleave with one slot per
         # worker; the worker processes are the read-ahead, so no input threads.
         it = iter(InterleaveIterDataset(workers, cycle_length=len(workers), iter_buffer_size=0))
-        it._stage_label = f"MultiprocessPrefetch(num_workers={self.num_workers})"  # type: ignore[attr-defined]
+        it._stage_label = f"MultiprocessPrefetch(num_workers={engine.num_workers})"  # type: ignore[attr-defined]
         # Options set upstream apply in the workers (they are part of the pickled pipeline)
         # and, collected here, to the parent's side of the pipeline too, as in Grain.
-        options = _upstream_options(self._parents[0])
+        options = _upstream_options(engine.pipeline)
         if options is not None:
             it._merge_dataset_options(options)
         return it
@@ -228,7 +209,7 @@ class MultiprocessPrefetchIterDataset(IterDataset[Any]):
         return (
             f"MultiprocessPrefetchIterDataset(num_workers={self.num_workers}, "
             f"per_worker_buffer_size={self.options.per_worker_buffer_size}, "
-            f"sequential_slice={self.sequential_slice})"
+            f"sequential_slice={self.engine.sequential_slice})"
         )
 
 

@@ -1,11 +1,13 @@
-"""Cheap pipelines stay in the parent: the dispatching engine (``dispatch``) can compute the
-first results of an iterator in the parent process and keep doing so for the whole iterator
-when worker processes would not deliver them faster.
+"""Computing in the parent, when asked (``MultiprocessingOptions.in_process``): the
+dispatching engine can compute the results of an iterator in the parent process instead of
+its workers, for the whole iterator (``"always"``) or while worker processes would not deliver
+them faster (``"auto"``). By default (``"never"``) the workers asked for compute every result.
 
 Every result of a dispatched pipeline is a function of its position (``positions``), so
-the parent can compute it as well as any worker: ``InProcessReader`` reads the positions the
+the parent can compute it as well as any worker: ``InProcessProducer`` reads the positions the
 consumer asks for, in its order, and the output and the checkpoints are those of the
-workers (the dispatcher keeps the same per-class frontiers either way).
+workers (``consumer.ClassConsumer`` keeps the same per-class frontiers either way).
+``ParentWatchdog`` warns about a result that takes long here, as the worker watchdog does.
 
 ``WorkerPayoff`` decides from what the results after the first (which pays for warming
 caches) cost here, each measured from the consumer's call to its result (``record``):
@@ -36,15 +38,19 @@ starting the workers would. Once they run, ``delivered`` watches the time the co
 getting each result from them: when it is longer than computing it here took, the workers
 stop and this process computes the rest.
 
-``config.py_mp_prefetch_in_process`` chooses: ``"auto"`` (the default) decides as above,
-``"never"`` always uses the workers, ``"always"`` computes every result here.
+``"auto"`` decides as above, ``"never"`` always uses the workers, ``"always"`` computes
+every result here.
 """
 
 from __future__ import annotations
 
+import logging
 import os
 import pickle
+import sys
+import threading
 import time
+import traceback
 from typing import Any
 
 import numpy as np
@@ -52,15 +58,16 @@ import numpy as np
 from grain_core import _tree
 from grain_core._ipc import shm
 from grain_core.dataset.base import DatasetIterator
-from grain_core.dataset.mp.positions import DispatchView, read_steps
-from grain_core.dataset.mp.protocol import overdraft_room
+from grain_core.dataset.mp.positions import read_steps
+from grain_core.dataset.mp.protocol import ELEMENT, ERROR, overdraft_room
 from grain_core.dataset.options import DatasetOptions
-from grain_core.dataset.prefetch import PrefetchIterDataset
+from grain_core.dataset.prefetch import READ_THREAD_PREFIX, PrefetchIterDataset
 
 __all__ = [
     "MARGIN",
     "START_S",
-    "InProcessReader",
+    "InProcessProducer",
+    "ParentWatchdog",
     "WorkerPayoff",
     "clock",
     "cpu_seconds",
@@ -69,6 +76,8 @@ __all__ = [
     "transport_seconds",
     "usable_cores",
 ]
+
+_LOG = logging.getLogger("grain_core")
 
 #: Seconds to start the workers and stop them again (measured on a 2-core machine: 24-26 ms
 #: to the first result of an MNIST-like pipeline with 2 workers that map a 47 MB source and
@@ -142,46 +151,169 @@ def others_running() -> float:
     return max(0, running - 1) * _cores_to_run_on() / (os.cpu_count() or 1)
 
 
-class InProcessReader:
-    """Computes positions of a dispatched pipeline in this process, as a worker would.
-
-    Reading the positions in increasing order reads ahead as ``to_iter_dataset`` does; any
-    other position is reached by restoring the reader's state.
+class InProcessProducer:
+    """Computes the positions a ``ClassConsumer`` asks for in this process, as a worker would
+    (``consumer.Producer``). Reading the positions in increasing order reads ahead as
+    ``to_iter_dataset`` does; any other position is reached by restoring the reader's state.
+    An error is filed at its position. The watchdog of worker processes covers each result
+    computed here (``ParentWatchdog``).
 
     Args:
-      view: The pipeline's ``dispatch_view``.
-      options: The ``DatasetOptions`` of the parent's iterator.
+      consumer: The ``ClassConsumer`` (its ``view``, ``count``, ``held`` and options).
     """
 
-    def __init__(self, view: DispatchView, options: DatasetOptions | None) -> None:
-        # Holes (None) are returned as a worker returns them: the dispatcher skips them.
+    def __init__(self, consumer: Any) -> None:
+        self._consumer = consumer
+        self._pipeline: DatasetIterator[Any] | None = None
+        self._reader: DatasetIterator[Any] | None = None
+        self._next = 0  # the position the reader reads next; -1: unknown
+        options = consumer.engine.options
+        self._watchdog = ParentWatchdog(options.stall_warning_s, options.stall_timeout_s)
+
+    def start(self, options: DatasetOptions) -> None:
+        view = self._consumer.view
+        # Holes (None) are returned as a worker returns them: the consumer skips them.
         reader = PrefetchIterDataset(
             view.reader.map_parent, read_options=view.reader.read_options, allow_nones=True
         )
         self._reader = iter(reader)
-        self._pipeline: DatasetIterator[Any] = read_steps(self._reader, view.steps)
-        if options is not None:
-            self._pipeline._merge_dataset_options(options)
+        self._pipeline = read_steps(self._reader, view.steps)
+        self._pipeline._merge_dataset_options(options)
         # In debug mode the consumer's mp_prefetch iterator reports this pipeline (its nodes
         # appear below it, as the workers' do): it is no output of its own.
         self._pipeline._ctx.output = None
-        self._next = 0  # the position the reader reads next; -1: unknown
 
-    def read(self, position: int) -> Any:
-        """The result at ``position``.
-
-        Raises:
-          Exception: What computing it raised (computed again when read again).
-        """
+    def fill(self, cls: int, j: int) -> None:
+        consumer = self._consumer
+        assert self._reader is not None and self._pipeline is not None
+        position = cls + j * consumer.count
         if position != self._next:
             self._reader.set_state({"next_index": position})
         self._next = -1
-        value = next(self._pipeline)
-        self._next = position + 1
+        kind = ELEMENT
+        self._watchdog.begin(f"position {position} of {consumer.reader.map_parent!r}")
+        try:
+            value = next(self._pipeline)
+        except Exception as e:  # noqa: BLE001 - raised to the consumer at its position
+            kind, value = ERROR, e
+        else:
+            self._next = position + 1
+        finally:
+            self._watchdog.end()
+        consumer.held[(cls, j)] = (kind, value, None)
+
+    def take(self, tag: Any, value: Any) -> Any:
+        del tag
         return value
 
+    def restart(self) -> None:
+        self._consumer.held.clear()
+
+    def stop(self) -> None:
+        self._watchdog.close()
+        if self._pipeline is not None:
+            self._pipeline.close()
+
+    def request_stats(self, worker: int) -> None:
+        """Nothing to ask: this process's statistics are the consumer's own."""
+        del worker
+
+    def receive_stats(self, worker: int) -> None:
+        """Nothing to wait for."""
+        del worker
+
+
+class ParentWatchdog:
+    """The watchdog of worker processes for results computed in this process: when one takes
+    ``warning_s`` (and each multiple), the ``grain_core`` logger warns with the computing
+    thread's stack; past ``timeout_s`` it logs an error (the computation cannot be
+    interrupted: the wait goes on). A daemon thread, started by the first result, checks
+    every eighth of the smaller threshold, so the report comes at most that late.
+
+    Args:
+      warning_s: ``MultiprocessingOptions.stall_warning_s`` (None: no warning).
+      timeout_s: ``MultiprocessingOptions.stall_timeout_s`` (None: no error).
+    """
+
+    def __init__(self, warning_s: float | None, timeout_s: float | None) -> None:
+        thresholds = [t for t in (warning_s, timeout_s) if t is not None]
+        self._warning_s = warning_s
+        self._timeout_s = timeout_s
+        self._check_s = min(thresholds) / 8 if thresholds else None
+        # (since, what, thread ident) of the result being computed; None between two.
+        self._busy: tuple[float, str, int] | None = None
+        self._closed = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def begin(self, what: str) -> None:
+        """The calling thread starts computing ``what``."""
+        if self._check_s is None:
+            return
+        self._busy = (time.monotonic(), what, threading.get_ident())
+        if self._thread is None:
+            self._thread = threading.Thread(
+                target=self._watch, name="grain_core-in-process-watchdog", daemon=True
+            )
+            self._thread.start()
+
+    def end(self) -> None:
+        self._busy = None
+
     def close(self) -> None:
-        self._pipeline.close()
+        self._closed.set()
+
+    def _watch(self) -> None:
+        assert self._check_s is not None
+        current: tuple[float, str, int] | None = None
+        warnings_given = 0
+        timed_out = False
+        while not self._closed.wait(self._check_s):
+            busy = self._busy
+            if busy is None:
+                continue
+            if busy is not current:
+                current, warnings_given, timed_out = busy, 0, False
+            since, what, ident = busy
+            waited = time.monotonic() - since
+            if not timed_out and self._timeout_s is not None and waited >= self._timeout_s:
+                timed_out = True
+                _LOG.error("%s", self._report(waited, what, ident, self._timeout_s))
+            elif self._warning_s is not None and waited >= self._warning_s * (warnings_given + 1):
+                warnings_given = int(waited // self._warning_s)
+                _LOG.warning("%s", self._report(waited, what, ident, None))
+
+    def _report(self, waited: float, what: str, ident: int, limit_s: float | None) -> str:
+        if limit_s is None:
+            verdict = (
+                "still computing (MultiprocessingOptions.stall_warning_s sets how often this "
+                "warning comes)."
+            )
+        else:
+            verdict = (
+                f"past MultiprocessingOptions.stall_timeout_s={limit_s:g}, but a result "
+                "computed in this process cannot be interrupted: the wait goes on "
+                '(in_process="never" computes it in a worker, where the wait raises '
+                "WorkerStalledError)."
+            )
+        return (
+            f"The main process has computed {what} for {waited:.1f} s itself "
+            f"(MultiprocessingOptions.in_process): {verdict} Stacks:\n{_stacks(ident)}"
+        )
+
+
+def _stacks(ident: int) -> str:
+    """The stack of thread ``ident`` (the consumer's), then those of grain_core's read
+    threads, which compute elements for it."""
+    frames = sys._current_frames()
+    names = {t.ident: t.name for t in threading.enumerate()}
+    shown = [ident] + [
+        i for i, name in names.items() if i != ident and name.startswith(READ_THREAD_PREFIX)
+    ]
+    return "".join(
+        f"Thread {names.get(i, i)}:\n" + "".join(traceback.format_stack(frames[i]))
+        for i in shown
+        if i in frames
+    )
 
 
 class WorkerPayoff:

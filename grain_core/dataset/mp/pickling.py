@@ -14,10 +14,12 @@ or id, as their type and Python value in workers.
 from __future__ import annotations
 
 import copyreg
+import dataclasses
 import io
 import marshal
 import pickle
 import types
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -26,9 +28,11 @@ import numpy as np
 
 from grain_core._ipc import shm
 from grain_core.dataset.base import IterDataset, MapDataset
+from grain_core.options import MultiprocessingOptions
 
 __all__ = [
     "FIXED_SIZE_TYPES",
+    "EngineInput",
     "dumps",
     "dumps_message",
     "pickle_init_fn",
@@ -41,6 +45,57 @@ FIXED_SIZE_TYPES = frozenset({int, float, bool, complex, type(None)})
 
 #: Arrays in a pipeline at least this large travel to the workers in shared memory, read-only.
 SHARED_ARRAY_MIN_BYTES = 1024 * 1024
+
+
+@dataclasses.dataclass(eq=False)
+class EngineInput:
+    """What an ``mp_prefetch`` engine runs, built once by ``mp_prefetch``'s dataset.
+
+    Attributes:
+      pipeline: The pipeline the workers run.
+      options: Worker count, buffer, backend and watchdog thresholds.
+      sequential_slice: Workers take contiguous blocks instead of strided shares.
+      worker_init_fn: Called in each worker before the pipeline is unpickled.
+      share_arrays: Large arrays of the pipeline go to the workers in shared memory (workers
+        on this host).
+      warm_workers: Where iterators leave their local workers for the next one
+        (``MultiprocessingOptions.persistent_workers``, a ``worker.WarmWorkers``); None: each
+        iterator stops its own.
+    """
+
+    pipeline: IterDataset[Any]
+    options: MultiprocessingOptions
+    sequential_slice: bool = False
+    worker_init_fn: Callable[[int, int], None] | None = None
+    share_arrays: bool = True
+    warm_workers: Any = dataclasses.field(default=None, repr=False)
+    _payload: tuple[bytes, bytes | None] | None = dataclasses.field(
+        default=None, init=False, repr=False
+    )
+
+    @property
+    def num_workers(self) -> int:
+        return self.options.num_workers
+
+    def payload(self) -> tuple[bytes, bytes | None]:
+        """The cloudpickled pipeline and ``worker_init_fn``, computed once.
+
+        Raises:
+          Exception: The pickling error, with a note naming the first node that cannot be
+            pickled.
+        """
+        if self._payload is None:
+            dataset, blocks = pickle_pipeline(self.pipeline, share_arrays=self.share_arrays)
+            if blocks:
+                # Workers started from this payload map these blocks; every engine holds this
+                # input, so the blocks outlive every worker that may start from them.
+                weakref.finalize(self, shm.unlink_shm, blocks)
+            init = None if self.worker_init_fn is None else pickle_init_fn(self.worker_init_fn)
+            self._payload = (dataset, init)
+        return self._payload
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {**self.__dict__, "_payload": None, "warm_workers": None}
 
 
 def dumps(message: tuple[Any, ...]) -> bytes:

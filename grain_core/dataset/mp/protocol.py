@@ -63,8 +63,10 @@ __all__ = [
     "STATS_REQUEST",
     "WANTS_CREDIT",
     "WARNING",
+    "assign_message",
     "credit_batch",
     "element_message",
+    "elements_message",
     "error_message",
     "overdraft_room",
     "receive_side_message",
@@ -122,6 +124,22 @@ def credit_batch(buffer_size: int, room: int = 0) -> int:
 def stats_request_message(number: int) -> tuple[Any, ...]:
     """Control: send the stage statistics now, answering request ``number``."""
     return (STATS_REQUEST, number)
+
+
+def assign_message(
+    generation: int, runs: list[tuple[int, int, int]], credits: int, names: list[str]
+) -> tuple[Any, ...]:
+    """Control: runs ``(class, first slice index, count)`` to compute after those assigned
+    before, ``credits`` more results to send, blocks ``names`` free again. A new
+    ``generation`` first drops the runs not yet computed and the credits left."""
+    return (ASSIGN, generation, runs, credits, names)
+
+
+def elements_message(
+    generation: int, values: list[Any], cpu_seconds: float, dropped: Sequence[str]
+) -> tuple[Any, ...]:
+    """Output: results of consecutive assigned positions, none in shared memory."""
+    return (generation, ELEMENTS, values, cpu_seconds, [], dropped)
 
 
 def element_message(

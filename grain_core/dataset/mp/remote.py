@@ -36,16 +36,17 @@ from grain_core import plugins
 from grain_core._ipc.errors import ErrorPayload, WorkerDiedError, error_payload, remote_error
 from grain_core._ipc.pool import worker_jax_platforms
 from grain_core.dataset.base import IterDataset
-from grain_core.dataset.mp.dispatch import ClassFrontiers
+from grain_core.dataset.mp.consumer import ClassConsumer
 from grain_core.dataset.mp.positions import PositionReader, dispatch_obstacle
+from grain_core.dataset.mp.protocol import ELEMENT, ERROR
 from grain_core.dataset.options import DatasetOptions
 from grain_core.dataset.prefetch import read_inline_while_cpu_bound
 from grain_core.options import MultiprocessingOptions
 from grain_core.plugins import WorkerBackend, WorkerGroup, WorkerJob, WorkerLostError
 
 __all__ = [
+    "BackendWorkers",
     "BlockComputer",
-    "BlockDispatcher",
     "BlockWorker",
     "check_remote_pipeline",
     "worker_backend",
@@ -61,7 +62,6 @@ _TASK_TARGET_S = 0.02
 _TASKS_PER_WORKER = 2
 #: Weight of the newest task's CPU time per position in the running average.
 _TIME_WEIGHT = 0.3
-_ELEMENT, _ERROR = 0, 1
 
 #: A task's result: the values in the task's order (None where an error is), the errors by
 #: their place in the task, and the CPU seconds the task cost its worker.
@@ -184,25 +184,22 @@ class BlockComputer:
 
 
 # ---------------------------------------------------------------------------- parent side
-class BlockDispatcher(ClassFrontiers):
-    """The parent's side: the backend's workers, the tasks each has, and the results waiting
-    for the consumer, by ``(class, slice index)``. Shared by the ``N`` class iterators of one
-    ``mp_prefetch`` iterator (``dispatch.DispatchedClassIterator``); holds none of them, so an
-    unclosed iterator is collected and the workers released.
+class BackendWorkers:
+    """The producer on a worker backend's workers (``consumer.Producer``): the tasks each
+    worker has, results filed in the consumer's ``held`` by ``(class, slice index)``. Holds no
+    iterator, so an unclosed one is collected and the workers released.
 
     Args:
-      mp_ds: The ``MultiprocessPrefetchIterDataset`` (its pipeline has a ``dispatch_view``).
+      consumer: The ``ClassConsumer`` (its pipeline, options, frontiers and held results).
       backend: Where the workers run.
     """
 
-    def __init__(self, mp_ds: Any, backend: WorkerBackend) -> None:
-        super().__init__(mp_ds)
+    def __init__(self, consumer: ClassConsumer, backend: WorkerBackend) -> None:
+        self._consumer = consumer
         self._backend = backend
-        n = self._count
-        ds = self._view
-        self._max_task = max(1, ds.read_options.prefetch_buffer_size)
+        self._count = n = consumer.count
+        self._max_task = max(1, consumer.reader.read_options.prefetch_buffer_size)
         self._assigned = [0] * n  # per class: next slice index not yet in a task
-        self._held: dict[tuple[int, int], tuple[int, Any]] = {}
         # ticket -> (worker, generation, runs); per worker, tasks queued on it.
         self._tasks: dict[int, tuple[int, int, list[tuple[int, int, int]]]] = {}
         self._queued: collections.Counter[int] = collections.Counter()
@@ -215,43 +212,16 @@ class BlockDispatcher(ClassFrontiers):
         self._restarted = False
         self._group: WorkerGroup | None = None
         self._finalizer: weakref.finalize | None = None
-        self.error: BaseException | None = None
-        self._open_iterators = 0
 
-    # ------------------------------------------------------------------- consumer side
-    def register(self, cls: int, iterator: Any) -> None:
-        """``iterator`` reads class ``cls``; the workers run while one registered is open."""
-        del cls, iterator  # remote workers send no stage statistics
-        self._open_iterators += 1
-
-    def unregister(self) -> None:
-        """A registered iterator was closed; the last one releases the workers."""
-        self._open_iterators -= 1
-        if self._open_iterators == 0 and self._finalizer is not None:
-            self._finalizer()
-            self._finalizer = self._group = None
-            self._held.clear()
-            self._tasks.clear()
-            self._queued.clear()
-
-    def request_stats(self, worker: int) -> None:
-        """Remote workers send no stage statistics: nothing to ask for."""
-        del worker
-
-    def receive_stats(self, worker: int) -> None:
-        """Remote workers send no stage statistics: nothing to wait for."""
-        del worker
-
+    # ------------------------------------------------------------------- the producer
     def start(self, options: DatasetOptions) -> None:
-        """Starts the workers, unless they are running, and gives them their first tasks.
+        """Starts the workers and gives them their first tasks.
 
         Raises:
           TypeError: The backend's ``start`` returned no ``WorkerGroup``.
           Exception: What the backend raised starting its workers.
         """
-        if self._group is not None:
-            return
-        dataset, _ = self._mp_ds.payload()
+        dataset, _ = self._consumer.engine.payload()
         job = WorkerJob(
             num_workers=self._count,
             make_worker=BlockWorker(dataset, self._count, options, plugins.loaded_plugin_names()),
@@ -266,63 +236,39 @@ class BlockDispatcher(ClassFrontiers):
         self._group = group
         self._finalizer = weakref.finalize(self, group.close)
         self._started = group.workers()
-        self._lost = []
-        self.error = None
         self._forget_work()
 
-    def next_of(self, cls: int, options: DatasetOptions) -> Any:
-        """The next element of class ``cls``.
+    def stop(self) -> None:
+        """Releases the workers."""
+        if self._finalizer is not None:
+            self._finalizer()
+            self._finalizer = self._group = None
+            self._tasks.clear()
+            self._queued.clear()
 
-        Raises:
-          StopIteration: The class is exhausted.
-          WorkerDiedError: Every worker of the backend was lost.
-          Exception: What computing the element raised in a worker (again on every call until
-            the class is restored to another position).
-        """
-        if self.error is not None:
-            raise self.error
-        if self._group is None:
-            self.start(options)
-        held = self._held
-        while True:
-            j = self.frontier[cls]
-            if j >= self.lengths[cls]:
-                self._ended[cls] = True
-                raise StopIteration
-            result = held.get((cls, j))
-            if result is None:
-                self._pump()
-                continue
-            kind, value = result
-            if kind == _ERROR:
-                raise value
-            del held[(cls, j)]
-            self.frontier[cls] = j + 1
-            if self.filtered_out(cls, value, options):
-                continue
-            return value
+    def take(self, tag: Any, value: Any) -> Any:
+        del tag
+        return value
 
-    def restore(self, cls: int, next_index: int) -> None:
-        """Class ``cls`` continues at ``next_index`` (as ``state_index`` reports it).
+    def restart(self) -> None:
+        self._restarted = True  # tasks are re-planned on the next fill, once for all classes
 
-        Raises:
-          IndexError: ``next_index`` is outside the class (or, for batches, not where one
-            starts).
-          WorkerDiedError: Every worker was lost before.
-        """
-        if isinstance(self.error, WorkerDiedError):
-            raise self.error
-        self.move_frontier(cls, next_index)
-        self._restarted = True  # tasks are re-planned on the next pump, once for all classes
+    def request_stats(self, worker: int) -> None:
+        """Remote workers send no stage statistics: nothing to ask for."""
+        del worker
 
-    # --------------------------------------------------------------------- scheduling
-    def _pump(self) -> None:
+    def receive_stats(self, worker: int) -> None:
+        """Remote workers send no stage statistics: nothing to wait for."""
+        del worker
+
+    def fill(self, cls: int, j: int) -> None:
         """Hands out tasks, waits for at least one to finish and files what finished."""
+        del cls, j  # tasks go in the consumer's order: what it waits for is in the first
         group = self._group
         assert group is not None
         if self._restarted:
             self._generation += 1
-            self._held.clear()
+            self._consumer.held.clear()
             self._forget_work()
         self._assign()
         if not self._tasks:
@@ -335,7 +281,7 @@ class BlockDispatcher(ClassFrontiers):
         """No position is in a task of this generation: they start from the consumer's."""
         self._restarted = False
         self._orphans.clear()
-        self._assigned = list(self.frontier)
+        self._assigned = list(self._consumer.frontier)
 
     def _assign(self) -> None:
         """Gives each worker with room a task, in turns, until none has room or nothing is
@@ -364,7 +310,10 @@ class BlockDispatcher(ClassFrontiers):
     def _next_task(self, window: int) -> list[tuple[int, int, int]]:
         """The next ``_task_size`` positions in the consumer's order (class by class within a
         row of slice indices), at most ``window`` ahead of the consumer in each class."""
-        limits = [min(self.lengths[c], self.frontier[c] + window) for c in range(self._count)]
+        consumer = self._consumer
+        limits = [
+            min(consumer.lengths[c], consumer.frontier[c] + window) for c in range(self._count)
+        ]
         assigned = self._assigned
         counts = [0] * self._count
         first = list(assigned)
@@ -406,19 +355,20 @@ class BlockDispatcher(ClassFrontiers):
             return
         where = self._group.describe(worker)
         positions = [(c, j) for c, first, count in runs for j in range(first, first + count)]
+        held = self._consumer.held
         if isinstance(result, BaseException):
             result.add_note(f"Raised by {where} computing positions {runs} (class, first, count).")
             for position in positions:
-                self._held[position] = (_ERROR, result)
+                held[position] = (ERROR, result, None)
             return
         values, errors, cpu_seconds = result
         for k, position in enumerate(positions):
             payload = errors.get(k)
             if payload is None:
-                self._held[position] = (_ELEMENT, values[k])
+                held[position] = (ELEMENT, values[k], None)
             else:
                 error = remote_error(payload, worker, self._count, where=where)
-                self._held[position] = (_ERROR, error)
+                held[position] = (ERROR, error, None)
         self._learn(cpu_seconds / max(1, len(positions)))
 
     def _learn(self, cpu_seconds: float) -> None:
@@ -435,9 +385,8 @@ class BlockDispatcher(ClassFrontiers):
         assert self._group is not None
         described = [self._group.describe(w) for w in self._started]
         lost = "; ".join(self._lost + [d for d in described if not any(d in x for x in self._lost)])
-        self.error = WorkerDiedError(
+        raise WorkerDiedError(
             f"Every worker of backend {self._backend.name!r} is gone ({lost}). Nothing was "
             "lost or repeated before this: restore the last checkpoint in a new iterator (it "
             "starts new workers) to go on."
         )
-        raise self.error

@@ -41,7 +41,7 @@ from grain_core._ipc.errors import (
 )
 from grain_core._ipc.pool import STOP_TIMEOUT_S, WorkerPool
 from grain_core.dataset.base import DatasetIterator, IterDataset, MultiprocessingContext
-from grain_core.dataset.mp.pickling import dumps, dumps_message
+from grain_core.dataset.mp.pickling import EngineInput, dumps, dumps_message
 from grain_core.dataset.mp.protocol import (
     CREDIT,
     ELEMENT,
@@ -265,21 +265,21 @@ class RotationIterator(DatasetIterator[Any]):
     element handed out. The process starts on the first ``next``/``start_prefetch``.
 
     Args:
-      mp_ds: The ``MultiprocessPrefetchIterDataset`` (its pipeline, options and payload).
+      engine: The pipeline, its options and payload.
       index: The worker.
     """
 
-    def __init__(self, mp_ds: Any, index: int) -> None:
+    def __init__(self, engine: EngineInput, index: int) -> None:
         super().__init__()
         self._stage_label = "ProcessPrefetch"  # the execution summary's name for this stage
-        self._mp_ds = mp_ds
+        self._engine = engine
         self._index = index
-        self._count = mp_ds.num_workers
+        self._count = engine.num_workers
         # Credits: the buffer, returned as elements are handed out (a buffer of 0 asks for no
         # read-ahead at all: one credit per request). Small elements also go beyond them, on
         # the worker's overdraft (``protocol``), and while they do, credits go back in
         # batches (``credit_batch``).
-        self._buffer = mp_ds.options.per_worker_buffer_size
+        self._buffer = engine.options.per_worker_buffer_size
         self._grant_batch = credit_batch(self._buffer)
         self._pool: WorkerPool | None = None
         self._finalizer: weakref.finalize | None = None
@@ -305,18 +305,18 @@ class RotationIterator(DatasetIterator[Any]):
     def _start(self) -> None:
         """Starts the worker (or takes the one the last iterator left running for this
         index, and restores it to this iterator's state)."""
-        mp_ds = self._mp_ds
+        engine = self._engine
         plugins = loaded_plugin_names()
         options = self._ctx.dataset_options
 
         def make_specs() -> list[WorkerSpec]:
-            dataset, init_fn = mp_ds.payload()
+            dataset, init_fn = engine.payload()
             spec = WorkerSpec(
                 index=self._index,
                 count=self._count,
                 init_fn=init_fn,
                 dataset=dataset,
-                sequential_slice=mp_ds.sequential_slice,
+                sequential_slice=engine.sequential_slice,
                 state=self._state,
                 plugins=plugins,
                 options=options,
@@ -326,9 +326,9 @@ class RotationIterator(DatasetIterator[Any]):
             )
             return [spec]
 
-        warm = mp_ds.warm_workers
+        warm = engine.warm_workers
         key = (worker_main, self._index, options, plugins)
-        lease = lease_workers(warm, key, make_specs, worker_main, mp_ds.options)
+        lease = lease_workers(warm, key, make_specs, worker_main, engine.options)
         self._pool = lease.pool
         self._recycled = lease.recycled[0]
         self._finalizer = weakref.finalize(self, release_workers, warm, lease)
@@ -337,8 +337,7 @@ class RotationIterator(DatasetIterator[Any]):
             credits = 0 if self._exhausted else self._buffer
             state = self.get_state()
             released = self._recycled.take_released()
-            message = set_state_message(self._generation, state, credits, released)
-            self._pool.send(0, message)
+            self._pool.send(0, set_state_message(self._generation, state, credits, released))
             self._outstanding = credits
         elif not self._exhausted:
             self._grant(self._buffer)
@@ -480,9 +479,9 @@ class RotationIterator(DatasetIterator[Any]):
         if self._state is None:
             # Before the first element: build this worker's pipeline here only to read its
             # initial state; no process starts.
-            mp_ds = self._mp_ds
+            engine = self._engine
             worker_ds = slice_for_worker(
-                mp_ds._parents[0], self._index, self._count, mp_ds.sequential_slice
+                engine.pipeline, self._index, self._count, engine.sequential_slice
             )
             it = iter(worker_ds)
             self._state = it.get_state()

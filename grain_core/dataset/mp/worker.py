@@ -2,7 +2,7 @@
 process is set up, and the loop that sends elements against credits.
 
 An engine starts its workers with ``start_workers``, naming its entry point
-(``rotation.worker_main`` or ``dispatch.worker_main``), which runs ``run_worker`` with its
+(``rotation.worker_main`` or ``dispatch_worker.worker_main``), which runs ``run_worker`` with its
 subclass of ``WorkerLoop``. The loop owns what both engines do alike: credits and the
 overdraft (``protocol``), sending elements (in shared memory or pickled), errors, warnings and
 stage statistics (before an error or the end, and whenever the parent asks: ``STATS_REQUEST``

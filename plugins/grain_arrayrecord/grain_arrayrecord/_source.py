@@ -33,10 +33,11 @@ from a local copy in a ``grain_core.shard_cache.ShardCache`` (the default one un
 user's cache directory unless one is passed); opening a shard there starts downloading the
 next ``read_ahead`` shards of the source in the background, so a pass over the shards in order
 overlaps the downloads with reading. The source pins the copies it has open, so the cache
-never evicts them; when the cache has no room for the next shard, the source closes its
-least recently used idle copies (waiting for reads in progress on them) and asks again, so a
-cache smaller than the data set serves every shard, and its full-cache error comes only when
-the pins of this source and others alone fill it.
+never evicts them. It keeps open copies within half the cache (closing its least recently
+used idle ones first), and when the cache has no room for the next shard it closes more
+(waiting for reads in progress on them) and asks again: so a cache smaller than the data set
+serves every shard, two processes (DataLoader workers) sharing it each find room, and the
+full-cache error comes only when the pins of this source and others alone fill it.
 """
 
 from __future__ import annotations
@@ -103,8 +104,8 @@ class ArrayRecordDataSource:
         downloaded to and read from; default ``ShardCache()`` (``$GRAIN_CORE_CACHE_DIR``
         or the user's cache directory, bounded by ``$GRAIN_CORE_CACHE_MAX_BYTES`` or 32 GiB;
         see ``grain_core.shard_cache``). Plain paths and globs are downloaded when the
-        source is created (to count their records), one after another, and kept while they
-        fit; ranges and FileInstructions when first read.
+        source is created (to count their records), one after another, and opened again
+        when read; ranges and FileInstructions when first read.
       storage_options: For URLs, passed to their fsspec file system (globs, downloads).
 
     Raises:
@@ -149,6 +150,10 @@ class ArrayRecordDataSource:
         for path in (p for p in self._cached_paths if p in plain):
             with self._cached_reader(path) as reader:
                 counts[path] = reader.num_records()
+        # Read lazily: the copies stay cached but unpinned, so that worker processes (or a
+        # second source) sharing the cache have the room this one does not use.
+        while self._close_idle_copy():
+            pass
         counts_per_instruction = [
             (i.end if i.end is not None else counts[i.path]) - i.start for i in self._instructions
         ]
@@ -311,6 +316,7 @@ class ArrayRecordDataSource:
         if reader is None:
             # Downloads happen outside the lock, so that shards arrive in parallel; the cache
             # lets one thread (or process) download a shard and the others wait for it.
+            self._keep_within_own_share()
             pinned = self._pin(path)
             self._prefetch_after(path)
             with self._lock:
@@ -348,6 +354,20 @@ class ArrayRecordDataSource:
             except ShardCacheFullError:
                 if not self._close_idle_copy():
                     raise
+
+    def _keep_within_own_share(self) -> None:
+        """Closes idle copies until this source's open copies and one more (sized as the
+        last) take at most half the cache, so that other processes reading the same cache
+        (DataLoader workers) always find room for theirs."""
+        assert self._shard_cache is not None
+        share = self._shard_cache.max_bytes // 2
+        while True:
+            with self._lock:
+                pins = list(self._pins.values())
+            if not pins or sum(p.size for p in pins) + pins[-1].size <= share:
+                return
+            if not self._close_idle_copy():
+                return
 
     def _close_idle_copy(self) -> bool:
         """Closes the least recently used open copy no read uses (waiting for one if all

@@ -2,6 +2,8 @@
 
 * :class:`TFRecordIterDataset` streams records, verifying both CRCs of every frame.
 * :class:`TFRecordDataSource` reads any record by index through a cached offset index.
+* :class:`TFRecordReader` / :class:`TFRecordReaderIterator` read one record at a time from
+  an open file (what code subclassing Grain's private TFRecord reader needs).
 * :class:`TFRecordWriter` writes files TensorFlow reads (optionally GZIP/ZLIB).
 * :func:`decode_example` / :func:`encode_example` (and the SequenceExample pair) convert
   ``tf.train.Example`` records to and from dicts of NumPy arrays.
@@ -50,6 +52,7 @@ from grain_tfrecord._example_batch import (
 from grain_tfrecord._framing import CorruptRecordError
 from grain_tfrecord._inspect import inspect_tfrecord
 from grain_tfrecord._proto import example_message_classes
+from grain_tfrecord._record_reader import TFRecordReader, TFRecordReaderIterator
 from grain_tfrecord._source import TFRecordDataSource
 from grain_tfrecord._writer import TFRecordWriter
 
@@ -63,6 +66,8 @@ __all__ = [
     "RaggedValues",
     "TFRecordDataSource",
     "TFRecordIterDataset",
+    "TFRecordReader",
+    "TFRecordReaderIterator",
     "TFRecordWriter",
     "VarLenFeature",
     "decode_example",

@@ -70,6 +70,8 @@ class TFRecordIterDataset(IterDataset[bytes]):
         self._compression = compression
         self._cycle_length = cycle_length
         if not per_file:
+            # Grain's name for the file, which subclasses written for Grain's dataset read.
+            self._path = files[0]
             self._file_compression = compression_for(files[0], compression)
             super().__init__()
             return

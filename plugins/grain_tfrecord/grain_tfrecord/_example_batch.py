@@ -381,6 +381,9 @@ class _WireBatch:
             self.data = np.ascontiguousarray(serialized).tobytes() + bytes(_PAD)
             self.starts = np.arange(self.size, dtype=np.int64) * width
             self.ends = self.starts + width
+            # Where each record's bytes end before its NUL padding (NumPy's length of an S
+            # item leaves trailing NULs out; the message itself may end in NULs).
+            self.content_ends = self.starts + np.char.str_len(serialized).ravel()
         else:
             records = (
                 serialized.ravel().tolist()
@@ -393,7 +396,8 @@ class _WireBatch:
             sizes = np.fromiter(map(len, records), np.int64, self.size)
             self.ends = np.cumsum(sizes)
             self.starts = self.ends - sizes
-            self.data = b"".join(records) + bytes(_PAD)
+            self.data = b"".join([*records, bytes(_PAD)])
+            self.content_ends = self.ends
         self.raw = np.frombuffer(self.data, np.uint8)
         self.view = memoryview(self.data)
         self.fallback = np.zeros(self.size, dtype=bool)
@@ -696,11 +700,8 @@ class _Walk:
         start, stop, ok = _delimited(raw, batch.starts, 0x0A, batch.ends)  # Example.features
         valid &= ok
         # Nothing may follow that field but the NUL padding of a fixed-width array.
-        if batch.padded and batch.size:
-            width = int(batch.ends[0] - batch.starts[0])
-            grid = raw[: batch.size * width].reshape(batch.size, width)
-            content = width - np.argmax(grid[:, ::-1] != 0, axis=1)
-            valid &= stop >= batch.starts + content
+        if batch.padded:
+            valid &= stop >= batch.content_ends
         else:
             valid &= stop == batch.ends
         self.leave(rows, valid)
