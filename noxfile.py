@@ -242,6 +242,20 @@ def typecheck(session: nox.Session) -> None:
     session.run("basedpyright", "--pythonpath", str(Path(session.bin) / "python"))
 
 
+@nox.session(name="tests-grain", default=False)
+def tests_grain(session: nox.Session) -> None:
+    """Google Grain's own unit tests (from its wheel) run on grain_core through
+    ``install_as_grain()`` and a test-only map of Grain's private paths
+    (``compat/grain_tests/``); the expected failures are listed there with their reasons.
+    ``nox -s tests-grain -- --reference`` runs the same modules on Grain itself (installed in
+    this session's virtualenv only). Slow (real worker processes), so not in the default run."""
+    plugins = [str(d) for name, d in PLUGINS.items() if name not in WORKER_BACKENDS]
+    session.install(".[test,jax]", *plugins, "pip", "absl-py", "parameterized", "portpicker")
+    if "--reference" in session.posargs:
+        session.install("grain==0.2.18")
+    session.run("python", "compat/grain_tests/run.py", *session.posargs)
+
+
 @nox.session(default=False)
 def bench(session: nox.Session) -> None:
     """Benchmarks with every package and Google's grain installed side by side."""

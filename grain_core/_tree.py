@@ -180,4 +180,4 @@ def spec_str(tree: Any) -> str:
 
 def _mismatch(trees: Sequence[Any]) -> ValueError:
     shown = "\n".join(f"  element {i}: {spec_str(t)}" for i, t in enumerate(trees[:4]))
-    return ValueError(f"Expected all input elements to have the same structure, got:\n{shown}")
+    return ValueError(f"Expected all input elements to have the same structure but got:\n{shown}")

@@ -117,7 +117,7 @@ def test_batches_stacked_into_shared_memory_equal_make_batch(
             make_batch(mixed),
         )
         # Rows that add up to the same length but differ in shape are an error, as in make_batch.
-        with pytest.raises(ValueError, match="same structure and leaf shapes"):
+        with pytest.raises(ValueError, match="same structure but got: .*leaf shapes must match"):
             shm_batch.make_batch_in_shared_memory([np.ones((1, 8192)), np.ones((3, 8192))])
         # Arrays gathered a batch at a time are the batch already: no element is taken apart
         # and stacked again (the transport moves the large leaves).

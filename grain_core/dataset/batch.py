@@ -115,10 +115,12 @@ def _describe_batch_error(values: Sequence[Any], error: ValueError) -> str:
     for i, v in enumerate(values[1:], start=1):
         spec = _tree.spec_str(v)
         if spec != first_spec:
+            # The text starts as Grain's, which users match on.
             return (
-                "Expected all input elements to have the same structure and leaf shapes to "
-                f"batch them, but element 0 is {first_spec} and element {i} is {spec}. Pad or "
-                "resize elements first, or pass a custom `batch_fn`."
+                "Expected all input elements to have the same structure but got: element 0 is "
+                f"{first_spec} and element {i} is {spec} (structures and leaf shapes must "
+                "match to batch them). Pad or resize elements first, or pass a custom "
+                "`batch_fn`."
             )
     return f"Could not batch elements of structure {first_spec}: {error}"
 
