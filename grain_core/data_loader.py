@@ -50,6 +50,7 @@ from grain_core.dataset.interleave import (
     interleave_next_input,
     interleave_state,
 )
+from grain_core.dataset.mp import MultiprocessPrefetchIterDataset
 from grain_core.dataset.source import BatchedReader
 from grain_core.options import MultiprocessingOptions, ReadOptions
 from grain_core.record import Record, RecordMetadata
@@ -404,6 +405,9 @@ class DataLoader:
         ``MultiprocessingOptions.stall_warning_s``.
       worker_stall_timeout_s: Seconds after which the wait raises ``WorkerStalledError``
         (None: wait forever); as ``MultiprocessingOptions.stall_timeout_s``.
+      persistent_workers: Keep the worker processes running between iterators (epochs) of
+        this loader, until ``close()`` or the loader is collected; as
+        ``MultiprocessingOptions.persistent_workers``.
 
     Raises:
       ValueError: For negative counts, missing shard options, a stall threshold that is not a
@@ -425,6 +429,7 @@ class DataLoader:
         worker_backend: str | Any = "local",
         worker_stall_warning_s: float | None = 30.0,
         worker_stall_timeout_s: float | None = None,
+        persistent_workers: bool = False,
     ) -> None:
         if worker_count is None:
             worker_count = os.cpu_count()
@@ -456,6 +461,7 @@ class DataLoader:
             backend=worker_backend,
             stall_warning_s=worker_stall_warning_s,
             stall_timeout_s=worker_stall_timeout_s,
+            persistent_workers=persistent_workers,
         )
         self._index_layout = all(
             isinstance(op, (*_ONE_TO_ONE, transforms.Batch)) for op in operations
@@ -568,6 +574,13 @@ class DataLoader:
 
     def __iter__(self) -> DataLoaderIterator:
         return DataLoaderIterator(self)
+
+    def close(self) -> None:
+        """Stops the worker processes kept between iterators (``persistent_workers``); an
+        open iterator's stop when it is closed. Idempotent."""
+        for ds in (self._dataset, self._stream_dataset):
+            if isinstance(ds, MultiprocessPrefetchIterDataset):
+                ds.close()
 
     def __repr__(self) -> str:
         return (

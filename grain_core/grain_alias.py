@@ -36,7 +36,8 @@ def _tfrecord_dataset_module(name: str) -> types.ModuleType:
     """Grain's private TFRecord module, from the TFRecord plugin: MaxText subclasses its reader
     and iterator (to read ``gs://`` blobs with its own client)."""
     try:
-        import grain_tfrecord  # optional dependency
+        # An optional dependency (a plugin distribution), imported only when this path is.
+        grain_tfrecord = importlib.import_module("grain_tfrecord")
     except ModuleNotFoundError as err:
         if err.name != "grain_tfrecord":
             raise

@@ -78,6 +78,13 @@ class MultiprocessingOptions:
         ``grain_core.config.py_mp_prefetch_in_process`` (``"never"`` unless set).
         ``grain.experimental.pick_performance_config`` chooses ``"auto"``. What computing
         here gives up: docs/workers.md.
+      persistent_workers: keep the worker processes (local workers) running when an
+        iterator is closed or collected (a ``for`` loop's, when the loop ends), for the next
+        iterator over the same dataset (the next epoch): it starts without starting
+        processes, and gives the same output as new workers. They stop when the dataset
+        (or ``DataLoader``) is closed or collected. As PyTorch's
+        ``DataLoader(persistent_workers=True)``; False (the default): each iterator starts
+        and stops its own.
 
     Raises:
       ValueError: if a count is negative, ``backend`` is an empty name, a stall threshold
@@ -91,6 +98,7 @@ class MultiprocessingOptions:
     stall_warning_s: float | None = 30.0
     stall_timeout_s: float | None = None
     in_process: str | None = None
+    persistent_workers: bool = False
 
     def __post_init__(self) -> None:
         non_negative_int("MultiprocessingOptions.num_workers", self.num_workers)

@@ -67,10 +67,12 @@ class LogProduced:
 
 @contextlib.contextmanager
 def fails_after(seconds: int) -> Iterator[None]:
-    """Turns a hang (a worker and the parent each waiting for the other) into a failure."""
+    """Turns a hang (a worker and the parent each waiting for the other) into a failure (an
+    ``AssertionError``: a ``TimeoutError`` is an ``OSError``, which code around a pipe may
+    take for a closed one)."""
 
     def fail(*_: object) -> None:
-        raise TimeoutError(
+        raise AssertionError(
             f"no progress in {seconds} s: the worker and the parent wait on each other"
         )
 

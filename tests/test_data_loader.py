@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -95,7 +96,7 @@ def test_worker_stall_thresholds_reach_the_workers_options() -> None:
         None,
         7.5,
     )
-    assert _loader(2, []).multiprocessing_options.stall_warning_s == 60.0
+    assert _loader(2, []).multiprocessing_options.stall_warning_s == 30.0
     with pytest.raises(ValueError, match="stall_timeout_s"):
         _loader(2, [], worker_stall_timeout_s=0)
 
@@ -621,3 +622,25 @@ def test_state_positions_that_are_not_integers_are_refused(
     state[key] = value
     with pytest.raises(ValueError, match=f"DataLoader state is malformed.*{message}"):
         iter(loader).set_state(json.dumps(state).encode())
+
+
+class WithPid(transforms.Map):
+    def map(self, element: int) -> tuple[int, int]:
+        return element, os.getpid()
+
+
+def test_persistent_workers_serve_every_epoch_until_close() -> None:
+    loader = grain.DataLoader(
+        data_source=RangeDataSource(0, 24, 1),
+        sampler=IndexSampler(24, NoSharding(), num_epochs=1, seed=1),
+        operations=[WithPid()],
+        worker_count=2,
+        persistent_workers=True,
+    )
+    first, second = list(loader), list(loader)
+    workers = {pid for _, pid in first}
+    assert len(workers) == 2 and os.getpid() not in workers
+    assert {pid for _, pid in second} == workers
+    assert [x for x, _ in first] == [x for x, _ in second]
+    loader.close()
+    assert not any(os.path.exists(f"/proc/{pid}") for pid in workers)  # stopped and reaped

@@ -13,9 +13,11 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from conftest import fails_after
 
 import grain_core
 import grain_core as grain
+from grain_core._ipc import pool as ipc_pool
 from grain_core.multiprocessing import WorkerStalledError
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="forkserver")
@@ -258,6 +260,40 @@ def test_past_the_deadline_a_stuck_worker_is_an_error(tmp_path: Path, engine: st
         except WorkerStalledError:
             continue
     assert rest == list(range(len(seen), 8))
+
+
+def _holds_the_gil_at_two(x: int) -> int:
+    """Element 2 never ends, in native code that holds the GIL (the regular expression engine
+    backtracking exponentially): the worker's stack thread cannot answer."""
+    if x == 2:
+        re.fullmatch(r"(a|aa)+b", "a" * 200)
+    return x
+
+
+@pytest.mark.parametrize("engine", ["dispatch", "rotation"])
+def test_the_stack_request_does_not_delay_the_watchdog(
+    monkeypatch: pytest.MonkeyPatch, engine: str
+) -> None:
+    # A stack thread that would get an hour to answer: the warning and the error still come
+    # at their deadlines (with the stacks asked for ahead of them, faulthandler writing them
+    # to stderr when the worker cannot answer). Before, each report waited for the answer.
+    monkeypatch.setattr(ipc_pool, "_STACK_ANSWER_S", 3600.0)
+    monkeypatch.setattr(ipc_pool, "STOP_TIMEOUT_S", 1.0)  # the stuck worker is killed sooner
+    grain.config.update("py_mp_prefetch_dispatch", engine == "dispatch")
+    options = grain.MultiprocessingOptions(num_workers=1, stall_warning_s=0.2, stall_timeout_s=0.6)
+    ds = grain.MapDataset.range(4).map(_holds_the_gil_at_two).to_iter_dataset()
+    try:
+        with iter(ds.mp_prefetch(options)) as it, fails_after(120):
+            while True:
+                try:
+                    next(it)  # elements 0 and 1 may come, or wait with element 2
+                except WorkerStalledError as e:
+                    if "native code may hold the worker's GIL" in str(e):
+                        error = e
+                        break  # else about the worker still starting
+    finally:
+        grain.config.update("py_mp_prefetch_dispatch", True)
+    assert "stall_timeout_s=0.6" in str(error)
 
 
 class _Blocked(logging.Handler):

@@ -599,6 +599,18 @@ def test_a_waiting_consumer_always_gets_its_position_sent() -> None:
     assert d._assigned[1] == 13 and d._outstanding[1] == 4
 
 
+def test_the_stall_report_names_the_position_the_worker_is_stuck_on() -> None:
+    # Worker 1 computes its runs in order: position 6 (class 0), then 5 (class 1), which the
+    # consumer waits for. It is stuck on 6, and the watchdog's report says so.
+    d = _dispatcher()
+    d._runs[1].extend([[0, 3, 1], [1, 2, 1]])
+    worker, what = d._waiting_for(1, 2)
+    assert worker == 1
+    assert what.startswith("position 6 of ")
+    assert what.endswith("(the consumer waits for position 5, which this worker computes after it)")
+    assert d._waiting_for(0, 3) == (1, what.split(" (")[0])  # the one it is stuck on
+
+
 def _in_shared_memory(nbytes: int) -> Any:
     return {"image": _shm._ShmRef("block", (nbytes // 4,), np.dtype(np.float32)), "label": 1}
 

@@ -404,10 +404,11 @@ class StallWatch:
 
 _LOG = logging.getLogger("grain_core")
 
-#: Seconds the parent waits for a stuck worker's stacks before asking faulthandler to write
-#: them to stderr instead (the worker's stack thread cannot run while native code holds the
-#: GIL). Bounds a log message only, never the data.
-_STACK_ANSWER_S = 10.0
+#: Seconds before a watchdog report that the parent asks the stuck worker for its stacks (at
+#: most half the time since the last report); a report without an answer by then has
+#: faulthandler write them to stderr instead (the worker's stack thread cannot run while
+#: native code holds the GIL). Reports come at their deadlines whatever the answer.
+_STACK_ANSWER_S = 1.0
 
 #: Seconds that stopping a pool gives its workers to exit before they are killed.
 STOP_TIMEOUT_S = 5.0
@@ -448,6 +449,7 @@ class WorkerPool:
         self._watched = stall_warning_s is not None or stall_timeout_s is not None
         self._stack_requests: list[Any] = []
         self._stack_answers: list[Any] = []
+        self._stacks_asked: list[bool] = []  # per worker: a request is unanswered
         # Held while a thread reads the workers' pipes: a second thread fails at once with a
         # clear error (its poll() of the same pipes would fail with "concurrent poll()
         # invocation", or its reads take the other's messages).
@@ -493,6 +495,7 @@ class WorkerPool:
                     conn.close()
                 self._stack_requests.append(requests_w)
                 self._stack_answers.append(answers_r)
+                self._stacks_asked.append(False)
                 self._procs.append(proc)
                 self._controls.append(control_w)
                 self._outputs.append(output_r)
@@ -624,6 +627,15 @@ class WorkerPool:
         except Exception as e:
             raise unreadable_element_error(self._labels[index], e) from e
 
+    def running(self) -> bool:
+        """Whether every worker runs and this process may use them (it started them, and the
+        pool is not shut down): a pool kept between iterators is reused only then."""
+        return (
+            not self._closed
+            and self._owner_pid == os.getpid()
+            and all(proc.exitcode is None for proc in self._procs)
+        )
+
     def check_owner(self) -> None:
         """Checks that this process started the workers.
 
@@ -635,22 +647,47 @@ class WorkerPool:
 
     def _watched_wait(self, wait: Callable[[float | None], bool], watch: StallWatch) -> None:
         """Calls ``wait(seconds)`` until it returns True, warning at each multiple of the
-        warning threshold and raising past the deadline."""
+        warning threshold and raising past the deadline, both measured from ``watch.since``.
+
+        The worker's stacks are asked for ahead of each report (``_STACK_ANSWER_S`` before it,
+        at most half the time since the last one), so that no report waits for them."""
         warn_s, limit_s = self._stall_warning_s, self._stall_timeout_s
         warnings_given = 0
+        last_report = 0.0
+        asked = False  # for the next report
         while True:
-            waited = time.monotonic() - watch.since
             due = [limit_s] if limit_s is not None else []
             if warn_s is not None:
                 due.append(warn_s * (warnings_given + 1))
-            if wait(max(0.0, min(due) - waited)):
+            report_at = min(due)
+            ask_at = report_at - min(_STACK_ANSWER_S, (report_at - last_report) / 2)
+            waited = time.monotonic() - watch.since
+            if not asked and waited >= ask_at:
+                self._ask_for_stacks(watch)
+                asked = True
+            if wait(max(0.0, (report_at if asked else ask_at) - waited)):
                 return
             waited = time.monotonic() - watch.since
+            if waited < report_at:
+                continue
             if limit_s is not None and waited >= limit_s:
                 raise WorkerStalledError(self._stall_report(watch, waited, limit_s))
-            if warn_s is not None and waited >= warn_s * (warnings_given + 1):
-                warnings_given = int(waited // warn_s)
-                _LOG.warning("%s", self._stall_report(watch, waited, None))
+            assert warn_s is not None
+            warnings_given = int(waited // warn_s)
+            last_report, asked = waited, False
+            _LOG.warning("%s", self._stall_report(watch, waited, None))
+
+    def _ask_for_stacks(self, watch: StallWatch) -> None:
+        """Asks the worker computing what ``watch`` waits for for its Python stacks (unless
+        an earlier request is still unanswered)."""
+        worker, _ = watch.waiting_for()
+        if worker is None or self._stacks_asked[worker]:
+            return
+        try:
+            self._stack_requests[worker].send_bytes(b"")
+        except OSError:  # the worker is ending: the report says so
+            return
+        self._stacks_asked[worker] = True
 
     def _stall_report(self, watch: StallWatch, waited: float, limit_s: float | None) -> str:
         worker, what = watch.waiting_for()
@@ -674,23 +711,25 @@ class WorkerPool:
         return f"The main process waited {waited:.1f} s for {what} from {who}: {verdict}{stacks}"
 
     def _worker_stacks(self, index: int) -> str:
-        """Worker ``index``'s Python stacks, from its stack thread; if that does not answer
-        (native code holding the GIL), faulthandler writes them to stderr."""
+        """Worker ``index``'s Python stacks, its stack thread's latest answer (asked for ahead
+        of the report); without one (native code holding the GIL, or no request in time),
+        faulthandler writes them to stderr. Never waits."""
         answers = self._stack_answers[index]
+        answer = None
         try:
-            while answers.poll(0):  # a late answer to an earlier request
-                answers.recv_bytes()
-            self._stack_requests[index].send_bytes(b"")
-            if answers.poll(_STACK_ANSWER_S):
-                return str(answers.recv_bytes().decode(errors="replace"))
+            while answers.poll(0):
+                answer = answers.recv_bytes()
+                self._stacks_asked[index] = False
+            if answer is not None:
+                return str(answer.decode(errors="replace"))
             if _STACK_SIGNAL is None:
-                return f"(no answer within {_STACK_ANSWER_S:g} s)"
+                return "(no answer yet)"
             os.kill(self._procs[index].pid, _STACK_SIGNAL)
         except (EOFError, OSError):
             return "(unavailable: the worker process is ending)"
         return (
-            f"(no answer within {_STACK_ANSWER_S:g} s: native code may hold the worker's GIL; "
-            "faulthandler writes its stacks to stderr)"
+            "(no answer yet: native code may hold the worker's GIL; faulthandler writes its "
+            "stacks to stderr)"
         )
 
     def _died(self, index: int) -> WorkerDiedError:

@@ -25,6 +25,7 @@ from __future__ import annotations
 import functools
 import sys
 import warnings
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -40,7 +41,7 @@ from grain_core.dataset.mp.in_process import (
 )
 from grain_core.dataset.mp.pickling import EngineInput
 from grain_core.dataset.mp.shm_batch import shared_memory_batch_fn
-from grain_core.dataset.mp.worker import start_worker_server
+from grain_core.dataset.mp.worker import WarmWorkers, start_worker_server
 from grain_core.dataset.multithread import multithread_prefetch
 from grain_core.dataset.options import DatasetOptions
 from grain_core.dataset.with_options import WithOptionsIterDataset
@@ -154,6 +155,9 @@ class MultiprocessPrefetchIterDataset(IterDataset[Any]):
             worker_init_fn=worker_init_fn,
             share_arrays=self.backend is None,
         )
+        if self.backend is None and options.persistent_workers and options.num_workers > 0:
+            warm = self.engine.warm_workers = WarmWorkers()
+            weakref.finalize(self, warm.close)
 
     @property
     def options(self) -> MultiprocessingOptions:
@@ -162,6 +166,13 @@ class MultiprocessPrefetchIterDataset(IterDataset[Any]):
     @property
     def num_workers(self) -> int:
         return self.engine.num_workers
+
+    def close(self) -> None:
+        """Stops the worker processes kept for the next iterator
+        (``MultiprocessingOptions.persistent_workers``); those of an open iterator stop when
+        it is closed, and iterators made later stop their own. Idempotent."""
+        if self.engine.warm_workers is not None:
+            self.engine.warm_workers.close()
 
     def __iter__(self) -> DatasetIterator[Any]:
         engine = self.engine

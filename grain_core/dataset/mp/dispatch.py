@@ -69,7 +69,7 @@ from grain_core.dataset.mp.protocol import (
     shared_ahead_room,
     stats_request_message,
 )
-from grain_core.dataset.mp.worker import WorkerSpec, start_workers
+from grain_core.dataset.mp.worker import WorkerSpec, lease_workers, release_workers
 from grain_core.dataset.options import DatasetOptions
 from grain_core.plugins import loaded_plugin_names
 
@@ -99,6 +99,12 @@ def dispatchable(ds: IterDataset[Any], count: int, sequential_slice: bool) -> bo
 
 
 # ---------------------------------------------------------------------------- parent side
+def _held_blocks(held: dict[tuple[int, int], tuple[int, Any, Any]]) -> list[tuple[int, list[str]]]:
+    """The blocks of the results in a consumer's ``held`` filed by ``LocalWorkers`` (tag
+    ``(worker, names)``), by worker."""
+    return [tag for _, _, tag in held.values() if isinstance(tag, tuple) and tag[1]]
+
+
 class LocalWorkers:
     """The producer on local worker processes (``consumer.Producer``): the workers, what each
     is computing, credits, and the results they sent filed in the consumer's ``held`` with
@@ -156,33 +162,45 @@ class LocalWorkers:
 
     # ------------------------------------------------------------------- the producer
     def start(self, options: DatasetOptions) -> None:
-        """Starts the workers and gives them their first runs from the consumer's positions."""
+        """Starts the workers (or takes those the last iterator left running) and gives them
+        their first runs from the consumer's positions."""
         engine = self._consumer.engine
-        dataset, init_fn = engine.payload()
         plugins = loaded_plugin_names()
-        specs = [
-            WorkerSpec(
-                index=w,
-                count=self._count,
-                init_fn=init_fn,
-                dataset=dataset,
-                sequential_slice=False,
-                state=None,
-                plugins=plugins,
-                options=options,
-                shm_prefix=WorkerPool.new_prefix(w),
-                pool_size=2 * self._buffer + 2,
-                buffer_size=engine.options.per_worker_buffer_size,
-            )
-            for w in range(self._count)
-        ]
-        self._pool = pool = start_workers(specs, worker_main, engine.options)
-        self._finalizer = weakref.finalize(self, pool.shutdown)
+
+        def make_specs() -> list[WorkerSpec]:
+            dataset, init_fn = engine.payload()
+            return [
+                WorkerSpec(
+                    index=w,
+                    count=self._count,
+                    init_fn=init_fn,
+                    dataset=dataset,
+                    sequential_slice=False,
+                    state=None,
+                    plugins=plugins,
+                    options=options,
+                    shm_prefix=WorkerPool.new_prefix(w),
+                    pool_size=2 * self._buffer + 2,
+                    buffer_size=engine.options.per_worker_buffer_size,
+                )
+                for w in range(self._count)
+            ]
+
+        warm = engine.warm_workers
+        key = (worker_main, options, plugins)
+        lease = lease_workers(warm, key, make_specs, worker_main, engine.options)
+        self._pool = lease.pool
+        self._recycled = lease.recycled
+        held = functools.partial(_held_blocks, self._consumer.held)
+        self._finalizer = weakref.finalize(self, release_workers, warm, lease, held)
+        self._generation = lease.first_generation
         self._forget_work()
-        self._assign()
+        # Workers of an iterator before this one drop its work on hearing the new generation.
+        self._assign(every_worker=lease.reused)
 
     def stop(self) -> None:
-        """Stops the workers and drops the results they sent ahead."""
+        """Stops the workers (or keeps them for the next iterator) and drops the results
+        they sent ahead."""
         if self._finalizer is not None:
             self._receive_last_stats()
             self._finalizer()  # the workers' blocks go with them

@@ -58,6 +58,9 @@ class EngineInput:
       worker_init_fn: Called in each worker before the pipeline is unpickled.
       share_arrays: Large arrays of the pipeline go to the workers in shared memory (workers
         on this host).
+      warm_workers: Where iterators leave their local workers for the next one
+        (``MultiprocessingOptions.persistent_workers``, a ``worker.WarmWorkers``); None: each
+        iterator stops its own.
     """
 
     pipeline: IterDataset[Any]
@@ -65,6 +68,7 @@ class EngineInput:
     sequential_slice: bool = False
     worker_init_fn: Callable[[int, int], None] | None = None
     share_arrays: bool = True
+    warm_workers: Any = dataclasses.field(default=None, repr=False)
     _payload: tuple[bytes, bytes | None] | None = dataclasses.field(
         default=None, init=False, repr=False
     )
@@ -91,7 +95,7 @@ class EngineInput:
         return self._payload
 
     def __getstate__(self) -> dict[str, Any]:
-        return {**self.__dict__, "_payload": None}
+        return {**self.__dict__, "_payload": None, "warm_workers": None}
 
 
 def dumps(message: tuple[Any, ...]) -> bytes:

@@ -56,7 +56,14 @@ from grain_core.dataset.mp.protocol import (
     stats_request_message,
 )
 from grain_core.dataset.mp.shm_batch import with_shared_memory_output
-from grain_core.dataset.mp.worker import GROUP_S, WorkerLoop, WorkerSpec, run_worker, start_workers
+from grain_core.dataset.mp.worker import (
+    GROUP_S,
+    WorkerLoop,
+    WorkerSpec,
+    lease_workers,
+    release_workers,
+    run_worker,
+)
 from grain_core.dataset.options import DatasetOptions
 from grain_core.dataset.worker_slicing import slice_for_worker
 from grain_core.plugins import loaded_plugin_names
@@ -296,24 +303,43 @@ class RotationIterator(DatasetIterator[Any]):
         self._stats_answered = 0  # the last request answered
 
     def _start(self) -> None:
+        """Starts the worker (or takes the one the last iterator left running for this
+        index, and restores it to this iterator's state)."""
         engine = self._engine
-        dataset, init_fn = engine.payload()
-        spec = WorkerSpec(
-            index=self._index,
-            count=self._count,
-            init_fn=init_fn,
-            dataset=dataset,
-            sequential_slice=engine.sequential_slice,
-            state=self._state,
-            plugins=loaded_plugin_names(),
-            options=self._ctx.dataset_options,
-            shm_prefix=WorkerPool.new_prefix(self._index),
-            pool_size=2 * self._buffer + 2,
-            buffer_size=self._buffer,
-        )
-        self._pool = pool = start_workers([spec], worker_main, engine.options)
-        self._finalizer = weakref.finalize(self, pool.shutdown)
-        if not self._exhausted:
+        plugins = loaded_plugin_names()
+        options = self._ctx.dataset_options
+
+        def make_specs() -> list[WorkerSpec]:
+            dataset, init_fn = engine.payload()
+            spec = WorkerSpec(
+                index=self._index,
+                count=self._count,
+                init_fn=init_fn,
+                dataset=dataset,
+                sequential_slice=engine.sequential_slice,
+                state=self._state,
+                plugins=plugins,
+                options=options,
+                shm_prefix=WorkerPool.new_prefix(self._index),
+                pool_size=2 * self._buffer + 2,
+                buffer_size=self._buffer,
+            )
+            return [spec]
+
+        warm = engine.warm_workers
+        key = (worker_main, self._index, options, plugins)
+        lease = lease_workers(warm, key, make_specs, worker_main, engine.options)
+        self._pool = lease.pool
+        self._recycled = lease.recycled[0]
+        self._finalizer = weakref.finalize(self, release_workers, warm, lease)
+        self._generation = lease.first_generation
+        if lease.reused:
+            credits = 0 if self._exhausted else self._buffer
+            state = self.get_state()
+            released = self._recycled.take_released()
+            self._pool.send(0, set_state_message(self._generation, state, credits, released))
+            self._outstanding = credits
+        elif not self._exhausted:
             self._grant(self._buffer)
 
     def _grant(self, credits: int) -> None:

@@ -17,10 +17,12 @@ it takes.
 from __future__ import annotations
 
 import collections
+import dataclasses
 import os
 import pickle
+import threading
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 from grain_core import plugins
@@ -45,8 +47,12 @@ from grain_core.options import MultiprocessingOptions
 
 __all__ = [
     "GROUP_S",
+    "WarmWorkers",
+    "WorkerLease",
     "WorkerLoop",
     "WorkerSpec",
+    "lease_workers",
+    "release_workers",
     "run_worker",
     "start_worker_server",
     "start_workers",
@@ -129,6 +135,113 @@ def start_workers(
         stall_warning_s=options.stall_warning_s,
         stall_timeout_s=options.stall_timeout_s,
     )
+
+
+#: Generations an iterator may use before the next iterator over the same workers starts:
+#: each iterator numbers its generations from its own multiple of this, so the messages of an
+#: iterator that came before are told apart (and dropped) however often it was restored.
+_GENERATIONS_PER_LEASE = 1 << 32
+
+
+@dataclasses.dataclass(eq=False)
+class WorkerLease:
+    """Running worker processes lent to one iterator.
+
+    Attributes:
+      pool: The processes.
+      key: What the workers were started for (engine, worker options): another iterator
+        reuses them only for an equal key.
+      recycled: Per worker, the parent's side of its block pool (kept with the workers: an
+        array the consumer still holds hands its block back to them when it is collected).
+      first_generation: The first generation of the iterator holding the lease; a new one
+        ``reused`` workers have not heard of, so their work of the last iterator is dropped.
+      reused: The workers ran for an iterator before this one.
+    """
+
+    pool: WorkerPool
+    key: object
+    recycled: list[shm.RecycledBlocks]
+    first_generation: int = 0
+    reused: bool = False
+
+
+class WarmWorkers:
+    """The idle workers of one pipeline, kept between its iterators
+    (``MultiprocessingOptions.persistent_workers``). Thread-safe."""
+
+    def __init__(self) -> None:
+        self._idle: list[WorkerLease] = []
+        self._lock = threading.Lock()
+        self._closed = False
+
+    def take(self, key: object) -> WorkerLease | None:
+        """Idle running workers started for ``key``, lent to a new iterator (None: none)."""
+        with self._lock:
+            leases, self._idle = self._idle, []
+            found = None
+            for lease in leases:
+                if not lease.pool.running():
+                    lease.pool.shutdown()
+                elif found is None and lease.key == key:
+                    found = lease
+                else:
+                    self._idle.append(lease)
+        if found is not None:
+            found.first_generation += _GENERATIONS_PER_LEASE
+            found.reused = True
+        return found
+
+    def keep(self, lease: WorkerLease) -> None:
+        """Keeps ``lease``'s workers for the next iterator; stops them if they cannot be
+        reused (one ended, this process does not own them, or ``close`` was called)."""
+        with self._lock:
+            if not self._closed and lease.pool.running():
+                self._idle.append(lease)
+                return
+        lease.pool.shutdown()
+
+    def close(self) -> None:
+        """Stops the idle workers, and those lent out when they come back. Idempotent."""
+        with self._lock:
+            self._closed = True
+            leases, self._idle = self._idle, []
+        for lease in leases:
+            lease.pool.shutdown()
+
+
+def lease_workers(
+    warm: WarmWorkers | None,
+    key: object,
+    make_specs: Callable[[], Sequence[WorkerSpec]],
+    entry: Callable[[WorkerSpec, Any, Any], None],
+    options: MultiprocessingOptions,
+) -> WorkerLease:
+    """Worker processes for one iterator: idle ones ``warm`` keeps for ``key``, else new ones
+    started from ``make_specs()`` running ``entry`` (see ``start_workers``)."""
+    lease = None if warm is None else warm.take(key)
+    if lease is None:
+        specs = make_specs()
+        pool = start_workers(specs, entry, options)
+        lease = WorkerLease(pool, key, [shm.RecycledBlocks() for _ in specs])
+    return lease
+
+
+def release_workers(
+    warm: WarmWorkers | None,
+    lease: WorkerLease,
+    held: Callable[[], Iterable[tuple[int, list[str]]]] | None = None,
+) -> None:
+    """The iterator holding ``lease`` ends: its workers stop, or wait in ``warm`` for the
+    next one. ``held()`` names the blocks of results it received and never handed out, by
+    worker: they go back to their workers with the next iterator's first message.
+    """
+    if warm is None:
+        lease.pool.shutdown()
+        return
+    if held is not None:
+        for worker, names in held():
+            lease.recycled[worker].released.extend(names)
+    warm.keep(lease)
 
 
 def run_worker(

@@ -1,0 +1,222 @@
+"""Whole epochs with 2 worker processes (issue 35), each pass in a new Python process as a
+user's training script meets them; the child times itself, so interpreter start-up and
+building the data are left out (the pipeline or pool is set up ``SETUP_S`` before, as a
+script builds its model meanwhile).
+
+* ``first_epoch_cpu_heavy_2_workers``: ``HEAVY_ELEMENTS`` elements of about 1 ms of
+  GIL-bound NumPy each, batches of 64, the first epoch from ``iter()`` (workers start in it).
+  Baselines: grain_core with 0 workers, ``multiprocessing.Pool(2)`` (the platform's default
+  start method; created in the timed span) mapping the same batches, torch's ``DataLoader``
+  with 2 forked workers.
+* ``first_epoch_mnist_per_element_2_workers``: 60,000 28x28 uint8 images in memory (47 MB),
+  seeded shuffle, per-element normalise to float32, batches of 128 (the cheap per-element
+  pipeline); the same baselines (``Pool(2)``: each task reads and normalises one batch's
+  elements and stacks them).
+* ``second_epoch_cpu_heavy_2_workers``: the second epoch of the heavy pipeline with
+  ``persistent_workers=True`` (the workers of the first serve it: steady state with no
+  start-up); baselines: grain_core's second epoch without it (new workers), the second
+  ``imap`` over the same ``Pool(2)``, torch with ``persistent_workers=True``.
+* ``import_and_first_pipeline``: ``import grain_core`` and the first batch of a small
+  in-process pipeline, in a new process; baseline: ``import numpy`` alone.
+
+torch runs where ``GRAIN_BENCH_TORCH_PYTHON`` names a Python with torch (its own virtualenv:
+``nox -s bench-torch``); elsewhere that baseline is skipped. elements/s = elements / seconds.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+
+from _harness import ReportedSeconds, workload
+from bench_first_batch import COMMON, SETUP_S, child_pass, torch_python
+
+HEAVY_ELEMENTS = 6_000
+MNIST_RECORDS = 60_000
+
+_DATA = (
+    COMMON
+    + f"""
+HEAVY_ELEMENTS = {HEAVY_ELEMENTS}
+workers, epochs = int(sys.argv[3]), int(sys.argv[4])
+
+def check(count):
+    expected = len(labels) if workload == "mnist" else HEAVY_ELEMENTS
+    if count != expected:
+        raise AssertionError(f"{{count}} elements, expected {{expected}}")
+"""
+)
+
+_GRAIN_CORE = (
+    _DATA
+    + """
+import grain_core as grain
+persistent = sys.argv[5] == "1"
+if workload == "mnist":
+    ds = grain.MapDataset.source({"image": images, "label": labels}).seed(0).shuffle()
+    ds = ds.map(normalise).batch(128)
+else:
+    ds = grain.MapDataset.range(HEAVY_ELEMENTS).map(heavy).batch(64)
+ds = ds.to_iter_dataset()
+if workers:
+    options = grain.MultiprocessingOptions(num_workers=workers, persistent_workers=persistent)
+    ds = ds.mp_prefetch(options)
+time.sleep(setup_s)
+for _ in range(epochs):
+    start = time.perf_counter()
+    count = sum(len(b["label"] if workload == "mnist" else b) for b in ds)
+    seconds = time.perf_counter() - start
+    check(count)
+print(seconds)
+"""
+)
+
+_POOL = (
+    _DATA
+    + """
+import multiprocessing
+
+order = np.random.default_rng(0).permutation(len(labels))
+
+def mnist_batch(start):
+    elements = [normalise({"image": images[i], "label": labels[i]}) for i in order[start:start + 128]]
+    return {
+        "image": np.stack([e["image"] for e in elements]),
+        "label": np.stack([e["label"] for e in elements]),
+    }
+
+def heavy_batch(start):
+    return np.stack([heavy(x) for x in range(start, min(start + 64, HEAVY_ELEMENTS))])
+
+if workload == "mnist":
+    task, starts = mnist_batch, range(0, len(labels), 128)
+else:
+    task, starts = heavy_batch, range(0, HEAVY_ELEMENTS, 64)
+time.sleep(setup_s)
+start = time.perf_counter()
+pool = multiprocessing.Pool(workers)
+for epoch in range(epochs):
+    if epoch:
+        start = time.perf_counter()
+    count = sum(len(b["label"] if workload == "mnist" else b) for b in pool.imap(task, starts))
+    seconds = time.perf_counter() - start
+    check(count)
+print(seconds)
+pool.terminate()
+"""
+)
+
+_TORCH = (
+    _DATA
+    + """
+import torch
+from torch.utils.data import DataLoader, Dataset
+
+persistent = sys.argv[5] == "1"
+
+class Mnist(Dataset):
+    def __len__(self):
+        return len(labels)
+    def __getitem__(self, i):
+        return normalise({"image": images[i], "label": labels[i]})
+
+class Heavy(Dataset):
+    def __len__(self):
+        return HEAVY_ELEMENTS
+    def __getitem__(self, i):
+        return heavy(i)
+
+generator = torch.Generator().manual_seed(0)
+if workload == "mnist":
+    loader = DataLoader(Mnist(), batch_size=128, shuffle=True, generator=generator,
+                        num_workers=workers, multiprocessing_context="fork",
+                        persistent_workers=persistent)
+else:
+    loader = DataLoader(Heavy(), batch_size=64, num_workers=workers,
+                        multiprocessing_context="fork", persistent_workers=persistent)
+time.sleep(setup_s)
+for _ in range(epochs):
+    start = time.perf_counter()
+    count = sum(len(b["label"] if workload == "mnist" else b) for b in loader)
+    seconds = time.perf_counter() - start
+    check(count)
+print(seconds)
+"""
+)
+
+
+def _pass(
+    script: str, name: str, workers: int, epochs: int, persistent: bool
+) -> Callable[[], ReportedSeconds]:
+    args = (name, str(SETUP_S), str(workers), str(epochs), "1" if persistent else "0")
+    return child_pass(None, script, *args)
+
+
+def _torch(name: str, epochs: int, persistent: bool) -> Callable[[], ReportedSeconds]:
+    args = (name, str(SETUP_S), "2", str(epochs), "1" if persistent else "0")
+    return child_pass(torch_python(), _TORCH, *args)
+
+
+for _name, _label, _elements, _description in (
+    ("heavy", "first_epoch_cpu_heavy_2_workers", HEAVY_ELEMENTS, "~1 ms NumPy map, batch 64"),
+    (
+        "mnist",
+        "first_epoch_mnist_per_element_2_workers",
+        MNIST_RECORDS,
+        "60k 28x28 uint8, per-element normalise, batch 128",
+    ),
+):
+    _bench = workload(
+        _label,
+        elements=_elements,
+        description=f"first epoch from iter(), 2 workers, new process: {_description}",
+        alternate=True,
+    )(functools.partial(_pass, _GRAIN_CORE, _name, 2, 1, False))
+    _bench.baseline("grain_core 0 workers")(
+        functools.partial(_pass, _GRAIN_CORE, _name, 0, 1, False)
+    )
+    _bench.baseline("multiprocessing.Pool(2)")(functools.partial(_pass, _POOL, _name, 2, 1, False))
+    _bench.baseline("torch DataLoader, 2 forked workers")(
+        functools.partial(_torch, _name, 1, False)
+    )
+
+second_epoch_cpu_heavy_2_workers = workload(
+    "second_epoch_cpu_heavy_2_workers",
+    elements=HEAVY_ELEMENTS,
+    description="second epoch, persistent_workers=True, new process: ~1 ms NumPy map",
+    alternate=True,
+)(functools.partial(_pass, _GRAIN_CORE, "heavy", 2, 2, True))
+second_epoch_cpu_heavy_2_workers.baseline("grain_core, new workers each epoch")(
+    functools.partial(_pass, _GRAIN_CORE, "heavy", 2, 2, False)
+)
+second_epoch_cpu_heavy_2_workers.baseline("multiprocessing.Pool(2), second imap")(
+    functools.partial(_pass, _POOL, "heavy", 2, 2, False)
+)
+second_epoch_cpu_heavy_2_workers.baseline("torch DataLoader, persistent_workers=True")(
+    functools.partial(_torch, "heavy", 2, True)
+)
+
+_IMPORT = """
+import sys, time
+start = time.perf_counter()
+if sys.argv[1] == "numpy":
+    import numpy
+else:
+    import grain_core as grain
+    ds = grain.MapDataset.range(1_000).map(lambda x: x + 1).batch(10).to_iter_dataset()
+    next(iter(ds))
+print(time.perf_counter() - start)
+"""
+
+
+def _import_pass(what: str) -> Callable[[], ReportedSeconds]:
+    return child_pass(None, _IMPORT, what)
+
+
+import_and_first_pipeline = workload(
+    "import_and_first_pipeline",
+    elements=1,
+    description="import grain_core + first batch of a small pipeline, new process",
+    alternate=True,
+)(functools.partial(_import_pass, "grain_core"))
+import_and_first_pipeline.baseline("import numpy alone")(functools.partial(_import_pass, "numpy"))

@@ -1,0 +1,1 @@
+"""Stand-in: MaxText imports transformers; the tested paths never call it."""
