@@ -450,6 +450,11 @@ class WorkerPool:
         self._stack_requests: list[Any] = []
         self._stack_answers: list[Any] = []
         self._stacks_asked: list[bool] = []  # per worker: a request is unanswered
+        # Per worker: faulthandler was signalled for the unanswered request. Once is enough: a
+        # signal per report (a short stall_timeout_s hit again and again while a worker still
+        # imports its modules) can land inside the import machinery, where dumping the stacks
+        # from the signal handler has crashed the worker (SIGSEGV).
+        self._stacks_signalled: list[bool] = []
         # Held while a thread reads the workers' pipes: a second thread fails at once with a
         # clear error (its poll() of the same pipes would fail with "concurrent poll()
         # invocation", or its reads take the other's messages).
@@ -496,6 +501,7 @@ class WorkerPool:
                 self._stack_requests.append(requests_w)
                 self._stack_answers.append(answers_r)
                 self._stacks_asked.append(False)
+                self._stacks_signalled.append(False)
                 self._procs.append(proc)
                 self._controls.append(control_w)
                 self._outputs.append(output_r)
@@ -719,17 +725,19 @@ class WorkerPool:
         try:
             while answers.poll(0):
                 answer = answers.recv_bytes()
-                self._stacks_asked[index] = False
+                self._stacks_asked[index] = self._stacks_signalled[index] = False
             if answer is not None:
                 return str(answer.decode(errors="replace"))
             if _STACK_SIGNAL is None:
                 return "(no answer yet)"
-            os.kill(self._procs[index].pid, _STACK_SIGNAL)
+            if not self._stacks_signalled[index]:
+                os.kill(self._procs[index].pid, _STACK_SIGNAL)
+                self._stacks_signalled[index] = True
         except (EOFError, OSError):
             return "(unavailable: the worker process is ending)"
         return (
             "(no answer yet: native code may hold the worker's GIL; faulthandler writes its "
-            "stacks to stderr)"
+            "stacks to stderr, once until the worker answers)"
         )
 
     def _died(self, index: int) -> WorkerDiedError:
