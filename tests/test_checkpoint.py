@@ -59,7 +59,7 @@ def test_save_is_atomic(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None
     handler.save(tmp_path, it)
     next(it)
 
-    def crash(*args: Any) -> None:
+    def crash(*args: Any, **kwargs: Any) -> None:
         raise OSError("disk full")
 
     monkeypatch.setattr(os, "replace", crash)
@@ -259,7 +259,7 @@ def test_killed_saves_leave_no_temporary_files_behind(tmp_path: Path) -> None:
     code = (
         "import os, signal, grain_core as grain\n"
         "from grain_core import checkpoint, storage\n"
-        "def die(*args): os.kill(os.getpid(), signal.SIGKILL)\n"
+        "def die(*args, **kwargs): os.kill(os.getpid(), signal.SIGKILL)\n"
         "storage.os.replace = die\n"
         "it = iter(grain.MapDataset.range(4).to_iter_dataset())\n"
         f"checkpoint.CheckpointHandler().save({str(tmp_path)!r}, it)\n"
