@@ -185,6 +185,7 @@ class ElasticIterator(DatasetIterator[Any]):
             self._drop_iterator()
         else:
             self.base_iterator.set_state(state)
+            self._ended = False
 
     def _drop_iterator(self) -> None:
         if self._iterator is not None:
@@ -249,6 +250,7 @@ class ElasticIterator(DatasetIterator[Any]):
         self._check_shard_states_mode()
         states = {int(k): v for k, v in shard_states.items()}
         _refuse_held(states.values(), self._shard_options.shard_count)
+        self._ended = False
         base = self.base_iterator
         if not self._thread_copies:
             owner, _ = _owner_below(base)
@@ -442,4 +444,3 @@ def restore_shard_state_files(directory: Any, iterator: ElasticIterator) -> None
         _refuse_held(read.values(), count)
         iterator.set_shard_states({k: s for k, s in read.items() if k % count == index})
     iterator._global_next_index = step * iterator._global_batch_size
-    iterator._ended = False
