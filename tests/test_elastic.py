@@ -599,6 +599,26 @@ def test_saves_of_different_steps_in_one_directory_are_refused(tmp_path: Path) -
             handler.restore(tmp_path, ElasticIterator(_files_ds(), 6, _shard(index, count)))
 
 
+def test_a_restored_shard_saves_at_the_step_of_the_others(tmp_path: Path) -> None:
+    # Shard 1 dies after the save of step 2 and is restored from it; shard 0 goes on. Both
+    # save step 3 into a new directory, which restores.
+    handler = CheckpointHandler()
+    shards = [ElasticIterator(_files_ds(), 6, _shard(i, 2)) for i in range(2)]
+    before = _take(shards[0], 3) + _take(shards[1], 2)
+    handler.save(tmp_path / "step_2", shards[1])
+    restarted = ElasticIterator(_files_ds(), 6, _shard(1, 2))
+    handler.restore(tmp_path / "step_2", restarted)
+    before += _take(restarted, 1)
+    for it in (shards[0], restarted):
+        handler.save(tmp_path / "step_3", it)
+    after = []
+    for i in range(3):
+        it = ElasticIterator(_files_ds(), 6, _shard(i, 3))
+        handler.restore(tmp_path / "step_3", it)
+        after += _drain(it)
+    assert sorted(before + after) == sorted(x for f in FILES for x in f)
+
+
 @pytest.mark.parametrize("new", [1, 2, 3])
 def test_a_shard_whose_input_ran_out_earlier_restores_with_the_others(
     new: int, tmp_path: Path
