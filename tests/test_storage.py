@@ -8,6 +8,7 @@ import importlib
 import os
 import pathlib
 import pickle
+import random
 import re
 import subprocess
 import sys
@@ -176,6 +177,29 @@ def _victim(directory: pathlib.Path) -> tuple[pathlib.Path, tuple[bytes, int, in
 def _untouched(victim: pathlib.Path) -> tuple[bytes, int, int]:
     info = victim.stat()
     return victim.read_bytes(), info.st_mode, info.st_mtime_ns
+
+
+@pytest.mark.parametrize("remote", [False, True])
+def test_a_symlink_planted_at_the_next_temporary_name_is_left_alone(
+    remote: bool, tmp_path: pathlib.Path, memory_dir: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The names a writer will try are known here (a seeded generator): a link planted at the
+    # first one, locally or in the spool directory of a remote write, is skipped, not opened.
+    victim, before = _victim(tmp_path)
+    spool = tmp_path / "spool"
+    spool.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(spool))
+    target = storage.join(memory_dir, "out.bin") if remote else str(tmp_path / "out.bin")
+    first = "".join(random.Random(7).choices(storage._TEMP_CHARACTERS, k=8))
+    planted = (spool if remote else tmp_path) / f".tmp.{os.getpid()}.{first}.out.bin"
+    planted.symlink_to(victim)
+    monkeypatch.setattr(storage, "_TEMP_RANDOM", random.Random(7))
+    with storage.AtomicWriter(target) as writer:
+        assert writer.temp_path != str(planted)
+        writer.file.write(b"new")
+    assert _untouched(victim) == before
+    assert planted.is_symlink()
+    assert storage.read_bytes(target) == b"new"
 
 
 @pytest.mark.parametrize("by_name", [False, True])
