@@ -180,10 +180,11 @@ def test_a_dropped_thread_prefetch_iterator_stops_its_thread_and_workers():
     # Training loops drop iterators without close() (a new one per epoch): the producer
     # thread must not keep the iterator, and with it the worker processes, alive.
     ds = MD.range(1000).to_iter_dataset().mp_prefetch(grain.MultiprocessingOptions(1))
+    earlier = {p.pid for p in multiprocessing.active_children()}  # other tests' workers
     it = iter(ThreadPrefetchIterDataset(ds, prefetch_buffer_size=2))
     assert next(it) == 0
     thread = it._thread
-    workers = {p.pid for p in multiprocessing.active_children()}
+    workers = {p.pid for p in multiprocessing.active_children()} - earlier
     assert thread is not None and workers
     del it
     gc.collect()
