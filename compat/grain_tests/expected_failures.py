@@ -390,11 +390,6 @@ EXPECTED_FAILURES: dict[str, str] = {
     "python/dataset/transformations/repeat_test.py::RepeatIterDatasetTest::test_repeat_after_mp_prefetch_does_not_restart_workers": "map gap: Grain's internal grain._src.python.dataset.transformations.process_prefetch.multiprocess_prefetch has no grain_core equivalent",
     # python/dataset/transformations/slice_test.py: 1
     "python/dataset/transformations/slice_test.py::SliceMapDatasetTest::test_init_raises_error_for_non_slice_object": "error text differs from the text Grain's test pins: AssertionError: 'sl is not a slice: <class 'int'>' does not match 'SliceMapDataset takes a `slice`, got 5.'",
-    # python/dataset/transformations/source_test.py: 4
-    "python/dataset/transformations/source_test.py::RangeMapDatasetTest::test_set_slice": "differs from Grain: AttributeError: 'RangeMapDataset' object has no attribute 'set_slice'",
-    "python/dataset/transformations/source_test.py::RangeMapDatasetTest::test_set_slice_raises_for_non_sequential_slice": "differs from Grain: AttributeError: 'RangeMapDataset' object has no attribute 'set_slice'",
-    "python/dataset/transformations/source_test.py::SourceMapDatasetTest::test_set_slice": "differs from Grain: AttributeError: 'SourceMapDataset' object has no attribute 'set_slice'",
-    "python/dataset/transformations/source_test.py::SourceMapDatasetTest::test_set_slice_raises_for_non_sequential_slice": "differs from Grain: AttributeError: 'SourceMapDataset' object has no attribute 'set_slice'",
     # python/dataset/transformations/zip_test.py: 3
     "python/dataset/transformations/zip_test.py::ZipIterDatasetTest::test_strict_zip_longer_many": "error text differs from the text Grain's test pins: AssertionError: Exception message does not match.",
     "python/dataset/transformations/zip_test.py::ZipIterDatasetTest::test_strict_zip_shorter": "error text differs from the text Grain's test pins: AssertionError: Exception message does not match.",
