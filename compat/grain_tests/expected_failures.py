@@ -40,7 +40,7 @@ EXPECTED_FAILURES: dict[str, str] = {
     "python/dataset/dataset_test.py::GetExecutionSummaryTest::test_get_execution_summary_without_collection": "error text differs from the text Grain's test pins: AssertionError: 'Set `grain_py_debug_mode` or set `execution_tracking_mode` in grain options to `STAGE_TIMING`",
     # python/dataset/elastic_iterator_test.py: 1
     "python/dataset/elastic_iterator_test.py::ElasticIteratorTest::test_produces_correct_elements2": "differs from Grain: AssertionError: ",
-    # python/dataset/transformations/batch_test.py: 66
+    # python/dataset/transformations/batch_test.py: 65
     "python/dataset/transformations/batch_test.py::BatchIterDatasetTest::test_batch_shared_memory_source_ds_jax": "reloads Grain's private modules (Grain's import-time choice of tree library)",
     "python/dataset/transformations/batch_test.py::BatchIterDatasetTest::test_batch_shared_memory_source_ds_no_jax": "reloads Grain's private modules (Grain's import-time choice of tree library)",
     "python/dataset/transformations/batch_test.py::BatchIterDatasetTest::test_batch_size_2_range_ds_jax": "reloads Grain's private modules (Grain's import-time choice of tree library)",
@@ -98,7 +98,6 @@ EXPECTED_FAILURES: dict[str, str] = {
     "python/dataset/transformations/batch_test.py::MakeBatchTest::test_batch_non_numpy_values": "map gap: Grain's internal grain._src.python.dataset.transformations.batch._MakeBatchParallel has no grain_core equivalent",
     "python/dataset/transformations/batch_test.py::MakeBatchTest::test_batch_single_value_parallel_batch_enabled_success": "map gap: Grain's internal grain._src.python.dataset.transformations.batch._MakeBatchParallel has no grain_core equivalent",
     "python/dataset/transformations/batch_test.py::MakeBatchTest::test_batch_two_values_parallel_batch_enabled_success": "map gap: Grain's internal grain._src.python.dataset.transformations.batch._MakeBatchParallel has no grain_core equivalent",
-    "python/dataset/transformations/batch_test.py::StringTruncationTest::test_batch_iter_dataset_shm_preserves_variable_length_strings": "differs from Grain: AttributeError: 'BatchIterDataset' object has no attribute 'enable_shared_memory_output'",
     "python/dataset/transformations/batch_test.py::StringTruncationTest::test_make_batch_shm_equal_length_strings_ok": "a Grain-internal constructor called with Grain's private signature: TypeError: make_batch() got an unexpected keyword argument 'output_to_shared_memory'",
     "python/dataset/transformations/batch_test.py::StringTruncationTest::test_make_batch_shm_preserves_variable_length_strings": "a Grain-internal constructor called with Grain's private signature: TypeError: make_batch() got an unexpected keyword argument 'output_to_shared_memory'",
     "python/dataset/transformations/batch_test.py::StringTruncationTest::test_make_batch_shm_string_order_independence": "a Grain-internal constructor called with Grain's private signature: TypeError: make_batch() got an unexpected keyword argument 'output_to_shared_memory'",
