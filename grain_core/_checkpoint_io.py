@@ -14,10 +14,18 @@ finish, and restoring from it is refused (naming the directory and the file) ins
 combining files of two moments. Checkpoints without such a list (written by Google Grain or
 earlier versions) restore as before, but shard-state files without any process file are
 refused.
+
+Saves of several processes into one directory share an identity without talking to each
+other: each process file records the save's step (global batches handed out, the same on every
+shard of one save) and whether the shard's input ran out; process files of different steps
+(a crash let some processes finish a save and not the others) are refused, except a shard
+that ran out earlier, whose state no longer changes. A MapDataset ``ElasticIterator``'s
+state is the same on every process, so its process files must be equal.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import sys
@@ -27,6 +35,7 @@ from typing import Any, Final
 from grain_core import storage
 
 __all__ = [
+    "SavePosition",
     "load_coroutine",
     "load_json",
     "process_file_name",
@@ -43,6 +52,21 @@ __all__ = [
 # The key of a process file's commit record: ``{"<k>": sha256 of shard_state_<k>.json}`` for
 # every shard-state file of the same save. The rest of the file is the iterator's state.
 _SHARD_DIGESTS: Final = "shard_state_sha256"
+# The key of the save's identity, which every shard of one save computes alike without talking
+# to the others: ``{"step": global batches handed out, "ended": whether the input ran out}``.
+_SAVE_POSITION: Final = "save_position"
+
+
+@dataclasses.dataclass(frozen=True)
+class SavePosition:
+    """Where an ``ElasticIterator`` shard was when it saved: the save's identity.
+
+    Every shard of one save has handed out the same number of global batches (``step``),
+    except a shard whose input ran out (``ended``) earlier, whose state no longer changes.
+    """
+
+    step: int
+    ended: bool
 
 
 def _process_index_and_count() -> tuple[int, int]:
@@ -80,34 +104,70 @@ def read_process_file(directory: Any, *, any_process: bool = False) -> str:
 
     Args:
       directory: The checkpoint directory (local path or URL).
-      any_process: If this process's file is missing, read another process's file (for states
-        that are the same on every process, such as an ``ElasticIterator`` over a MapDataset).
+      any_process: The state is the same on every process (an ``ElasticIterator`` over a
+        MapDataset): if this process's file is missing, read another process's file; and
+        refuse a directory whose process files of that process count hold different states
+        (saves of different steps).
 
     Raises:
-      ValueError: If the file does not exist or is not UTF-8 text, naming it.
+      ValueError: If the file does not exist or is not UTF-8 text, naming it; with
+        ``any_process``, if the process files disagree, naming the directory and two files.
     """
     path = storage.join(directory, process_file_name())
     try:
-        return _read_text(path)
+        text = _read_text(path)
     except FileNotFoundError:
-        pass
-    files = _process_files(directory)
-    if any_process and files:
-        return _read_text(files[0])
+        files = _process_files(directory)
+        if not (any_process and files):
+            raise _missing_process_file(directory, path) from None
+        path = files[0]
+        text = _read_text(path)
+    if any_process:
+        _check_same_state(directory, path, text)
+    return text
+
+
+def _missing_process_file(directory: Any, path: str) -> ValueError:
     written = sorted(written_process_counts(directory))
     count = _process_index_and_count()[1]
     if written and count not in written:
-        raise ValueError(
+        return ValueError(
             f"File {path} does not exist: the checkpoint in {directory} was written by "
             f"{' / '.join(map(str, written))} processes, and this run has {count}. Restore "
             "with the same number of processes, or checkpoint a "
             "grain_core.experimental.ElasticIterator over a MapDataset, which restores under "
             "any process count."
         )
-    raise ValueError(
+    return ValueError(
         f"File {path} does not exist. The checkpoint was not written by this process "
         "(check the directory and the JAX process count)."
     )
+
+
+def _check_same_state(directory: Any, path: str, text: str) -> None:
+    """Refuses a directory whose process files of the same process count as ``path`` (holding
+    ``text``) hold other states: they are of saves of different steps.
+
+    Raises:
+      ValueError: Naming the directory and the two files.
+    """
+    count = path.rsplit("-of-", 1)[1]
+    state = load_json(text, path)
+    for other in _process_files(directory):
+        if other == path or other.rsplit("-of-", 1)[1] != count:
+            continue
+        try:
+            other_state = load_json(_read_text(other), other)
+        except FileNotFoundError:
+            continue
+        if other_state != state:
+            raise ValueError(
+                f"The checkpoint in {directory} mixes saves of different steps: "
+                f"{path.rsplit('/', 1)[-1]} and {other.rsplit('/', 1)[-1]} hold different "
+                "states, which every process of one save shares (a save of all processes "
+                "did not finish). Restore an earlier checkpoint, and save each step to a "
+                "directory of its own."
+            )
 
 
 def _process_files(directory: Any) -> list[str]:
@@ -160,11 +220,16 @@ def _digest(text: str) -> str:
 
 
 def write_shard_checkpoint(
-    directory: Any, shard: tuple[int, int], state: Mapping[str, Any], shard_texts: Mapping[int, str]
+    directory: Any,
+    shard: tuple[int, int],
+    state: Mapping[str, Any],
+    shard_texts: Mapping[int, str],
+    position: SavePosition,
 ) -> None:
     """Writes an ``ElasticIterator`` shard's save: ``shard_state_{k}.json`` holding
     ``shard_texts[k]`` for every ``k``, then (the commit point) ``process_{i}-of-{n}.json``
-    holding ``state`` and the digest of each shard-state file. Each file is atomic.
+    holding ``state``, the digest of each shard-state file and the save's ``position``. Each
+    file is atomic.
 
     Raises:
       OSError: If a file cannot be written, naming it (the save is then incomplete, and
@@ -172,34 +237,112 @@ def write_shard_checkpoint(
     """
     for key, text in shard_texts.items():
         storage.write_bytes(shard_file(directory, key), text.encode())
-    record = {**state, _SHARD_DIGESTS: {str(k): _digest(t) for k, t in shard_texts.items()}}
+    record = {
+        **state,
+        _SHARD_DIGESTS: {str(k): _digest(t) for k, t in shard_texts.items()},
+        _SAVE_POSITION: dataclasses.asdict(position),
+    }
     write_process_file(directory, json.dumps(record, indent=4), shard)
 
 
-def read_shard_process_state(directory: Any, shard: tuple[int, int]) -> Any:
+def read_shard_process_state(directory: Any, shard: tuple[int, int]) -> tuple[Any, int] | None:
     """The state in shard ``(i, n)``'s ``process_{i}-of-{n}.json`` (without its commit
-    record), or None if the file is missing.
+    record) and the step of the save, or None if the file is missing. The process files of
+    the other shards of ``n`` are read too, and must be of the same save.
 
     Raises:
-      ValueError: If the file is not UTF-8 JSON, naming it.
+      ValueError: If a file is not UTF-8 JSON, naming it; if another shard's process file is
+        missing or of another save (see ``read_shard_states``), naming the directory and files.
     """
     path = storage.join(directory, process_file_name(shard))
     try:
         record = load_json(_read_text(path), path)
     except FileNotFoundError:
         return None
+    # A shard restores from its own file alone (shards may save to directories of their own),
+    # so only the other shards' files that are there are checked.
+    records = _process_records(directory, shard[1], missing_ok=True)
+    step = _save_step(directory, records)
     if isinstance(record, dict):
         record.pop(_SHARD_DIGESTS, None)
-    return record
+        record.pop(_SAVE_POSITION, None)
+    return record, step
+
+
+def _process_records(directory: Any, count: int, *, missing_ok: bool = False) -> dict[str, Any]:
+    """The parsed process files of the ``count`` shards of a save, by file name (with
+    ``missing_ok``, those that exist).
+
+    Raises:
+      ValueError: If one is missing (without ``missing_ok``) or not UTF-8 JSON, naming the
+        directory and the file.
+    """
+    records = {}
+    for index in range(count):
+        name = process_file_name((index, count))
+        path = storage.join(directory, name)
+        try:
+            records[name] = load_json(_read_text(path), path)
+        except FileNotFoundError:
+            if missing_ok:
+                continue
+            raise ValueError(
+                f"The checkpoint in {directory} is incomplete: {name} is missing (shard "
+                f"{index} of {count} did not finish its save). Restore an earlier checkpoint."
+            ) from None
+    return records
+
+
+def _save_step(directory: Any, records: Mapping[str, Any]) -> int:
+    """The step of the save whose process files are ``records``: the one step of the shards
+    whose input had not run out, which those that ran out did not pass (their state is the
+    same at every later step). Files without a position (Google Grain's, earlier versions')
+    count as step 0 when all are such.
+
+    Raises:
+      ValueError: If the files are of different saves, naming the directory and two files.
+    """
+    positions = {
+        name: record.get(_SAVE_POSITION) if isinstance(record, dict) else None
+        for name, record in records.items()
+    }
+    without = sorted(name for name, p in positions.items() if p is None)
+    if len(without) == len(positions):
+        return 0
+    if without:
+        with_one = next(name for name, p in positions.items() if p is not None)
+        raise ValueError(
+            f"The checkpoint in {directory} mixes saves: {with_one} records the step of its "
+            f"save and {without[0]} does not (an earlier version wrote it). Restore from a "
+            "directory that one save wrote, or save each step to a directory of its own."
+        )
+    steps = {
+        name: (int(p["step"]), bool(p["ended"])) for name, p in positions.items() if p is not None
+    }
+    running = {name: step for name, (step, ended) in steps.items() if not ended}
+    step = max(running.values()) if running else max(s for s, _ in steps.values())
+    for name, (saved, ended) in steps.items():
+        if saved == step or (ended and saved < step):
+            continue
+        latest = next(n for n, s in running.items() if s == step)
+        raise ValueError(
+            f"The checkpoint in {directory} mixes saves of different steps: {latest} was "
+            f"saved after {step} steps and {name} after {saved} (a save of all shards did not "
+            "finish). Restore an earlier checkpoint, and save each step to a directory of its "
+            "own."
+        )
+    return step
 
 
 def read_shard_states(
     directory: Any, shard: tuple[int, int], wanted: Callable[[int, int], bool]
-) -> dict[int, Any]:
+) -> tuple[dict[int, Any], int]:
     """The saved states of the input datasets ``k`` for which ``wanted(k, n)`` holds (``n``:
-    the number of shards that saved), from the complete save in ``directory``.
+    the number of shards that saved), from the complete save in ``directory``, and the step of
+    that save.
 
-    The save is complete when the process file of every saving shard exists and every
+    The save is complete when the process file of every saving shard exists, all of them
+    record the same step (a shard whose input ran out may record an earlier one), and every
     shard-state file read has the digest its shard's process file lists (files that no
     process file lists are not read). A checkpoint without digests (Google Grain's, earlier
     versions') is read as it is.
@@ -235,18 +378,11 @@ def read_shard_states(
             "restore from a directory that one save wrote."
         )
     (count,) = counts
+    records = _process_records(directory, count)
+    step = _save_step(directory, records)
     listed: dict[int, tuple[str, str]] = {}  # key -> (digest, the process file listing it)
     legacy = []
-    for index in range(count):
-        name = process_file_name((index, count))
-        path = storage.join(directory, name)
-        try:
-            record = load_json(_read_text(path), path)
-        except FileNotFoundError:
-            raise ValueError(
-                f"The checkpoint in {directory} is incomplete: {name} is missing (shard "
-                f"{index} of {count} did not finish its save). Restore an earlier checkpoint."
-            ) from None
+    for name, record in records.items():
         digests = record.get(_SHARD_DIGESTS) if isinstance(record, dict) else None
         if digests is None:
             legacy.append(name)
@@ -279,7 +415,7 @@ def read_shard_states(
                 "Restore an earlier checkpoint."
             )
         states[key] = load_json(text, path)
-    return states
+    return states, step
 
 
 def _shard_state_keys(directory: Any) -> list[int]:

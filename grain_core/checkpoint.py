@@ -5,8 +5,9 @@ else ``0, 1``) into the checkpoint directory, a local path or a URL (``s3://``, 
 see :mod:`grain_core.storage`). Files are written atomically (locally: temporary file, fsync,
 rename; on object stores: one whole-object upload), so a crash during a save leaves the old
 or the new checkpoint, never a truncated one; an ``ElasticIterator``'s save of several files
-is committed by its process file, written last (restoring part of a save is refused). The
-file I/O lives in ``_checkpoint_io``.
+is committed by its process file, written last, which records the save's step (restoring part
+of a save, or process files of different steps, is refused). The file I/O lives in
+``_checkpoint_io``.
 """
 
 from __future__ import annotations

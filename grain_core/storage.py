@@ -27,11 +27,13 @@ spool file is cleaned up the same way (in the temporary directory).
 from __future__ import annotations
 
 import contextlib
+import errno
 import fcntl
 import functools
 import glob as _glob
 import os
 import queue
+import random
 import re
 import stat
 import tempfile
@@ -75,6 +77,9 @@ _UPLOAD_FROM_MEMORY: Final = 64 << 20
 # output through another atomic writer (``grain-core convert``'s format writers) names its
 # own after that one's: ``.tmp.<pid>.<random>..tmp.<pid>.<random>.<target name>``.
 _TEMP_PREFIX: Final = ".tmp."
+_TEMP_CHARACTERS: Final = "abcdefghijklmnopqrstuvwxyz0123456789_"
+_TEMP_RANDOM: Final = random.SystemRandom()
+_CREATE_PRIVATE: Final = os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
 _TEMP_LAYER: Final = re.escape(_TEMP_PREFIX) + r"(\d+)\.[a-z0-9_]{8}\."
 _URL = re.compile(r"^(?P<scheme>[A-Za-z][A-Za-z0-9+.\-]+)://")
 _REMOTE_PIP = "pip install fsspec"
@@ -710,13 +715,19 @@ class AtomicWriter:
     closing :attr:`file`; then :meth:`commit`, or :meth:`abort` to leave the target untouched.
     As a context manager it commits on success and aborts on an exception.
 
-    Locally the temporary file is created exclusively (``O_EXCL``, owner-only, so a symlink
-    planted at its name is never followed) in the target's directory, synced and renamed over
-    the target; temporary files of the same target left by a killed writer are removed after
-    the rename. Remotely the data is spooled to a temporary file in the local temporary
-    directory and uploaded as one whole object (atomic on object stores), whose size is then
-    read back; spool files of a target of the same name left there by a killed writer are
-    removed after the upload.
+    Locally the temporary file is created exclusively and owner-only (``O_EXCL | O_NOFOLLOW``,
+    mode 0600, so a symlink planted at its name is never followed) in the target's directory,
+    synced and renamed over the target (a symlink at the target's name is replaced, not
+    followed), which then gets the mode ``open()`` would give it (the umask's). Every open,
+    rename, sync and removal is relative to a descriptor of the directory taken at construction;
+    before the rename the writer opens the temporary file's name without following it and
+    refuses a symlink, a non-regular file or another user's file put there (a library writing
+    :attr:`temp_path` by name, or renaming its own temporary file onto it, is fine). Temporary
+    files of the same target left by a killed writer are removed after the rename (symlinks and
+    other users' files are left). Remotely the data is spooled to a temporary file in the local
+    temporary directory and uploaded as one whole object (atomic on object stores), whose size
+    is then read back; spool files of a target of the same name left there by a killed writer
+    are removed after the upload.
 
     Args:
       path: The target file.
@@ -733,20 +744,23 @@ class AtomicWriter:
         # A remote target's spool file lies in the temporary directory, named like a local
         # temporary file, so that the next write of a target of the same name removes one that
         # a killed writer left there.
-        name = self.path.rstrip("/").rsplit("/", 1)[-1]
+        self._name = self.path.rstrip("/").rsplit("/", 1)[-1]
         if self._remote:
             directory = tempfile.gettempdir()
         else:
             directory = os.path.dirname(os.path.abspath(self.path))
             with _naming_directory(self.path):
                 os.makedirs(directory, exist_ok=True)
-        self._temp_sibling = os.path.join(directory, name)
-        # The name ends with the target's, so that writers choosing a compression from the
-        # suffix (``.gz``) see the target's.
+        # Every later open, rename, sync and removal is relative to this descriptor, so that a
+        # path component replaced by a link after this point redirects none of them.
         with _naming_directory(self.path):
-            fd, self.temp_path = tempfile.mkstemp(
-                dir=directory, prefix=f"{_TEMP_PREFIX}{os.getpid()}.", suffix="." + name
-            )
+            self._directory_fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+            try:
+                fd, self._temp_name = _create_temp_file(self._directory_fd, self._name)
+            except BaseException:
+                os.close(self._directory_fd)
+                raise
+        self.temp_path = os.path.join(directory, self._temp_name)
         # Held until the rename: tells a cleaning writer on another host that this file is live.
         # On a descriptor of its own, so that it stays held when the caller closes ``file`` to
         # let a library write ``temp_path`` by name.
@@ -760,7 +774,7 @@ class AtomicWriter:
 
         Raises:
           OSError: If the disk is full or the target cannot be written, naming the target's
-            directory (nothing is left half-written).
+            directory, or if the temporary file was replaced (nothing is left half-written).
           StorageError: If the upload fails after retries, or the object read back has the
             wrong size.
         """
@@ -768,18 +782,26 @@ class AtomicWriter:
             return
         try:
             with _naming_directory(self.path):
-                if self.file.closed:  # a library wrote temp_path by name
-                    with open(self.temp_path, "rb") as written:
-                        os.fsync(written.fileno())
-                else:
+                if not self.file.closed:
                     self.file.flush()
-                    os.fsync(self.file.fileno())
-                if self._remote:
-                    self._upload()
-                else:
-                    os.chmod(self.temp_path, _default_file_mode())
-                    os.replace(self.temp_path, self.path)
-                    _fsync_directory(os.path.dirname(os.path.abspath(self.path)))
+                written = self._open_written()
+                try:
+                    os.fsync(written)
+                    if self._remote:
+                        self._upload(written)
+                    else:
+                        # The temporary file is owner-only while it is written; the target
+                        # gets the mode ``open()`` gives a new file, as if written in place.
+                        os.fchmod(written, _default_file_mode())
+                        os.replace(
+                            self._temp_name,
+                            self._name,
+                            src_dir_fd=self._directory_fd,
+                            dst_dir_fd=self._directory_fd,
+                        )
+                        os.fsync(self._directory_fd)
+                finally:
+                    os.close(written)
         except BaseException:
             self.abort()
             raise
@@ -787,17 +809,48 @@ class AtomicWriter:
         self.file.close()
         os.close(self._lock)
         if self._remote:
-            os.unlink(self.temp_path)
-        _remove_stale_temp_files(self._temp_sibling)
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(self._temp_name, dir_fd=self._directory_fd)
+        _remove_stale_temp_files(self._directory_fd, self._name)
+        os.close(self._directory_fd)
 
-    def _upload(self) -> None:
+    def _open_written(self) -> int:
+        """Opens the file at ``temp_path`` without following a link: this writer's file, or the
+        one a library's own atomic write renamed there. Refuses a symlink, a non-regular file
+        or another user's file, so that neither the rename nor the upload takes what another
+        user of the directory planted.
+
+        Raises:
+          OSError: Naming the temporary file and the target.
+        """
+        flags = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
+        try:
+            fd = os.open(self._temp_name, flags, dir_fd=self._directory_fd)
+        except OSError as e:
+            if e.errno not in (errno.ELOOP, errno.ENOENT):
+                raise
+            what = "a symlink" if e.errno == errno.ELOOP else "nothing"
+        else:
+            info = os.fstat(fd)
+            if stat.S_ISREG(info.st_mode) and info.st_uid == os.geteuid():
+                return fd
+            os.close(fd)
+            what = "another user's file" if stat.S_ISREG(info.st_mode) else "a non-regular file"
+        raise OSError(
+            errno.ELOOP if what == "a symlink" else errno.ESTALE,
+            f"The temporary file {self.temp_path} of {self.path} was replaced by {what} "
+            "(another user of the directory?); nothing was written to the target. Write to a "
+            "directory only you can change.",
+        )
+
+    def _upload(self, written: int) -> None:
+        """Uploads the spool file open on ``written``."""
         fs, fs_path = filesystem(self.path, self._options)
-        length = os.path.getsize(self.temp_path)
+        length = os.fstat(written).st_size
         with _remote_errors(self.path, "Writing"):
             if length <= _UPLOAD_FROM_MEMORY:
-                with open(self.temp_path, "rb") as spooled:
-                    fs.pipe_file(fs_path, spooled.read())
-            else:
+                fs.pipe_file(fs_path, _read_all(written, length))
+            else:  # by name: checked to be a regular file of this user's just before
                 fs.put_file(self.temp_path, fs_path)
             fs.invalidate_cache(fs_path)
             stored = int(fs.info(fs_path)["size"])
@@ -818,7 +871,8 @@ class AtomicWriter:
             self.file.close()
         os.close(self._lock)
         with contextlib.suppress(FileNotFoundError):
-            os.unlink(self.temp_path)
+            os.unlink(self._temp_name, dir_fd=self._directory_fd)
+        os.close(self._directory_fd)
 
     def __enter__(self) -> AtomicWriter:
         return self
@@ -876,12 +930,35 @@ def _naming_directory(path: str) -> Iterator[None]:
         ) from e
 
 
-def _fsync_directory(directory: str) -> None:
-    fd = os.open(directory, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+def _create_temp_file(directory_fd: int, name: str) -> tuple[int, str]:
+    """Creates ``.tmp.<pid>.<random>.<name>`` in the directory, exclusively and owner-only
+    (``O_EXCL | O_NOFOLLOW``: a file or symlink already at the name is never opened); returns
+    its descriptor and name.
+
+    Raises:
+      FileExistsError: If every name tried exists.
+    """
+    for _ in range(100):
+        random_part = "".join(_TEMP_RANDOM.choices(_TEMP_CHARACTERS, k=8))
+        temp_name = f"{_TEMP_PREFIX}{os.getpid()}.{random_part}.{name}"
+        try:
+            fd = os.open(temp_name, _CREATE_PRIVATE, 0o600, dir_fd=directory_fd)
+        except FileExistsError:
+            continue
+        return fd, temp_name
+    raise FileExistsError(errno.EEXIST, f"No free temporary file name for {name}")
+
+
+def _read_all(fd: int, length: int) -> bytes:
+    """The first ``length`` bytes of the file open on ``fd``."""
+    chunks, offset = [], 0
+    while offset < length:
+        chunk = os.pread(fd, length - offset, offset)
+        if not chunk:
+            break
+        chunks.append(chunk)
+        offset += len(chunk)
+    return b"".join(chunks)
 
 
 @functools.cache
@@ -895,18 +972,18 @@ def _default_file_mode() -> int:
     return 0o666 & ~umask
 
 
-def _remove_stale_temp_files(path: str) -> None:
-    """Removes temporary files of ``path`` whose writers are gone (killed before their rename).
+def _remove_stale_temp_files(directory_fd: int, name: str) -> None:
+    """Removes temporary files of the file ``name`` in the directory open on ``directory_fd``
+    whose writers are gone (killed before their rename).
 
     A candidate is a regular file of ours named ``.tmp.<pid>.<random>.<name>``, or a temporary
     file of such a file (``.tmp.<pid>.<random>..tmp.<pid>.<random>.<name>``), none of whose
     processes still runs and on which no writer holds the lock (a writer on another host sharing
     the directory holds it); anything else is left alone.
     """
-    directory, name = os.path.split(os.path.abspath(path))
     pattern = re.compile(f"(?:{_TEMP_LAYER})+{re.escape(name)}")
     try:
-        entries = os.listdir(directory)
+        entries = os.listdir(directory_fd)
     except OSError:
         return
     me = os.getpid()
@@ -916,9 +993,12 @@ def _remove_stale_temp_files(path: str) -> None:
         pids = {int(pid) for pid in re.findall(_TEMP_LAYER, entry[: -len(name)])}
         if me in pids or any(_process_alive(pid) for pid in pids):
             continue
-        candidate = os.path.join(directory, entry)
         try:
-            fd = os.open(candidate, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+            fd = os.open(
+                entry,
+                os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC,
+                dir_fd=directory_fd,
+            )
         except OSError:
             continue
         try:
@@ -930,7 +1010,7 @@ def _remove_stale_temp_files(path: str) -> None:
             except OSError:
                 continue
             with contextlib.suppress(FileNotFoundError):
-                os.unlink(candidate)
+                os.unlink(entry, dir_fd=directory_fd)
         finally:
             os.close(fd)
 

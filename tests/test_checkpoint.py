@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -59,7 +60,7 @@ def test_save_is_atomic(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None
     handler.save(tmp_path, it)
     next(it)
 
-    def crash(*args: Any) -> None:
+    def crash(*args: Any, **kwargs: Any) -> None:
         raise OSError("disk full")
 
     monkeypatch.setattr(os, "replace", crash)
@@ -229,6 +230,28 @@ def test_elastic_iterator_restores_under_another_process_count(tmp_path: Path) -
     assert next(one_host).tolist() == [8, 9, 10, 11]
 
 
+def test_elastic_process_files_of_different_steps_are_refused(tmp_path: Path) -> None:
+    # A MapDataset ElasticIterator's state is the same on every process of one save; here
+    # process 1's save of step 3 did not finish and its file is of step 2.
+    from grain_core.experimental import ElasticIterator
+    from grain_core.sharding import ShardOptions
+
+    ds = grain.MapDataset.range(40)
+    two_hosts = [ElasticIterator(ds, 4, ShardOptions(i, 2)) for i in range(2)]
+    for it in two_hosts:
+        next(it)
+        next(it)
+    next(two_hosts[0])
+    for i, it in enumerate(two_hosts):
+        (tmp_path / f"process_{i}-of-2.json").write_text(json.dumps(it.get_state()))
+    with pytest.raises(
+        ValueError,
+        match=f"checkpoint in {re.escape(str(tmp_path))} mixes saves of different steps: "
+        "process_0-of-2.json and process_1-of-2.json hold different states",
+    ):
+        checkpoint.CheckpointHandler().restore(tmp_path, ElasticIterator(ds, 4, ShardOptions(0, 1)))
+
+
 def test_importing_grain_core_leaves_asyncio_out() -> None:
     # Every worker's forkserver and every training script imports grain_core: asyncio alone
     # costs ~50 ms there, and only Orbax's coroutines need it.
@@ -259,7 +282,7 @@ def test_killed_saves_leave_no_temporary_files_behind(tmp_path: Path) -> None:
     code = (
         "import os, signal, grain_core as grain\n"
         "from grain_core import checkpoint, storage\n"
-        "def die(*args): os.kill(os.getpid(), signal.SIGKILL)\n"
+        "def die(*args, **kwargs): os.kill(os.getpid(), signal.SIGKILL)\n"
         "storage.os.replace = die\n"
         "it = iter(grain.MapDataset.range(4).to_iter_dataset())\n"
         f"checkpoint.CheckpointHandler().save({str(tmp_path)!r}, it)\n"

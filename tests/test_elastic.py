@@ -580,6 +580,69 @@ def test_a_missing_process_file_of_another_shard_is_named(tmp_path: Path) -> Non
         )
 
 
+def test_saves_of_different_steps_in_one_directory_are_refused(tmp_path: Path) -> None:
+    # Two shards save after 2 steps; after 3 more only shard 0's save finishes (shard 1 was
+    # killed first): each process file is complete, but they are of two steps.
+    handler = CheckpointHandler()
+    shards = [ElasticIterator(_files_ds(), 6, _shard(i, 2)) for i in range(2)]
+    for it in shards:
+        _take(it, 2)
+        handler.save(tmp_path, it)
+    _take(shards[0], 3)
+    handler.save(tmp_path, shards[0])
+    for index, count in [(0, 2), (1, 2), (0, 1), (2, 3)]:
+        with pytest.raises(
+            ValueError,
+            match=f"checkpoint in {re.escape(str(tmp_path))} mixes saves of different steps: "
+            "process_0-of-2.json was saved after 5 steps and process_1-of-2.json after 2",
+        ):
+            handler.restore(tmp_path, ElasticIterator(_files_ds(), 6, _shard(index, count)))
+
+
+def test_a_restored_shard_saves_at_the_step_of_the_others(tmp_path: Path) -> None:
+    # Shard 1 dies after the save of step 2 and is restored from it; shard 0 goes on. Both
+    # save step 3 into a new directory, which restores.
+    handler = CheckpointHandler()
+    shards = [ElasticIterator(_files_ds(), 6, _shard(i, 2)) for i in range(2)]
+    before = _take(shards[0], 3) + _take(shards[1], 2)
+    handler.save(tmp_path / "step_2", shards[1])
+    restarted = ElasticIterator(_files_ds(), 6, _shard(1, 2))
+    handler.restore(tmp_path / "step_2", restarted)
+    before += _take(restarted, 1)
+    for it in (shards[0], restarted):
+        handler.save(tmp_path / "step_3", it)
+    after = []
+    for i in range(3):
+        it = ElasticIterator(_files_ds(), 6, _shard(i, 3))
+        handler.restore(tmp_path / "step_3", it)
+        after += _drain(it)
+    assert sorted(before + after) == sorted(x for f in FILES for x in f)
+
+
+@pytest.mark.parametrize("new", [1, 2, 3])
+def test_a_shard_whose_input_ran_out_earlier_restores_with_the_others(
+    new: int, tmp_path: Path
+) -> None:
+    # Shard 0 of 2 has 5 batches and shard 1 has 6: after 6 steps shard 0 ran out at step 5,
+    # and its saved state is the one it would have at any later step.
+    shards = [ElasticIterator(_files_ds(), 6, _shard(i, 2)) for i in range(2)]
+    before = _drain(shards[0]) + _take(shards[1], 6)
+    for it in shards:
+        CheckpointHandler().save(tmp_path, it)
+    positions = [
+        json.loads((tmp_path / f"process_{i}-of-2.json").read_text())["save_position"]
+        for i in range(2)
+    ]
+    assert positions == [{"step": 5, "ended": True}, {"step": 6, "ended": False}]
+    after = []
+    for i in range(new):
+        it = ElasticIterator(_files_ds(), 6, _shard(i, new))
+        CheckpointHandler().restore(tmp_path, it)
+        after += _drain(it)
+    assert sorted(before + after) == sorted(x for f in FILES for x in f)
+    assert not after  # every input had been read
+
+
 def test_a_checkpoint_without_digests_restores_as_before(tmp_path: Path) -> None:
     # Google Grain's (and earlier versions') process files list no shard-state files.
     before = _save_after("prefetch", 2, 12, 2, tmp_path)
@@ -614,14 +677,12 @@ def test_a_killed_save_restores_as_the_old_state_the_new_state_or_an_error(
     kill_at: int,
     cut: float | None,
 ) -> None:
-    # Killed at every file boundary (cut None) and part-way through a file. A directory that
-    # several processes overwrite is left out: each process's files are of one save, but a
-    # crash between two processes' saves leaves them at different steps (see
-    # docs/storage.md: save each step to its own directory).
+    # Killed at every file boundary (cut None) and part-way through a file, also in a
+    # directory that several processes overwrite (a crash between two processes' saves leaves
+    # them at different steps, which a restore refuses).
     with tempfile.TemporaryDirectory() as tmp:
         old = None
         if overwrite:
-            saved = 1
             old = killed_saves.save_killed_at(tmp, saved, old_steps, kill_at=99)
         try:
             new = killed_saves.save_killed_at(tmp, saved, old_steps + more_steps, kill_at, cut)

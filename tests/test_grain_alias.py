@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 import grain_core as grain
+from grain_core import plugins
 from grain_core.grain_alias import ALIAS_ENV
 
 
@@ -170,7 +171,7 @@ def test_tfrecord_path_without_the_plugin_says_what_to_install(tmp_path: Path) -
         tmp_path,
     )
     assert "grain._src.python.dataset.sources.tfrecord_dataset" in out
-    assert "pip install grainpipe-tfrecord" in out
+    assert f"not installed: {plugins.plugin_install_command('grain_tfrecord')}" in out
 
 
 def test_unknown_private_path_names_itself_and_the_docs(tmp_path: Path) -> None:

@@ -540,12 +540,17 @@ def test_small_elements_read_already_travel_several_to_a_message(
 
 
 # ------------------------------------------------------------------------------ commitments
+_CONSUMERS: list[ClassConsumer] = []
+
+
 def _dispatcher(buffer: int = 2, read_ahead: int = 50) -> LocalWorkers:
     ds = grain.MapDataset.range(100).to_iter_dataset(
         grain.ReadOptions(num_threads=2, prefetch_buffer_size=read_ahead)
     )
     engine = ds.mp_prefetch(mp_options(2, buffer)).engine  # type: ignore[attr-defined]
-    return LocalWorkers(ClassConsumer(engine, LocalWorkers, "never"))
+    consumer = ClassConsumer(engine, LocalWorkers, "never")
+    _CONSUMERS.append(consumer)  # a producer holds its consumer weakly
+    return LocalWorkers(consumer)
 
 
 def test_commitments_follow_the_cpu_cost_of_an_element() -> None:

@@ -8,6 +8,7 @@ import importlib
 import os
 import pathlib
 import pickle
+import random
 import re
 import subprocess
 import sys
@@ -162,6 +163,97 @@ def test_planted_symlinks_are_never_followed(tmp_path: pathlib.Path) -> None:
     storage.write_bytes(target, b"new")
     assert victim.read_bytes() == b"precious"
     assert target.read_bytes() == b"new" and not target.is_symlink()
+
+
+def _victim(directory: pathlib.Path) -> tuple[pathlib.Path, tuple[bytes, int, int]]:
+    """A file another user's link points at, and what must stay as it is: bytes, mode, mtime."""
+    victim = directory / "victim"
+    victim.write_bytes(b"precious")
+    victim.chmod(0o600)
+    info = victim.stat()
+    return victim, (victim.read_bytes(), info.st_mode, info.st_mtime_ns)
+
+
+def _untouched(victim: pathlib.Path) -> tuple[bytes, int, int]:
+    info = victim.stat()
+    return victim.read_bytes(), info.st_mode, info.st_mtime_ns
+
+
+@pytest.mark.parametrize("remote", [False, True])
+def test_a_symlink_planted_at_the_next_temporary_name_is_left_alone(
+    remote: bool, tmp_path: pathlib.Path, memory_dir: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The names a writer will try are known here (a seeded generator): a link planted at the
+    # first one, locally or in the spool directory of a remote write, is skipped, not opened.
+    victim, before = _victim(tmp_path)
+    spool = tmp_path / "spool"
+    spool.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(spool))
+    target = storage.join(memory_dir, "out.bin") if remote else str(tmp_path / "out.bin")
+    first = "".join(random.Random(7).choices(storage._TEMP_CHARACTERS, k=8))
+    planted = (spool if remote else tmp_path) / f".tmp.{os.getpid()}.{first}.out.bin"
+    planted.symlink_to(victim)
+    monkeypatch.setattr(storage, "_TEMP_RANDOM", random.Random(7))
+    with storage.AtomicWriter(target) as writer:
+        assert writer.temp_path != str(planted)
+        writer.file.write(b"new")
+    assert _untouched(victim) == before
+    assert planted.is_symlink()
+    assert storage.read_bytes(target) == b"new"
+
+
+@pytest.mark.parametrize("by_name", [False, True])
+def test_a_temporary_file_replaced_by_a_symlink_is_refused(
+    by_name: bool, tmp_path: pathlib.Path
+) -> None:
+    victim, before = _victim(tmp_path)
+    target = tmp_path / "out.bin"
+    target.write_bytes(b"old")
+    writer = storage.AtomicWriter(target)
+    assert oct(os.stat(writer.temp_path).st_mode & 0o777) == oct(0o600)  # owner-only meanwhile
+    if by_name:  # a library writes the temporary file by name
+        writer.file.close()
+        pathlib.Path(writer.temp_path).write_bytes(b"new")
+    else:
+        writer.file.write(b"new")
+    # Another user of the directory puts a link at the temporary file's name.
+    os.unlink(writer.temp_path)
+    os.symlink(victim, writer.temp_path)
+    with pytest.raises(OSError, match=re.escape(f"{writer.temp_path} of {target} was replaced")):
+        writer.commit()
+    assert _untouched(victim) == before
+    assert target.read_bytes() == b"old" and not target.is_symlink()
+
+
+def test_a_symlink_at_the_target_is_replaced_not_followed(tmp_path: pathlib.Path) -> None:
+    victim, before = _victim(tmp_path)
+    target = tmp_path / "out.bin"
+    target.symlink_to(victim)
+    storage.write_bytes(target, b"new")
+    assert _untouched(victim) == before
+    assert target.read_bytes() == b"new" and not target.is_symlink()
+    assert oct(target.stat().st_mode & 0o777) == oct(0o666 & ~_umask())
+
+
+def test_a_directory_replaced_by_a_link_while_writing_is_not_followed(
+    tmp_path: pathlib.Path,
+) -> None:
+    mine, elsewhere = tmp_path / "mine", tmp_path / "elsewhere"
+    mine.mkdir()
+    elsewhere.mkdir()
+    victim, before = _victim(elsewhere)
+    writer = storage.AtomicWriter(mine / "victim")
+    writer.file.write(b"new")
+    # The directory is moved away and a link to another directory takes its name, holding a
+    # file of the temporary file's name that a rename by name would put over the victim.
+    mine.rename(tmp_path / "moved")
+    mine.symlink_to(elsewhere)
+    planted = elsewhere / os.path.basename(writer.temp_path)
+    planted.write_bytes(b"planted")
+    writer.commit()
+    assert _untouched(victim) == before
+    assert planted.read_bytes() == b"planted"
+    assert (tmp_path / "moved" / "victim").read_bytes() == b"new"
 
 
 def test_a_killed_writers_temp_file_is_removed_by_the_next_write(tmp_path: pathlib.Path) -> None:

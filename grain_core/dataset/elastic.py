@@ -109,6 +109,8 @@ class ElasticIterator(DatasetIterator[Any]):
         self._read_options = read_options or ReadOptions()
         self._mp_options = multiprocessing_options
         self._global_next_index = 0
+        # Whether ``next`` found the input at its end (a checkpoint's save position).
+        self._ended = False
         self._iterator: DatasetIterator[Any] | None = None
         # IterDataset mode: this shard's pipeline, and with a split by threads copy t of it.
         self._shard_ds: IterDataset[Any] | None = None
@@ -159,7 +161,11 @@ class ElasticIterator(DatasetIterator[Any]):
         return self._shard_ds
 
     def __next__(self) -> Any:
-        x = next(self.base_iterator)
+        try:
+            x = next(self.base_iterator)
+        except StopIteration:
+            self._ended = True
+            raise
         self._global_next_index += self._global_batch_size
         return x
 
@@ -179,6 +185,7 @@ class ElasticIterator(DatasetIterator[Any]):
             self._drop_iterator()
         else:
             self.base_iterator.set_state(state)
+            self._ended = False
 
     def _drop_iterator(self) -> None:
         if self._iterator is not None:
@@ -243,6 +250,7 @@ class ElasticIterator(DatasetIterator[Any]):
         self._check_shard_states_mode()
         states = {int(k): v for k, v in shard_states.items()}
         _refuse_held(states.values(), self._shard_options.shard_count)
+        self._ended = False
         base = self.base_iterator
         if not self._thread_copies:
             owner, _ = _owner_below(base)
@@ -396,19 +404,23 @@ def _shard(options: ShardOptions) -> tuple[int, int]:
 def write_shard_state_files(directory: Any, iterator: ElasticIterator) -> None:
     """Writes ``shard_state_{k}.json`` for every input dataset ``k`` of this shard, then this
     shard's pipeline state (``process_{s}-of-{S}.json``, the save's commit point: see
-    ``_checkpoint_io.write_shard_checkpoint``)."""
+    ``_checkpoint_io.write_shard_checkpoint``), with the number of global batches handed out,
+    which identifies the save on every shard."""
+    steps = iterator._global_next_index // iterator._global_batch_size
     _checkpoint_io.write_shard_checkpoint(
         directory,
         _shard(iterator.shard_options),
         iterator.get_state(),
         {key: json.dumps(s, indent=4) for key, s in iterator.get_shard_states().items()},
+        _checkpoint_io.SavePosition(steps, iterator._ended),
     )
 
 
 def restore_shard_state_files(directory: Any, iterator: ElasticIterator) -> None:
     """Restores this shard's pipeline state if the checkpoint has one for this shard count
     (exact, buffers included); else reads this shard's inputs ``k = shard_index, shard_index +
-    shard_count, ...`` of the complete save in the directory and redistributes them.
+    shard_count, ...`` of the complete save in the directory and redistributes them. Either
+    way the process files of every shard that saved must be of one save (one step).
 
     Raises:
       ValueError: if the directory holds no checkpoint, part of one or files of several saves
@@ -418,15 +430,17 @@ def restore_shard_state_files(directory: Any, iterator: ElasticIterator) -> None
     """
     options = iterator.shard_options
     shard = _shard(options)
-    state = _checkpoint_io.read_shard_process_state(directory, shard)
-    if state is not None:
+    saved = _checkpoint_io.read_shard_process_state(directory, shard)
+    if saved is not None:
+        state, step = saved
         iterator.set_state(state)
-        return
-    index, count = shard
-    # Input k < n was saved by shard k of n: reading those too, every shard refuses what any
-    # saving shard held, not only the shards that read its inputs.
-    read = _checkpoint_io.read_shard_states(
-        directory, shard, lambda k, saved_count: k % count == index or k < saved_count
-    )
-    _refuse_held(read.values(), count)
-    iterator.set_shard_states({k: s for k, s in read.items() if k % count == index})
+    else:
+        index, count = shard
+        # Input k < n was saved by shard k of n: reading those too, every shard refuses what
+        # any saving shard held, not only the shards that read its inputs.
+        read, step = _checkpoint_io.read_shard_states(
+            directory, shard, lambda k, saved_count: k % count == index or k < saved_count
+        )
+        _refuse_held(read.values(), count)
+        iterator.set_shard_states({k: s for k, s in read.items() if k % count == index})
+    iterator._global_next_index = step * iterator._global_batch_size

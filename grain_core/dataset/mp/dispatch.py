@@ -116,7 +116,9 @@ class LocalWorkers:
     """
 
     def __init__(self, consumer: ClassConsumer) -> None:
-        self._consumer = consumer
+        # Weakly: the consumer holds its producer, and an iterator dropped unclosed must free
+        # both (and stop the workers) without waiting for the cyclic garbage collector.
+        self._consumer = weakref.proxy(consumer)
         self._count = n = consumer.count
         options = consumer.engine.options
         self._buffer = max(1, options.per_worker_buffer_size)

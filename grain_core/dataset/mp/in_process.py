@@ -51,6 +51,7 @@ import sys
 import threading
 import time
 import traceback
+import weakref
 from typing import Any
 
 import numpy as np
@@ -163,7 +164,9 @@ class InProcessProducer:
     """
 
     def __init__(self, consumer: Any) -> None:
-        self._consumer = consumer
+        # Weakly: the consumer holds its producer, and an iterator dropped unclosed must free
+        # both (and stop the workers) without waiting for the cyclic garbage collector.
+        self._consumer = weakref.proxy(consumer)
         self._pipeline: DatasetIterator[Any] | None = None
         self._reader: DatasetIterator[Any] | None = None
         self._next = 0  # the position the reader reads next; -1: unknown

@@ -195,7 +195,9 @@ class BackendWorkers:
     """
 
     def __init__(self, consumer: ClassConsumer, backend: WorkerBackend) -> None:
-        self._consumer = consumer
+        # Weakly: the consumer holds its producer, and an iterator dropped unclosed must free
+        # both (and stop the workers) without waiting for the cyclic garbage collector.
+        self._consumer = weakref.proxy(consumer)
         self._backend = backend
         self._count = n = consumer.count
         self._max_task = max(1, consumer.reader.read_options.prefetch_buffer_size)
