@@ -171,9 +171,7 @@ class PrefetchDatasetIterator(DatasetIterator[Any]):
         self._concurrency = ReadConcurrency(
             self._num_threads, overlaps_consumer=not _inline_while_cpu_bound
         )
-        self._reader = _BlockReader(
-            self._map_ds, self._threaded, self._concurrency, self._chunk_cap
-        )
+        self._reader = _BlockReader(self._threaded, self._concurrency, self._chunk_cap)
         self._reset(0)
 
     def _reset(self, next_index: int) -> None:
@@ -211,7 +209,9 @@ class PrefetchDatasetIterator(DatasetIterator[Any]):
                     self._num_threads, thread_name_prefix=READ_THREAD_PREFIX
                 )
             start, count = self._next_chunk_range(self._buffer_size - self._in_flight)
-            started.append((start, count, self._executor.submit(self._reader.read, start, count)))
+            started.append(
+                (start, count, self._executor.submit(self._reader.read, self._map_ds, start, count))
+            )
             self._in_flight += count
             blocks -= 1
         return started
@@ -326,7 +326,7 @@ class PrefetchDatasetIterator(DatasetIterator[Any]):
             watch = _FirstReadWatch(self)
         block: concurrent.futures.Future[Sequence[Any]] = concurrent.futures.Future()
         try:
-            block.set_result(self._reader.read(start, count))
+            block.set_result(self._reader.read(self._map_ds, start, count))
         except BaseException as e:  # noqa: BLE001 - re-read one by one when its turn comes
             # A read thread's SystemExit waits for its turn too: a worker reading ahead while
             # it waits for credits sends what it computed before user code exits.
@@ -443,32 +443,31 @@ class _BlockReader:
     This, not the iterator, is what the read threads hold: an iterator dropped with reads in
     flight is collected at once, and the elements it buffered with it.
 
+    The dataset comes with each read, not kept here: execution statistics swap the iterator's
+    MapDataset graph for a timed copy (``stats``), and reads must see that swap.
+
     Args:
-      ds: The dataset read.
       threaded: Whether blocks may be read on read threads.
       concurrency: The iterator's read concurrency (whether the first block is measured yet).
       chunk_cap: The largest block.
     """
 
-    def __init__(
-        self, ds: MapDataset[Any], threaded: bool, concurrency: ReadConcurrency, chunk_cap: int
-    ) -> None:
-        self._map_ds = ds
+    def __init__(self, threaded: bool, concurrency: ReadConcurrency, chunk_cap: int) -> None:
         self._threaded = threaded
         self._concurrency = concurrency
         self._chunk_cap = chunk_cap
         self.chunk_size = 1
         self.cpu_share = 1.0
 
-    def read(self, start: int, count: int) -> Sequence[Any]:
-        """Reads ``[start, start + count)`` and adapts the next blocks' size to its cost."""
+    def read(self, ds: MapDataset[Any], start: int, count: int) -> Sequence[Any]:
+        """Reads ``ds[start:start + count]`` and adapts the next blocks' size to its cost."""
         # Thread CPU time, not wall time: with several read threads, waiting for the GIL
         # would otherwise look like expensive elements and shrink the blocks.
         first = self._threaded and not self._concurrency.measured
         busy = _BusyClock() if first else None
         began_busy = busy.read() if busy is not None else None
         began_cpu, began_wall = time.thread_time(), time.perf_counter()
-        values = self._map_ds._getitems(range(start, start + count))
+        values = ds._getitems(range(start, start + count))
         elapsed = time.thread_time() - began_cpu
         wall = time.perf_counter() - began_wall
         share = elapsed / wall if wall > 0 else 1.0
