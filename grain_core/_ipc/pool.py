@@ -449,11 +449,12 @@ class WorkerPool:
         self._watched = stall_warning_s is not None or stall_timeout_s is not None
         self._stack_requests: list[Any] = []
         self._stack_answers: list[Any] = []
-        self._stacks_asked: list[bool] = []  # per worker: a request is unanswered
-        # Per worker: faulthandler was signalled for the unanswered request. Once is enough: a
-        # signal per report (a short stall_timeout_s hit again and again while a worker still
-        # imports its modules) can land inside the import machinery, where dumping the stacks
-        # from the signal handler has crashed the worker (SIGSEGV).
+        # Per worker: when the unanswered request was sent (None: none is), and whether
+        # faulthandler was signalled for it. The signal is the last resort, once a request has
+        # gone unanswered for _STACK_ANSWER_S and only once: faulthandler dumps from inside the
+        # signal handler, and a dump landing in the import machinery (a short stall_timeout_s
+        # hit again and again while a worker still imports its modules) crashed the worker.
+        self._stacks_asked: list[float | None] = []
         self._stacks_signalled: list[bool] = []
         # Held while a thread reads the workers' pipes: a second thread fails at once with a
         # clear error (its poll() of the same pipes would fail with "concurrent poll()
@@ -500,7 +501,7 @@ class WorkerPool:
                     conn.close()
                 self._stack_requests.append(requests_w)
                 self._stack_answers.append(answers_r)
-                self._stacks_asked.append(False)
+                self._stacks_asked.append(None)
                 self._stacks_signalled.append(False)
                 self._procs.append(proc)
                 self._controls.append(control_w)
@@ -687,13 +688,13 @@ class WorkerPool:
         """Asks the worker computing what ``watch`` waits for for its Python stacks (unless
         an earlier request is still unanswered)."""
         worker, _ = watch.waiting_for()
-        if worker is None or self._stacks_asked[worker]:
+        if worker is None or self._stacks_asked[worker] is not None:
             return
         try:
             self._stack_requests[worker].send_bytes(b"")
         except OSError:  # the worker is ending: the report says so
             return
-        self._stacks_asked[worker] = True
+        self._stacks_asked[worker] = time.monotonic()
 
     def _stall_report(self, watch: StallWatch, waited: float, limit_s: float | None) -> str:
         worker, what = watch.waiting_for()
@@ -725,19 +726,22 @@ class WorkerPool:
         try:
             while answers.poll(0):
                 answer = answers.recv_bytes()
-                self._stacks_asked[index] = self._stacks_signalled[index] = False
+                self._stacks_asked[index] = None
+                self._stacks_signalled[index] = False
             if answer is not None:
                 return str(answer.decode(errors="replace"))
             if _STACK_SIGNAL is None:
                 return "(no answer yet)"
-            if not self._stacks_signalled[index]:
+            asked = self._stacks_asked[index]
+            unanswered_s = 0.0 if asked is None else time.monotonic() - asked
+            if unanswered_s >= _STACK_ANSWER_S and not self._stacks_signalled[index]:
                 os.kill(self._procs[index].pid, _STACK_SIGNAL)
                 self._stacks_signalled[index] = True
         except (EOFError, OSError):
             return "(unavailable: the worker process is ending)"
         return (
             "(no answer yet: native code may hold the worker's GIL; faulthandler writes its "
-            "stacks to stderr, once until the worker answers)"
+            f"stacks to stderr once a request has waited {_STACK_ANSWER_S:g} s)"
         )
 
     def _died(self, index: int) -> WorkerDiedError:
