@@ -237,3 +237,54 @@ def test_make_batch_of_a_column_block_equals_make_batch_of_its_rows(kinds, n, da
     for g, w in zip(flat_got, flat_want, strict=True):
         assert g.dtype == w.dtype and g.shape == w.shape and g.tolist() == w.tolist()
         assert g.flags.writeable
+
+
+class _FlaggedBatchFn:
+    """A batch function that records whether it was asked for shared-memory output."""
+
+    def __init__(self) -> None:
+        self.shared = False
+
+    def enable_shared_memory_output(self) -> None:
+        self.shared = True
+
+    def __call__(self, values):
+        return self.shared
+
+
+@pytest.mark.parametrize("kind", ["map", "iter"])
+def test_enable_shared_memory_output_writes_large_leaves_into_shared_memory(kind) -> None:
+    rows = [{"x": np.full(8192, i, np.float64), "s": f"{'long' * i}-{i}"} for i in range(4)]
+    ds = MD.source(rows).batch(2) if kind == "map" else MD.source(rows).to_iter_dataset().batch(2)
+    ds.enable_shared_memory_output()
+    batches = list(ds)
+    for b in batches:
+        assert isinstance(b["x"], grain.multiprocessing.SharedMemoryArray)
+        b["x"].unlink_on_del()
+    assert [b["x"][:, 0].tolist() for b in batches] == [[0, 1], [2, 3]]
+    # Strings are batched as usual, never truncated to a shared-memory dtype.
+    assert [b["s"].tolist() for b in batches] == [
+        ["-0", "long-1"],
+        ["longlong-2", "longlonglong-3"],
+    ]
+
+
+@pytest.mark.parametrize("kind", ["map", "iter"])
+def test_enable_shared_memory_output_asks_a_custom_batch_fn_that_supports_it(kind) -> None:
+    fn = _FlaggedBatchFn()
+    base = MD.range(4)
+    ds = (
+        base.batch(2, batch_fn=fn)
+        if kind == "map"
+        else base.to_iter_dataset().batch(2, batch_fn=fn)
+    )
+    assert list(ds) == [False, False]
+    ds.enable_shared_memory_output()
+    assert list(ds) == [True, True]
+    plain = (
+        base.batch(2, batch_fn=sum)
+        if kind == "map"
+        else base.to_iter_dataset().batch(2, batch_fn=sum)
+    )
+    plain.enable_shared_memory_output()  # a function without the capability is kept as it is
+    assert list(plain) == [1, 5]

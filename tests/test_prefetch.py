@@ -7,6 +7,7 @@ import sys
 import textwrap
 import threading
 import time
+import weakref
 
 import numpy as np
 import pytest
@@ -505,3 +506,43 @@ def test_reading_ahead_defers_an_exit_in_user_code_to_its_turn():
     assert it.read_ahead()
     with pytest.raises(SystemExit):
         next(it)
+
+
+def test_iterating_adds_no_reference_to_the_iterator():
+    # A reference held by the readers (the first read's watcher, a read thread's work item)
+    # would keep the iterator and every element it buffers alive after the user drops it.
+    it = iter(MD.range(1000).map(lambda x: x).to_iter_dataset())
+    before = sys.getrefcount(it)
+    for _ in range(1000):
+        next(it)
+        assert sys.getrefcount(it) == before
+
+
+def test_a_dropped_iterator_is_collected_while_its_reads_are_in_flight():
+    reading, release = threading.Event(), threading.Event()
+
+    class BlockingSource:
+        def __len__(self) -> int:
+            return 100
+
+        def __getitem__(self, i: int) -> int:
+            if i > 0:
+                reading.set()
+                release.wait()
+            return i
+
+    ds = MD.source(BlockingSource()).to_iter_dataset(
+        grain.ReadOptions(num_threads=2, prefetch_buffer_size=10)
+    )
+    it = iter(ds)
+    assert next(it) == 0
+    it._concurrency.waits_on_io()  # the next reads go to the read threads, whatever they cost
+    it.start_prefetch()
+    assert reading.wait(timeout=60)
+    collected = threading.Event()
+    weakref.finalize(it, collected.set)
+    del it
+    try:
+        assert collected.is_set()
+    finally:
+        release.set()

@@ -285,3 +285,36 @@ def test_stacked_block_is_the_sequence_of_its_elements():
     assert [e["y"] for e in block[1:]] == [1, 2]
     with pytest.raises(IndexError):
         block[3]
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda n: MD.range(n),
+        lambda n: MD.source(list(range(n))),
+        lambda n: MD.source(np.arange(n)),
+        lambda n: MD.source({"x": np.arange(n)}),
+    ],
+    ids=["range", "list", "array", "dict_of_arrays"],
+)
+def test_set_slice_reads_the_workers_contiguous_block_of_the_whole_source(make) -> None:
+    ds = make(21)
+    ds.set_slice(slice(2, None, 3), sequential_slice=True)
+    values = [int(tree_leaves(e)[0]) for e in ds]
+    assert values == list(range(14, 21))
+    assert [int(tree_leaves(e)[0]) for e in ds._getitems([0, 8])] == [14, 15]
+    # A second call slices the whole source again, not the block.
+    ds.set_slice(slice(0, None, 2), sequential_slice=True)
+    assert [int(tree_leaves(e)[0]) for e in ds] == list(range(11))
+
+
+def test_set_slice_on_a_range_with_a_step_keeps_the_step() -> None:
+    ds = MD.range(2, 22, 2)
+    ds.set_slice(slice(1, None, 2), sequential_slice=True)
+    assert list(ds) == [12, 14, 16, 18, 20]
+
+
+@pytest.mark.parametrize("ds", [MD.range(10), MD.source(list(range(10)))], ids=["range", "list"])
+def test_set_slice_refuses_strided_slices(ds) -> None:
+    with pytest.raises(AssertionError, match="sequential_slice=True"):
+        ds.set_slice(slice(0, 1, 1), sequential_slice=False)

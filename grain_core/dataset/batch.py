@@ -129,6 +129,14 @@ def _resolve_batch_fn(batch_fn: Callable[[Sequence[Any]], Any] | None) -> Callab
     return make_batch if batch_fn is None else batch_fn
 
 
+def _in_shared_memory(batch_fn: Callable[..., Any]) -> Callable[..., Any]:
+    """``batch_fn`` writing its output into shared memory, or ``batch_fn`` itself when it
+    cannot (a custom function without ``enable_shared_memory_output()``)."""
+    from grain_core.dataset.mp import shared_memory_batch_fn  # import cycle: mp batches
+
+    return shared_memory_batch_fn(batch_fn) or batch_fn
+
+
 def reads_blocks(ds: MapDataset[Any]) -> bool:
     """Whether ``ds`` is a source reading whole columns (``ColumnBlock``/``StackedBlock``),
     under nodes that pass values through: reads under ``columns_wanted()`` then give blocks."""
@@ -172,12 +180,7 @@ class BatchMapDataset(MapDataset[Any]):
         self._parent = parent
         self._batch_size = int(batch_size)
         self._drop_remainder = drop_remainder
-        self._batch_fn = _resolve_batch_fn(batch_fn)
-        self._reads_columns = (
-            isinstance(self._batch_fn, ColumnBlockStacking)
-            and self._batch_fn.stacks_column_blocks
-            and reads_blocks(parent)
-        )
+        self._use_batch_fn(_resolve_batch_fn(batch_fn))
         self._maps_batches = isinstance(parent, BatchMapping) and parent.maps_batches
         n = len(parent)
         self._parent_len = n
@@ -187,6 +190,21 @@ class BatchMapDataset(MapDataset[Any]):
             self._len = n // self._batch_size
         else:
             self._len = -(-n // self._batch_size)
+
+    def _use_batch_fn(self, batch_fn: Callable[[Sequence[Any]], Any]) -> None:
+        self._batch_fn = batch_fn
+        self._reads_columns = (
+            isinstance(batch_fn, ColumnBlockStacking)
+            and batch_fn.stacks_column_blocks
+            and reads_blocks(self._parent)
+        )
+
+    def enable_shared_memory_output(self) -> None:
+        """Makes this batch write its large numeric leaves straight into shared memory, as the
+        last batch inside a worker process does: with the default batch function, or one that
+        has ``enable_shared_memory_output()`` (others are left as they are). The consumer
+        frees a block by calling ``unlink_on_del()`` on the array it receives."""
+        self._use_batch_fn(_in_shared_memory(self._batch_fn))
 
     def __len__(self) -> int:
         return self._len
@@ -316,6 +334,11 @@ class BatchIterDataset(IterDataset[Any]):
     @property
     def batch_fn(self) -> Callable[..., Any]:
         return self._batch_fn
+
+    def enable_shared_memory_output(self) -> None:
+        """As ``BatchMapDataset.enable_shared_memory_output``, for the iterators made from now
+        on."""
+        self._batch_fn = _in_shared_memory(self._batch_fn)
 
     def __iter__(self) -> DatasetIterator[Any]:
         return _BatchIterator(self._parents[0].__iter__(), self)

@@ -171,6 +171,7 @@ class PrefetchDatasetIterator(DatasetIterator[Any]):
         self._concurrency = ReadConcurrency(
             self._num_threads, overlaps_consumer=not _inline_while_cpu_bound
         )
+        self._reader = _BlockReader(self._threaded, self._concurrency, self._chunk_cap)
         self._reset(0)
 
     def _reset(self, next_index: int) -> None:
@@ -179,53 +180,22 @@ class PrefetchDatasetIterator(DatasetIterator[Any]):
         self._chunk_pos = 0
         self._chunk_holes = 0
         self._read_index = next_index  # first index not yet requested
-        self._chunk_size = 1
+        self._reader.chunk_size = 1
         self._pending: collections.deque[tuple[int, int, concurrent.futures.Future[Any]]] = (
             collections.deque()
         )
         self._in_flight = 0
-        self._cpu_share = 1.0
+        self._reader.cpu_share = 1.0
 
     def _next_chunk_range(self, limit: int) -> tuple[int, int]:
         start = self._read_index
-        count = min(self._chunk_size, self._len - start, limit)
+        count = min(self._reader.chunk_size, self._len - start, limit)
         if self._threaded:
             # The read-ahead is shared by the blocks that may be in flight: one block alone
             # may take all of it (large batched reads amortise a source's per-call cost).
             count = min(count, max(1, self._buffer_size // max(1, self._concurrency.value)))
         self._read_index += count
         return start, count
-
-    def _read(self, start: int, count: int) -> Sequence[Any]:
-        # Thread CPU time, not wall time: with several read threads, waiting for the GIL
-        # would otherwise look like expensive elements and shrink the blocks.
-        first = self._threaded and not self._concurrency.measured
-        busy = _BusyClock() if first else None
-        began_busy = busy.read() if busy is not None else None
-        began_cpu, began_wall = time.thread_time(), time.perf_counter()
-        values = self._map_ds._getitems(range(start, start + count))
-        elapsed = time.thread_time() - began_cpu
-        wall = time.perf_counter() - began_wall
-        share = elapsed / wall if wall > 0 else 1.0
-        self._cpu_share = share
-        if first:
-            # The first block decides between waiting on I/O and computing: a busy machine's
-            # run queue is computing too, and a block too short to tell counts as computing.
-            ended_busy = busy.read() if busy is not None else None
-            if began_busy is not None and ended_busy is not None and wall > 0:
-                self._cpu_share = (ended_busy - began_busy) / wall
-            if wall < _io_verdict_s():
-                self._cpu_share = 1.0
-        cost = elapsed if share >= _IO_BOUND_LOAD else wall
-        if cost < _FAST_BLOCK_S:
-            self._chunk_size = min(self._chunk_size * 2, self._chunk_cap)
-        elif cost > _SLOW_BLOCK_S:
-            self._chunk_size = max(self._chunk_size // 2, 1)
-        if len(values):
-            size = _array_bytes(values[0])
-            if size * self._chunk_size > _BLOCK_BYTES:
-                self._chunk_size = max(1, _BLOCK_BYTES // size)
-        return values
 
     def _fill(self) -> None:
         self._pending.extend(self._start_reads(self._concurrency.value - len(self._pending)))
@@ -239,7 +209,9 @@ class PrefetchDatasetIterator(DatasetIterator[Any]):
                     self._num_threads, thread_name_prefix=READ_THREAD_PREFIX
                 )
             start, count = self._next_chunk_range(self._buffer_size - self._in_flight)
-            started.append((start, count, self._executor.submit(self._read, start, count)))
+            started.append(
+                (start, count, self._executor.submit(self._reader.read, self._map_ds, start, count))
+            )
             self._in_flight += count
             blocks -= 1
         return started
@@ -256,7 +228,7 @@ class PrefetchDatasetIterator(DatasetIterator[Any]):
         except Exception:
             chunk = self._read_one_by_one(start, count)
         if self._threaded:
-            self._concurrency.block_done(len(chunk), self._cpu_share, time.perf_counter())
+            self._concurrency.block_done(len(chunk), self._reader.cpu_share, time.perf_counter())
             self._fill()
         holes = 0
         if not self._allow_nones:
@@ -354,7 +326,7 @@ class PrefetchDatasetIterator(DatasetIterator[Any]):
             watch = _FirstReadWatch(self)
         block: concurrent.futures.Future[Sequence[Any]] = concurrent.futures.Future()
         try:
-            block.set_result(self._read(start, count))
+            block.set_result(self._reader.read(self._map_ds, start, count))
         except BaseException as e:  # noqa: BLE001 - re-read one by one when its turn comes
             # A read thread's SystemExit waits for its turn too: a worker reading ahead while
             # it waits for credits sends what it computed before user code exits.
@@ -465,6 +437,61 @@ class _BusyClock:
             return None
 
 
+class _BlockReader:
+    """Reads blocks of a MapDataset's indices and sizes the next blocks by their cost.
+
+    This, not the iterator, is what the read threads hold: an iterator dropped with reads in
+    flight is collected at once, and the elements it buffered with it.
+
+    The dataset comes with each read, not kept here: execution statistics swap the iterator's
+    MapDataset graph for a timed copy (``stats``), and reads must see that swap.
+
+    Args:
+      threaded: Whether blocks may be read on read threads.
+      concurrency: The iterator's read concurrency (whether the first block is measured yet).
+      chunk_cap: The largest block.
+    """
+
+    def __init__(self, threaded: bool, concurrency: ReadConcurrency, chunk_cap: int) -> None:
+        self._threaded = threaded
+        self._concurrency = concurrency
+        self._chunk_cap = chunk_cap
+        self.chunk_size = 1
+        self.cpu_share = 1.0
+
+    def read(self, ds: MapDataset[Any], start: int, count: int) -> Sequence[Any]:
+        """Reads ``ds[start:start + count]`` and adapts the next blocks' size to its cost."""
+        # Thread CPU time, not wall time: with several read threads, waiting for the GIL
+        # would otherwise look like expensive elements and shrink the blocks.
+        first = self._threaded and not self._concurrency.measured
+        busy = _BusyClock() if first else None
+        began_busy = busy.read() if busy is not None else None
+        began_cpu, began_wall = time.thread_time(), time.perf_counter()
+        values = ds._getitems(range(start, start + count))
+        elapsed = time.thread_time() - began_cpu
+        wall = time.perf_counter() - began_wall
+        share = elapsed / wall if wall > 0 else 1.0
+        self.cpu_share = share
+        if first:
+            # The first block decides between waiting on I/O and computing: a busy machine's
+            # run queue is computing too, and a block too short to tell counts as computing.
+            ended_busy = busy.read() if busy is not None else None
+            if began_busy is not None and ended_busy is not None and wall > 0:
+                self.cpu_share = (ended_busy - began_busy) / wall
+            if wall < _io_verdict_s():
+                self.cpu_share = 1.0
+        cost = elapsed if share >= _IO_BOUND_LOAD else wall
+        if cost < _FAST_BLOCK_S:
+            self.chunk_size = min(self.chunk_size * 2, self._chunk_cap)
+        elif cost > _SLOW_BLOCK_S:
+            self.chunk_size = max(self.chunk_size // 2, 1)
+        if len(values):
+            size = _array_bytes(values[0])
+            if size * self.chunk_size > _BLOCK_BYTES:
+                self.chunk_size = max(1, _BLOCK_BYTES // size)
+        return values
+
+
 class _FirstReadWatch:
     """Looks at the consumer's thread while it reads an iterator's first block: if the read
     waits on I/O (the thread off the CPU most of the time), starts the next reads on threads
@@ -475,7 +502,9 @@ class _FirstReadWatch:
     """
 
     def __init__(self, it: PrefetchDatasetIterator) -> None:
-        self._it = it
+        # Dropped by ``stop``: the watching thread may outlive the read by a look, and must not
+        # keep the iterator (and the elements it buffers) alive meanwhile.
+        self._it: PrefetchDatasetIterator | None = it
         self._stop = threading.Event()
         self._lock = threading.Lock()
         self._started: list[tuple[int, int, concurrent.futures.Future[Any]]] = []
@@ -497,8 +526,8 @@ class _FirstReadWatch:
                 return
             if busy - began_busy < _IO_BOUND_LOAD * wall:
                 with self._lock:
-                    if not self._stop.is_set():
-                        it = self._it
+                    it = self._it
+                    if it is not None:
                         it._concurrency.waits_on_io()
                         self._started = it._start_reads(it._concurrency.value)
                 return
@@ -507,6 +536,7 @@ class _FirstReadWatch:
         """Ends the watch (the first read is done); returns the reads it started, in order."""
         self._stop.set()
         with self._lock:
+            self._it = None
             return self._started
 
 

@@ -21,6 +21,7 @@ import numpy as np
 from grain_core import _tree
 from grain_core.capabilities import BatchedReadSource, ColumnReadSource, GrainBatchedReadSource
 from grain_core.dataset.base import Indices, MapDataset
+from grain_core.sharding import ShardOptions, even_split
 
 __all__ = [
     "ColumnBlock",
@@ -212,6 +213,9 @@ class SourceMapDataset(MapDataset[Any]):
             self._len = len(next(iter(self._arrays.values())))
         else:
             self._len = len(source)
+        # ``set_slice`` narrows the reads to ``[_offset, _offset + _len)`` of the source.
+        self._offset = 0
+        self._full_len = self._len
 
     @property
     def source(self) -> Any:  # pyright: ignore[reportIncompatibleMethodOverride]
@@ -232,14 +236,15 @@ class SourceMapDataset(MapDataset[Any]):
             return self.slice(index)
         if self._len == 0:
             raise IndexError("Cannot read from an empty source.")
+        key = self._offset + index % self._len
         if isinstance(self._arrays, dict):
-            return {k: v[index % self._len] for k, v in self._arrays.items()}
-        return self._source[index % self._len]
+            return {k: v[key] for k, v in self._arrays.items()}
+        return self._source[key]
 
     def _getitems(self, indices: Indices) -> Sequence[Any]:
         if self._len == 0:
             raise IndexError("Cannot read from an empty source.")
-        keys = np.asarray(indices, dtype=np.int64) % self._len
+        keys = np.asarray(indices, dtype=np.int64) % self._len + self._offset
         arrays = self._arrays
         if arrays is None:
             return self._read_batch(keys.tolist())
@@ -248,6 +253,21 @@ class SourceMapDataset(MapDataset[Any]):
             return block if _columns_wanted.get() else list(block)
         rows = arrays[keys]
         return StackedBlock(rows, len(rows)) if _columns_wanted.get() else list(rows)
+
+    def set_slice(self, sl: slice, sequential_slice: bool = False) -> None:
+        """Grain's in-place worker slice: reads only block ``sl.start`` of ``sl.step`` contiguous
+        blocks of the whole source from now on (``even_split``). grain_core's workers slice a
+        copy of the pipeline instead; this serves code that calls it directly.
+
+        Args:
+          sl: ``slice(worker_index, None, worker_count)``.
+          sequential_slice: Must be True: only contiguous blocks are supported.
+
+        Raises:
+          AssertionError: If ``sequential_slice`` is False (the exception Grain raises).
+        """
+        self._offset, end = _sequential_block(self._full_len, sl, sequential_slice)
+        self._len = end - self._offset
 
     def __repr__(self) -> str:
         src = self._source
@@ -266,6 +286,7 @@ class RangeMapDataset(MapDataset[int]):
         if stop is None:
             start, stop = 0, start
         self._range = range(start, stop, step)
+        self._full_range = self._range
         self.start, self.stop, self.step = start, stop, step
 
     def __len__(self) -> int:
@@ -286,6 +307,21 @@ class RangeMapDataset(MapDataset[int]):
         idx = np.asarray(indices, dtype=np.int64) % n
         return (self.start + idx * self.step).tolist()
 
+    def set_slice(self, sl: slice, sequential_slice: bool = False) -> None:
+        """Grain's in-place worker slice: yields only block ``sl.start`` of ``sl.step`` contiguous
+        blocks of the whole range from now on (``even_split``), as ``SourceMapDataset.set_slice``.
+
+        Args:
+          sl: ``slice(worker_index, None, worker_count)``.
+          sequential_slice: Must be True: only contiguous blocks are supported.
+
+        Raises:
+          AssertionError: If ``sequential_slice`` is False (the exception Grain raises).
+        """
+        start, end = _sequential_block(len(self._full_range), sl, sequential_slice)
+        self._range = self._full_range[start:end]
+        self.start, self.stop = self._range.start, self._range.stop
+
     def to_iter_dataset(self, read_options: Any = None, *, allow_nones: bool = False) -> Any:
         from grain_core.options import ReadOptions
 
@@ -297,3 +333,14 @@ class RangeMapDataset(MapDataset[int]):
 
     def __repr__(self) -> str:
         return f"RangeMapDataset(start={self.start}, stop={self.stop}, step={self.step})"
+
+
+def _sequential_block(length: int, sl: slice, sequential_slice: bool) -> tuple[int, int]:
+    """``(start, end)`` of block ``sl.start`` of ``sl.step`` over ``length`` elements."""
+    if not sequential_slice:
+        # Grain's tests and callers expect this type for the refusal.
+        raise AssertionError(
+            "set_slice on a source supports only sequential_slice=True (contiguous blocks); "
+            "for strided worker shares use mp_prefetch, which slices a copy of the pipeline."
+        )
+    return even_split(length, ShardOptions(sl.start or 0, sl.step or 1))

@@ -17,7 +17,7 @@ with one input per worker (rotation) or per strided class of positions (dispatch
 state is the interleave state with one worker pipeline state per input. The rest of the
 folder: ``protocol`` (the messages), ``pickling``, ``worker`` (the worker loop both engines
 share), ``shm_batch`` (batches written into shared memory), ``positions`` (what dispatching
-workers compute). The processes themselves are ``grain_core._ipc``'s.
+workers compute), ``share_index`` (``get_next_index``/``set_next_index`` with one worker). The processes themselves are ``grain_core._ipc``'s.
 """
 
 from __future__ import annotations

@@ -25,6 +25,7 @@ from grain_core.dataset.mp.in_process import InProcessProducer, WorkerPayoff, cl
 from grain_core.dataset.mp.pickling import EngineInput
 from grain_core.dataset.mp.positions import ClassBatchesMapDataset, dispatch_view
 from grain_core.dataset.mp.protocol import ERROR
+from grain_core.dataset.mp.share_index import share_next_index, share_state_at
 from grain_core.dataset.options import DatasetOptions, FilterRatioChecker
 
 __all__ = ["ClassConsumer", "DispatchedClassIterator", "Producer"]
@@ -305,6 +306,14 @@ class DispatchedClassIterator(DatasetIterator[Any]):
 
     def set_state(self, state: dict[str, Any]) -> None:
         self._consumer.restore(self._index, self._state_int(state, "next_index"))
+
+    def _get_next_index(self) -> int:
+        consumer = self._consumer
+        return share_next_index(consumer.engine, self._index, consumer.count, self.get_state())
+
+    def _set_next_index(self, index: int) -> None:
+        consumer = self._consumer
+        self.set_state(share_state_at(consumer.engine, self._index, consumer.count, index))
 
     def close(self) -> None:
         if self._closed:

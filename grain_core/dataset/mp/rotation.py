@@ -55,6 +55,7 @@ from grain_core.dataset.mp.protocol import (
     receive_side_message,
     stats_request_message,
 )
+from grain_core.dataset.mp.share_index import share_next_index, share_state_at
 from grain_core.dataset.mp.shm_batch import with_shared_memory_output
 from grain_core.dataset.mp.worker import (
     GROUP_S,
@@ -487,6 +488,12 @@ class RotationIterator(DatasetIterator[Any]):
             self._state = it.get_state()
             it.close()
         return copy.deepcopy(self._state)
+
+    def _get_next_index(self) -> int:
+        return share_next_index(self._engine, self._index, self._count, self.get_state())
+
+    def _set_next_index(self, index: int) -> None:
+        self.set_state(share_state_at(self._engine, self._index, self._count, index))
 
     def set_state(self, state: dict[str, Any]) -> None:
         if isinstance(self._error, WorkerDiedError):
