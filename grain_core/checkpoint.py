@@ -108,7 +108,7 @@ def _same_state_everywhere(item: Any) -> bool:
 
 
 def _takes_bytes(item: Any) -> bool:
-    from grain_core.dataset.base import DatasetIterator
+    from grain_core.dataset.base import DatasetIterator  # import cost
 
     return not isinstance(item, DatasetIterator)
 
@@ -117,7 +117,7 @@ def _takes_bytes(item: Any) -> bool:
 def _orbax_args() -> dict[str, type]:
     """Defines ``CheckpointSave``/``CheckpointRestore`` as Orbax ``CheckpointArgs`` (on first use,
     so that importing grain_core never imports Orbax and JAX)."""
-    import orbax.checkpoint as ocp
+    import orbax.checkpoint as ocp  # optional dependency
 
     # Orbax takes any class with its handler's methods; CheckpointHandler does not subclass
     # Orbax's, so that importing grain_core never imports Orbax (pyright wants the subclass).

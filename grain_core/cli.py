@@ -24,7 +24,7 @@ from typing import Any, TypeVar
 
 import numpy as np
 
-from grain_core import plugins, shard_names, storage
+from grain_core import __version__, plugins, shard_names, storage
 
 __all__ = ["main"]
 
@@ -220,7 +220,7 @@ def _parser() -> argparse.ArgumentParser:
         "demo",
         help="train a small JAX model from a data file, preempt it and resume it bit-exactly",
     )
-    from grain_core import demo as demo_module
+    from grain_core import demo as demo_module  # import cost
 
     demo_module.add_arguments(demo)
     demo.set_defaults(run=demo_module.run)
@@ -229,7 +229,7 @@ def _parser() -> argparse.ArgumentParser:
         "profile",
         help="run a pipeline for N batches and write an HTML report of where its time goes",
     )
-    from grain_core import profiling
+    from grain_core import profiling  # import cost
 
     profiling.add_arguments(profile)
     profile.set_defaults(run=profiling.run)
@@ -244,8 +244,6 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _version_text() -> str:
-    from grain_core import __version__
-
     loaded = [r for r in plugins.registry().reports if r.status == "loaded"]
     names = ", ".join(
         f"{r.name} ({r.distribution} {r.version})" if r.name != plugins.BUILTIN_PLUGIN else r.name
@@ -303,8 +301,6 @@ def _provides_text(report: plugins.PluginReport) -> str:
 
 
 def _plugins_json(registry: plugins.Registry) -> dict[str, Any]:
-    from grain_core import __version__
-
     return {
         "grain_core": __version__,
         "plugins": [report.to_json() for report in registry.reports],
@@ -583,7 +579,7 @@ def _records_of(
     when it is known up front."""
     if fmt.iter_dataset is not None:
         return _call(fmt.iter_dataset, fmt, "reader", path, options=options), None
-    from grain_core.dataset.base import MapDataset
+    from grain_core.dataset.base import MapDataset  # import cost
 
     source = _call(fmt.get("source"), fmt, "source", path, options=options)
     return MapDataset.source(source).to_iter_dataset(), len(source)
@@ -609,7 +605,7 @@ def progress(iterable: Iterable[_T], total: int | None, unit: str) -> Iterable[_
     if not sys.stderr.isatty():
         return iterable
     try:
-        from tqdm import tqdm
+        from tqdm import tqdm  # optional dependency
     except ImportError:
         return iterable
     return tqdm(iterable, total=total, unit=unit, file=sys.stderr, leave=False)

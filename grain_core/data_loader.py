@@ -45,6 +45,8 @@ from grain_core.capabilities import (
     RecordRngDeclaring,
 )
 from grain_core.dataset.base import DatasetIterator, Indices, IterDataset, MapDataset
+from grain_core.dataset.batch import make_batch
+from grain_core.dataset.flatmap import FlatMapIterDataset
 from grain_core.dataset.interleave import (
     interleave_input_states,
     interleave_next_input,
@@ -285,8 +287,6 @@ class _RecordFlatMap:
 def _batch_fn(batch_fn: Any, shared_memory: bool) -> Any:
     """The function a ``Batch`` operation stacks with: the user's or ``make_batch``, writing
     into shared memory when the batch is sent to the parent process."""
-    from grain_core.dataset.batch import make_batch
-
     # import cost: the worker engines load only for a DataLoader with workers
     from grain_core.dataset.mp import shared_memory_batch_fn
 
@@ -541,8 +541,6 @@ class DataLoader:
                 elif isinstance(op, transforms.Filter):
                     it_ds = it_ds.filter(_RecordFilter(op))
                 elif isinstance(op, transforms.FlatMap):
-                    from grain_core.dataset.flatmap import FlatMapIterDataset
-
                     it_ds = FlatMapIterDataset(it_ds, _RecordFlatMap(op))
                 elif isinstance(op, _ONE_TO_ONE):
                     it_ds = it_ds.map(_RecordMap(op))

@@ -31,8 +31,10 @@ from typing import Any
 
 import numpy as np
 
+import grain_core as grain
 from grain_core import _demo, plugins, transforms
 from grain_core.checkpoint import CheckpointHandler
+from grain_core.cli import progress
 from grain_core.storage import write_bytes
 
 __all__ = ["add_arguments", "run"]
@@ -165,8 +167,6 @@ def write_dataset(fmt: str, workdir: Path, num_records: int) -> tuple[Any, str]:
 
 def make_loader(source: Any, workers: int) -> Any:
     """The seed pipeline as a DataLoader: shuffle(seed 42), repeat, decode, normalise, batch."""
-    import grain_core as grain
-
     return grain.DataLoader(
         data_source=source,
         sampler=grain.samplers.IndexSampler(len(source), shuffle=True, seed=42, num_epochs=None),
@@ -189,8 +189,8 @@ def init_params(seed: int = 0) -> dict[str, Any]:
 
 def make_train_step() -> Any:
     """A jitted SGD step ``(params, batch) -> (params, loss)`` of softmax cross-entropy."""
-    import jax
-    import jax.numpy as jnp
+    import jax  # optional dependency
+    import jax.numpy as jnp  # optional dependency
 
     def loss_fn(params: dict[str, Any], batch: dict[str, Any]) -> Any:
         x = batch["image"].reshape(batch["image"].shape[0], -1)
@@ -216,9 +216,9 @@ def _digest(batch: dict[str, Any]) -> str:
 
 
 def _device_iterator(loader: Any, *, track: bool) -> Any:
-    import jax
+    import jax  # optional dependency
 
-    from grain_core.experimental import (
+    from grain_core.experimental import (  # import cost
         DatasetOptions,
         ExecutionTrackingMode,
         WithOptionsIterDataset,
@@ -244,8 +244,6 @@ class _Training:
         self.wall_s = 0.0
 
     def run(self, it: Any, first: int, last: int, on_step: Any = None) -> None:
-        from grain_core.cli import progress
-
         start = time.perf_counter()
         for step in progress(range(first, last), last - first, "steps"):
             before = time.perf_counter()
@@ -272,9 +270,9 @@ def _save_checkpoint(directory: Path, it: Any, params: dict[str, Any], step: int
 
 
 def _main_run(args: argparse.Namespace, workdir: Path, checkpoint_step: int) -> int:
-    import jax
+    import jax  # optional dependency
 
-    from grain_core.experimental import get_execution_summary
+    from grain_core.experimental import get_execution_summary  # import cost
 
     workdir.mkdir(parents=True, exist_ok=True)
     source, description = write_dataset(args.format, workdir, args.records)

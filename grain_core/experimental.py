@@ -41,6 +41,7 @@ from grain_core.dataset.window_shuffle import WindowShuffleIterDataset, WindowSh
 from grain_core.dataset.with_options import WithOptionsIterDataset
 from grain_core.dataset.zip import ZipIterDataset, ZipMapDataset
 from grain_core.jax_utils import device_put, make_global_batch
+from grain_core.plugins import resolve_public_name
 from grain_core.random import RngPool, index_shuffle
 from grain_core.testing import assert_equal_output_after_checkpoint
 from grain_core.transforms import FlatMap as FlatMapTransform
@@ -99,6 +100,4 @@ __all__ = [
 
 
 def __getattr__(name: str) -> Any:
-    from grain_core.plugins import resolve_public_name
-
     return resolve_public_name(__name__, name)

@@ -32,7 +32,7 @@ __all__ = ["device_put", "make_global_batch"]
 
 def _import_jax(what: str) -> Any:
     try:
-        import jax
+        import jax  # optional dependency
     except ImportError as err:
         raise ImportError(f"{what} needs JAX, which is not installed: {JAX_INSTALL_HINT}") from err
     return jax
@@ -150,7 +150,7 @@ def _local_parts_of_leading_dim(sharding: Any, ndim: int) -> int:
 
     For other shardings JAX's own check (re-raised with the leaf's name) applies.
     """
-    import jax
+    import jax  # optional dependency
 
     if not isinstance(sharding, jax.sharding.NamedSharding) or ndim == 0 or not sharding.spec:
         return 1
@@ -172,7 +172,7 @@ def _local_parts_of_leading_dim(sharding: Any, ndim: int) -> int:
 def _as_iter_dataset(ds: Any) -> IterDataset[Any]:
     if isinstance(ds, IterDataset):
         return ds
-    from grain_core.data_loader import DataLoader
+    from grain_core.data_loader import DataLoader  # import cost
 
     if isinstance(ds, DataLoader):
         return _DataLoaderIterDataset(ds)

@@ -163,7 +163,7 @@ class IndexSampler:
         num_epochs: int | None = None,
         seed: int | None = None,
     ) -> None:
-        from grain_core.dataset.base import MapDataset
+        from grain_core.dataset.base import MapDataset  # import cost
 
         self._num_records = _check_num_records(num_records)
         self._shard_options = shard_options if shard_options is not None else NoSharding()

@@ -87,7 +87,7 @@ def jax_process_index_and_count(*, required: bool) -> tuple[int, int]:
         which package to install.
     """
     try:
-        import jax
+        import jax  # optional dependency
     except ImportError as err:
         if not required:
             # Grain's fallback, but a multi-host job without JAX would read all the data on

@@ -128,6 +128,6 @@ def _attach_shared_memory_source(
 
 
 def __getattr__(name: str) -> Any:
-    from grain_core.plugins import resolve_public_name
+    from grain_core.plugins import resolve_public_name  # import cost
 
     return resolve_public_name(__name__, name)

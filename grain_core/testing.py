@@ -214,7 +214,7 @@ def check_iterator_conformance(
 
 
 def _is_dataset(x: Any) -> bool:
-    from grain_core.dataset.base import IterDataset, MapDataset
+    from grain_core.dataset.base import IterDataset, MapDataset  # import cost
 
     return isinstance(x, (IterDataset, MapDataset))
 

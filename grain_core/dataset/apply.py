@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from grain_core import transforms
+from grain_core.dataset import flatmap
 from grain_core.dataset.base import MapDataset
 
 __all__ = ["apply_transformations"]
@@ -35,8 +36,6 @@ def _apply_one(ds: Any, t: Any) -> Any:
     if isinstance(t, transforms.Filter):
         return ds.filter(t)
     if isinstance(t, transforms.FlatMap):
-        from grain_core.dataset import flatmap
-
         if isinstance(ds, MapDataset):
             return flatmap.FlatMapMapDataset(ds, t)
         return flatmap.FlatMapIterDataset(ds, t)

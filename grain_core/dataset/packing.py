@@ -28,6 +28,7 @@ import numpy as np
 from grain_core import _tree
 from grain_core._checks import non_negative_int, positive_int
 from grain_core.dataset.base import DatasetIterator, IterDataset
+from grain_core.record import Record
 
 __all__ = ["BestFitPackIterDataset", "FirstFitPackIterDataset", "PackAndBatchOperation"]
 
@@ -655,8 +656,6 @@ class PackAndBatchOperation(Generic[T]):
         )
 
     def __call__(self, input_iterator: Iterable[Any]) -> Iterator[Any]:
-        from grain_core.record import Record
-
         layout = self._layout
         group: _BinGroup | None = None
         metadata: Any = None  # of the last record placed: set before any batch is yielded

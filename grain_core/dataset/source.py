@@ -21,6 +21,7 @@ import numpy as np
 from grain_core import _tree
 from grain_core.capabilities import BatchedReadSource, ColumnReadSource, GrainBatchedReadSource
 from grain_core.dataset.base import Indices, MapDataset
+from grain_core.options import ReadOptions
 from grain_core.sharding import ShardOptions, even_split
 
 __all__ = [
@@ -323,8 +324,6 @@ class RangeMapDataset(MapDataset[int]):
         self.start, self.stop = self._range.start, self._range.stop
 
     def to_iter_dataset(self, read_options: Any = None, *, allow_nones: bool = False) -> Any:
-        from grain_core.options import ReadOptions
-
         # Values are computed arithmetically: read them in blocks in the consumer thread;
         # read threads would only add overhead.
         return super().to_iter_dataset(

@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any
 
 import pluggy
 
+from grain_core import __version__
 from grain_core.plugins import _builtins, hookspecs
 from grain_core.plugins._errors import (
     AmbiguousFormatError,
@@ -199,8 +200,6 @@ class Registry:
     # Loading.
 
     def _load_all(self, environ: Mapping[str, str]) -> None:
-        from grain_core import __version__
-
         builtin = PluginReport(BUILTIN_PLUGIN, "grainpipe", __version__, _builtins.__name__)
         self.reports.append(builtin)
         self._load_one(builtin, lambda: _builtins)

@@ -10,6 +10,7 @@ on first use.
 
 from __future__ import annotations
 
+import importlib
 from typing import Any
 
 from grain_core.checkpoint import CheckpointHandler as PyGrainCheckpointHandler
@@ -104,8 +105,6 @@ _LAZY = {
 def __getattr__(name: str) -> Any:
     if name not in _LAZY:
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}", name=name)
-    import importlib
-
     module, attribute = _LAZY[name]
     return getattr(importlib.import_module(module), attribute)
 

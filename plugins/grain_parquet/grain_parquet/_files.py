@@ -239,7 +239,7 @@ def _arrow_filesystem(filesystem: Any) -> pafs.FileSystem | None:
     if filesystem is None or isinstance(filesystem, pafs.FileSystem):
         return filesystem
     try:
-        import fsspec
+        import fsspec  # optional dependency
     except ImportError:
         fsspec = None
     if fsspec is not None and isinstance(filesystem, fsspec.AbstractFileSystem):
