@@ -639,7 +639,10 @@ def test_a_cache_smaller_than_the_glob_serves_every_shard_over_epochs(
     ]
     size = max(p.stat().st_size for p in shards)
     directory = tmp_path / "cache"
-    cache = ShardCache(directory, max_bytes=int(shards_kept * size), read_ahead=2)
+    # Below the data set a download ahead may give way to the reader and come again later
+    # (allowed, and a matter of thread timing): the exact count is checked without one.
+    read_ahead = 2 if shards_kept >= 5 else 0
+    cache = ShardCache(directory, max_bytes=int(shards_kept * size), read_ahead=read_ahead)
     source = ArrayRecordDataSource(f"countingar://{remote}/part-*.array_record", shard_cache=cache)
     assert len(source) == 250
     assert sorted(_CountingLocalFS.opens.values()) == [1] * 5

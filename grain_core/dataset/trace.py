@@ -186,7 +186,9 @@ class Trace:
         start, end = self._window()
         pid = os.getpid()
         with _recorder.lock:
-            spans = [(pid, s) for s in _recorder.local] + list(_recorder.remote)
+            # Threads append spans without the lock: tuple() copies the deque in one step
+            # (a Python loop over it raced with them: "deque mutated during iteration").
+            spans = [(pid, s) for s in tuple(_recorder.local)] + list(_recorder.remote)
             thread_names = dict(_recorder.thread_names)
             process_names = dict(_recorder.process_names)
         process_names[pid] = f"grain_core main process ({pid})"
