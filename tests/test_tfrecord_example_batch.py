@@ -50,10 +50,18 @@ def _walked_without_fallback(records: list[bytes] | np.ndarray, spec: dict) -> b
 
 
 # ------------------------------------------------------------------------ wire generation
+# A record layout shared by the records of a batch: its features in order, each with its
+# number of values (and, for bytes, the size of every item).
+_Layout = list[tuple[str, int, int]]
+
+
 @st.composite
-def _record(draw: st.DrawFn, canonical: bool) -> tuple[bytes, dict[str, list]]:  # type: ignore[type-arg]
-    """One Example of ``_SCHEMA`` (features may be missing), encoded canonically or not;
-    returns its bytes and its values as a reference for the tests without protobuf."""
+def _record(
+    draw: st.DrawFn, canonical: bool, layout: _Layout | None = None
+) -> tuple[bytes, dict[str, list]]:  # type: ignore[type-arg]
+    """One Example of ``_SCHEMA`` (features may be missing), encoded canonically or not, or
+    canonically in ``layout`` with values drawn anew; returns its bytes and its values as a
+    reference for the tests without protobuf."""
 
     def varint(value: int, limit: int = 10) -> bytes:
         size = varint_size(value)
@@ -64,14 +72,19 @@ def _record(draw: st.DrawFn, canonical: bool) -> tuple[bytes, dict[str, list]]: 
     def field(number: int, payload: bytes) -> bytes:
         return varint(number << 3 | 2, 5) + varint(len(payload), 5) + payload
 
-    def values_of(kind: str) -> list:  # type: ignore[type-arg]
+    def values_of(kind: str, count: int | None = None, width: int | None = None) -> list:  # type: ignore[type-arg]
+        sizes = {} if count is None else {"min_size": count, "max_size": count}
         if kind == "int":
-            return draw(
-                st.lists(st.integers(INT64_MIN, INT64_MAX) | st.integers(0, 300), max_size=5)
-            )
+            # 1 to 10 bytes each: small, up to the 8-byte words the walk reads, negative.
+            ints = st.integers(INT64_MIN, INT64_MAX) | st.integers(0, 300)
+            return draw(st.lists(ints | st.integers(0, 1 << 57), **{"max_size": 5, **sizes}))
         if kind == "float":
-            return draw(st.lists(st.floats(width=32, allow_nan=False), max_size=5))
-        return draw(st.lists(st.binary(max_size=6), max_size=3))
+            floats = st.floats(width=32, allow_nan=False)
+            return draw(st.lists(floats, **{"max_size": 5, **sizes}))
+        items = (
+            st.binary(max_size=6) if width is None else st.binary(min_size=width, max_size=width)
+        )
+        return draw(st.lists(items, **{"max_size": 3, **sizes}))
 
     def list_bytes(kind: str, values: list) -> bytes:  # type: ignore[type-arg]
         if kind == "bytes":
@@ -95,7 +108,10 @@ def _record(draw: st.DrawFn, canonical: bool) -> tuple[bytes, dict[str, list]]: 
 
     kinds = {"bytes": 1, "float": 2, "int": 3}
     # Any feature may be missing: records of one batch then differ in their features.
-    present = {name: values_of(kind) for name, kind in _SCHEMA.items() if draw(st.booleans())}
+    if layout is None:
+        present = {name: values_of(kind) for name, kind in _SCHEMA.items() if draw(st.booleans())}
+    else:
+        present = {name: values_of(_SCHEMA[name], count, width) for name, count, width in layout}
     names = list(present)
     if not canonical:
         names = draw(st.permutations(names))
@@ -114,6 +130,22 @@ def _record(draw: st.DrawFn, canonical: bool) -> tuple[bytes, dict[str, list]]: 
 def _batches(canonical: bool | None = None) -> st.SearchStrategy:  # type: ignore[type-arg]
     flags = st.booleans() if canonical is None else st.just(canonical)
     return st.lists(flags.flatmap(_record), min_size=1, max_size=12)
+
+
+@st.composite
+def _shared_layout_batch(draw: st.DrawFn) -> list[tuple[bytes, dict[str, list]]]:  # type: ignore[type-arg]
+    """A batch whose records mostly share one layout (the walk's record template) with
+    values of other sizes, among records of any other layout, canonical or not."""
+    names = draw(st.permutations(list(_SCHEMA)))[: draw(st.integers(0, len(_SCHEMA)))]
+    layout = [(name, draw(st.integers(0, 3)), draw(st.integers(0, 4))) for name in names]
+    others = st.booleans().flatmap(_record)
+    return draw(
+        st.lists(
+            st.integers(0, 5).flatmap(lambda k: _record(True, layout) if k else others),
+            min_size=1,
+            max_size=40,
+        )
+    )
 
 
 def _reference(pb, data: bytes) -> dict[str, np.ndarray]:  # type: ignore[no-untyped-def]
@@ -172,6 +204,47 @@ def test_canonical_batches_take_the_vectorised_walk(records: list[tuple[bytes, d
         empty = np.empty(0, dtype=object if kind == "bytes" else _DTYPES[kind])
         expected = [decode_example(data).get(name, empty) for data in serialized]
         _assert_ragged_rows(parsed[name], expected, name)  # type: ignore[arg-type]
+
+
+@settings(max_examples=150)
+@given(_shared_layout_batch(), st.booleans())
+def test_batches_sharing_a_layout_agree_with_the_protobuf_runtime(
+    records: list[tuple[bytes, dict]],  # type: ignore[type-arg]
+    as_numpy_bytes: bool,
+) -> None:
+    """The record-template fast path (records laid out alike, their value sizes and varint
+    widths differing: scalars read as one word, equal-sized bytes items, empty lists, long
+    or negative ints) and the records that leave it (other layouts, missing features,
+    unpacked lists) decode as protobuf decodes each record."""
+    pytest.importorskip("google.protobuf")
+    pb = grain_tfrecord.example_message_classes()
+    serialized = [data for data, _ in records]
+    expected = [_reference(pb, data) for data in serialized]
+    batch = np.array(serialized) if as_numpy_bytes else serialized
+    parsed = parse_example_batch(batch, _var_len_spec())
+    for name, kind in _SCHEMA.items():
+        empty = np.empty(0, dtype=object if kind == "bytes" else _DTYPES[kind])
+        rows = [e.get(name, empty) for e in expected]
+        _assert_ragged_rows(parsed[name], rows, name)  # type: ignore[arg-type]
+
+
+def test_a_list_ending_inside_a_varint_is_refused_in_a_shared_layout() -> None:
+    """A packed int64 list whose last byte continues a varint, among records laid out
+    alike, is an error naming the record (not an empty list, not a value)."""
+
+    def field(number: int, payload: bytes) -> bytes:
+        return encode_varint(number << 3 | 2) + encode_varint(len(payload)) + payload
+
+    def record(packed: bytes) -> bytes:
+        feature = field(3, field(1, packed))
+        return field(1, field(1, field(1, b"label") + field(2, feature)))
+
+    records = [record(b"\x05"), record(b"\x85\x01"), record(b"\x85"), record(b"\x07")]
+    for batch in (records, np.array(records)):
+        with pytest.raises(ExampleDecodeError, match="record 2 of the batch"):
+            parse_example_batch(batch, {"label": VarLenFeature(np.int64)})
+        good = parse_example_batch(batch[:2], {"label": FixedLenFeature((), np.int64)})
+        assert good["label"].tolist() == [5, 133]  # type: ignore[union-attr]
 
 
 def test_records_written_by_protobuf_take_the_walk_and_match() -> None:

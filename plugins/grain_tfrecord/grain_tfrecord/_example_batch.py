@@ -32,7 +32,6 @@ from grain_tfrecord._example import (
     _INT64,
     _KIND_NAMES,
     _LE_FLOAT32,
-    _SEVEN_BITS,
     ExampleDecodeError,
     Parsed,
     _decode,
@@ -52,7 +51,23 @@ __all__ = [
 ]
 
 _PAD = 16  # zero bytes after the batch's wire bytes: a window read never leaves the buffer
-_WINDOW = np.arange(_PAD, dtype=np.int64)
+# Lists of up to 8 bytes read as one word: per list size, the mask of its bytes, of their
+# continuation bits, and the continuation bits of a list holding one varint.
+_WORD_BYTES = 8
+_LIST_BYTES = np.array([(1 << 8 * s) - 1 for s in range(9)], dtype=np.uint64)
+_CONTINUATION_BITS = np.array([int.from_bytes(b"\x80" * s, "little") for s in range(9)], np.uint64)
+_ONE_VARINT = np.array(
+    [int.from_bytes(b"\x80" * (s - 1), "little") if s else 0 for s in range(9)], np.uint64
+)
+# Joins the 7-bit groups of a little-endian word pairwise: bytes, then 16- and 32-bit lanes.
+_PACK_STEPS = tuple(
+    (np.uint64(low), np.uint64(low << width), np.uint64(width - bits))
+    for low, width, bits in (
+        (0x007F007F007F007F, 8, 7),
+        (0x00003FFF00003FFF, 16, 14),
+        (0x0FFFFFFF, 32, 28),
+    )
+)
 # Distinct feature names at one step of the walk before the remaining records leave it.
 _MAX_NAMES_PER_STEP = 8
 
@@ -419,15 +434,22 @@ _Found = tuple[np.ndarray, np.ndarray, np.ndarray]
 def _varints(raw: np.ndarray, pos: np.ndarray, limit: int) -> tuple[np.ndarray, np.ndarray, Any]:
     """Reads one varint (at most ``limit`` bytes) at each of ``pos``: (values, positions
     after them, mask of the valid ones, or None when all are)."""
-    first = raw[pos]
-    if int(first.max(initial=0)) < 0x80:
-        return first.astype(np.int64), pos + 1, None
-    window = raw[pos[:, None] + _WINDOW[:limit]]
-    last = window < 0x80
-    size = last.argmax(axis=1) + 1
-    parts = (window & 0x7F).astype(np.uint64) << _SEVEN_BITS[:limit]
-    parts[_WINDOW[:limit] >= size[:, None]] = 0
-    return parts.sum(axis=1, dtype=np.uint64).astype(np.int64), pos + size, last.any(axis=1)
+    byte = raw[pos]
+    going = byte >= 0x80
+    values = byte.astype(np.int64)
+    if not going.any():
+        return values, pos + 1, None
+    # Byte by byte, while some varint goes on: lengths are one to three bytes long.
+    values &= 0x7F
+    size = np.ones_like(pos)
+    for k in range(1, limit):
+        byte = raw[pos + np.where(going, k, 0)]
+        values |= np.where(going, (byte & 0x7F).astype(np.int64) << 7 * k, 0)
+        size += going
+        going &= byte >= 0x80
+        if not going.any():
+            return values, pos + size, None
+    return values, pos + size, ~going
 
 
 def _delimited(
@@ -603,13 +625,12 @@ class _Template:
 @dataclasses.dataclass(frozen=True)
 class _RecordChecks:
     """The checks of :meth:`_Template.match` for a record's entries at once: the headers of
-    all entries side by side (``offsets`` from each entry's start, ``entry`` of each column),
-    against the fixed bytes and the length prefixes that the sizes give."""
+    all entries side by side (``sizes``: each entry's header size), compared with the bytes
+    they must hold: the templates' fixed bytes (``expected``) and, at ``length_columns``, the
+    length prefixes that the sizes of the values give."""
 
-    entry_of_column: np.ndarray
-    offsets: np.ndarray
-    fixed: np.ndarray
-    fixed_bytes: np.ndarray
+    sizes: tuple[int, ...]
+    expected: np.ndarray
     length_columns: np.ndarray
     length_entry: np.ndarray
     beyond: np.ndarray
@@ -622,11 +643,12 @@ class _RecordChecks:
     @staticmethod
     def of(templates: list[_Template]) -> _RecordChecks:
         first = np.cumsum([0] + [t.size for t in templates])
+        expected = np.zeros(int(first[-1]), dtype=np.uint8)
+        for k, t in enumerate(templates):
+            expected[t.fixed + first[k]] = t.fixed_bytes
         return _RecordChecks(
-            np.repeat(np.arange(len(templates)), [t.size for t in templates]),
-            np.concatenate([np.arange(t.size) for t in templates]),
-            np.concatenate([t.fixed + first[k] for k, t in enumerate(templates)]),
-            np.concatenate([t.fixed_bytes for t in templates]),
+            tuple(t.size for t in templates),
+            expected,
             np.concatenate([t.length_offsets + first[k] for k, t in enumerate(templates)]),
             np.repeat(np.arange(len(templates)), [t.length_offsets.size for t in templates]),
             np.concatenate([t.beyond for t in templates]),
@@ -637,14 +659,20 @@ class _RecordChecks:
             np.array([k for k, t in enumerate(templates) if t.empty], dtype=np.int64),
         )
 
-    def match(self, raw: np.ndarray, starts: np.ndarray, sizes: np.ndarray) -> np.ndarray:
+    def match(self, batch: _WireBatch, starts: np.ndarray, sizes: np.ndarray) -> np.ndarray:
         """Which rows (entry ``k`` at ``starts[:, k]`` with values of ``sizes[:, k]`` bytes)
         have every header as the templates say."""
-        headers = raw[starts[:, self.entry_of_column] + self.offsets]
-        matched = (headers[:, self.fixed] == self.fixed_bytes).all(axis=1)
+        # Each entry's header is copied row by row (one memcpy each), not byte by byte.
+        headers = np.concatenate(
+            [batch.windows(size)[starts[:, k]] for k, size in enumerate(self.sizes)], axis=1
+        )
+        expected = np.repeat(self.expected[None, :], len(starts), axis=0)
         lengths = sizes[:, self.length_entry] + self.beyond
-        expected = (lengths >> self.shift) & 0x7F | self.more
-        matched &= (headers[:, self.length_columns] == expected).all(axis=1)
+        expected[:, self.length_columns] = (lengths >> self.shift) & 0x7F | self.more
+        if headers.tobytes() == expected.tobytes():  # the usual case: every row matches
+            matched = np.ones(len(starts), dtype=bool)
+        else:
+            matched = (headers == expected).all(axis=1)
         matched &= (sizes < self.max_size).all(axis=1)
         if self.float_entries.size:
             matched &= (sizes[:, self.float_entries] % 4 == 0).all(axis=1)
@@ -773,7 +801,7 @@ class _Walk:
             sizes[:, k] = size
             pos = pos + (template.size + size)
         assert layout.checks is not None
-        matched = layout.checks.match(raw, starts, sizes) & (pos == end)
+        matched = layout.checks.match(self.batch, starts, sizes) & (pos == end)
         if not matched.any():
             return matched
         if not matched.all():
@@ -893,10 +921,9 @@ class _Walk:
         ``rows`` between ``start`` and ``stop``."""
         sizes = stop - start
         if kind == _BYTES:
-            values = np.empty(rows.size, dtype=object)
-            wire = self.batch.data
-            values[:] = [wire[a:b] for a, b in zip(start.tolist(), stop.tolist(), strict=True)]
-            self.found[name].append((rows, np.ones(rows.size, np.int64), values))
+            self.found[name].append((rows, np.ones(rows.size, np.int64), self.items(start, stop)))
+            return
+        if kind == _INT64 and self.short_varints(name, rows, start, sizes):
             return
         data = _gather(self.batch, start, stop)
         if kind == _FLOAT:
@@ -922,11 +949,47 @@ class _Walk:
         counts = counted[ends] - counted[ends - sizes]
         self.found[name].append((rows, counts, values))
 
+    def short_varints(
+        self, name: str, rows: np.ndarray, start: np.ndarray, sizes: np.ndarray
+    ) -> bool:
+        """Reads packed lists of at most one varint of up to 8 bytes each (a scalar int64
+        feature, the usual case) as one little-endian word per row, without gathering the
+        bytes. Returns False, reading nothing, where some list is otherwise."""
+        if int(sizes.max(initial=0)) > _WORD_BYTES:
+            return False
+        words = self.batch.windows(_WORD_BYTES)[start].view("<u8").ravel() & _LIST_BYTES[sizes]
+        # One varint: every byte of the list continues but its last.
+        if not bool(((words & _CONTINUATION_BITS[sizes]) == _ONE_VARINT[sizes]).all()):
+            return False
+        for low, high, shift in _PACK_STEPS:  # squeezes out the continuation bits
+            words = (words & low) | ((words & high) >> shift)
+        present = sizes > 0
+        if present.all():
+            self.found[name].append((rows, np.ones(rows.size, np.int64), words.view(np.int64)))
+        else:
+            values = words[present].view(np.int64)
+            self.found[name].append((rows, present.astype(np.int64), values))
+        return True
+
+    def items(self, start: np.ndarray, stop: np.ndarray) -> np.ndarray:
+        """The bytes between ``start`` and ``stop`` of each row, as an object array."""
+        values = np.empty(start.size, dtype=object)
+        width = int(stop[0] - start[0]) if start.size else 0
+        if width and bool((stop - start == width).all()):
+            same_size = self.batch.windows(width)[start]
+            # An S item drops trailing NULs: only items that end otherwise go this way.
+            if bool(same_size[:, -1].all()):
+                values[:] = same_size.view(f"S{width}").ravel().tolist()
+                return values
+        wire = self.batch.data
+        values[:] = [wire[a:b] for a, b in zip(start.tolist(), stop.tolist(), strict=True)]
+        return values
+
     def bytes_list(
         self, name: str, rows: np.ndarray, start: np.ndarray, stop: np.ndarray, valid: np.ndarray
     ) -> None:
         """A BytesList of ``value`` fields in each row, read one field per step."""
-        raw, data = self.raw, self.batch.data
+        raw = self.raw
         item_rows, item_starts, item_stops = [], [], []
         where = np.arange(rows.size)
         pos = start
@@ -955,7 +1018,6 @@ class _Walk:
             at = item = item_stop = np.empty(0, np.int64)
         keep = valid[at]
         at, item, item_stop = at[keep], item[keep], item_stop[keep]
-        values = np.empty(at.size, dtype=object)
-        values[:] = [data[a:b] for a, b in zip(item.tolist(), item_stop.tolist(), strict=True)]
+        values = self.items(item, item_stop)
         counts = np.bincount(at, minlength=rows.size)[valid]
         self.found[name].append((rows[valid], counts, values))
