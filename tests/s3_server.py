@@ -3,23 +3,25 @@
 ``running_s3_server()`` starts ``python -m moto.server`` on a port the operating system picks,
 waits for the line in which the server announces its address (no polling, no sleeps), and
 stops the process at the end. ``tests/conftest.py`` wraps it in the ``s3`` fixture;
-``benchmarks/bench_remote.py`` uses it directly.
+``benchmarks/bench_remote.py`` uses it directly. ``running_s3_server_with_user`` starts one
+that enforces IAM, with a bucket of objects and a user allowed only some actions.
 """
 
 from __future__ import annotations
 
 import collections
 import contextlib
+import json
 import os
 import re
 import subprocess
 import sys
 import threading
 import uuid
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
-__all__ = ["S3Server", "running_s3_server"]
+__all__ = ["S3Server", "running_s3_server", "running_s3_server_with_user"]
 
 _ADDRESS = re.compile(r"Running on (http://127\.0\.0\.1:\d+)")
 
@@ -98,3 +100,46 @@ def running_s3_server(env: Mapping[str, str] | None = None) -> Iterator[S3Server
         except subprocess.TimeoutExpired:
             process.kill()
             process.wait()
+
+
+@contextlib.contextmanager
+def running_s3_server_with_user(
+    bucket: str, objects: Mapping[str, bytes], allowed_actions: Sequence[str]
+) -> Iterator[tuple[S3Server, dict[str, Any]]]:
+    """Starts moto's S3 server that enforces IAM once ``bucket`` holds ``objects`` and a user
+    allowed only ``allowed_actions`` (e.g. ``"s3:Get*"``) exists; yields the server and that
+    user's storage options. (moto authorises HeadObject as ``s3:HeadObject``, where AWS asks
+    for ``s3:GetObject``.)"""
+    import botocore.session  # optional dependency
+
+    # moto lets this many requests through unauthenticated: the bucket, its objects, the
+    # user, its policy and its access key.
+    unauthenticated = 4 + len(objects)
+    with running_s3_server(env={"INITIAL_NO_AUTH_ACTION_COUNT": str(unauthenticated)}) as server:
+        session = botocore.session.get_session()
+        root = {
+            "endpoint_url": server.endpoint,
+            "aws_access_key_id": "testing",
+            "aws_secret_access_key": "testing",
+            "region_name": "eu-west-1",
+        }
+        s3 = session.create_client("s3", **root)
+        s3.create_bucket(
+            Bucket=bucket, CreateBucketConfiguration={"LocationConstraint": "eu-west-1"}
+        )
+        for key, body in objects.items():
+            s3.put_object(Bucket=bucket, Key=key, Body=body)
+        iam = session.create_client("iam", **root)
+        iam.create_user(UserName="limited")
+        policy = {
+            "Version": "2012-10-17",
+            "Statement": [{"Effect": "Allow", "Action": list(allowed_actions), "Resource": "*"}],
+        }
+        iam.put_user_policy(
+            UserName="limited", PolicyName="limited", PolicyDocument=json.dumps(policy)
+        )
+        access = iam.create_access_key(UserName="limited")["AccessKey"]
+        yield (
+            server,
+            server.storage_options(key=access["AccessKeyId"], secret=access["SecretAccessKey"]),
+        )

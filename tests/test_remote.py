@@ -24,7 +24,7 @@ grain_tfrecord = pytest.importorskip("grain_tfrecord")
 
 import killed_saves  # noqa: E402
 from grain_tfrecord import TFRecordDataSource, TFRecordIterDataset, TFRecordWriter  # noqa: E402
-from s3_server import running_s3_server  # noqa: E402
+from s3_server import running_s3_server, running_s3_server_with_user  # noqa: E402
 
 import grain_core as grain  # noqa: E402
 from grain_core import cli, storage  # noqa: E402
@@ -388,38 +388,11 @@ def test_missing_bucket_key_and_empty_glob_name_the_url(s3: Any) -> None:
 
 
 def test_permission_denied_names_the_url() -> None:
-    # moto enforces IAM after the first few requests: those create a bucket, an object, a user
-    # with an access key and a read-only policy; the user may then read but not write. (moto
-    # authorises HeadObject as s3:HeadObject, where AWS asks for s3:GetObject.)
-    import botocore.session
-
-    with running_s3_server(env={"INITIAL_NO_AUTH_ACTION_COUNT": "5"}) as server:
-        session = botocore.session.get_session()
-        root = {
-            "endpoint_url": server.endpoint,
-            "aws_access_key_id": "testing",
-            "aws_secret_access_key": "testing",
-            "region_name": "eu-west-1",
-        }
-        s3 = session.create_client("s3", **root)
-        s3.create_bucket(
-            Bucket="locked", CreateBucketConfiguration={"LocationConstraint": "eu-west-1"}
-        )
-        frame = b"".join(_frames([b"secret"]))
-        s3.put_object(Bucket="locked", Key="data.tfrecord", Body=frame)
-        iam = session.create_client("iam", **root)
-        iam.create_user(UserName="reader")
-        read_only = {
-            "Version": "2012-10-17",
-            "Statement": [
-                {"Effect": "Allow", "Action": ["s3:Get*", "s3:Head*", "s3:List*"], "Resource": "*"}
-            ],
-        }
-        iam.put_user_policy(
-            UserName="reader", PolicyName="read", PolicyDocument=json.dumps(read_only)
-        )
-        key = iam.create_access_key(UserName="reader")["AccessKey"]
-        reader = server.storage_options(key=key["AccessKeyId"], secret=key["SecretAccessKey"])
+    # A user who may read but not write.
+    frame = b"".join(_frames([b"secret"]))
+    with running_s3_server_with_user(
+        "locked", {"data.tfrecord": frame}, ["s3:Get*", "s3:Head*", "s3:List*"]
+    ) as (server, reader):
         assert list(TFRecordIterDataset("s3://locked/data.tfrecord", storage_options=reader)) == [
             b"secret"
         ]

@@ -6,7 +6,6 @@ Runs where moto[server] and s3fs are installed (``nox -s tests-remote``, ``tests
 from __future__ import annotations
 
 import io
-import json
 from typing import Any
 
 import numpy as np
@@ -19,7 +18,7 @@ pytest.importorskip("grain_parquet")
 import pyarrow as pa  # noqa: E402
 import pyarrow.parquet as pq  # noqa: E402
 from grain_parquet import ParquetDataSource, ParquetIterDataset  # noqa: E402
-from s3_server import running_s3_server  # noqa: E402
+from s3_server import running_s3_server, running_s3_server_with_user  # noqa: E402
 
 from grain_core import storage  # noqa: E402
 
@@ -52,34 +51,10 @@ def test_storage_options_and_fsspec_configuration_reach_the_store(s3: Any) -> No
 
 
 def test_a_refused_request_is_a_permission_error_naming_the_url() -> None:
-    # moto enforces IAM after the first few requests: those create a bucket, an object and a
-    # user who may look objects up (HEAD) and list them, but not read them.
-    import botocore.session
-
-    with running_s3_server(env={"INITIAL_NO_AUTH_ACTION_COUNT": "5"}) as server:
-        session = botocore.session.get_session()
-        root = {
-            "endpoint_url": server.endpoint,
-            "aws_access_key_id": "testing",
-            "aws_secret_access_key": "testing",
-            "region_name": "eu-west-1",
-        }
-        s3 = session.create_client("s3", **root)
-        s3.create_bucket(
-            Bucket="locked", CreateBucketConfiguration={"LocationConstraint": "eu-west-1"}
-        )
-        s3.put_object(Bucket="locked", Key="data.parquet", Body=_parquet_bytes())
-        iam = session.create_client("iam", **root)
-        iam.create_user(UserName="looker")
-        look_only = {
-            "Version": "2012-10-17",
-            "Statement": [{"Effect": "Allow", "Action": ["s3:Head*", "s3:List*"], "Resource": "*"}],
-        }
-        iam.put_user_policy(
-            UserName="looker", PolicyName="look", PolicyDocument=json.dumps(look_only)
-        )
-        key = iam.create_access_key(UserName="looker")["AccessKey"]
-        looker = server.storage_options(key=key["AccessKeyId"], secret=key["SecretAccessKey"])
+    # A user who may look objects up (HEAD) and list them, but not read them.
+    with running_s3_server_with_user(
+        "locked", {"data.parquet": _parquet_bytes()}, ["s3:Head*", "s3:List*"]
+    ) as (server, looker):
         url = "s3://locked/data.parquet"
         denied = f"Access to {url} was denied"
         # Refused at the first request (no IAM user), and at the first read of the bytes.
