@@ -29,50 +29,21 @@ import functools
 from collections.abc import Callable
 
 from _harness import ReportedSeconds, workload
-from bench_first_batch import COMMON, SETUP_S, child_pass, torch_python
+from bench_first_batch import (
+    COMMON,
+    GRAIN_CORE,
+    SETUP_S,
+    TORCH,
+    child_args,
+    child_pass,
+    torch_python,
+)
 
 HEAVY_ELEMENTS = 6_000
 MNIST_RECORDS = 60_000
 
-_DATA = (
-    COMMON
-    + f"""
-HEAVY_ELEMENTS = {HEAVY_ELEMENTS}
-workers, epochs = int(sys.argv[3]), int(sys.argv[4])
-
-def check(count):
-    expected = len(labels) if workload == "mnist" else HEAVY_ELEMENTS
-    if count != expected:
-        raise AssertionError(f"{{count}} elements, expected {{expected}}")
-"""
-)
-
-_GRAIN_CORE = (
-    _DATA
-    + """
-import grain_core as grain
-persistent = sys.argv[5] == "1"
-if workload == "mnist":
-    ds = grain.MapDataset.source({"image": images, "label": labels}).seed(0).shuffle()
-    ds = ds.map(normalise).batch(128)
-else:
-    ds = grain.MapDataset.range(HEAVY_ELEMENTS).map(heavy).batch(64)
-ds = ds.to_iter_dataset()
-if workers:
-    options = grain.MultiprocessingOptions(num_workers=workers, persistent_workers=persistent)
-    ds = ds.mp_prefetch(options)
-time.sleep(setup_s)
-for _ in range(epochs):
-    start = time.perf_counter()
-    count = sum(len(b["label"] if workload == "mnist" else b) for b in ds)
-    seconds = time.perf_counter() - start
-    check(count)
-print(seconds)
-"""
-)
-
 _POOL = (
-    _DATA
+    COMMON
     + """
 import multiprocessing
 
@@ -86,12 +57,12 @@ def mnist_batch(start):
     }
 
 def heavy_batch(start):
-    return np.stack([heavy(x) for x in range(start, min(start + 64, HEAVY_ELEMENTS))])
+    return np.stack([heavy(x) for x in range(start, min(start + 64, heavy_elements))])
 
 if workload == "mnist":
     task, starts = mnist_batch, range(0, len(labels), 128)
 else:
-    task, starts = heavy_batch, range(0, HEAVY_ELEMENTS, 64)
+    task, starts = heavy_batch, range(0, heavy_elements, 64)
 time.sleep(setup_s)
 start = time.perf_counter()
 pool = multiprocessing.Pool(workers)
@@ -106,55 +77,17 @@ pool.terminate()
 """
 )
 
-_TORCH = (
-    _DATA
-    + """
-import torch
-from torch.utils.data import DataLoader, Dataset
-
-persistent = sys.argv[5] == "1"
-
-class Mnist(Dataset):
-    def __len__(self):
-        return len(labels)
-    def __getitem__(self, i):
-        return normalise({"image": images[i], "label": labels[i]})
-
-class Heavy(Dataset):
-    def __len__(self):
-        return HEAVY_ELEMENTS
-    def __getitem__(self, i):
-        return heavy(i)
-
-generator = torch.Generator().manual_seed(0)
-if workload == "mnist":
-    loader = DataLoader(Mnist(), batch_size=128, shuffle=True, generator=generator,
-                        num_workers=workers, multiprocessing_context="fork",
-                        persistent_workers=persistent)
-else:
-    loader = DataLoader(Heavy(), batch_size=64, num_workers=workers,
-                        multiprocessing_context="fork", persistent_workers=persistent)
-time.sleep(setup_s)
-for _ in range(epochs):
-    start = time.perf_counter()
-    count = sum(len(b["label"] if workload == "mnist" else b) for b in loader)
-    seconds = time.perf_counter() - start
-    check(count)
-print(seconds)
-"""
-)
-
 
 def _pass(
     script: str, name: str, workers: int, epochs: int, persistent: bool
 ) -> Callable[[], ReportedSeconds]:
-    args = (name, str(SETUP_S), str(workers), str(epochs), "1" if persistent else "0")
+    args = child_args(name, SETUP_S, HEAVY_ELEMENTS, workers, epochs, persistent)
     return child_pass(None, script, *args)
 
 
 def _torch(name: str, epochs: int, persistent: bool) -> Callable[[], ReportedSeconds]:
-    args = (name, str(SETUP_S), "2", str(epochs), "1" if persistent else "0")
-    return child_pass(torch_python(), _TORCH, *args)
+    args = child_args(name, SETUP_S, HEAVY_ELEMENTS, 2, epochs, persistent)
+    return child_pass(torch_python(), TORCH, *args)
 
 
 for _name, _label, _elements, _description in (
@@ -171,9 +104,9 @@ for _name, _label, _elements, _description in (
         elements=_elements,
         description=f"first epoch from iter(), 2 workers, new process: {_description}",
         alternate=True,
-    )(functools.partial(_pass, _GRAIN_CORE, _name, 2, 1, False))
+    )(functools.partial(_pass, GRAIN_CORE, _name, 2, 1, False))
     _bench.baseline("grain_core 0 workers")(
-        functools.partial(_pass, _GRAIN_CORE, _name, 0, 1, False)
+        functools.partial(_pass, GRAIN_CORE, _name, 0, 1, False)
     )
     _bench.baseline("multiprocessing.Pool(2)")(functools.partial(_pass, _POOL, _name, 2, 1, False))
     _bench.baseline("torch DataLoader, 2 forked workers")(
@@ -185,9 +118,9 @@ second_epoch_cpu_heavy_2_workers = workload(
     elements=HEAVY_ELEMENTS,
     description="second epoch, persistent_workers=True, new process: ~1 ms NumPy map",
     alternate=True,
-)(functools.partial(_pass, _GRAIN_CORE, "heavy", 2, 2, True))
+)(functools.partial(_pass, GRAIN_CORE, "heavy", 2, 2, True))
 second_epoch_cpu_heavy_2_workers.baseline("grain_core, new workers each epoch")(
-    functools.partial(_pass, _GRAIN_CORE, "heavy", 2, 2, False)
+    functools.partial(_pass, GRAIN_CORE, "heavy", 2, 2, False)
 )
 second_epoch_cpu_heavy_2_workers.baseline("multiprocessing.Pool(2), second imap")(
     functools.partial(_pass, _POOL, "heavy", 2, 2, False)

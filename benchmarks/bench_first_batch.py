@@ -30,7 +30,11 @@ from collections.abc import Callable
 from _harness import ReportedSeconds, Unavailable, workload
 
 SETUP_S = 1.0
+HEAVY_FIRST_BATCH_ELEMENTS = 20_000
 
+# The children's shared part. Arguments: workload ("mnist" or "heavy"), seconds of set-up
+# before iter(), heavy elements, workers, epochs (0: time iter() to the first batch only),
+# persistent workers ("1" or "0").
 COMMON = """
 import sys, time
 import numpy as np
@@ -44,13 +48,37 @@ def heavy(x):
         a = np.sin(a) * 0.5 + 1.0
     return a
 
-workload, setup_s = sys.argv[1], float(sys.argv[2])
+workload, setup_s, heavy_elements = sys.argv[1], float(sys.argv[2]), int(sys.argv[3])
+workers, epochs, persistent = int(sys.argv[4]), int(sys.argv[5]), sys.argv[6] == "1"
 rng = np.random.default_rng(0)
 images = rng.integers(0, 256, (60_000, 28, 28), dtype=np.uint8)
 labels = rng.integers(0, 10, 60_000).astype(np.int64)
+
+def check(count):
+    expected = len(labels) if workload == "mnist" else heavy_elements
+    if count != expected:
+        raise AssertionError(f"{count} elements, expected {expected}")
+
+# After the set-up time, times iter() to the first batch (epochs == 0: returns that iterator),
+# or each epoch; prints the seconds of the last.
+def print_seconds(loader):
+    time.sleep(setup_s)
+    if not epochs:
+        start = time.perf_counter()
+        it = iter(loader)
+        next(it)
+        print(time.perf_counter() - start)
+        return it
+    for _ in range(epochs):
+        start = time.perf_counter()
+        count = sum(len(b["label"] if workload == "mnist" else b) for b in loader)
+        seconds = time.perf_counter() - start
+        check(count)
+    print(seconds)
+    return None
 """
 
-_GRAIN_CORE = (
+GRAIN_CORE = (
     COMMON
     + """
 import grain_core as grain
@@ -58,18 +86,18 @@ if workload == "mnist":
     ds = grain.MapDataset.source({"image": images, "label": labels}).seed(0).shuffle()
     ds = ds.map(normalise).batch(128)
 else:
-    ds = grain.MapDataset.range(20_000).map(heavy).batch(64)
-ds = ds.to_iter_dataset().mp_prefetch(grain.MultiprocessingOptions(num_workers=2))
-time.sleep(setup_s)
-start = time.perf_counter()
-it = iter(ds)
-batch = next(it)
-print(time.perf_counter() - start)
-it.close()
+    ds = grain.MapDataset.range(heavy_elements).map(heavy).batch(64)
+ds = ds.to_iter_dataset()
+if workers:
+    options = grain.MultiprocessingOptions(num_workers=workers, persistent_workers=persistent)
+    ds = ds.mp_prefetch(options)
+it = print_seconds(ds)
+if it is not None:
+    it.close()
 """
 )
 
-_TORCH = (
+TORCH = (
     COMMON
     + """
 import torch
@@ -83,24 +111,36 @@ class Mnist(Dataset):
 
 class Heavy(Dataset):
     def __len__(self):
-        return 20_000
+        return heavy_elements
     def __getitem__(self, i):
         return heavy(i)
 
 generator = torch.Generator().manual_seed(0)
 if workload == "mnist":
     loader = DataLoader(Mnist(), batch_size=128, shuffle=True, generator=generator,
-                        num_workers=2, multiprocessing_context="fork")
+                        num_workers=workers, multiprocessing_context="fork",
+                        persistent_workers=persistent)
 else:
-    loader = DataLoader(Heavy(), batch_size=64, num_workers=2, multiprocessing_context="fork")
-time.sleep(setup_s)
-start = time.perf_counter()
-it = iter(loader)
-batch = next(it)
-print(time.perf_counter() - start)
+    loader = DataLoader(Heavy(), batch_size=64, num_workers=workers,
+                        multiprocessing_context="fork", persistent_workers=persistent)
+it = print_seconds(loader)
 del it
 """
 )
+
+
+def child_args(
+    workload: str, setup_s: float, heavy_elements: int, workers: int, epochs: int, persistent: bool
+) -> tuple[str, ...]:
+    """The command-line arguments of a child script (see ``COMMON``)."""
+    return (
+        workload,
+        str(setup_s),
+        str(heavy_elements),
+        str(workers),
+        str(epochs),
+        "1" if persistent else "0",
+    )
 
 
 def child_pass(python: str | None, script: str, *args: str) -> Callable[[], ReportedSeconds]:
@@ -131,8 +171,15 @@ def torch_python() -> str:
     return python
 
 
+def _first_batch(python: str | None, name: str, setup_s: float) -> Callable[[], ReportedSeconds]:
+    script = GRAIN_CORE if python is None else TORCH
+    return child_pass(
+        python, script, *child_args(name, setup_s, HEAVY_FIRST_BATCH_ELEMENTS, 2, 0, False)
+    )
+
+
 def _torch(name: str) -> Callable[[], ReportedSeconds]:
-    return child_pass(torch_python(), _TORCH, name, str(SETUP_S))
+    return _first_batch(torch_python(), name, SETUP_S)
 
 
 for _name, _label, _description in (
@@ -144,8 +191,8 @@ for _name, _label, _description in (
         elements=1,
         description=f"iter() to first batch, 2 workers, new process: {_description}",
         alternate=True,
-    )(functools.partial(child_pass, None, _GRAIN_CORE, _name, str(SETUP_S)))
+    )(functools.partial(_first_batch, None, _name, SETUP_S))
     _bench.baseline("torch DataLoader, 2 forked workers")(functools.partial(_torch, _name))
     _bench.baseline("grain_core, iter() right after building")(
-        functools.partial(child_pass, None, _GRAIN_CORE, _name, "0.0")
+        functools.partial(_first_batch, None, _name, 0.0)
     )
