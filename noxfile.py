@@ -135,8 +135,13 @@ def tests_all(session: nox.Session) -> None:
     """Every package but the worker backends, JAX (CPU), Orbax and the third-party test
     plugin: the whole suite (on older Pythons without the worker-engine modules)."""
     plugins = [str(d) for name, d in PLUGINS.items() if name not in WORKER_BACKENDS]
+    # gcsfs: the CLI's error for an unreachable gs:// store is tested with the real client.
     session.install(
-        ".[test,jax,progress,report,remote]", *plugins, str(TEST_PLUGIN), "orbax-checkpoint"
+        ".[test,jax,progress,report,remote]",
+        *plugins,
+        str(TEST_PLUGIN),
+        "orbax-checkpoint",
+        "gcsfs",
     )
     _ensure_chromium(session)
     if session.python == PYTHONS[-1]:

@@ -13,6 +13,7 @@ import argparse
 import contextlib
 import inspect
 import json
+import logging
 import os
 import re
 import subprocess
@@ -41,6 +42,8 @@ _OPTION_SPELLINGS = {
 }
 # 128 + SIGPIPE: how a command that writes into a closed pipe ends (`grain-core ... | head`).
 _EXIT_CLOSED_PIPE = 141
+# The loggers of the fsspec file systems for object stores and of their HTTP clients.
+_STORE_LOGGERS = ("fsspec", "s3fs", "gcsfs", "aiobotocore", "botocore", "google")
 _SHARDED_NAME = re.compile(r"^(?P<base>.+?)(?:@(?P<at>\d+)|-(?:\d+|\*|\?+)-of-(?P<of>\d+))$")
 
 
@@ -59,7 +62,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.print_help()
         return 2
     try:
-        code = int(args.run(args))
+        with _store_logs_quiet():
+            code = int(args.run(args))
         sys.stdout.flush()  # a closed pipe shows here at the latest, not at interpreter exit
         return code
     except BrokenPipeError:
@@ -73,6 +77,26 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ImportError as err:  # an optional dependency: one line naming what to install
         print(f"grain-core {args.command}: error: {_install_hint(err)}", file=sys.stderr)
         return 1
+
+
+@contextlib.contextmanager
+def _store_logs_quiet() -> Iterator[None]:
+    """Keeps the object-store clients' log records off the terminal during a command where
+    no logging is configured: their failures reach the user as the command's one-line error
+    (gcsfs logs a traceback for the retries that a lookup gives up after)."""
+    if logging.getLogger().handlers:
+        yield
+        return
+    loggers = [logging.getLogger(name) for name in _STORE_LOGGERS]
+    kept = [(logger.propagate, logger.handlers[:]) for logger in loggers]
+    for logger in loggers:
+        logger.propagate = False
+        logger.handlers = [logging.NullHandler()]
+    try:
+        yield
+    finally:
+        for logger, (propagate, handlers) in zip(loggers, kept, strict=True):
+            logger.propagate, logger.handlers = propagate, handlers
 
 
 def _install_hint(err: ImportError) -> str:

@@ -217,6 +217,21 @@ def filesystem(url: str, storage_options: Mapping[str, Any] | None = None) -> tu
         ) from e
 
 
+# gcsfs's number of tries is fixed (6, about 30 s of backoff); a request's timeout is not.
+_GCSFS_RETRIES: Final = (
+    "gcsfs tries 6 times with backoff; a request's timeout is set through "
+    "storage_options={'requests_timeout': seconds}, the endpoint through endpoint_url= or "
+    "STORAGE_EMULATOR_HOST"
+)
+# How a scheme's file system retries, for the error that an unreachable store gives.
+_RETRY_HINTS: Final = {
+    "s3": "retries are set through storage_options (s3fs: config_kwargs={'retries': "
+    "{'max_attempts': N}})",
+    "gs": _GCSFS_RETRIES,
+    "gcs": _GCSFS_RETRIES,
+}
+
+
 @contextlib.contextmanager
 def _remote_errors(
     url: str, what: str, byte_range: tuple[int, int] | None = None
@@ -242,10 +257,11 @@ def _remote_errors(
                 "GOOGLE_APPLICATION_CREDENTIALS)."
             ) from e
         where = "" if byte_range is None else f" bytes {byte_range[0]}-{byte_range[1]} of"
+        scheme = url.split("://", 1)[0].lower()
+        retries = _RETRY_HINTS.get(scheme, "retries are set through storage_options")
         raise StorageError(
             f"{what}{where} {url} failed after the file system's retries "
-            f"({type(e).__name__}: {e}). Check that the store is reachable; retries are set "
-            "through storage_options (s3fs: config_kwargs={'retries': {'max_attempts': N}}).",
+            f"({type(e).__name__}: {e}). Check that the store is reachable; {retries}.",
             url=url,
             byte_range=byte_range,
         ) from e

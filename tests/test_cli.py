@@ -722,6 +722,29 @@ def test_an_unreachable_store_fails_with_one_line_within_its_retries(tmp_path: P
     assert "Check that the store is reachable" in result.stderr
 
 
+def test_an_unreachable_gcs_store_fails_with_one_line_after_gcsfs_retries() -> None:
+    """With gcsfs installed and its endpoint a closed port on 127.0.0.1 (no store reachable),
+    ``inspect gs://.../x.parquet`` ends after gcsfs's own retries with one line naming the URL
+    and what to check, without the tracebacks gcsfs logs for its retries."""
+    pytest.importorskip("gcsfs")
+    pytest.importorskip("grain_parquet")
+    with socket.socket() as listener:
+        listener.bind(("127.0.0.1", 0))
+        closed = f"http://127.0.0.1:{listener.getsockname()[1]}"
+    url = "gs://bucket/x.parquet"
+    # NO_GCE_CHECK: google-auth does not probe for a cloud metadata server.
+    result = _subprocess(
+        str(CONSOLE_SCRIPT), "inspect", url, STORAGE_EMULATOR_HOST=closed, NO_GCE_CHECK="True"
+    )
+    assert result.returncode == 1 and result.stdout == ""
+    assert result.stderr.count("\n") == 1, result.stderr
+    assert result.stderr.startswith(
+        f"grain-core inspect: error: Looking up {url} failed after the file system's retries"
+    )
+    assert "Check that the store is reachable; gcsfs tries 6 times" in result.stderr
+    assert "STORAGE_EMULATOR_HOST" in result.stderr
+
+
 def test_convert_says_when_the_target_format_changes_a_columns_type(
     tmp_path: Path, grain_core_cli: RunCli
 ) -> None:
