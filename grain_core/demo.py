@@ -33,8 +33,8 @@ import numpy as np
 
 import grain_core as grain
 from grain_core import _demo, plugins, transforms
+from grain_core._progress import progress
 from grain_core.checkpoint import CheckpointHandler
-from grain_core.cli import progress
 from grain_core.storage import write_bytes
 
 __all__ = ["add_arguments", "run"]

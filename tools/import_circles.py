@@ -1,0 +1,130 @@
+"""The circles of mutually importing modules in grain_core: strongly connected components of
+the graph whose edges are every import of a module, at module level or inside a function.
+
+``python tools/import_circles.py`` prints each circle of two or more modules, biggest first.
+Imports under ``if TYPE_CHECKING:`` are left out (they never run); a package's ``__init__`` is a
+node only with ``--packages``, which also adds the edge every import has to the packages above
+its target (importing ``a.b.c`` runs ``a/__init__`` and ``a/b/__init__``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+__all__ = ["import_graph", "circles", "main"]
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _module_name(path: Path, top: Path) -> str:
+    parts = [top.name, *path.relative_to(top).with_suffix("").parts]
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _type_checking_nodes(tree: ast.AST) -> set[int]:
+    """The ids of the statements under ``if TYPE_CHECKING:``."""
+    skipped: set[int] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+            skipped.update(id(n) for stmt in node.body for n in ast.walk(stmt))
+    return skipped
+
+
+def _targets(path: Path, name: str, modules: set[str]) -> Iterator[str]:
+    """The grain_core modules the imports of ``path`` (module ``name``) name."""
+    tree = ast.parse(path.read_text(), str(path))
+    skipped = _type_checking_nodes(tree)
+    package = name if path.name == "__init__.py" else name.rsplit(".", 1)[0]
+    for node in ast.walk(tree):
+        if id(node) in skipped:
+            continue
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                yield alias.name
+        elif isinstance(node, ast.ImportFrom):
+            module = node.module or ""
+            if node.level:
+                base = package.split(".")
+                base = base[: len(base) - node.level + 1]
+                module = ".".join([*base, module] if module else base)
+            for alias in node.names:
+                sub = f"{module}.{alias.name}"
+                yield sub if sub in modules else module
+
+
+def import_graph(top: Path, *, packages: bool = False) -> dict[str, set[str]]:
+    """Module → the modules of ``top`` it imports (a package stands for its ``__init__``).
+
+    Args:
+      top: The package directory (``grain_core/``).
+      packages: Whether an import also reaches every package above its target.
+    """
+    paths = {_module_name(p, top): p for p in sorted(top.rglob("*.py"))}
+    modules = set(paths)
+    graph: dict[str, set[str]] = {}
+    for name, path in paths.items():
+        edges = graph.setdefault(name, set())
+        for target in _targets(path, name, modules):
+            while target and target not in modules:
+                target = target.rpartition(".")[0]
+            if not target:
+                continue
+            parts = target.split(".")
+            reached = [target]
+            if packages:
+                reached += [".".join(parts[:i]) for i in range(1, len(parts))]
+            edges.update(t for t in reached if t != name)
+    return graph
+
+
+def circles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of two or more nodes, biggest first (Tarjan)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found: list[list[str]] = []
+    sys.setrecursionlimit(max(10_000, sys.getrecursionlimit()))
+
+    def visit(node: str) -> None:
+        index[node] = low[node] = len(index)
+        stack.append(node)
+        on_stack.add(node)
+        for target in graph.get(node, ()):
+            if target not in index:
+                visit(target)
+                low[node] = min(low[node], low[target])
+            elif target in on_stack:
+                low[node] = min(low[node], index[target])
+        if low[node] == index[node]:
+            component = []
+            while True:
+                member = stack.pop()
+                on_stack.discard(member)
+                component.append(member)
+                if member == node:
+                    break
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    for node in sorted(graph):
+        if node not in index:
+            visit(node)
+    return sorted(found, key=lambda c: (-len(c), c))
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Prints the circles of grain_core's import graph, biggest first."""
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--packages", action="store_true", help="count package __init__s")
+    args = parser.parse_args(argv)
+    for circle in circles(import_graph(ROOT / "grain_core", packages=args.packages)):
+        print(f"{len(circle)} modules: {' '.join(circle)}")
+
+
+if __name__ == "__main__":
+    main()
