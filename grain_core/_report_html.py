@@ -63,7 +63,7 @@ pre { background: #f6f6f6; padding: 0.8em; overflow-x: auto; font-size: 0.85em; 
 def require_plotly() -> None:
     """Raises ImportError naming the extra to install if plotly is missing."""
     try:
-        import plotly  # noqa: F401 - optional dependency, imported to check
+        import plotly  # noqa: F401  # optional dependency, imported to check
     except ImportError as e:
         raise ImportError(
             "The grain-core profile report draws its charts with plotly, which is not "

@@ -1,19 +1,23 @@
-"""The import directions between grain_core's layers (``docs/architecture.md``), checked on the
-syntax tree of every module, imports inside functions included."""
+"""The import directions between grain_core's layers, checked on the syntax tree of every
+module, imports inside functions included. The layer of each module is the table of
+``docs/architecture.md``, parsed here."""
 
 from __future__ import annotations
 
 import ast
 import dataclasses
+import re
 import subprocess
 import sys
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 CORE = ROOT / "grain_core"
+ARCHITECTURE = ROOT / "docs" / "architecture.md"
 FORMAT_PLUGINS = [
     ROOT / "plugins" / "grain_arrayrecord" / "grain_arrayrecord",
     ROOT / "plugins" / "grain_parquet" / "grain_parquet",
@@ -24,18 +28,47 @@ FORMAT_PLUGINS = [
 TRANSPORT = "grain_core._ipc"
 ENGINES = "grain_core.dataset.mp"
 
-#: Imports that break a rule today, each with the work that removes it. An entry that no
-#: longer matches anything fails too, so the list only shrinks.
-KNOWN_EXCEPTIONS: dict[tuple[str, str], str] = {}
+_FLUENT = "fluent API cycle: the method builds an operator whose module imports base"
+#: Imports that point to a layer above their module's, each with its reason. An entry that
+#: no longer matches anything fails too, so the list only shrinks.
+KNOWN_EXCEPTIONS: dict[tuple[str, str], str] = {
+    ("grain_core/dataset/base.py", "grain_core.dataset.mp"): (
+        f"{_FLUENT} (IterDataset.mp_prefetch)"
+    ),
+    ("grain_core/dataset/batch.py", "grain_core.dataset.mp"): (
+        "a batch written into shared memory (enable_shared_memory_output) is built by "
+        "dataset/mp/shm_batch.py, which moves down with the operators (issue 38, item 4)"
+    ),
+    ("grain_core/dataset/element_spec.py", "grain_core.dataset.mp"): (
+        "the type table's rule for the worker-prefetch node; each node declares its own rule "
+        "with the operators' move (issue 38, item 4)"
+    ),
+}
+
+#: The reasons an import inside a function may give on its line.
+FUNCTION_IMPORT_REASONS = ("# fluent API cycle", "# optional dependency", "# import cost")
 
 
 @dataclasses.dataclass(frozen=True)
 class Import:
-    """One module an ``import`` statement reaches, and where."""
+    """One module an ``import`` statement reaches, and where.
+
+    Attributes:
+      path: The importing file.
+      line: The statement's first line.
+      target: The module reached.
+      in_function: Whether the statement is inside a function.
+      runs: False under ``if TYPE_CHECKING:``, which never runs.
+      package_of_module: True for ``m`` in ``from m import a`` where ``m.a`` is a module: a
+        parent package that Python runs on the way, not a module the statement names.
+    """
 
     path: Path
     line: int
     target: str
+    in_function: bool = False
+    runs: bool = True
+    package_of_module: bool = False
 
 
 def _module_name(path: Path) -> str:
@@ -54,26 +87,46 @@ def _sources(top: Path) -> list[Path]:
     return sorted(top.rglob("*.py"))
 
 
+def _statements(tree: ast.AST) -> Iterator[tuple[ast.Import | ast.ImportFrom, bool, bool]]:
+    """Every import statement of ``tree`` with whether it is inside a function and whether it
+    runs (not under ``if TYPE_CHECKING:``)."""
+
+    def walk(node: ast.AST, in_function: bool, runs: bool) -> Iterator[Any]:
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, ast.Import | ast.ImportFrom):
+                yield child, in_function, runs
+            elif isinstance(child, ast.If) and "TYPE_CHECKING" in ast.unparse(child.test):
+                yield from walk(ast.Module(body=child.body, type_ignores=[]), in_function, False)
+                yield from walk(ast.Module(body=child.orelse, type_ignores=[]), in_function, runs)
+            else:
+                function = isinstance(child, ast.FunctionDef | ast.AsyncFunctionDef | ast.Lambda)
+                yield from walk(child, in_function or function, runs)
+
+    yield from walk(tree, False, True)
+
+
 def _imports(path: Path) -> Iterator[Import]:
     """Every module ``path`` imports, anywhere in it: for ``from m import a``, ``m`` and, if it
     is a module of grain_core, ``m.a``."""
     tree = ast.parse(path.read_text(), str(path))
     package = _module_name(path).rsplit(".", 1)[0] if path.name != "__init__.py" else None
-    for node in ast.walk(tree):
+    for node, in_function, runs in _statements(tree):
+        where = {"in_function": in_function, "runs": runs}
         if isinstance(node, ast.Import):
             for alias in node.names:
-                yield Import(path, node.lineno, alias.name)
-        elif isinstance(node, ast.ImportFrom):
-            module = node.module or ""
-            if node.level:
-                base = (package or _module_name(path)).split(".")
-                base = base[: len(base) - node.level + 1]
-                module = ".".join([*base, module] if module else base)
-            yield Import(path, node.lineno, module)
-            for alias in node.names:
-                sub = f"{module}.{alias.name}"
-                if sub.startswith("grain_core.") and _is_core_module(sub):
-                    yield Import(path, node.lineno, sub)
+                yield Import(path, node.lineno, alias.name, **where)
+            continue
+        module = node.module or ""
+        if node.level:
+            base = (package or _module_name(path)).split(".")
+            base = base[: len(base) - node.level + 1]
+            module = ".".join([*base, module] if module else base)
+        submodules = [f"{module}.{alias.name}" for alias in node.names]
+        submodules = [s for s in submodules if s.startswith("grain_core.") and _is_core_module(s)]
+        named_only_modules = len(submodules) == len(node.names)
+        yield Import(path, node.lineno, module, **where, package_of_module=named_only_modules)
+        for sub in submodules:
+            yield Import(path, node.lineno, sub, **where)
 
 
 def _within(target: str, package: str) -> bool:
@@ -200,3 +253,157 @@ def test_importing_the_transport_loads_no_dataset_module() -> None:
         [sys.executable, "-c", code], check=True, capture_output=True, text=True, cwd=ROOT
     )
     assert out.stdout.strip() == "[]"
+
+
+# The layer table.
+
+
+@dataclasses.dataclass(frozen=True)
+class Layer:
+    """One row of the layer table: its core modules (dotted names) and the layers it may
+    import besides its own."""
+
+    name: str
+    modules: tuple[str, ...]
+    may_import: frozenset[str]
+
+
+def _core_module_of(relative: str) -> str:
+    """``grain_core.dataset.mp`` for ``dataset/mp/__init__.py``."""
+    parts = ["grain_core", *Path(relative).with_suffix("").parts]
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _layer_table() -> list[Layer]:
+    """The rows of ``docs/architecture.md``'s layer table that hold core modules (``*.py``
+    paths relative to ``grain_core/``), bottom to top."""
+    text = ARCHITECTURE.read_text()
+    section = text.split("## Layers, bottom to top", 1)[1].split("\n## ", 1)[0]
+    rows = [line for line in section.splitlines() if line.startswith("| ")][1:]
+    layers = []
+    for row in rows:
+        name, modules, may_import = (cell.strip() for cell in row.strip("|").split("|"))
+        paths = [p for p in re.findall(r"`([^`]+)`", modules) if p.endswith(".py")]
+        if paths:
+            allowed = frozenset(n.strip() for n in may_import.split(","))
+            layers.append(Layer(name, tuple(_core_module_of(p) for p in paths), allowed))
+    return layers
+
+
+def _layer_of() -> dict[str, Layer]:
+    return {module: layer for layer in _layer_table() for module in layer.modules}
+
+
+def _core_module_names() -> set[str]:
+    return {_module_name(path) for path in _sources(CORE)}
+
+
+def test_every_core_module_is_in_the_layer_table_once() -> None:
+    listed = [module for layer in _layer_table() for module in layer.modules]
+    assert sorted(m for m in set(listed) if listed.count(m) > 1) == []
+    assert sorted(_core_module_names() - set(listed)) == [], "add it to docs/architecture.md"
+    assert sorted(set(listed) - _core_module_names()) == [], "remove it from the table"
+
+
+def test_every_layer_a_row_may_import_is_a_row_below_it() -> None:
+    layers = _layer_table()
+    for position, layer in enumerate(layers):
+        assert layer.may_import <= {below.name for below in layers[: position + 1]}, layer.name
+
+
+def _module_imported(imp: Import, modules: set[str]) -> str | None:
+    """The core module ``imp`` reaches (``m`` for a name ``m.x`` that is not a module), or
+    None outside grain_core."""
+    target = imp.target
+    while target and target not in modules:
+        target = target.rpartition(".")[0]
+    return target or None
+
+
+def test_no_module_imports_a_layer_above_its_own() -> None:
+    layer_of = _layer_of()
+    modules = set(layer_of)
+
+    def allowed(imp: Import) -> bool:
+        if not imp.runs or imp.package_of_module:
+            return True
+        target = _module_imported(imp, modules)
+        if target is None:
+            return True
+        own = layer_of[_module_name(imp.path)]
+        return layer_of[target] is own or layer_of[target].name in own.may_import
+
+    assert _violations(_sources(CORE), allowed) == []
+
+
+def test_the_layer_check_sees_an_upward_import() -> None:
+    # A test of the test: the engines' package is above the dataset layer, the import in
+    # ``IterDataset.mp_prefetch`` is seen as one into it, and the exception is what lets it be.
+    layer_of = _layer_of()
+    assert layer_of[ENGINES].name != layer_of["grain_core.dataset.base"].name
+    assert layer_of[ENGINES].name not in layer_of["grain_core.dataset.base"].may_import
+    base = [i for i in _imports(CORE / "dataset" / "base.py") if i.target == ENGINES]
+    assert base and all(i.in_function and i.runs for i in base)
+    assert ("grain_core/dataset/base.py", ENGINES) in KNOWN_EXCEPTIONS
+
+
+def test_upward_exceptions_are_base_fluent_api_or_name_the_issue_that_removes_them() -> None:
+    for (path, _), reason in KNOWN_EXCEPTIONS.items():
+        assert (
+            reason.startswith(_FLUENT)
+            if path == "grain_core/dataset/base.py"
+            else "issue" in reason
+        )
+
+
+# Imports inside functions.
+
+
+def test_every_import_inside_a_function_says_why_on_its_line() -> None:
+    paths = [*_sources(CORE), *(p for top in FORMAT_PLUGINS for p in _sources(top))]
+    unexplained = []
+    for path in paths:
+        lines = path.read_text().splitlines()
+        for node, in_function, _ in _statements(ast.parse("\n".join(lines), str(path))):
+            if not in_function:
+                continue
+            line = lines[node.lineno - 1]
+            reasons = [r for r in FUNCTION_IMPORT_REASONS if r in line]
+            where = f"{path.relative_to(ROOT)}:{node.lineno}"
+            if not reasons:
+                unexplained.append(f"{where}: {line.strip()}")
+            elif reasons == ["# fluent API cycle"] and path != CORE / "dataset" / "base.py":
+                unexplained.append(f"{where}: a fluent API cycle is base.py's alone")
+    assert unexplained == []
+
+
+def test_the_checker_tells_function_and_type_checking_imports_apart() -> None:
+    # A test of the test, on a module of each kind of import.
+    source = (
+        "import a\n"
+        "if TYPE_CHECKING:\n"
+        "    import b\n"
+        "else:\n"
+        "    import c\n"
+        "def f():\n"
+        "    import d\n"
+        "    if TYPE_CHECKING:\n"
+        "        import e\n"
+        "class K:\n"
+        "    def m(self):\n"
+        "        g = lambda: __import__('x')\n"
+        "        import h\n"
+    )
+    found = {
+        node.names[0].name: (in_function, runs)
+        for node, in_function, runs in _statements(ast.parse(source))
+        if isinstance(node, ast.Import)
+    }
+    assert found == {
+        "a": (False, True),
+        "b": (False, False),
+        "c": (False, True),
+        "d": (True, True),
+        "e": (True, False),
+        "h": (True, True),
+    }

@@ -441,7 +441,7 @@ def _conflict_message(kind: _Kind, name: str, registrations: list[_Registration]
 
 
 def _entry_points() -> list[importlib.metadata.EntryPoint]:
-    import importlib.metadata  # here: ~20 ms that a process which never loads plugins skips
+    import importlib.metadata  # import cost: ~20 ms a process loading no plugin skips
 
     found = importlib.metadata.entry_points(group=ENTRY_POINT_GROUP)
     return sorted(found, key=lambda ep: (ep.name, ep.dist.name if ep.dist else ""))
