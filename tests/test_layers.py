@@ -16,6 +16,8 @@ from typing import Any
 
 import pytest
 
+from grain_core.plugins import DEFAULT_PLUGINS
+
 ROOT = Path(__file__).resolve().parents[1]
 CORE = ROOT / "grain_core"
 ARCHITECTURE = ROOT / "docs" / "architecture.md"
@@ -304,6 +306,12 @@ def test_every_core_module_is_in_the_layer_table_once() -> None:
     assert sorted(m for m in set(listed) if listed.count(m) > 1) == []
     assert sorted(_core_module_names() - set(listed)) == [], "add it to docs/architecture.md"
     assert sorted(set(listed) - _core_module_names()) == [], "remove it from the table"
+
+
+def test_the_default_plugins_belong_to_the_dataset_layer() -> None:
+    # The plugin manager imports them by name; the table says where they sit.
+    layer_of = _layer_of()
+    assert {layer_of[module].name for module in DEFAULT_PLUGINS.values()} == {"Dataset"}
 
 
 def test_every_layer_a_row_may_import_is_a_row_below_it() -> None:

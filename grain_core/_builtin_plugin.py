@@ -2,8 +2,10 @@
 
 The plugin manager imports this module by name (``grain_core.plugins.DEFAULT_PLUGINS``) and
 registers it through the same loader and hooks as a third-party plugin, so that lookup,
-listing, conflict rules and the report of a failure are the same for everyone. It lives in the
-dataset layer, whose operators it applies; the manager below never imports the dataset.
+listing, conflict rules and the report of a failure are the same for everyone. It belongs to
+the dataset layer (``docs/architecture.md``), whose operators it applies, and the manager
+below never imports it; it sits outside ``dataset/`` so that loading the plugins, which
+``grain-core plugins`` and every format lookup do, runs no ``dataset/__init__``.
 """
 
 from __future__ import annotations
@@ -11,7 +13,6 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from grain_core.dataset.window_shuffle import WindowShuffleMapDataset
 from grain_core.plugins import ShardingPolicy, ShuffleStrategy, hookimpl
 from grain_core.sharding import (
     ShardByJaxProcess,
@@ -58,6 +59,9 @@ class WindowShuffle:
             raise TypeError("The 'window' shuffle strategy needs window_size=<int>.")
         window_size = options.pop("window_size")
         _reject_unknown_options(self.name, options)
+        # Loading the plugins (`grain-core plugins`, a format lookup) loads no operator.
+        from grain_core.dataset.window_shuffle import WindowShuffleMapDataset  # import cost
+
         return WindowShuffleMapDataset(ds, window_size=window_size, seed=seed)
 
 
