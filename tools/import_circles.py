@@ -2,9 +2,11 @@
 the graph whose edges are every import of a module, at module level or inside a function.
 
 ``python tools/import_circles.py`` prints each circle of two or more modules, biggest first.
-Imports under ``if TYPE_CHECKING:`` are left out (they never run); a package's ``__init__`` is a
-node only with ``--packages``, which also adds the edge every import has to the packages above
-its target (importing ``a.b.c`` runs ``a/__init__`` and ``a/b/__init__``).
+Imports under ``if TYPE_CHECKING:`` are left out (they never run). A package is a node (its
+``__init__``) where a module imports it or a name from it that is not a module; with
+``--packages``, every import also reaches the packages above its target, as Python runs them
+(importing ``a.b.c`` runs ``a/__init__`` and ``a/b/__init__``): an upper bound, with the
+package ``__init__``s counted.
 """
 
 from __future__ import annotations
@@ -119,7 +121,7 @@ def circles(graph: dict[str, set[str]]) -> list[list[str]]:
 
 def main(argv: list[str] | None = None) -> None:
     """Prints the circles of grain_core's import graph, biggest first."""
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(description="The circles of grain_core's import graph.")
     parser.add_argument("--packages", action="store_true", help="count package __init__s")
     args = parser.parse_args(argv)
     for circle in circles(import_graph(ROOT / "grain_core", packages=args.packages)):
