@@ -277,15 +277,23 @@ def _core_module_of(relative: str) -> str:
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
-def _layer_table() -> list[Layer]:
-    """The rows of ``docs/architecture.md``'s layer table that hold core modules (``*.py``
-    paths relative to ``grain_core/``), bottom to top."""
+def _table_rows() -> list[tuple[str, str, str]]:
+    """The cells (layer, modules, may import) of ``docs/architecture.md``'s layer table."""
     text = ARCHITECTURE.read_text()
     section = text.split("## Layers, bottom to top", 1)[1].split("\n## ", 1)[0]
     rows = [line for line in section.splitlines() if line.startswith("| ")][1:]
-    layers = []
+    cells = []
     for row in rows:
-        name, modules, may_import = (cell.strip() for cell in row.strip("|").split("|"))
+        layer, modules, may_import = (cell.strip() for cell in row.strip("| ").split(" | "))
+        cells.append((layer, modules, may_import))
+    return cells
+
+
+def _layer_table() -> list[Layer]:
+    """The rows of ``docs/architecture.md``'s layer table that hold core modules (``*.py``
+    paths relative to ``grain_core/``), bottom to top."""
+    layers = []
+    for name, modules, may_import in _table_rows():
         paths = [p for p in re.findall(r"`([^`]+)`", modules) if p.endswith(".py")]
         if paths:
             allowed = frozenset(n.strip() for n in may_import.split(","))
@@ -306,6 +314,13 @@ def test_every_core_module_is_in_the_layer_table_once() -> None:
     assert sorted(m for m in set(listed) if listed.count(m) > 1) == []
     assert sorted(_core_module_names() - set(listed)) == [], "add it to docs/architecture.md"
     assert sorted(set(listed) - _core_module_names()) == [], "remove it from the table"
+
+
+def test_the_table_names_every_first_party_plugin_package() -> None:
+    named = {n for row in _table_rows() for n in re.findall(r"`(grain_[a-z_]+)`", row[1])}
+    on_disk = {p.name for p in (ROOT / "plugins").iterdir() if (p / "pyproject.toml").is_file()}
+    assert named == on_disk
+    assert {p.name for p in FORMAT_PLUGINS if p.is_relative_to(ROOT / "plugins")} == on_disk
 
 
 def test_the_default_plugins_belong_to_the_dataset_layer() -> None:
