@@ -148,6 +148,16 @@ def test_builtins_are_the_dataset_layers_default_plugin_loaded_by_name() -> None
     assert builtin.hooks == ("register_sharding_policies", "register_shuffle_strategies")
 
 
+def test_a_default_plugin_that_fails_is_reported_like_any_other() -> None:
+    with pytest.warns(PluginWarning, match=r"plugin 'builtins' \(grainpipe [^)]*\) failed"):
+        registry = Registry({"GRAIN_CORE_PLUGINS": ""}, {"builtins": "no_such_default_plugin"})
+    builtin = _report(registry, "builtins")
+    assert builtin.status == "failed"
+    assert builtin.error is not None and "no_such_default_plugin" in builtin.error
+    assert builtin.traceback is not None and "ModuleNotFoundError" in builtin.traceback
+    assert registry.objects("shuffle_strategies") == []
+
+
 def test_the_plugin_manager_loads_no_dataset_module_until_it_loads_plugins() -> None:
     code = (
         "import sys\n"

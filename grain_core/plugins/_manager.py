@@ -190,9 +190,12 @@ class Registry:
 
     Args:
       environ: Where to read ``GRAIN_CORE_PLUGINS`` / ``GRAIN_CORE_DISABLE_PLUGINS``.
+      default_plugins: The core's own plugins, name -> module, loaded before the entry points.
     """
 
-    def __init__(self, environ: Mapping[str, str]) -> None:
+    def __init__(
+        self, environ: Mapping[str, str], default_plugins: Mapping[str, str] = DEFAULT_PLUGINS
+    ) -> None:
         self.reports: list[PluginReport] = []
         self.problems: list[str] = []
         self._objects: dict[str, dict[str, list[_Registration]]] = {
@@ -200,14 +203,14 @@ class Registry:
         }
         self._pm = pluggy.PluginManager(hookspecs.PROJECT_NAME)
         self._pm.add_hookspecs(hookspecs)
-        self._load_all(environ)
+        self._load_all(environ, default_plugins)
         self._find_conflicts()
         self._warn()
 
     # Loading.
 
-    def _load_all(self, environ: Mapping[str, str]) -> None:
-        for name, module in DEFAULT_PLUGINS.items():
+    def _load_all(self, environ: Mapping[str, str], default_plugins: Mapping[str, str]) -> None:
+        for name, module in default_plugins.items():
             default = PluginReport(name, "grainpipe", __version__, module)
             self.reports.append(default)
             self._load_one(default, functools.partial(importlib.import_module, module))
