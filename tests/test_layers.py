@@ -48,6 +48,21 @@ KNOWN_EXCEPTIONS: dict[tuple[str, str], str] = {
     ),
 }
 
+
+def _load_circles_tool() -> Any:
+    spec = importlib.util.spec_from_file_location(
+        "import_circles", ROOT / "tools" / "import_circles.py"
+    )
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+#: ``tools/import_circles.py``: the import statements of a module, and the circles.
+CIRCLES = _load_circles_tool()
+_import_statements = CIRCLES.import_statements
+
 #: The reasons an import inside a function may give on its line.
 FUNCTION_IMPORT_REASONS = ("# fluent API cycle", "# optional dependency", "# import cost")
 
@@ -90,30 +105,12 @@ def _sources(top: Path) -> list[Path]:
     return sorted(top.rglob("*.py"))
 
 
-def _statements(tree: ast.AST) -> Iterator[tuple[ast.Import | ast.ImportFrom, bool, bool]]:
-    """Every import statement of ``tree`` with whether it is inside a function and whether it
-    runs (not under ``if TYPE_CHECKING:``)."""
-
-    def walk(node: ast.AST, in_function: bool, runs: bool) -> Iterator[Any]:
-        for child in ast.iter_child_nodes(node):
-            if isinstance(child, ast.Import | ast.ImportFrom):
-                yield child, in_function, runs
-            elif isinstance(child, ast.If) and "TYPE_CHECKING" in ast.unparse(child.test):
-                yield from walk(ast.Module(body=child.body, type_ignores=[]), in_function, False)
-                yield from walk(ast.Module(body=child.orelse, type_ignores=[]), in_function, runs)
-            else:
-                function = isinstance(child, ast.FunctionDef | ast.AsyncFunctionDef | ast.Lambda)
-                yield from walk(child, in_function or function, runs)
-
-    yield from walk(tree, False, True)
-
-
 def _imports(path: Path) -> Iterator[Import]:
     """Every module ``path`` imports, anywhere in it: for ``from m import a``, ``m`` and, if it
     is a module of grain_core, ``m.a``."""
     tree = ast.parse(path.read_text(), str(path))
     package = _module_name(path).rsplit(".", 1)[0] if path.name != "__init__.py" else None
-    for node, in_function, runs in _statements(tree):
+    for node, in_function, runs in _import_statements(tree):
         where = {"in_function": in_function, "runs": runs}
         if isinstance(node, ast.Import):
             for alias in node.names:
@@ -388,7 +385,7 @@ def test_every_import_inside_a_function_says_why_on_its_line() -> None:
     unexplained = []
     for path in paths:
         lines = path.read_text().splitlines()
-        for node, in_function, _ in _statements(ast.parse("\n".join(lines), str(path))):
+        for node, in_function, _ in _import_statements(ast.parse("\n".join(lines), str(path))):
             if not in_function:
                 continue
             line = lines[node.lineno - 1]
@@ -420,7 +417,7 @@ def test_the_checker_tells_function_and_type_checking_imports_apart() -> None:
     )
     found = {
         node.names[0].name: (in_function, runs)
-        for node, in_function, runs in _statements(ast.parse(source))
+        for node, in_function, runs in _import_statements(ast.parse(source))
         if isinstance(node, ast.Import)
     }
     assert found == {
@@ -436,21 +433,10 @@ def test_the_checker_tells_function_and_type_checking_imports_apart() -> None:
 # Circles.
 
 
-def _import_circles_tool() -> Any:
-    spec = importlib.util.spec_from_file_location(
-        "import_circles", ROOT / "tools" / "import_circles.py"
-    )
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 def test_the_only_import_circle_is_inside_the_dataset_layer() -> None:
     # The plugin manager, the front ends and the command-line tools import one way; the
     # dataset's operators and engines still import each other (issue 38 moves them apart).
-    tool = _import_circles_tool()
-    circles = tool.circles(tool.import_graph(CORE))
+    circles = CIRCLES.circles(CIRCLES.import_graph(CORE))
     assert len(circles) == 1
     assert [m for m in circles[0] if not _within(m, "grain_core.dataset")] == []
 
@@ -463,5 +449,4 @@ def test_the_circle_tool_finds_a_circle_through_a_function_level_import(tmp_path
     (package / "b.py").write_text("def f():\n    from pkg.c import x\n")
     (package / "c.py").write_text("import pkg.a\nif TYPE_CHECKING:\n    import pkg.d\n")
     (package / "d.py").write_text("import pkg.c\n")
-    tool = _import_circles_tool()
-    assert tool.circles(tool.import_graph(package)) == [["pkg.a", "pkg.b", "pkg.c"]]
+    assert CIRCLES.circles(CIRCLES.import_graph(package)) == [["pkg.a", "pkg.b", "pkg.c"]]

@@ -16,8 +16,9 @@ import ast
 import sys
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
-__all__ = ["import_graph", "circles", "main"]
+__all__ = ["circles", "import_graph", "import_statements", "main"]
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -27,35 +28,43 @@ def _module_name(path: Path, top: Path) -> str:
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
-def _type_checking_nodes(tree: ast.AST) -> set[int]:
-    """The ids of the statements under ``if TYPE_CHECKING:``."""
-    skipped: set[int] = set()
-    for node in ast.walk(tree):
-        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
-            skipped.update(id(n) for stmt in node.body for n in ast.walk(stmt))
-    return skipped
+def import_statements(tree: ast.AST) -> Iterator[tuple[ast.Import | ast.ImportFrom, bool, bool]]:
+    """Every import statement of ``tree``, with whether it is inside a function and whether it
+    runs (False under ``if TYPE_CHECKING:``)."""
+
+    def walk(node: ast.AST, in_function: bool, runs: bool) -> Iterator[Any]:
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, ast.Import | ast.ImportFrom):
+                yield child, in_function, runs
+            elif isinstance(child, ast.If) and "TYPE_CHECKING" in ast.unparse(child.test):
+                yield from walk(ast.Module(body=child.body, type_ignores=[]), in_function, False)
+                yield from walk(ast.Module(body=child.orelse, type_ignores=[]), in_function, runs)
+            else:
+                function = isinstance(child, ast.FunctionDef | ast.AsyncFunctionDef | ast.Lambda)
+                yield from walk(child, in_function or function, runs)
+
+    yield from walk(tree, False, True)
 
 
 def _targets(path: Path, name: str, modules: set[str]) -> Iterator[str]:
-    """The grain_core modules the imports of ``path`` (module ``name``) name."""
+    """The modules the imports of ``path`` (module ``name``) that run name."""
     tree = ast.parse(path.read_text(), str(path))
-    skipped = _type_checking_nodes(tree)
     package = name if path.name == "__init__.py" else name.rsplit(".", 1)[0]
-    for node in ast.walk(tree):
-        if id(node) in skipped:
+    for node, _, runs in import_statements(tree):
+        if not runs:
             continue
         if isinstance(node, ast.Import):
             for alias in node.names:
                 yield alias.name
-        elif isinstance(node, ast.ImportFrom):
-            module = node.module or ""
-            if node.level:
-                base = package.split(".")
-                base = base[: len(base) - node.level + 1]
-                module = ".".join([*base, module] if module else base)
-            for alias in node.names:
-                sub = f"{module}.{alias.name}"
-                yield sub if sub in modules else module
+            continue
+        module = node.module or ""
+        if node.level:
+            base = package.split(".")
+            base = base[: len(base) - node.level + 1]
+            module = ".".join([*base, module] if module else base)
+        for alias in node.names:
+            sub = f"{module}.{alias.name}"
+            yield sub if sub in modules else module
 
 
 def import_graph(top: Path, *, packages: bool = False) -> dict[str, set[str]]:
