@@ -51,6 +51,7 @@ __all__ = [
     "SharedMemoryArrayMetadata",
     "SharedMemoryFullError",
     "copy_to_shm",
+    "free_blocks_with_arrays",
     "open_from_shm",
     "unlink_shm",
 ]
@@ -570,6 +571,24 @@ def open_from_shm(tree: Any, recycled: RecycledBlocks | None = None) -> Any:
             return kind(*items)
         return kind(items)
     return tree
+
+
+def free_blocks_with_arrays(tree: Any) -> None:
+    """Frees the block of each whole-block :class:`SharedMemoryArray` leaf of ``tree`` when
+    that array is garbage-collected (``unlink_on_del``): what the parent does for a worker's
+    result, for a result computed in this process (a batch function stacked it into a block
+    that no worker will recycle)."""
+    if isinstance(tree, SharedMemoryArray):
+        if tree._is_whole_block():
+            tree.unlink_on_del()
+        return
+    kind = type(tree)
+    if kind is dict:
+        tree = tree.values()
+    elif kind is not list and not isinstance(tree, tuple):
+        return
+    for leaf in tree:
+        free_blocks_with_arrays(leaf)
 
 
 def copy_into_block(array: np.ndarray) -> str:
