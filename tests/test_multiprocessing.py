@@ -291,6 +291,22 @@ def test_unlink_shm_frees_unopened_elements() -> None:
     assert not any(_exists(n) for n in names)
 
 
+def test_arrays_of_a_result_free_their_blocks_when_collected() -> None:
+    # What the in-process mode does to a batch stacked into shared memory in the parent:
+    # whole-block arrays anywhere in the result free their block with the array; a view of
+    # part of a block (no block of its own) and a plain array are left alone.
+    whole = [SharedMemoryArray(8, np.float32) for _ in range(3)]
+    names = [a.metadata.name for a in whole]
+    partial = SharedMemoryArray(8, np.float32)
+    result = {"a": whole[0], "b": [whole[1], (whole[2], np.ones(2))], "c": partial[2:4]}
+    _shm.free_blocks_with_arrays(result)
+    del whole, result
+    gc.collect()
+    assert not any(_exists(name) for name in names)
+    assert _exists(partial.metadata.name)
+    partial.metadata.close_and_unlink_shm()
+
+
 def test_whole_block_arrays_are_sent_without_copy() -> None:
     arr = SharedMemoryArray((2, 2), np.int32)
     encoded, names = _shm.copy_to_shm({"x": arr}, min_size=10**9)
