@@ -258,14 +258,22 @@ def unlink_block(name: str) -> None:
 
 
 def unlink_prefix(prefix: str) -> list[str]:
-    """Removes every block whose name starts with ``prefix``; returns the names removed."""
+    """Removes every block whose name starts with ``prefix`` (what a stopped or dead worker
+    left); returns the names removed. A worker killed between creating a block and
+    registering it with the resource tracker leaves a block the tracker does not know, so each
+    name is registered before it is unregistered: the tracker's books balance either way."""
     try:
         entries = os.listdir(SHM_DIR)
     except OSError:
         return []
     removed = [f"/{e}" for e in entries if e.startswith(prefix)]
     for name in removed:
-        unlink_block(name)
+        try:
+            _posixshmem.shm_unlink(name)
+        except FileNotFoundError:
+            continue
+        resource_tracker.register(name, _RTYPE)
+        resource_tracker.unregister(name, _RTYPE)
     return removed
 
 
