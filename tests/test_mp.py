@@ -1007,19 +1007,30 @@ class Row(grain.transforms.Map):
     def map(self, x):
         return np.full(1024, x, np.float32)
 
-loader = grain.DataLoader(
-    data_source=grain.sources.RangeDataSource(0, 256 * 24, 1),
-    sampler=grain.samplers.SequentialSampler(256 * 24),
-    operations=[Row(), grain.transforms.Batch(256)],
-    worker_count=2,
-)
-assert sum(1 for _ in loader) == 24
+def loader(**options):
+    return grain.DataLoader(
+        data_source=grain.sources.RangeDataSource(0, 256 * 24, 1),
+        sampler=grain.samplers.SequentialSampler(256 * 24),
+        operations=[Row(), grain.transforms.Batch(256)],
+        worker_count=2,
+        **options,
+    )
+
+assert sum(1 for _ in loader()) == 24
 ds = grain.MapDataset.range(256 * 24).map(lambda x: np.full(1024, x, np.float32)).batch(256)
 options = grain.MultiprocessingOptions(num_workers=2)
 assert sum(1 for _ in ds.to_iter_dataset().mp_prefetch(options)) == 24
 gc.collect()
 # Before exit: every block the batches went through is gone (not only at exit).
 print(sorted(e for e in os.listdir("/dev/shm") if e.startswith(f"gc{os.getpid():x}")))
+# Left to the interpreter's exit: an epoch broken off with batches in flight, and persistent
+# workers never closed, one of their iterators open.
+broken = iter(loader())
+first = next(broken)
+kept = loader(persistent_workers=True)
+assert sum(1 for _ in kept) == 24
+in_flight = iter(kept)
+second = next(in_flight)
 """
 
 
