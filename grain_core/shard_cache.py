@@ -13,10 +13,15 @@ there):
   is valid when both exist, the shard has ``size`` bytes and the remote object still has
   ``size`` and ``version`` (its ETag/generation, looked up once per process); the first use
   in a process also re-hashes the copy (``verify=True``) and compares ``sha256``.
-* ``<key>.lock``: ``flock``-ed exclusively while the entry is checked, downloaded or evicted
-  (so a second process waits for the first download instead of starting its own), and shared
-  by every reader that pins the entry (:meth:`ShardCache.pin`): a pinned entry is never
-  evicted.
+* ``<key>.lock``: the pin lock, shared by every reader that checks or pins the entry
+  (:meth:`ShardCache.pin`) and taken exclusively, without waiting, to evict it: a pinned
+  entry is never evicted.
+* ``<key>.download.lock``: ``flock``-ed exclusively by whoever re-checks a copy it found
+  invalid and downloads it, so that a second process waits for the first download instead of
+  starting its own. Nobody ever waits for a pin: a reader waits for a download, a download for
+  room that other downloads hold or for their end, and where pinned shards leave no room the
+  reader gets :class:`ShardCacheFullError` at once; processes sharing the directory never
+  wait for each other in a circle.
 * ``<key>.<size>.<random>.tmp``: a download in progress, ``flock``-ed by its downloader and
   renamed into place when complete (readers never see a partial shard); its ``size`` counts
   against the limit. One whose lock is free was left by a killed process: the next
@@ -27,7 +32,8 @@ there):
 Eviction: before a download, least recently used shards are removed until the new one fits
 ``max_bytes``; pinned shards and downloads in progress are never removed, and background
 downloads (:meth:`ShardCache.prefetch`) never remove a shard another one of this process
-fetched and nobody has used yet.
+fetched and nobody has used yet. A background download pins nothing: what it leaves may be
+evicted at once by a reader that needs the room.
 
 Shared directories: every name is opened relative to a descriptor of the directory without
 following symbolic links. A link planted at a lock's name is replaced by the lock, one at an
@@ -76,6 +82,12 @@ MAX_BYTES_ENV: Final = "GRAIN_CORE_CACHE_MAX_BYTES"
 _BLOCK: Final = 8 << 20
 _TEMP_NAME = re.compile(r"^(?P<key>[0-9a-f]{40})\.(?P<size>\d+)\.[0-9a-f]+\.tmp$")
 _DIRECTORY_LOCK: Final = ".cache.lock"
+# An entry's two locks: readers share its pin lock (an eviction takes it exclusively, without
+# waiting); its download lock is held by whoever checks a copy found invalid and downloads it.
+# Nobody waits for a pin: a reader waits for a download, a download for room or another
+# download, so processes sharing the directory never wait for each other in a circle.
+_PIN_LOCK: Final = ".lock"
+_DOWNLOAD_LOCK: Final = ".download.lock"
 # How the cache opens names in its directory: never through a symbolic link, never a FIFO's
 # blocking open, never inherited by an exec'd program.
 _NO_FOLLOW: Final = os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK
@@ -307,7 +319,7 @@ class ShardCache:
         if pending is not None:
             pending.result()  # a background download of it: its outcome, then check again
         pinned = self._pin(url, storage_options, ahead=False)
-        assert pinned is not None  # only a download ahead gives way
+        assert pinned is not None  # only a download ahead pins nothing
         return pinned
 
     def local_path(self, url: str, storage_options: Mapping[str, Any] | None = None) -> str:
@@ -338,15 +350,13 @@ class ShardCache:
                     )
 
     def _fetch_ahead(self, url: str, storage_options: Mapping[str, Any] | None) -> None:
-        pinned = self._pin(url, storage_options, ahead=True)
-        if pinned is not None:
-            pinned.close()
+        self._pin(url, storage_options, ahead=True)
 
     def _pin(
         self, url: str, storage_options: Mapping[str, Any] | None, *, ahead: bool
     ) -> PinnedShard | None:
-        """Pins the entry of ``url``, downloading it first if needed; None when a download
-        ahead (``ahead``) finds no room."""
+        """Pins the entry of ``url``, downloading it first if needed; a download ahead
+        (``ahead``) only downloads it where it finds room, and returns None."""
         with self._lock:
             version = self._versions.get(url)
         if version is None:
@@ -355,32 +365,52 @@ class ShardCache:
                 self._versions[url] = version
         key = _key(url, version)
         with self._open_directory() as directory_fd:
-            lock = self._open_lock(directory_fd, key)
+            # A download ahead takes no pin: the shard it leaves may be evicted at once, and
+            # a reader that waited for its room never finds it held.
+            lock = None if ahead else self._open_lock(directory_fd, key)
             try:
-                # Checked under the shared lock (readers of a valid copy do not wait for each
-                # other), downloaded under the exclusive one, then checked again.
-                lock.acquire(shared=True)
-                while not self._valid(directory_fd, key, url, version):
-                    lock.acquire()
-                    if not self._valid(directory_fd, key, url, version):
-                        if not self._download(
-                            directory_fd, key, url, version, storage_options, ahead
-                        ):
-                            lock.close()
-                            return None
-                    lock.acquire(shared=True)
-                with self._disk_errors(url, version[0]):
-                    os.utime(key + ".shard", dir_fd=directory_fd, follow_symlinks=False)
-                    self._remove_stale_downloads(directory_fd, key)
+                if lock is not None:
+                    lock.acquire(shared=True)  # waits only for an eviction in progress
+                if not self._valid(directory_fd, key, url, version):
+                    if not self._fill(directory_fd, key, url, version, storage_options, ahead):
+                        return None
+                if lock is not None:
+                    with self._disk_errors(url, version[0]):
+                        os.utime(key + ".shard", dir_fd=directory_fd, follow_symlinks=False)
+                        self._remove_stale_downloads(directory_fd, key)
             except BaseException:
-                lock.close()
+                if lock is not None:
+                    lock.close()
                 raise
         with self._lock:
             if ahead:
                 self._fetched_ahead.add(key)
             else:
                 self._fetched_ahead.discard(key)
+        if lock is None:
+            return None
         return PinnedShard(self._path(key, ".shard"), url, version[0], lock)
+
+    def _fill(
+        self,
+        directory_fd: int,
+        key: str,
+        url: str,
+        version: tuple[int, str],
+        storage_options: Mapping[str, Any] | None,
+        ahead: bool,
+    ) -> bool:
+        """Makes the entry a valid copy under its download lock: waits for another
+        download of it (never for a pin: readers keep the entry's other lock), checks again,
+        and downloads it if still needed. False when a download ahead finds no room."""
+        download_lock = self._open_lock(directory_fd, key, _DOWNLOAD_LOCK)
+        try:
+            download_lock.acquire()
+            if self._valid(directory_fd, key, url, version):
+                return True
+            return self._download(directory_fd, key, url, version, storage_options, ahead)
+        finally:
+            download_lock.close()
 
     def _valid(self, directory_fd: int, key: str, url: str, version: tuple[int, str]) -> bool:
         """Whether the entry is a complete copy of ``url`` at ``version`` (regular files, not
@@ -418,7 +448,7 @@ class ShardCache:
         storage_options: Mapping[str, Any] | None,
         ahead: bool,
     ) -> bool:
-        """Downloads ``url`` into the entry (whose lock the caller holds exclusively); False
+        """Downloads ``url`` into the entry (whose download lock the caller holds); False
         when a download ahead finds no room."""
         size = version[0]
         with contextlib.suppress(FileNotFoundError):
@@ -612,10 +642,11 @@ class ShardCache:
         finally:
             os.close(fd)
 
-    def _open_lock(self, directory_fd: int, key: str | None) -> _Lock:
-        """The lock of an entry (the directory's for None)."""
+    def _open_lock(self, directory_fd: int, key: str | None, suffix: str = _PIN_LOCK) -> _Lock:
+        """The lock of an entry (its pin lock, or the one named by ``suffix``; the
+        directory's for None)."""
         try:
-            return _Lock(directory_fd, _DIRECTORY_LOCK if key is None else key + ".lock", "lock")
+            return _Lock(directory_fd, _DIRECTORY_LOCK if key is None else key + suffix, "lock")
         except OSError as err:
             raise self._directory_error(err) from err
 
