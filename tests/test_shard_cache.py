@@ -363,6 +363,69 @@ def test_readers_that_find_an_entry_missing_together_never_wait_for_each_others_
     assert _downloads(url) == 1
 
 
+def test_a_read_takes_the_room_of_a_download_ahead_which_stops_at_its_next_block(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A download ahead holds the room a read needs, and its transfer stalls after its first
+    block (a hook: its next read waits until another thread removes a download's temporary
+    file). The read takes the room: the download ahead stops at its next block and leaves
+    nothing behind. Before, the read waited for the whole download ahead (here for ever)."""
+    import threading
+
+    from grain_core import storage
+
+    monkeypatch.setattr(sc, "_BLOCK", 100)
+    pinned_url = _remote(tmp_path, "p.bin", b"p" * 500)
+    ahead_url = _remote(tmp_path, "a.bin", b"a" * 400)
+    url = _remote(tmp_path, "c.bin", b"c" * 400)
+    cache = sc.ShardCache(tmp_path / "cache", max_bytes=1000, read_ahead=1)
+    stalled, go = threading.Event(), threading.Event()
+    real_open_read, real_unlink = storage.open_read, os.unlink
+
+    class Stalling:
+        """The download ahead's source: its second read waits for ``go``."""
+
+        def __init__(self, file: Any) -> None:
+            self._file = file
+            self._reads = 0
+
+        def read(self, size: int = -1) -> bytes:
+            self._reads += 1
+            if self._reads == 2:
+                stalled.set()
+                go.wait()
+            return self._file.read(size)  # type: ignore[no-any-return]
+
+        def __enter__(self) -> Stalling:
+            return self
+
+        def __exit__(self, *exc_info: object) -> None:
+            self._file.close()
+
+    def open_read(path: Any, *args: Any, **kwargs: Any) -> Any:
+        file = real_open_read(path, *args, **kwargs)
+        return Stalling(file) if path == ahead_url else file
+
+    def unlink(path: Any, *args: Any, **kwargs: Any) -> None:
+        real_unlink(path, *args, **kwargs)
+        if str(path).endswith(".tmp") and threading.current_thread() is threading.main_thread():
+            go.set()  # the reader removed a download's file: the stalled transfer goes on
+
+    monkeypatch.setattr(storage, "open_read", open_read)
+    monkeypatch.setattr(os, "unlink", unlink)
+    try:
+        with cache.pin(pinned_url), fails_after(60):
+            cache.prefetch([ahead_url])
+            stalled.wait()  # 500 bytes pinned + 400 downloading ahead + 400 > 1000
+            with cache.pin(url) as pinned:
+                assert Path(pinned.path).read_bytes() == b"c" * 400
+    finally:
+        go.set()
+    assert not list((tmp_path / "cache").glob("*.tmp"))
+    # The download ahead gave way; a read of its shard downloads it.
+    assert Path(cache.local_path(ahead_url)).read_bytes() == b"a" * 400
+
+
 # ---------------------------------------------------------------------------- forks
 _LOCK_PROBE = textwrap.dedent(
     """
