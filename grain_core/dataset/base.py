@@ -413,7 +413,7 @@ class IteratorContext:
         """
         if self.mp_context != other.mp_context:
             raise ValueError(
-                f"Cannot merge iterator contexts from different worker processes: "
+                f"Cannot merge contexts from different worker processes (iterator contexts): "
                 f"{self.mp_context} vs {other.mp_context}."
             )
         self.dataset_options = self.dataset_options.merge(other.dataset_options)
