@@ -150,8 +150,13 @@ class ElasticIterator(DatasetIterator[Any]):
         if self._shard_ds is None:
             shard = slice_for_worker(self._ds, index, count)
             threads = self._read_options.num_threads
-            if threads > 1 and not any(
-                isinstance(node, InterleaveIterDataset) for node in _sliceable_nodes(shard)
+            # Only file readers are split: a MapDataset read by ``to_iter_dataset`` has read
+            # threads of its own (``_sliceable_nodes`` finds none there).
+            readers = _sliceable_nodes(shard)
+            if (
+                threads > 1
+                and readers
+                and not any(isinstance(node, InterleaveIterDataset) for node in readers)
             ):
                 self._thread_copies = [slice_for_worker(shard, t, threads) for t in range(threads)]
                 shard = InterleaveIterDataset(
