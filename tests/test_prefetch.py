@@ -591,3 +591,28 @@ def test_read_threads_fill_the_read_ahead_while_the_consumer_is_away():
     it.close()
     executor.shutdown(wait=True)
     assert read == set(range(buffer_size + 1))
+
+
+def test_thread_prefetch_fills_its_buffer_after_an_early_break_and_stops_on_close():
+    # The producer thread reads on while the consumer is away, up to the buffer (plus the
+    # element it waits to put), and ends when the iterator is closed: no leaked thread.
+    lock, read, filled = threading.Lock(), [], threading.Event()
+    buffer_size = 5
+
+    def record(x: int) -> int:
+        with lock:
+            read.append(x)
+            if len(read) == 1 + buffer_size + 1:
+                filled.set()
+        return x
+
+    one_at_a_time = grain.ReadOptions(num_threads=0, prefetch_buffer_size=0)
+    source = MD.range(100).map(record).to_iter_dataset(one_at_a_time)
+    it = iter(ThreadPrefetchIterDataset(source, prefetch_buffer_size=buffer_size))
+    assert next(it) == 0
+    assert filled.wait(timeout=60)
+    producer = it._thread
+    assert producer is not None
+    it.close()
+    assert not producer.is_alive()
+    assert read == list(range(1 + buffer_size + 1))
