@@ -1,0 +1,220 @@
+"""grain_core._checkpoint_io: every way of saving an iterator writes the same bytes.
+
+Each case saves an iterator after a few steps through one of the paths that write checkpoints
+(``CheckpointHandler``, the Orbax v1 ``save`` of a dataset iterator and of a DataLoader
+iterator, an ``ElasticIterator`` in both modes, ``device_put`` over a DataLoader, an Orbax
+``CheckpointManager``) and compares every file, byte for byte, with the one that path wrote
+before the codec was one module (``tests/data/checkpoints/<case>/``). Restoring those files
+continues each stream where it stopped, so checkpoints written before still restore.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import shutil
+from collections.abc import Callable, Coroutine, Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+import grain_core as grain
+from grain_core.checkpoint import CheckpointHandler
+from grain_core.experimental import ElasticIterator, InterleaveIterDataset, device_put
+from grain_core.samplers import IndexSampler
+from grain_core.sharding import ShardOptions
+
+GOLDEN = Path(__file__).parent / "data" / "checkpoints"
+_STEPS = 3
+_FILES = [list(range(100 * k, 100 * k + 3 + k)) for k in range(4)]
+
+
+def _dataset_iterator() -> Any:
+    return iter(grain.MapDataset.range(10).map(lambda x: x * 2).to_iter_dataset())
+
+
+def _loader(workers: int = 0) -> grain.DataLoader:
+    return grain.DataLoader(
+        data_source=list(range(10)), sampler=IndexSampler(10, num_epochs=1), worker_count=workers
+    )
+
+
+def _elastic_map(index: int = 0) -> ElasticIterator:
+    return ElasticIterator(grain.MapDataset.range(24), 4, ShardOptions(index, 2))
+
+
+def _elastic_iter(index: int) -> ElasticIterator:
+    ds = InterleaveIterDataset([grain.MapDataset.source(f) for f in _FILES], cycle_length=2)
+    return ElasticIterator(ds, 2, ShardOptions(index, 2))
+
+
+def _device_put_loader() -> Any:
+    jax = pytest.importorskip("jax")
+    return iter(device_put(_loader(), jax.devices()[0]))
+
+
+def _advance(it: Any, steps: int = _STEPS) -> Any:
+    for _ in range(steps):
+        next(it)
+    return it
+
+
+def _run(make_coroutine: Callable[[], Coroutine[Any, Any, Any]]) -> None:
+    async def run() -> None:
+        await (await make_coroutine())
+
+    asyncio.run(run())
+
+
+def _orbax_manager_save(directory: Path) -> None:
+    ocp = pytest.importorskip("orbax.checkpoint")
+    from grain_core import checkpoint
+
+    with _loader().__iter__() as it, ocp.CheckpointManager(directory) as manager:
+        _advance(it)
+        manager.save(1, args=ocp.args.Composite(data=checkpoint.CheckpointSave(it)))
+        manager.wait_until_finished()
+
+
+def _orbax_manager_restore(directory: Path) -> list[Any]:
+    ocp = pytest.importorskip("orbax.checkpoint")
+    from grain_core import checkpoint
+
+    with _loader().__iter__() as fresh, ocp.CheckpointManager(directory) as manager:
+        manager.restore(1, args=ocp.args.Composite(data=checkpoint.CheckpointRestore(fresh)))
+        return list(fresh)
+
+
+def _handler_save(make: Callable[[], Any]) -> Callable[[Path], None]:
+    def save(directory: Path) -> None:
+        it = _advance(make())
+        CheckpointHandler().save(directory, it)
+        it.close()
+
+    return save
+
+
+def _handler_restore(make: Callable[[], Any]) -> Callable[[Path], list[Any]]:
+    def restore(directory: Path) -> list[Any]:
+        with CheckpointHandler().restore(directory, make()) as it:
+            return [np.asarray(x).tolist() for x in it]
+
+    return restore
+
+
+def _elastic_iter_save(directory: Path) -> None:
+    for index in range(2):
+        _handler_save(lambda index=index: _elastic_iter(index))(directory)
+
+
+def _elastic_iter_restore(directory: Path) -> list[Any]:
+    return [
+        x
+        for index in range(2)
+        for x in _handler_restore(lambda index=index: _elastic_iter(index))(directory)
+    ]
+
+
+def _orbax_v1_save(make: Callable[[], Any]) -> Callable[[Path], None]:
+    def save(directory: Path) -> None:
+        it = _advance(make())
+        _run(lambda: it.save(directory))
+        it.close()
+
+    return save
+
+
+def _orbax_v1_restore(make: Callable[[], Any]) -> Callable[[Path], list[Any]]:
+    def restore(directory: Path) -> list[Any]:
+        fresh = make()
+        _run(lambda: fresh.load(directory))
+        with fresh:
+            return [np.asarray(x).tolist() for x in fresh]
+
+    return restore
+
+
+def _rest(make: Callable[[], Any]) -> Callable[[], list[Any]]:
+    def rest() -> list[Any]:
+        with make() as it:
+            _advance(it)
+            return [np.asarray(x).tolist() for x in it]
+
+    return rest
+
+
+def _elastic_iter_rest() -> list[Any]:
+    return [x for index in range(2) for x in _rest(lambda index=index: _elastic_iter(index))()]
+
+
+# case -> (save into a directory, restore from it and drain, what an uninterrupted run gives)
+CASES: dict[
+    str, tuple[Callable[[Path], None], Callable[[Path], list[Any]], Callable[[], list[Any]]]
+] = {
+    "handler_dataset_iterator": (
+        _handler_save(_dataset_iterator),
+        _handler_restore(_dataset_iterator),
+        _rest(_dataset_iterator),
+    ),
+    "handler_data_loader": (
+        _handler_save(lambda: iter(_loader())),
+        _handler_restore(lambda: iter(_loader())),
+        _rest(lambda: iter(_loader())),
+    ),
+    "handler_data_loader_2_workers": (
+        _handler_save(lambda: iter(_loader(2))),
+        _handler_restore(lambda: iter(_loader(2))),
+        _rest(lambda: iter(_loader(2))),
+    ),
+    "orbax_v1_dataset_iterator": (
+        _orbax_v1_save(_dataset_iterator),
+        _orbax_v1_restore(_dataset_iterator),
+        _rest(_dataset_iterator),
+    ),
+    "orbax_v1_data_loader": (
+        _orbax_v1_save(lambda: iter(_loader())),
+        _orbax_v1_restore(lambda: iter(_loader())),
+        _rest(lambda: iter(_loader())),
+    ),
+    "handler_elastic_map_dataset": (
+        _handler_save(_elastic_map),
+        _handler_restore(_elastic_map),
+        _rest(_elastic_map),
+    ),
+    "handler_elastic_iter_dataset": (_elastic_iter_save, _elastic_iter_restore, _elastic_iter_rest),
+    "handler_device_put_data_loader": (
+        _handler_save(_device_put_loader),
+        _handler_restore(_device_put_loader),
+        _rest(_device_put_loader),
+    ),
+    "orbax_checkpoint_manager_data_loader": (
+        _orbax_manager_save,
+        _orbax_manager_restore,
+        _rest(lambda: iter(_loader())),
+    ),
+}
+
+
+def _files(directory: Path) -> Iterator[tuple[str, bytes]]:
+    for path in sorted(directory.rglob("*.json")):
+        if path.name.startswith("process_") or path.name.startswith("shard_state_"):
+            yield str(path.relative_to(directory)), path.read_bytes()
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_every_save_path_writes_the_golden_bytes(case: str, tmp_path: Path) -> None:
+    save, _, _ = CASES[case]
+    save(tmp_path)
+    written = dict(_files(tmp_path))
+    golden = dict(_files(GOLDEN / case))
+    assert written and sorted(written) == sorted(golden)
+    for name, data in written.items():
+        assert data == golden[name], f"{case}: {name} differs from the golden file"
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_a_golden_checkpoint_restores_where_it_stopped(case: str, tmp_path: Path) -> None:
+    _, restore, rest = CASES[case]
+    shutil.copytree(GOLDEN / case, tmp_path / "ckpt")
+    assert restore(tmp_path / "ckpt") == rest()
