@@ -10,6 +10,7 @@ continues each stream where it stopped, so checkpoints written before still rest
 
 from __future__ import annotations
 
+import ast
 import asyncio
 import shutil
 from collections.abc import Callable, Coroutine, Iterator
@@ -218,3 +219,28 @@ def test_a_golden_checkpoint_restores_where_it_stopped(case: str, tmp_path: Path
     _, restore, rest = CASES[case]
     shutil.copytree(GOLDEN / case, tmp_path / "ckpt")
     assert restore(tmp_path / "ckpt") == rest()
+
+
+# The modules that save, restore or check iterator states; none of them spells the encoding.
+_STATE_MODULES = [
+    "checkpoint.py",
+    "data_loader.py",
+    "jax_utils.py",
+    "testing.py",
+    "dataset/base.py",
+    "dataset/elastic.py",
+]
+
+
+@pytest.mark.parametrize("module", _STATE_MODULES)
+def test_only_the_codec_module_imports_json(module: str) -> None:
+    tree = ast.parse((Path(grain.__file__).parent / module).read_text())
+    imported = {
+        alias.name
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Import | ast.ImportFrom)
+        for alias in (
+            node.names if isinstance(node, ast.Import) else [ast.alias(node.module or "")]
+        )
+    }
+    assert "json" not in imported, f"{module} encodes states itself; use grain_core._checkpoint_io"
