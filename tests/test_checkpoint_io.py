@@ -21,6 +21,7 @@ import numpy as np
 import pytest
 
 import grain_core as grain
+from grain_core import _checkpoint_io
 from grain_core.checkpoint import CheckpointHandler
 from grain_core.experimental import ElasticIterator, InterleaveIterDataset, device_put
 from grain_core.samplers import IndexSampler
@@ -244,3 +245,52 @@ def test_only_the_codec_module_imports_json(module: str) -> None:
         )
     }
     assert "json" not in imported, f"{module} encodes states itself; use grain_core._checkpoint_io"
+
+
+class _Recorder:
+    """An iterator of another library: a state, and the states it was given."""
+
+    def __init__(self, state: Any) -> None:
+        self.state = state
+        self.given: list[Any] = []
+
+    def get_state(self) -> Any:
+        return self.state
+
+    def set_state(self, state: Any) -> None:
+        self.given.append(state)
+
+
+class _BytesRecorder(_Recorder):
+    state_is_bytes = True
+
+
+class _EverywhereRecorder(_Recorder):
+    state_same_on_every_process = True
+
+
+def test_the_bytes_state_capability_chooses_what_set_state_gets(tmp_path: Path) -> None:
+    text = b'{\n    "position": 3\n}'
+    _checkpoint_io.save_item(tmp_path, _BytesRecorder(text))
+    assert (tmp_path / "process_0-of-1.json").read_bytes() == text
+    declared, undeclared = _BytesRecorder(b""), _Recorder({})
+    _checkpoint_io.restore_item(tmp_path, declared)
+    _checkpoint_io.restore_item(tmp_path, undeclared)
+    assert declared.given == [text]
+    assert undeclared.given == [{"position": 3}]
+
+
+def test_the_same_state_capability_restores_from_another_process_file(tmp_path: Path) -> None:
+    _checkpoint_io.write_process_file(tmp_path, '{"global_next_index": 8}', (1, 2))
+    everywhere = _EverywhereRecorder({})
+    _checkpoint_io.restore_item(tmp_path, everywhere)
+    assert everywhere.given == [{"global_next_index": 8}]
+    with pytest.raises(ValueError, match="process_0-of-1.json does not exist"):
+        _checkpoint_io.restore_item(tmp_path, _Recorder({}))
+
+
+@pytest.mark.parametrize("make", [_dataset_iterator, lambda: iter(_loader())])
+def test_orbax_v1_load_names_a_corrupt_file(tmp_path: Path, make: Callable[[], Any]) -> None:
+    (tmp_path / "process_0-of-1.json").write_text('{"next_index": ')
+    with pytest.raises(ValueError, match=r"process_0-of-1.json is not valid JSON"):
+        _run(lambda: make().load(tmp_path))
