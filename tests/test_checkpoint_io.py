@@ -19,6 +19,8 @@ from typing import Any
 
 import numpy as np
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 import grain_core as grain
 from grain_core import _checkpoint_io
@@ -294,3 +296,27 @@ def test_orbax_v1_load_names_a_corrupt_file(tmp_path: Path, make: Callable[[], A
     (tmp_path / "process_0-of-1.json").write_text('{"next_index": ')
     with pytest.raises(ValueError, match=r"process_0-of-1.json is not valid JSON"):
         _run(lambda: make().load(tmp_path))
+
+
+_JSON_STATES = st.dictionaries(
+    st.text(max_size=8),
+    st.recursive(
+        st.none() | st.booleans() | st.integers() | st.text(max_size=8),
+        lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=4), inner),
+        max_leaves=12,
+    ),
+    max_size=6,
+)
+
+
+@given(_JSON_STATES)
+def test_a_state_survives_the_codec_and_its_bytes_are_its_text(state: dict[str, Any]) -> None:
+    text = _checkpoint_io.encode_state(state)
+    assert _checkpoint_io.decode_state(text, "test") == state
+    assert _checkpoint_io.decode_state(text.encode(), "test") == state
+    assert _checkpoint_io.encode_state(text.encode()) == text
+
+
+def test_undecodable_text_is_named() -> None:
+    with pytest.raises(ValueError, match="DataLoader state is not valid JSON"):
+        _checkpoint_io.decode_state(b"\xff{", "DataLoader state")
