@@ -511,6 +511,55 @@ def test_blocks_freed_before_a_message_that_cannot_be_pickled_reach_the_parent(
             conn.close()
 
 
+
+def test_a_worker_counts_cpu_seconds_per_generation(monkeypatch: pytest.MonkeyPatch) -> None:
+    # The parent sizes runs by the CPU seconds per result since the generation began: a
+    # worker kept from the last iterator (persistent_workers) that went on counting from its
+    # start made the new iterator's first result look as costly as the whole last epoch, and
+    # its runs shrank to two positions (a round trip to the parent per result).
+    import multiprocessing
+
+    from grain_core.dataset.mp import dispatch_worker
+
+    clock = [100.0]
+    monkeypatch.setattr(dispatch_worker.time, "process_time", lambda: clock[0])
+    spec = WorkerSpec(
+        index=0,
+        count=1,
+        init_fn=None,
+        dataset=b"",
+        sequential_slice=False,
+        state=None,
+        plugins=None,
+        options=None,
+        shm_prefix="unused",
+        pool_size=1,
+    )
+    control_r, control_w = multiprocessing.Pipe(duplex=False)
+    output_r, output_w = multiprocessing.Pipe(duplex=False)
+    try:
+        loop = DispatchWorkerLoop(spec, control_r, output_w)
+        clock[0] = 160.0  # a minute of work in the last generation
+        assert loop._cpu_seconds() == 60.0
+        loop._handle(assign_message(2**32, [], 1, []))  # the next iterator's generation
+        clock[0] = 160.5
+        assert loop._cpu_seconds() == 0.5
+        loop._handle(assign_message(2**32, [], 1, []))  # the same generation goes on
+        assert loop._cpu_seconds() == 0.5
+    finally:
+        for conn in (control_r, control_w, output_r, output_w):
+            conn.close()
+
+
+def test_a_new_generation_learns_from_zero() -> None:
+    # Restored (a new generation), the parent counts the workers' CPU seconds from zero, as
+    # they do.
+    d = _dispatcher()
+    d._cpu_mark[0], d._since_learned[0] = 60.0, 3
+    d._forget_work()
+    assert d._cpu_mark == [0.0, 0.0] and d._since_learned == [0, 0]
+
+
 def _lock_at_25(x: int) -> Any:
     return threading.Lock() if x == 25 else x
 

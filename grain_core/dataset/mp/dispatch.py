@@ -375,6 +375,9 @@ class LocalWorkers:
         self._granted = [0] * self._count
         self._received = [0] * self._count
         self._consumed = [0] * self._count
+        # A new generation: the workers' CPU seconds count from zero again.
+        self._cpu_mark = [0.0] * self._count
+        self._since_learned = [0] * self._count
         self._assigned = list(self._consumer.frontier)
 
     def _receive(self, worker: int) -> None:
@@ -482,10 +485,13 @@ class LocalWorkers:
         else:
             self._ahead = [max(self._buffer, shared) for shared in self._shared_room]
         runs: list[list[tuple[int, int, int]]] = [[] for _ in range(n)]
+        due = [self._consumed[w] + self._ahead[w] - self._granted[w] for w in range(n)]
         for worker in sorted(range(n), key=self._outstanding.__getitem__):
             limit = self._limits[worker]
             free = limit - self._outstanding[worker]
-            if free <= 0 or (self._outstanding[worker] and 2 * free < limit):
+            # A worker whose credits go now gets what is free of its commitment with them.
+            half_free = 2 * free >= limit or due[worker] >= self._credit_batch[worker]
+            if free <= 0 or (self._outstanding[worker] and not half_free):
                 continue
             if not helping:
                 free = self._give(worker, worker, free, window, runs[worker])
@@ -503,8 +509,10 @@ class LocalWorkers:
                 share = max(1, free // len(open_classes))
                 free -= share - self._give(worker, cls, share, window, runs[worker])
         for worker in range(n):
-            credits = self._consumed[worker] + self._ahead[worker] - self._granted[worker]
-            if credits < self._credit_batch[worker]:
+            # Credits due go with runs, else once a batch of them is due: each message costs
+            # both processes a wake-up.
+            credits = max(0, due[worker])
+            if not runs[worker] and credits < self._credit_batch[worker]:
                 credits = 0
             # Blocks the consumer dropped go back with the next runs or credits: a worker
             # writes into a block only once it has a credit to send what it wrote.

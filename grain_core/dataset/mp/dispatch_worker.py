@@ -25,7 +25,8 @@ class DispatchWorkerLoop(WorkerLoop):
     """A worker of the dispatching engine.
 
     It computes the runs of positions the parent assigns, in assignment order, and sends each
-    element with the CPU seconds the worker has used so far instead of a state (the parent knows every position). An
+    element with the CPU seconds the worker has used in this generation so far instead of a
+    state (the parent knows every position). An
     error is sent for its position and the worker goes on with the next one: another class's
     positions queued behind it are still needed.
 
@@ -70,6 +71,9 @@ class DispatchWorkerLoop(WorkerLoop):
         shm.release_blocks(names)
         if generation != self._generation:
             self._generation = generation
+            # CPU seconds count per generation: the parent that sizes runs by them (a new
+            # iterator on kept workers, or a restore) starts counting at zero.
+            self._cpu_start = time.process_time()
             self._pending = 0
             self._reset_credits(0)
             if self._reader is not None:

@@ -11,7 +11,7 @@ once (``pickling.dumps_message``) and sent as bytes over the worker's pipes
 * Output (worker → parent): ``(generation, kind, payload, extra, shm_names, dropped)``, six
   fields always, so one unpacking reads any of them. ``generation`` counts the parent's
   restores (a message of an older one is discarded, its blocks freed); ``extra`` is the
-  worker's state after the element (rotation) or its CPU seconds so far (dispatch);
+  worker's state after the element (rotation) or its CPU seconds in this generation (dispatch);
   ``shm_names`` are the blocks holding the element's arrays; ``dropped`` the blocks the
   worker freed (the parent forgets its mappings of them). Here: ``ELEMENT``, ``ERROR``, and
   the side messages ``STATS`` and ``WARNING`` (generation ``STATS_GENERATION``, which no
