@@ -11,8 +11,8 @@ the parent keeps that output and its state, and hands out the positions instead:
   rotating engine and, for elements, across worker counts.
 * Workers get *runs* ``(class, first slice index, count)``, compute them in order
   (``PositionReader``, ahead of their credits) and send the results with the CPU time they
-  cost (small results already read several to a message); the parent files results by
-  position, no tags needed.
+  cost in this generation (results already read several to a message); the parent files
+  results by position, no tags needed.
 * A worker is committed to about ``_RUN_TARGET_S`` of CPU work, at least
   ``per_worker_buffer_size`` positions and at most the read-ahead
   (``ReadOptions.prefetch_buffer_size``), or ``SMALL_AHEAD`` if that is more and its results
@@ -64,6 +64,7 @@ from grain_core.dataset.mp.protocol import (
     STATS_GENERATION,
     assign_message,
     credit_batch,
+    element_block_names,
     overdraft_room,
     receive_side_message,
     shared_ahead_room,
@@ -394,26 +395,26 @@ class LocalWorkers:
                 )
                 if answers is not None:
                     self._stats_answered[worker] = answers
-            else:
-                recycled.released.extend(names)
+            elif kind in (ELEMENT, ELEMENTS):
+                count = len(value) if kind == ELEMENTS else 1
+                for blocks in element_block_names(kind, count, names):
+                    recycled.released.extend(blocks)
             return
         held = self._consumer.held
         if kind == ERROR:
             error = remote_error(value, worker, self._count)
             held[self._next_position(worker)] = (ERROR, error, (worker, []))
             return
-        if kind == ELEMENTS:
-            for element in value:
-                held[self._next_position(worker)] = (ELEMENT, element, (worker, []))
-        else:
-            held[self._next_position(worker)] = (ELEMENT, value, (worker, names))
-        count = len(value) if kind == ELEMENTS else 1
+        values = value if kind == ELEMENTS else [value]
+        count = len(values)
+        for element, blocks in zip(values, element_block_names(kind, count, names), strict=True):
+            held[self._next_position(worker)] = (ELEMENT, element, (worker, blocks))
         room = (
             0
             if names or not self._overdraft_allowed
             else overdraft_room(self._pool.last_message_bytes // count)
         )
-        shared = shared_ahead_room(shm.shared_bytes(value)) if names else 0
+        shared = shared_ahead_room(shm.shared_bytes(value) // count) if names else 0
         self._overdraft_room[worker] = room
         self._shared_room[worker] = shared
         self._credit_batch[worker] = credit_batch(self._buffer, max(room, shared))
