@@ -490,9 +490,7 @@ class LocalWorkers:
         for worker in sorted(range(n), key=self._outstanding.__getitem__):
             limit = self._limits[worker]
             free = limit - self._outstanding[worker]
-            # A worker whose credits go now gets what is free of its commitment with them.
-            half_free = 2 * free >= limit or due[worker] >= self._credit_batch[worker]
-            if free <= 0 or (self._outstanding[worker] and not half_free):
+            if free <= 0 or (self._outstanding[worker] and 2 * free < limit):
                 continue
             if not helping:
                 free = self._give(worker, worker, free, window, runs[worker])
