@@ -1,7 +1,11 @@
-"""Checkpoint files: the names, and their atomic writes and checked reads, on any storage.
+"""Checkpoint files: the one codec of an iterator state, the names, atomic writes and checked
+reads on any storage, and saving and restoring an iterator.
 
 Below both the dataset layer (whose iterators save themselves under Orbax) and
-``CheckpointHandler``: it knows file names and text, not iterators. Each process writes
+``CheckpointHandler``: it knows file names, text and the capabilities an iterator declares
+(``grain_core.capabilities``: a bytes state, the same state on every process, shard-state
+files), not iterator classes. A state is written as JSON indented by four spaces (as Google
+Grain writes it); a bytes state is that text already. Each process writes
 ``process_{i}-of-{n}.json`` (``i, n`` from JAX when it is initialised, else ``0, 1``); an
 ``ElasticIterator`` over an IterDataset writes ``shard_state_{k}.json`` per input dataset.
 Directories are local paths or URLs (see :mod:`grain_core.storage`); every file is written
@@ -33,16 +37,20 @@ from collections.abc import Callable, Coroutine, Mapping
 from typing import Any, Final
 
 from grain_core import storage
+from grain_core.capabilities import BytesState, SameStateEverywhere, ShardStateCheckpointing
 
 __all__ = [
     "SavePosition",
+    "decode_state",
+    "encode_state",
     "load_coroutine",
-    "load_json",
     "process_file_name",
     "read_process_file",
     "read_shard_process_state",
     "read_shard_states",
+    "restore_item",
     "save_coroutine",
+    "save_item",
     "shard_file",
     "write_process_file",
     "write_shard_checkpoint",
@@ -152,12 +160,12 @@ def _check_same_state(directory: Any, path: str, text: str) -> None:
       ValueError: Naming the directory and the two files.
     """
     count = path.rsplit("-of-", 1)[1]
-    state = load_json(text, path)
+    state = _decode_file(text, path)
     for other in _process_files(directory):
         if other == path or other.rsplit("-of-", 1)[1] != count:
             continue
         try:
-            other_state = load_json(_read_text(other), other)
+            other_state = _decode_file(_read_text(other), other)
         except FileNotFoundError:
             continue
         if other_state != state:
@@ -191,19 +199,35 @@ def _read_text(path: str) -> str:
         ) from e
 
 
-def load_json(text: str, path: str) -> Any:
-    """Parses the checkpoint file ``path`` holding ``text``.
+def encode_state(state: Mapping[str, Any] | bytes) -> str:
+    """The checkpoint text of an iterator's ``state``: a dict as JSON indented by four spaces,
+    a bytes state (which is that text already) decoded."""
+    if isinstance(state, bytes):
+        return state.decode()
+    return json.dumps(state, indent=4)
+
+
+def decode_state(text: str | bytes, source: str) -> Any:
+    """Parses checkpoint text (``encode_state``'s, or Google Grain's) read from ``source``.
+
+    Args:
+      text: The text, or its UTF-8 bytes.
+      source: What held it, for the error: ``"Checkpoint file <path>"``, ``"DataLoader state"``.
 
     Raises:
-      ValueError: If it is not valid JSON, naming the file.
+      ValueError: If it is not valid UTF-8 JSON, naming ``source``.
     """
     try:
         return json.loads(text)
-    except json.JSONDecodeError as e:
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise ValueError(
-            f"Checkpoint file {path} is not valid JSON ({e}); it is truncated or corrupt. "
+            f"{source} is not valid JSON ({e}); it is truncated or corrupt. "
             "Restore an earlier checkpoint."
         ) from e
+
+
+def _decode_file(text: str, path: str) -> Any:
+    return decode_state(text, f"Checkpoint file {path}")
 
 
 def _shard_file_name(key: int | str) -> str:
@@ -223,11 +247,11 @@ def write_shard_checkpoint(
     directory: Any,
     shard: tuple[int, int],
     state: Mapping[str, Any],
-    shard_texts: Mapping[int, str],
+    shard_states: Mapping[int, Mapping[str, Any]],
     position: SavePosition,
 ) -> None:
     """Writes an ``ElasticIterator`` shard's save: ``shard_state_{k}.json`` holding
-    ``shard_texts[k]`` for every ``k``, then (the commit point) ``process_{i}-of-{n}.json``
+    ``shard_states[k]`` for every ``k``, then (the commit point) ``process_{i}-of-{n}.json``
     holding ``state``, the digest of each shard-state file and the save's ``position``. Each
     file is atomic.
 
@@ -235,6 +259,7 @@ def write_shard_checkpoint(
       OSError: If a file cannot be written, naming it (the save is then incomplete, and
         restoring it is refused until a save of the directory completes).
     """
+    shard_texts = {key: encode_state(s) for key, s in shard_states.items()}
     for key, text in shard_texts.items():
         storage.write_bytes(shard_file(directory, key), text.encode())
     record = {
@@ -242,7 +267,7 @@ def write_shard_checkpoint(
         _SHARD_DIGESTS: {str(k): _digest(t) for k, t in shard_texts.items()},
         _SAVE_POSITION: dataclasses.asdict(position),
     }
-    write_process_file(directory, json.dumps(record, indent=4), shard)
+    write_process_file(directory, encode_state(record), shard)
 
 
 def read_shard_process_state(directory: Any, shard: tuple[int, int]) -> tuple[Any, int] | None:
@@ -256,7 +281,7 @@ def read_shard_process_state(directory: Any, shard: tuple[int, int]) -> tuple[An
     """
     path = storage.join(directory, process_file_name(shard))
     try:
-        record = load_json(_read_text(path), path)
+        record = _decode_file(_read_text(path), path)
     except FileNotFoundError:
         return None
     # A shard restores from its own file alone (shards may save to directories of their own),
@@ -282,7 +307,7 @@ def _process_records(directory: Any, count: int, *, missing_ok: bool = False) ->
         name = process_file_name((index, count))
         path = storage.join(directory, name)
         try:
-            records[name] = load_json(_read_text(path), path)
+            records[name] = _decode_file(_read_text(path), path)
         except FileNotFoundError:
             if missing_ok:
                 continue
@@ -414,7 +439,7 @@ def read_shard_states(
                 f"{listed[key][1]} lists (its content differs); a later save was interrupted. "
                 "Restore an earlier checkpoint."
             )
-        states[key] = load_json(text, path)
+        states[key] = _decode_file(text, path)
     return states, step
 
 
@@ -425,11 +450,69 @@ def _shard_state_keys(directory: Any) -> list[int]:
     return sorted(int(k) for k in keys if k.isdigit())
 
 
-def save_coroutine(directory: Any, text: str) -> Coroutine[Any, Any, None]:
-    """Orbax v1 ``save``: a coroutine that waits for ``directory`` and writes ``text`` to it.
+def save_item(directory: Any, item: Any) -> None:
+    """Saves iterator ``item`` into ``directory``: its shard-state files and process file when
+    it checkpoints shard states, else this process's file holding its state.
 
-    The text is captured by the caller at call time, so later iteration does not change it.
+    Raises:
+      OSError: If a file cannot be written, naming it.
     """
+    if _checkpoints_shard_states(item):
+        item.save_shard_checkpoint(directory)
+        return
+    write_process_file(directory, encode_state(item.get_state()))
+
+
+def restore_item(directory: Any, item: Any) -> None:
+    """Restores iterator ``item`` in place from ``directory`` (see ``save_item``); an iterator
+    with the same state on every process restores from any process's file.
+
+    Raises:
+      ValueError: If the file is missing, truncated or not JSON, or holds the state of another
+        kind of iterator, naming the file.
+    """
+    if _checkpoints_shard_states(item):
+        item.restore_shard_checkpoint(directory)
+        return
+    same_everywhere = isinstance(item, SameStateEverywhere) and item.state_same_on_every_process
+    _set_state(item, read_process_file(directory, any_process=same_everywhere), directory)
+
+
+def _checkpoints_shard_states(item: Any) -> bool:
+    return isinstance(item, ShardStateCheckpointing) and item.checkpoints_shard_states
+
+
+def _set_state(item: Any, text: str, directory: Any) -> None:
+    """Sets ``item``'s state to ``text``, read from ``directory``: its bytes for an iterator
+    with a bytes state, else the decoded dict.
+
+    Raises:
+      ValueError: If ``text`` is not JSON or not a state of this iterator, naming the file.
+    """
+    path = storage.join(directory, process_file_name())
+    state = _decode_file(text, path)
+    try:
+        item.set_state(
+            text.encode() if isinstance(item, BytesState) and item.state_is_bytes else state
+        )
+    except ValueError as e:
+        e.add_note(f"Restoring from checkpoint file {path}.")
+        raise
+    except (KeyError, TypeError, IndexError, AttributeError) as e:
+        raise ValueError(
+            f"Checkpoint file {path} does not hold a state of this {type(item).__name__} "
+            f"({type(e).__name__}: {e}): it was saved from another pipeline or another "
+            "kind of iterator (a DataLoader's, or one with another worker count)."
+        ) from e
+
+
+def save_coroutine(directory: Any, item: Any) -> Coroutine[Any, Any, None]:
+    """Orbax v1 ``save`` of iterator ``item``: a coroutine that waits for ``directory`` and
+    writes this process's file holding ``item``'s state.
+
+    The state is taken at call time, so later iteration does not change what is written.
+    """
+    text = encode_state(item.get_state())
 
     async def _write() -> None:
         import asyncio  # import cost: ~60 ms, and only Orbax saves need it
@@ -446,12 +529,17 @@ def save_coroutine(directory: Any, text: str) -> Coroutine[Any, Any, None]:
     return _write()
 
 
-def load_coroutine(directory: Any, apply: Callable[[str], None]) -> Coroutine[Any, Any, None]:
-    """Orbax v1 ``load``: a coroutine that reads this process's file and calls ``apply(text)``."""
+def load_coroutine(directory: Any, item: Any) -> Coroutine[Any, Any, None]:
+    """Orbax v1 ``load`` of iterator ``item``: a coroutine that reads this process's file and
+    restores ``item`` from it.
+
+    Raises:
+      ValueError: (when awaited) as ``restore_item`` does.
+    """
 
     async def _read() -> None:
         import asyncio  # import cost: ~60 ms, and only Orbax restores need it
 
-        apply(await asyncio.to_thread(read_process_file, directory))
+        _set_state(item, await asyncio.to_thread(read_process_file, directory), directory)
 
     return _read()

@@ -24,6 +24,7 @@ __all__ = [
     "BatchedReadSource",
     "BatchMapping",
     "BatchedTransform",
+    "BytesState",
     "CheckpointAliases",
     "ColumnBlockReading",
     "ColumnBlockStacking",
@@ -36,6 +37,7 @@ __all__ = [
     "ReadsInputsOnOwnThread",
     "RecordKeysSampler",
     "RecordRngDeclaring",
+    "SameStateEverywhere",
     "ShardStateCheckpointing",
     "ShardStateOwner",
     "SharedMemoryBatchFn",
@@ -147,10 +149,39 @@ class RecordRngDeclaring(Protocol):
 @runtime_checkable
 class ShardStateCheckpointing(Protocol):
     """An iterator that ``CheckpointHandler`` saves as per-dataset shard-state files (an
-    elastic iterator over an ``IterDataset``) when ``checkpoints_shard_states`` is true."""
+    elastic iterator over an ``IterDataset``) when ``checkpoints_shard_states`` is true: it
+    writes and reads its own files."""
 
     @property
     def checkpoints_shard_states(self) -> bool: ...
+
+    def save_shard_checkpoint(self, directory: Any) -> None:
+        """Writes the shard-state files and this shard's process file into ``directory``."""
+        ...
+
+    def restore_shard_checkpoint(self, directory: Any) -> None:
+        """Restores from the files of a save of any shard count in ``directory``."""
+        ...
+
+
+@runtime_checkable
+class SameStateEverywhere(Protocol):
+    """An iterator whose state is the same on every process after the same steps (an
+    ``ElasticIterator`` over a ``MapDataset``) when ``state_same_on_every_process`` is true:
+    any process's checkpoint file restores it, and the files of one save must agree."""
+
+    @property
+    def state_same_on_every_process(self) -> bool: ...
+
+
+@runtime_checkable
+class BytesState(Protocol):
+    """An iterator whose ``get_state`` gives, and ``set_state`` takes, its checkpoint file's
+    text as UTF-8 bytes (a ``DataLoaderIterator``) when ``state_is_bytes`` is true; other
+    iterators' states are JSON-serialisable dicts."""
+
+    @property
+    def state_is_bytes(self) -> bool: ...
 
 
 @runtime_checkable

@@ -6,31 +6,18 @@ see :mod:`grain_core.storage`). Files are written atomically (locally: temporary
 rename; on object stores: one whole-object upload), so a crash during a save leaves the old
 or the new checkpoint, never a truncated one; an ``ElasticIterator``'s save of several files
 is committed by its process file, written last, which records the save's step (restoring part
-of a save, or process files of different steps, is refused). The file I/O lives in
-``_checkpoint_io``.
+of a save, or process files of different steps, is refused). The state codec and the file I/O live in ``_checkpoint_io``.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
-import json
 from typing import Any
 
-from grain_core._checkpoint_io import (
-    load_json,
-    process_file_name,
-    read_process_file,
-    write_process_file,
-)
-from grain_core.capabilities import ShardStateCheckpointing
-from grain_core.storage import join
+from grain_core._checkpoint_io import restore_item, save_item
 
 __all__ = ["CheckpointHandler"]
-
-
-def _saves_shard_states(item: Any) -> bool:
-    return isinstance(item, ShardStateCheckpointing) and item.checkpoints_shard_states
 
 
 class CheckpointHandler:
@@ -41,15 +28,12 @@ class CheckpointHandler:
     """
 
     def save(self, directory: Any, item: Any = None, args: Any = None) -> None:
-        item = item if item is not None else args.item
-        if _saves_shard_states(item):  # elastic IterDataset mode
-            from grain_core.dataset.elastic import write_shard_state_files  # import cost
+        """Saves ``item`` (or ``args.item``) into ``directory``.
 
-            write_shard_state_files(directory, item)
-            return
-        state = item.get_state()
-        text = state.decode() if isinstance(state, bytes) else json.dumps(state, indent=4)
-        write_process_file(directory, text)
+        Raises:
+          OSError: If a file cannot be written, naming it.
+        """
+        save_item(directory, item if item is not None else args.item)
 
     def restore(self, directory: Any, item: Any = None, args: Any = None) -> Any:
         """Restores ``item`` in place from ``directory`` and starts its prefetch.
@@ -59,26 +43,7 @@ class CheckpointHandler:
             another kind of iterator.
         """
         item = item if item is not None else args.item
-        if _saves_shard_states(item):  # elastic IterDataset mode
-            from grain_core.dataset.elastic import restore_shard_state_files  # import cost
-
-            restore_shard_state_files(directory, item)
-            item.start_prefetch()
-            return item
-        text = read_process_file(directory, any_process=_same_state_everywhere(item))
-        path = join(directory, process_file_name())
-        state = load_json(text, path)
-        try:
-            item.set_state(text.encode() if _takes_bytes(item) else state)
-        except ValueError as e:
-            e.add_note(f"Restoring from checkpoint file {path}.")
-            raise
-        except (KeyError, TypeError, IndexError, AttributeError) as e:
-            raise ValueError(
-                f"Checkpoint file {path} does not hold a state of this {type(item).__name__} "
-                f"({type(e).__name__}: {e}): it was saved from another pipeline or another "
-                "kind of iterator (a DataLoader's, or one with another worker count)."
-            ) from e
+        restore_item(directory, item)
         item.start_prefetch()
         return item
 
@@ -97,20 +62,6 @@ class CheckpointHandler:
     @classmethod
     def typestr(cls) -> str:
         return f"{cls.__module__}.{cls.__qualname__}"
-
-
-def _same_state_everywhere(item: Any) -> bool:
-    # An ElasticIterator over a MapDataset has the same state on every shard, so a checkpoint
-    # of any process restores any number of processes.
-    from grain_core.dataset.elastic import ElasticIterator  # import cost
-
-    return isinstance(item, ElasticIterator)
-
-
-def _takes_bytes(item: Any) -> bool:
-    from grain_core.dataset.base import DatasetIterator  # import cost
-
-    return not isinstance(item, DatasetIterator)
 
 
 @functools.cache

@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
-import json
 import os
 import sys
 from collections.abc import Sequence
@@ -35,7 +34,7 @@ from typing import Any
 import numpy as np
 
 from grain_core import transforms
-from grain_core._checkpoint_io import load_coroutine, save_coroutine
+from grain_core._checkpoint_io import decode_state, encode_state, load_coroutine, save_coroutine
 from grain_core._checks import as_int, non_negative_int
 from grain_core.capabilities import (
     CheckpointAliases,
@@ -650,7 +649,14 @@ class DataLoaderIterator:
         opts = self._loader._shard_options
         return opts.shard_index, opts.shard_count
 
-    def _state_dict(self) -> dict[str, Any]:
+    @property
+    def state_is_bytes(self) -> bool:
+        """``get_state`` gives, and ``set_state`` takes, the checkpoint file's UTF-8 text
+        (``BytesState``)."""
+        return True
+
+    def get_state_dict(self) -> dict[str, Any]:
+        """The position as the dict that :meth:`get_state` encodes."""
         loader = self._loader
         inner = self._it.get_state()
         state: dict[str, Any] = {"version": _STATE_VERSION}
@@ -679,7 +685,7 @@ class DataLoaderIterator:
 
     def get_state(self) -> bytes:
         """The position as UTF-8 JSON (version 2: last sampler index seen by each worker)."""
-        return json.dumps(self._state_dict(), indent=4).encode()
+        return encode_state(self.get_state_dict()).encode()
 
     def set_state(self, state: bytes) -> None:
         """Restores a position from :meth:`get_state` of an equally defined DataLoader, or from
@@ -690,10 +696,14 @@ class DataLoaderIterator:
             or source, or to another worker count where the order depends on it (Filter or
             FlatMap operations; Grain's workers batching their own records).
         """
-        try:
-            data = json.loads(state)
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            raise ValueError(f"DataLoader state is not valid JSON ({e}); it is corrupt.") from e
+        self.set_state_dict(decode_state(state, "DataLoader state"))
+
+    def set_state_dict(self, data: Any) -> None:
+        """Restores a position from :meth:`get_state_dict` (see :meth:`set_state`).
+
+        Raises:
+          ValueError: As :meth:`set_state`.
+        """
         loader = self._loader
         if loader._has_flat_map and isinstance(data, dict) and "version" not in data:
             # Google Grain's DataLoader writes the pipeline's own state for a FlatMap, with
@@ -797,10 +807,10 @@ class DataLoaderIterator:
 
     # ------------------------------------------------------------- Orbax v1 protocol
     async def save(self, directory: Any) -> Any:
-        return save_coroutine(directory, self.get_state().decode())
+        return save_coroutine(directory, self)
 
     async def load(self, directory: Any) -> Any:
-        return load_coroutine(directory, lambda text: self.set_state(text.encode()))
+        return load_coroutine(directory, self)
 
     def __str__(self) -> str:
         return f"PyGrainDatasetIterator(state={self.get_state().decode()})"

@@ -156,3 +156,9 @@ def install_as_grain() -> None:
         # First: a real grain installed on sys.path must not be found instead.
         sys.meta_path.insert(0, _GrainAliasFinder())
     os.environ[ALIAS_ENV] = "1"
+    # Workers forked from a forkserver that imported grain_core before this call never see
+    # the variable at import: they call this themselves. A forkserver exists only if the
+    # worker pool is imported; one started later imports grain_core with the variable set.
+    pool = sys.modules.get("grain_core._ipc.pool")
+    if pool is not None:
+        pool.run_in_every_worker(install_as_grain)

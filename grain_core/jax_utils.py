@@ -18,7 +18,6 @@ JAX is imported only when these functions run: the core does not depend on it.
 from __future__ import annotations
 
 import functools
-import json
 from typing import Any
 
 import numpy as np
@@ -209,11 +208,11 @@ class _DataLoaderDatasetIterator(DatasetIterator[Any]):
         return next(self._loader_iterator)
 
     def get_state(self) -> dict[str, Any]:
-        state: dict[str, Any] = json.loads(self._loader_iterator.get_state())
+        state: dict[str, Any] = self._loader_iterator.get_state_dict()
         return state
 
     def set_state(self, state: dict[str, Any]) -> None:
-        self._loader_iterator.set_state(json.dumps(state).encode())
+        self._loader_iterator.set_state_dict(state)
 
     def start_prefetch(self) -> None:
         self._loader_iterator.start_prefetch()

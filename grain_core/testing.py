@@ -8,12 +8,13 @@ random-access source contract.
 
 from __future__ import annotations
 
-import json
 import pickle
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
+
+from grain_core._checkpoint_io import decode_state, encode_state
 
 __all__ = [
     "assert_equal_output_after_checkpoint",
@@ -187,8 +188,7 @@ def check_iterator_conformance(
         for _ in range(pos):
             next(it)
         state = it.get_state()
-        text = json.dumps(state)
-        restored_state = json.loads(text)
+        restored_state = decode_state(encode_state(state), f"The state at {pos}")
         if restored_state != state:
             raise AssertionError(f"State at {pos} does not survive JSON: {state!r}")
         tail_same = _take(it, max_elements)

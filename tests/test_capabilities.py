@@ -42,6 +42,8 @@ class _Flags:
     maps_batches = True
     reads_columns = True
     checkpoints_shard_states = True
+    state_same_on_every_process = True
+    state_is_bytes = True
     stacks_column_blocks = True
 
     def __call__(self, values: Any) -> Any:
@@ -49,6 +51,12 @@ class _Flags:
 
     def output_spec(self, *args: Any) -> Any:
         return args
+
+    def save_shard_checkpoint(self, directory: Any) -> None:
+        return None
+
+    def restore_shard_checkpoint(self, directory: Any) -> None:
+        return None
 
 
 @pytest.mark.parametrize(
@@ -61,6 +69,8 @@ class _Flags:
         capabilities.BatchMapping,
         capabilities.ColumnBlockReading,
         capabilities.ShardStateCheckpointing,
+        capabilities.SameStateEverywhere,
+        capabilities.BytesState,
         capabilities.ColumnBlockStacking,
         capabilities.TransformOutputSpec,
         capabilities.BatchFunctionOutputSpec,

@@ -337,3 +337,10 @@ def test_the_issue_state_is_refused_not_restored_as_position_2() -> None:
         it.set_state({"next_index": 2.7})
     it.set_state({"next_index": np.int64(2)})
     assert next(it) == 2
+
+
+def test_merging_contexts_of_different_workers_says_so_in_grains_text() -> None:
+    a = IteratorContext(mp_context=MultiprocessingContext(process_index=0, process_count=1))
+    b = IteratorContext(mp_context=MultiprocessingContext(process_index=1, process_count=2))
+    with pytest.raises(ValueError, match="Cannot merge contexts from different worker processes"):
+        a.merge(b)

@@ -72,11 +72,12 @@ def test_debug_mode_logs_the_summary_once_at_the_end(
     switches.update("py_debug_mode", True)
     it = iter(image_pipeline())
     assert len(list(it)) == 8
-    summaries = _messages(logs, "Execution summary")
-    assert len(summaries) == 1 and "(at the end of iteration)" in summaries[0]
+    summaries = _messages(logs, debug.SUMMARY_TITLE)
+    assert len(summaries) == 1
+    assert summaries[0].startswith("Grain Dataset Execution Summary (at the end of iteration)")
     assert "grain_core execution summary" in summaries[0] and "Map(normalize" in summaries[0]
     it.close()  # the end was reported already
-    assert len(_messages(logs, "Execution summary")) == 1
+    assert len(_messages(logs, debug.SUMMARY_TITLE)) == 1
     # Only the output reports: its inputs reverted to their timed classes.
     assert "_debug_reporter" in vars(it)
     assert all("_debug_reporter" not in vars(p) for p in it._parents)
@@ -138,7 +139,7 @@ def test_the_graph_is_logged_when_the_first_element_is_produced(
     list(it)
     assert len(_messages(logs, GRAPH_TITLE)) == 1
     # Without debug mode the output stops reporting after the graph; no summary is logged.
-    assert "_debug_reporter" not in vars(type(it)) and not _messages(logs, "Execution summary")
+    assert "_debug_reporter" not in vars(type(it)) and not _messages(logs, debug.SUMMARY_TITLE)
 
 
 def test_the_graph_is_written_to_the_directory(
@@ -306,18 +307,18 @@ def test_debug_output_shows_where_grains_does(tmp_path: Any) -> None:
     and the summary are shown, by a handler added once, which the user can remove."""
     shown, removed = _run_logging_script(tmp_path, "root-at-info").split("removed\n")
     assert shown.count(GRAPH_TITLE) == 1
-    assert shown.count("Execution summary (at the end of iteration)") == 1
+    assert shown.count(f"{debug.SUMMARY_TITLE} (at the end of iteration)") == 1
     assert removed == ""
 
 
 def test_a_configured_handler_shows_debug_output_once(tmp_path: Any) -> None:
     err = _run_logging_script(tmp_path, "basic-config")
     assert err.count(GRAPH_TITLE) == 1
-    assert err.count("configured: Execution summary") == 1
-    assert err.count("Execution summary") == 1
+    assert err.count(f"configured: {debug.SUMMARY_TITLE}") == 1
+    assert err.count(debug.SUMMARY_TITLE) == 1
 
 
 def test_hidden_info_records_get_a_hint_not_a_handler(tmp_path: Any) -> None:
     err = _run_logging_script(tmp_path, "default")
-    assert GRAPH_TITLE not in err and "Execution summary" not in err
+    assert GRAPH_TITLE not in err and debug.SUMMARY_TITLE not in err
     assert err.count("logging.basicConfig(level=logging.INFO)") == 1

@@ -294,3 +294,119 @@ def test_keras_rebuilds_a_data_loader_from_its_attributes() -> None:
     assert len(got) == len(expected) == 3
     for a, b in zip(got, expected, strict=True):
         np.testing.assert_array_equal(a, b)
+
+
+def _client_module(root: Path) -> None:
+    """A module written for Grain: it imports ``grain`` itself, as a framework's would."""
+    (root / "client.py").write_text(
+        "import grain\n\n"
+        "def double(x):\n"
+        "    return 2 * x\n\n"
+        "def alias_in_force():\n"
+        "    import grain_core\n"
+        "    return grain is grain_core\n"
+    )
+
+
+def _run_main(root: Path, code: str) -> subprocess.CompletedProcess[str]:
+    """Runs ``code`` as the main module of a fresh interpreter (a file, as ``spawn`` needs)."""
+    (root / "main.py").write_text(textwrap.dedent(code))
+    environment = {k: v for k, v in os.environ.items() if k != ALIAS_ENV}
+    environment["PYTHONPATH"] = os.pathsep.join(filter(None, [str(root), *sys.path]))
+    return subprocess.run(
+        [sys.executable, str(root / "main.py")],
+        cwd=root,
+        env=environment,
+        capture_output=True,
+        text=True,
+    )
+
+
+_SPAWN_MAIN = """
+    {top}
+    import multiprocessing
+
+    import client
+
+
+    def child(answers):
+        import grain_core
+
+        import grain
+
+        answers.put((grain is grain_core, client.alias_in_force(), client.double(21)))
+
+
+    if __name__ == "__main__":
+        {guarded}
+        spawn = multiprocessing.get_context("spawn")
+        answers = spawn.Queue()
+        process = spawn.Process(target=child, args=(answers,))
+        process.start()
+        print(answers.get())
+        process.join()
+        with spawn.Pool(2) as pool:
+            print(pool.map(client.double, range(4)))
+"""
+
+
+def test_spawned_processes_have_it_when_the_main_module_calls_it_first(tmp_path: Path) -> None:
+    """The recipe of docs/compatibility.md for ``spawn``: the call at the top of the main
+    module, which every spawned child imports again before it unpickles its target."""
+    _client_module(tmp_path)
+    install = "import grain_core; grain_core.install_as_grain()  # first"
+    done = _run_main(tmp_path, _SPAWN_MAIN.format(top=install, guarded="pass"))
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split("\n")[:2] == ["(True, True, 42)", "[0, 2, 4, 6]"]
+
+
+def test_spawned_processes_lack_it_when_the_call_is_under_the_main_guard(tmp_path: Path) -> None:
+    """Why the recipe says "at the top": a child that unpickles a function of a module that
+    imports ``grain`` imports that module before anything of the parent's ``__main__`` block."""
+    _client_module(tmp_path)
+    guarded = "import grain_core; grain_core.install_as_grain()"
+    done = _run_main(tmp_path, _SPAWN_MAIN.format(top="", guarded=guarded))
+    assert done.returncode != 0
+    assert "No module named 'grain'" in done.stderr
+
+
+def test_workers_of_a_forkserver_started_before_the_call_have_it(tmp_path: Path) -> None:
+    """A pipeline with workers ran before ``install_as_grain()`` (its forkserver imported
+    grain_core without the alias): later workers still unpickle functions of modules that
+    import ``grain``, for ``mp_prefetch`` and a ``DataLoader``."""
+    _client_module(tmp_path)
+    done = _run_main(
+        tmp_path,
+        """
+        import grain_core
+
+        two = grain_core.MultiprocessingOptions(num_workers=2)
+        print(list(grain_core.MapDataset.range(4).to_iter_dataset().mp_prefetch(two)))
+        grain_core.install_as_grain()
+
+        import client
+        import grain
+
+        print(list(grain.MapDataset.range(6).map(client.double).to_iter_dataset().mp_prefetch(two)))
+
+
+        class Double(grain.transforms.Map):
+            def map(self, x):
+                return client.double(x)
+
+
+        loader = grain.DataLoader(
+            data_source=grain.sources.RangeDataSource(0, 6, 1),
+            sampler=grain.samplers.IndexSampler(6, grain.sharding.NoSharding(), num_epochs=1),
+            operations=[Double()],
+            worker_count=2,
+        )
+        print(sorted(int(x) for x in loader))
+        """,
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split("\n")[:3] == [
+        "[0, 1, 2, 3]",
+        "[0, 2, 4, 6, 8, 10]",
+        "[0, 2, 4, 6, 8, 10]",
+    ]

@@ -1,5 +1,7 @@
 from __future__ import annotations
 
+import re
+
 import numpy as np
 import pytest
 from hypothesis import given, settings
@@ -251,3 +253,25 @@ def test_batched_map_refuses_holes_and_results_of_another_length():
     ds = grain.MapDataset.source(np.arange(10)).map(lambda b: b[:1], batched=True)
     with pytest.raises(ValueError, match=r"lengths \[1\] for a batch of 3 elements"):
         ds.batch(3)[0]
+
+
+class _DropAll(transforms.Filter):
+    def filter(self, element: int) -> bool:
+        return False
+
+
+def test_a_filter_dropping_everything_is_reported_in_grains_text(caplog) -> None:
+    # Grain's text, which users' log monitoring matches: the filter named by its class.
+    text = (
+        r"Transformation FilterDatasetIterator\(transform=_DropAll\) skipped 100.00 % of the "
+        r"last seen 1000 elements"
+    )
+    ds = grain.MapDataset.range(1000).to_iter_dataset().filter(_DropAll())
+    with caplog.at_level("WARNING"):
+        assert list(ds) == []
+    assert caplog.records and re.search(text, caplog.records[0].getMessage())
+    raising = grain.experimental.WithOptionsIterDataset(
+        ds, grain.experimental.DatasetOptions(filter_raise_threshold_ratio=0.9)
+    )
+    with pytest.raises(ValueError, match=text):
+        list(raising)

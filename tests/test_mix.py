@@ -180,3 +180,14 @@ def test_block_components_give_the_elements_errors_and_states_of_next(
         [ds.map(element_by_element) for ds in block_inputs(sizes, bad)], weights
     )
     assert_blocks_read_as_elements(blockwise, reference, restore_at)
+
+
+def test_mixing_an_empty_dataset_names_it_in_grains_text() -> None:
+    empty = grain.MapDataset.range(0)
+    with pytest.raises(
+        ValueError,
+        match=r"All datasets must have positive length for mixing, but dataset\(s\) at "
+        r"index 0 \(RangeMapDataset\(start=0, stop=0, step=1\)\), index 2 \(RangeMapDataset"
+        r"\(start=0, stop=0, step=1\)\) have length 0",
+    ):
+        grain.MapDataset.mix([empty, grain.MapDataset.range(3), empty], [1, 1, 1])

@@ -497,18 +497,66 @@ def test_blocks_freed_before_a_message_that_cannot_be_pickled_reach_the_parent(
     output_r, output_w = multiprocessing.Pipe(duplex=False)
     try:
         loop = DispatchWorkerLoop(spec, control_r, output_w)
-        loop._send_group([1, threading.Lock()])
+        loop._send_group([1, threading.Lock()], [[], []])
         messages = [pickle.loads(output_r.recv_bytes()) for _ in range(2)]
         assert messages[0][1:3] == (ELEMENT, 1) and messages[0][5] == ["freed-block"]
         assert messages[1][1] == ERROR and "cannot be pickled" in str(messages[1][2])
         pool.dropped.append("freed-later")
-        loop._send_group([threading.Lock()])  # alone: its error carries them
+        loop._send_group([threading.Lock()], [[]])  # alone: its error carries them
         error = pickle.loads(output_r.recv_bytes())
         assert error[1] == ERROR and error[5] == ["freed-later"]
         assert not output_r.poll()
     finally:
         for conn in (control_r, control_w, output_r, output_w):
             conn.close()
+
+
+def test_a_worker_counts_cpu_seconds_per_generation(monkeypatch: pytest.MonkeyPatch) -> None:
+    # The parent sizes runs by the CPU seconds per result since the generation began: a
+    # worker kept from the last iterator (persistent_workers) that went on counting from its
+    # start made the new iterator's first result look as costly as the whole last epoch, and
+    # its runs shrank to two positions (a round trip to the parent per result).
+    import multiprocessing
+
+    from grain_core.dataset.mp import dispatch_worker
+
+    clock = [100.0]
+    monkeypatch.setattr(dispatch_worker.time, "process_time", lambda: clock[0])
+    spec = WorkerSpec(
+        index=0,
+        count=1,
+        init_fn=None,
+        dataset=b"",
+        sequential_slice=False,
+        state=None,
+        plugins=None,
+        options=None,
+        shm_prefix="unused",
+        pool_size=1,
+    )
+    control_r, control_w = multiprocessing.Pipe(duplex=False)
+    output_r, output_w = multiprocessing.Pipe(duplex=False)
+    try:
+        loop = DispatchWorkerLoop(spec, control_r, output_w)
+        clock[0] = 160.0  # a minute of work in the last generation
+        assert loop._cpu_seconds() == 60.0
+        loop._handle(assign_message(2**32, [], 1, []))  # the next iterator's generation
+        clock[0] = 160.5
+        assert loop._cpu_seconds() == 0.5
+        loop._handle(assign_message(2**32, [], 1, []))  # the same generation goes on
+        assert loop._cpu_seconds() == 0.5
+    finally:
+        for conn in (control_r, control_w, output_r, output_w):
+            conn.close()
+
+
+def test_a_new_generation_learns_from_zero() -> None:
+    # Restored (a new generation), the parent counts the workers' CPU seconds from zero, as
+    # they do.
+    d = _dispatcher()
+    d._cpu_mark[0], d._since_learned[0] = 60.0, 3
+    d._forget_work()
+    assert d._cpu_mark == [0.0, 0.0] and d._since_learned == [0, 0]
 
 
 def _lock_at_25(x: int) -> Any:
@@ -638,6 +686,55 @@ def test_credits_go_in_batches_while_a_worker_may_overdraw() -> None:
         d._receive(0)
         d._assign()
         assert (d._credit_batch[0], d._ahead[0]) == (credit_batch, ahead)
+
+
+def test_results_in_shared_memory_travel_several_to_a_message() -> None:
+    # A worker that waited for credits has several results ready when they come: they go in
+    # one message (a wake-up of the parent each otherwise), each with its own blocks, which
+    # the parent files with its position and hands back when that message is of an old
+    # generation.
+    import multiprocessing
+    import pickle
+
+    first, second = _in_shared_memory(1024), _in_shared_memory(2048)
+    spec = WorkerSpec(
+        index=0,
+        count=1,
+        init_fn=None,
+        dataset=b"",
+        sequential_slice=False,
+        state=None,
+        plugins=None,
+        options=None,
+        shm_prefix="unused",
+        pool_size=1,
+    )
+    control_r, control_w = multiprocessing.Pipe(duplex=False)
+    output_r, output_w = multiprocessing.Pipe(duplex=False)
+    try:
+        DispatchWorkerLoop(spec, control_r, output_w)._send_group(
+            [first, 7, second], [["a"], [], ["b", "c"]]
+        )
+        message = pickle.loads(output_r.recv_bytes())
+        assert not output_r.poll()
+    finally:
+        for conn in (control_r, control_w, output_r, output_w):
+            conn.close()
+    assert message[1] == ELEMENTS and message[4] == [["a"], [], ["b", "c"]]
+    d = _dispatcher()
+    d._pool = _RecordingPool((message, 100), ((1, *message[1:]), 100))  # type: ignore[assignment]
+    d._runs[0].append([0, 0, 3])
+    d._outstanding[0] = 3
+    d._receive(0)
+    held = d._consumer.held
+    assert {position: (kind, tag) for position, (kind, _, tag) in held.items()} == {
+        (0, 0): (ELEMENT, (0, ["a"])),
+        (0, 1): (ELEMENT, (0, [])),
+        (0, 2): (ELEMENT, (0, ["b", "c"])),
+    }
+    assert [_shm.shared_bytes(held[0, j][1]) for j in range(3)] == [1024, 0, 2048]
+    d._receive(0)  # of another generation: dropped, its blocks go back
+    assert list(d._recycled[0].released) == ["a", "b", "c"]
 
 
 def test_dropped_blocks_go_back_with_the_next_credits() -> None:

@@ -69,7 +69,7 @@ def test_zero_threshold_is_a_real_threshold():
     checker = FilterRatioChecker("f", window=10)
     options = DatasetOptions(filter_raise_threshold_ratio=0.0)
     checker.record(10, 0, options)  # nothing dropped: no error
-    with pytest.raises(ValueError, match="skipped 10.00%"):
+    with pytest.raises(ValueError, match="skipped 10.00 % of the last seen 10 elements"):
         checker.record(10, 1, options)
 
 

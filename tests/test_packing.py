@@ -372,7 +372,9 @@ def test_max_sequences_per_bin(packer):
     ("bad", "error"), [(0, ValueError), (-1, ValueError), (1.5, TypeError), (True, TypeError)]
 )
 def test_invalid_max_sequences_per_bin(packer, bad, error):
-    with pytest.raises(error, match="max_sequences_per_bin"):
+    # Grain's text for a value that is not positive (users match on it).
+    grains = rf"If specified, `max_sequences_per_bin` must be a positive integer, but got {bad}\."
+    with pytest.raises(error, match=grains if error is ValueError else "max_sequences_per_bin"):
         packer(
             _source([{"x": [1]}]),
             length_struct={"x": 4},

@@ -64,10 +64,14 @@ def test_state_counts_holes():
 
 def test_invalid_checkpoint_is_an_index_error():
     it = iter(MD.range(10).to_iter_dataset())
-    with pytest.raises(IndexError, match="out of range"):
-        it.set_state({"next_index": 11})
-    with pytest.raises(IndexError):
-        it.set_state({"next_index": -1})
+    # Grain's text (users match on it), then which dataset.
+    for bad in (11, -1):
+        with pytest.raises(
+            IndexError,
+            match=rf"Checkpoint `next_index` {bad} is out of range for dataset of length 10 "
+            r"\(RangeMapDataset",
+        ):
+            it.set_state({"next_index": bad})
 
 
 def test_no_over_buffering_beyond_prefetch_buffer():
@@ -104,7 +108,13 @@ def test_filter_raise_threshold_applies_to_holes():
     it = iter(ds)
     assert isinstance(it, DatasetIterator)
     it._ctx.dataset_options = DatasetOptions(filter_raise_threshold_ratio=0.5)
-    with pytest.raises(ValueError, match="skipped"):
+    # Grain's text (users match on it), then the dataset read.
+    with pytest.raises(
+        ValueError,
+        match=r"Transformation PrefetchDatasetIterator\(read_options=ReadOptions\(num_threads=16, "
+        r"prefetch_buffer_size=500\), allow_nones=False\) skipped \d+\.\d\d % of the last seen \d+ "
+        r"elements \(reading FilterMapDataset",
+    ):
         list(it)
     allowed = iter(MD.range(3000).filter(lambda x: False).to_iter_dataset(allow_nones=True))
     allowed._ctx.dataset_options = DatasetOptions(filter_raise_threshold_ratio=0.5)
@@ -156,7 +166,9 @@ def test_thread_prefetch_zero_buffer_is_synchronous_and_negative_is_error():
     assert not isinstance(
         iter(ThreadPrefetchIterDataset(base, prefetch_buffer_size=0)), ThreadPrefetchDatasetIterator
     )
-    with pytest.raises(ValueError, match="prefetch_buffer_size"):
+    with pytest.raises(
+        ValueError, match="`prefetch_buffer_size` must be greater than or equal to 0, got -1"
+    ):
         ThreadPrefetchIterDataset(base, prefetch_buffer_size=-1)
 
 
@@ -546,3 +558,61 @@ def test_a_dropped_iterator_is_collected_while_its_reads_are_in_flight():
         assert collected.is_set()
     finally:
         release.set()
+
+
+def test_read_threads_fill_the_read_ahead_while_the_consumer_is_away():
+    # After an early break the read threads read on until prefetch_buffer_size elements wait
+    # (Grain's do too), and no read starts once the iterator is closed.
+    lock, read, filled = threading.Lock(), set(), threading.Event()
+    buffer_size = 8
+
+    class CountingSource:
+        def __len__(self) -> int:
+            return 100
+
+        def __getitem__(self, i: int) -> int:
+            with lock:
+                read.add(i)
+                if len(read) == buffer_size + 1:
+                    filled.set()
+            return i
+
+    it = iter(
+        MD.source(CountingSource()).to_iter_dataset(
+            grain.ReadOptions(num_threads=2, prefetch_buffer_size=buffer_size)
+        )
+    )
+    assert next(it) == 0
+    it._concurrency.waits_on_io()  # the next reads go to the read threads, whatever they cost
+    it.start_prefetch()
+    assert filled.wait(timeout=60)
+    executor = it._executor
+    assert executor is not None
+    it.close()
+    executor.shutdown(wait=True)
+    assert read == set(range(buffer_size + 1))
+
+
+def test_thread_prefetch_fills_its_buffer_after_an_early_break_and_stops_on_close():
+    # The producer thread reads on while the consumer is away, up to the buffer (plus the
+    # element it waits to put), and ends when the iterator is closed: no leaked thread.
+    lock, read, filled = threading.Lock(), [], threading.Event()
+    buffer_size = 5
+
+    def record(x: int) -> int:
+        with lock:
+            read.append(x)
+            if len(read) == 1 + buffer_size + 1:
+                filled.set()
+        return x
+
+    one_at_a_time = grain.ReadOptions(num_threads=0, prefetch_buffer_size=0)
+    source = MD.range(100).map(record).to_iter_dataset(one_at_a_time)
+    it = iter(ThreadPrefetchIterDataset(source, prefetch_buffer_size=buffer_size))
+    assert next(it) == 0
+    assert filled.wait(timeout=60)
+    producer = it._thread
+    assert producer is not None
+    it.close()
+    assert not producer.is_alive()
+    assert read == list(range(1 + buffer_size + 1))

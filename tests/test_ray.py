@@ -4,6 +4,7 @@ once for the session by a fixture, two CPUs, no dashboard, and shut down after i
 from __future__ import annotations
 
 import os
+import subprocess
 import sys
 from collections.abc import Iterator
 from typing import Any
@@ -259,3 +260,76 @@ def test_backend_options_are_checked() -> None:
         grain_ray.RayBackend(num_cpus=-1)
     with pytest.raises(ValueError, match="'gpu'"):
         grain_ray.RayBackend(resources={"gpu": -1})
+
+
+_ALIAS_CLIENT = """
+import grain
+
+
+def double(x):
+    return 2 * x
+
+
+def alias_in_force():
+    import grain_core
+
+    return grain is grain_core
+"""
+
+# docs/compatibility.md's recipe for Ray, in a driver of its own (the set-up hook is the
+# job's, given to ray.init): tasks and actors unpickle functions of a module that imports
+# grain, and import grain themselves.
+_ALIAS_DRIVER = """
+import ray
+
+import grain_core
+
+grain_core.install_as_grain()
+import client
+
+ray.init(
+    address="local",
+    num_cpus=1,
+    include_dashboard=False,
+    log_to_driver=False,
+    object_store_memory={object_store_bytes},
+    runtime_env={{
+        "worker_process_setup_hook": "grain_core.install_as_grain",
+        "env_vars": {{"GRAIN_CORE_AS_GRAIN": "1"}},
+    }},
+)
+try:
+
+    @ray.remote
+    def task(x):
+        import grain
+
+        return client.alias_in_force(), client.double(x), list(grain.MapDataset.range(3))
+
+    @ray.remote
+    class Reader:
+        def read(self):
+            import grain
+
+            return client.alias_in_force(), list(grain.MapDataset.range(4).map(client.double))
+
+    print(ray.get(task.remote(21)))
+    print(ray.get(Reader.remote().read.remote()))
+finally:
+    ray.shutdown()
+"""
+
+
+def test_tasks_and_actors_import_grain_core_as_grain_under_the_documented_recipe(
+    tmp_path: Any,
+) -> None:
+    (tmp_path / "client.py").write_text(_ALIAS_CLIENT)
+    driver = tmp_path / "driver.py"
+    driver.write_text(_ALIAS_DRIVER.format(object_store_bytes=_OBJECT_STORE_BYTES))
+    environment = {k: v for k, v in os.environ.items() if k != "GRAIN_CORE_AS_GRAIN"}
+    environment["PYTHONPATH"] = os.pathsep.join([str(tmp_path), *filter(None, sys.path)])
+    done = subprocess.run(
+        [sys.executable, str(driver)], cwd=tmp_path, env=environment, capture_output=True, text=True
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split("\n")[:2] == ["(True, 42, [0, 1, 2])", "(True, [0, 2, 4, 6])"]

@@ -4,6 +4,7 @@ import numpy as np
 import pytest
 
 import grain_core as grain
+from grain_core.dataset.slice import SliceMapDataset
 
 MD = grain.MapDataset
 
@@ -46,3 +47,9 @@ def test_slice_rejects_other_types():
 def test_reindex_repr_is_short():
     assert "100 indices" in repr(MD.range(200).slice(list(range(100))))
     assert repr(MD.range(5).slice([1, 2])) == "ReindexMapDataset(indices=[1, 2])"
+
+
+def test_a_non_slice_is_refused_with_grains_text() -> None:
+    # Users match on Grain's phrase, "sl is not a slice: <class 'int'>".
+    with pytest.raises(ValueError, match=r"sl is not a slice: <class 'int'> \(got 5\)"):
+        SliceMapDataset(grain.MapDataset.range(10), 5)  # type: ignore[arg-type]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import sys
 import threading
 from collections.abc import Iterator
@@ -96,7 +97,12 @@ def test_disabled_tracking_leaves_every_stage_untouched() -> None:
 
 def test_summary_without_tracking_raises() -> None:
     it = iter(_pipeline())
-    with pytest.raises(ValueError, match="execution_tracking_mode.*STAGE_TIMING"):
+    # Grain's text (users match on it), then how to turn tracking on in grain_core.
+    grains = (
+        "Set `grain_py_debug_mode` or set `execution_tracking_mode` in grain options to "
+        "`STAGE_TIMING` to enable execution statistics collection"
+    )
+    with pytest.raises(ValueError, match=re.escape(grains)):
         get_execution_summary(it)
 
 

@@ -47,8 +47,10 @@ def test_zip_iter_outputs_and_state() -> None:
 )
 def test_strict_unequal_lengths(lengths: list[int], message: str) -> None:
     ds = ZipIterDataset([_it(n) for n in lengths])
-    with pytest.raises(ValueError, match=message):
+    with pytest.raises(ValueError) as raised:
         list(ds)
+    # The whole text is Grain's: its users (and its tests) compare it literally.
+    assert str(raised.value) == f"ZipIterDataset {message}"
 
 
 def test_non_strict_stops_at_shortest() -> None:

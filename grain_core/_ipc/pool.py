@@ -59,6 +59,7 @@ __all__ = [
     "PooledWorker",
     "WorkerPool",
     "readiness_check",
+    "run_in_every_worker",
     "worker_glibc_tunables",
     "worker_jax_platforms",
 ]
@@ -238,10 +239,30 @@ class _ProcessSetup:
         parent set later (credentials, a storage emulator's endpoint) would not reach workers
         forked from it otherwise.
       jax_platforms: ``JAX_PLATFORMS`` for the worker.
+      calls: What ``run_in_every_worker`` registered, called in that order once the worker
+        has the parent's environment, before the engine's entry point unpickles anything.
     """
 
     environ: dict[str, str]
     jax_platforms: str
+    calls: tuple[Callable[[], None], ...] = ()
+
+
+#: What every worker started from now on calls first (``run_in_every_worker``).
+_WORKER_CALLS: list[Callable[[], None]] = []
+
+
+def run_in_every_worker(call: Callable[[], None]) -> None:
+    """Has every worker process started from now on call ``call()`` once it has the parent's
+    environment, before the engine unpickles the pipeline: set-up that a process does when it
+    imports a module, which the forkserver did before the parent asked for it (the forkserver
+    keeps the modules it imported then). Registering a call twice registers it once.
+
+    Args:
+      call: A function pickled by reference (a module-level function).
+    """
+    if call not in _WORKER_CALLS:
+        _WORKER_CALLS.append(call)
 
 
 def _start_worker(
@@ -265,6 +286,8 @@ def _start_worker(
     _serve_stacks(stack_requests, stack_answers)
     _adopt_environ(setup.environ)
     os.environ["JAX_PLATFORMS"] = setup.jax_platforms
+    for call in setup.calls:
+        call()
     shm.set_name_prefix(spec.shm_prefix)
     _watch_parent()
     entry(spec, control, output)
@@ -487,6 +510,7 @@ class WorkerPool:
         setup = _ProcessSetup(
             environ=dict(os.environ),
             jax_platforms=worker_jax_platforms(),
+            calls=tuple(_WORKER_CALLS),
         )
         try:
             for spec in specs:

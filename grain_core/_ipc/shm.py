@@ -24,6 +24,7 @@ import concurrent.futures
 import dataclasses
 import errno
 import itertools
+import math
 import mmap
 import os
 import secrets
@@ -363,7 +364,7 @@ class SharedMemoryArray(np.ndarray):  # type: ignore[type-arg]
         if dtype.hasobject:
             raise ValueError("SharedMemoryArray cannot hold Python objects (dtype=object).")
         shape = (int(shape),) if np.ndim(shape) == 0 else tuple(int(s) for s in shape)
-        size = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+        size = math.prod(shape) * dtype.itemsize
         name, mapping = create_block(max(size, 1))
         return cls._over(mapping, name, shape, dtype)
 
@@ -628,7 +629,7 @@ def attach_read_only(name: str, shape: tuple[int, ...], dtype: np.dtype[Any]) ->
 def shared_bytes(tree: Any) -> int:
     """The bytes of the blocks that element ``tree`` (with ``_ShmRef`` leaves) references."""
     if isinstance(tree, _ShmRef):
-        return int(np.prod(tree.shape)) * tree.dtype.itemsize
+        return math.prod(tree.shape) * tree.dtype.itemsize
     kind = type(tree)
     if kind is dict:
         return sum(shared_bytes(v) for v in tree.values())

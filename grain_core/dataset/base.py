@@ -13,7 +13,6 @@ from __future__ import annotations
 import abc
 import collections
 import functools
-import json
 import os
 import sys
 import warnings
@@ -413,7 +412,7 @@ class IteratorContext:
         """
         if self.mp_context != other.mp_context:
             raise ValueError(
-                f"Cannot merge iterator contexts from different worker processes: "
+                f"Cannot merge contexts from different worker processes (iterator contexts): "
                 f"{self.mp_context} vs {other.mp_context}."
             )
         self.dataset_options = self.dataset_options.merge(other.dataset_options)
@@ -626,10 +625,10 @@ class DatasetIterator(Iterator[T], abc.ABC):
 
     # Orbax v1 "stateful checkpointable" protocol.
     async def save(self, directory: Any) -> Any:
-        return save_coroutine(directory, json.dumps(self.get_state(), indent=4))
+        return save_coroutine(directory, self)
 
     async def load(self, directory: Any) -> Any:
-        return load_coroutine(directory, lambda text: self.set_state(json.loads(text)))
+        return load_coroutine(directory, self)
 
 
 class ElementBlock(Generic[T]):

@@ -47,7 +47,14 @@ from grain_core.dataset.stats import (
 )
 from grain_core.dataset.trace import write_report_file
 
-__all__ = ["HANDLER_NAME", "DatasetGraph", "GraphNode", "dataset_graph", "watch_output"]
+__all__ = [
+    "HANDLER_NAME",
+    "SUMMARY_TITLE",
+    "DatasetGraph",
+    "GraphNode",
+    "dataset_graph",
+    "watch_output",
+]
 
 _logger = logging.getLogger("grain_core.debug")
 
@@ -60,6 +67,9 @@ _hinted_at_logging = False
 #: The name of the handler grain_core adds to ``grain_core.debug`` when no other would show
 #: its records (``docs/debugging.md`` says how to remove it).
 HANDLER_NAME = "grain_core.debug"
+#: The first words of the execution summary in the log (Grain's, which users' log monitoring
+#: matches).
+SUMMARY_TITLE = "Grain Dataset Execution Summary"
 
 
 class _FallbackHandler(logging.StreamHandler):  # type: ignore[type-arg]
@@ -283,7 +293,7 @@ def _hint_at_logging() -> None:
 
 def _log_summary(it: DatasetIterator[Any], when: str) -> None:
     _hint_at_logging()
-    _logger.info("Execution summary (%s):\n%s", when, get_execution_summary(it))
+    _logger.info("%s (%s):\n%s", SUMMARY_TITLE, when, get_execution_summary(it))
 
 
 def _report_graph(graph: DatasetGraph, directory: str) -> None:

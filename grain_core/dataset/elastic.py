@@ -36,7 +36,6 @@ under a different number of shards.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Mapping
 from typing import Any
 
@@ -56,7 +55,7 @@ from grain_core.dataset.zip import ZipIterDataset
 from grain_core.options import MultiprocessingOptions, ReadOptions
 from grain_core.sharding import ShardOptions
 
-__all__ = ["ElasticIterator", "restore_shard_state_files", "write_shard_state_files"]
+__all__ = ["ElasticIterator"]
 
 
 class ElasticIterator(DatasetIterator[Any]):
@@ -126,6 +125,20 @@ class ElasticIterator(DatasetIterator[Any]):
         return isinstance(self._ds, IterDataset)
 
     @property
+    def state_same_on_every_process(self) -> bool:
+        """Whether this iterator's state is the same on every shard (``SameStateEverywhere``):
+        in MapDataset mode, so any shard's checkpoint file restores any shard."""
+        return isinstance(self._ds, MapDataset)
+
+    def save_shard_checkpoint(self, directory: Any) -> None:
+        """Saves this shard's files into ``directory`` (see ``_write_shard_state_files``)."""
+        _write_shard_state_files(directory, self)
+
+    def restore_shard_checkpoint(self, directory: Any) -> None:
+        """Restores from ``directory`` (see ``_restore_shard_state_files``)."""
+        _restore_shard_state_files(directory, self)
+
+    @property
     def base_iterator(self) -> DatasetIterator[Any]:
         """This shard's pipeline iterator, built on first use."""
         self._check_open()
@@ -150,8 +163,13 @@ class ElasticIterator(DatasetIterator[Any]):
         if self._shard_ds is None:
             shard = slice_for_worker(self._ds, index, count)
             threads = self._read_options.num_threads
-            if threads > 1 and not any(
-                isinstance(node, InterleaveIterDataset) for node in _sliceable_nodes(shard)
+            # Only file readers are split: a MapDataset read by ``to_iter_dataset`` has read
+            # threads of its own (``_sliceable_nodes`` finds none there).
+            readers = _sliceable_nodes(shard)
+            if (
+                threads > 1
+                and readers
+                and not any(isinstance(node, InterleaveIterDataset) for node in readers)
             ):
                 self._thread_copies = [slice_for_worker(shard, t, threads) for t in range(threads)]
                 shard = InterleaveIterDataset(
@@ -401,7 +419,7 @@ def _shard(options: ShardOptions) -> tuple[int, int]:
     return options.shard_index, options.shard_count
 
 
-def write_shard_state_files(directory: Any, iterator: ElasticIterator) -> None:
+def _write_shard_state_files(directory: Any, iterator: ElasticIterator) -> None:
     """Writes ``shard_state_{k}.json`` for every input dataset ``k`` of this shard, then this
     shard's pipeline state (``process_{s}-of-{S}.json``, the save's commit point: see
     ``_checkpoint_io.write_shard_checkpoint``), with the number of global batches handed out,
@@ -411,12 +429,12 @@ def write_shard_state_files(directory: Any, iterator: ElasticIterator) -> None:
         directory,
         _shard(iterator.shard_options),
         iterator.get_state(),
-        {key: json.dumps(s, indent=4) for key, s in iterator.get_shard_states().items()},
+        iterator.get_shard_states(),
         _checkpoint_io.SavePosition(steps, iterator._ended),
     )
 
 
-def restore_shard_state_files(directory: Any, iterator: ElasticIterator) -> None:
+def _restore_shard_state_files(directory: Any, iterator: ElasticIterator) -> None:
     """Restores this shard's pipeline state if the checkpoint has one for this shard count
     (exact, buffers included); else reads this shard's inputs ``k = shard_index, shard_index +
     shard_count, ...`` of the complete save in the directory and redistributes them. Either

@@ -21,6 +21,7 @@ from grain_core.dataset.base import (
 from grain_core.dataset.batch import has_holes_upstream, make_batch, reads_blocks
 from grain_core.dataset.options import FilterRatioChecker
 from grain_core.dataset.source import StackedBlock, columns_wanted
+from grain_core.transforms import Filter
 
 __all__ = [
     "BatchedMapMapDataset",
@@ -346,7 +347,12 @@ class _FilterIterator(DatasetIterator[Any]):
     def __init__(self, parent: DatasetIterator[Any], ds: FilterIterDataset) -> None:
         super().__init__(parent)
         self._fn = _transform_fn(ds._transform, "filter")
-        self._checker = FilterRatioChecker(transform_name(ds._transform))
+        # A Filter object is named by its class, as Grain names it (not by a dataclass repr).
+        transform = ds._transform
+        name = type(transform).__name__ if isinstance(transform, Filter) else None
+        self._checker = FilterRatioChecker(
+            f"FilterDatasetIterator(transform={name or transform_name(transform)})"
+        )
 
     def __next__(self) -> Any:
         parent = self._parents[0]

@@ -113,8 +113,10 @@ class MixedMapDataset(MapDataset[Any]):
         self._lengths = lengths
         if selection_map is None:
             if any(n == 0 for n in lengths):
+                empty = ", ".join(f"index {i} ({p!r})" for i, p in enumerate(parents) if not len(p))
                 raise ValueError(
-                    f"All datasets must have positive length for mixing, got lengths {lengths}."
+                    "All datasets must have positive length for mixing, but dataset(s) at "
+                    f"{empty} have length 0 (lengths: {lengths})."
                 )
             ints = integer_weights(proportions, len(parents))
             total = sum(ints)

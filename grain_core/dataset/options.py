@@ -110,12 +110,20 @@ class FilterRatioChecker:
     """Counts kept/dropped elements at one filtering point and enforces the options' thresholds.
 
     Checks run every ``window`` consumed elements, so the cost per element is one increment.
+    Messages start with Grain's text (``Transformation <name> skipped <p> % of the last seen
+    <n> elements``), which users' log monitoring matches; ``where`` follows it.
+
+    Args:
+      name: The filtering iterator, as Grain names it.
+      where: What it reads, named after Grain's text ("" for nothing more).
+      window: Elements between checks.
     """
 
-    __slots__ = ("_name", "_window", "_seen", "_dropped", "_last_warning")
+    __slots__ = ("_name", "_where", "_window", "_seen", "_dropped", "_last_warning")
 
-    def __init__(self, name: str, window: int = 1000) -> None:
+    def __init__(self, name: str, where: str = "", window: int = 1000) -> None:
         self._name = name
+        self._where = f" ({where})" if where else ""
         self._window = window
         self._seen = 0
         self._dropped = 0
@@ -127,15 +135,16 @@ class FilterRatioChecker:
         self._dropped += dropped
         if self._seen < self._window:
             return
-        ratio = self._dropped / self._seen
+        seen = self._seen
+        ratio = self._dropped / seen
         self._seen = self._dropped = 0
         opts = options if options is not None else _DEFAULT_OPTIONS
         raise_at = opts.filter_raise_threshold_ratio
         if raise_at is not None and ratio >= raise_at and ratio > 0:
             raise ValueError(
-                f"Transformation {self._name} skipped {ratio:.2%} of the last seen elements, "
-                f"at or above filter_raise_threshold_ratio={raise_at}. Check the filter "
-                "predicate, or change the threshold with "
+                f"Transformation {self._name} skipped {100 * ratio:.2f} % of the last seen "
+                f"{seen} elements{self._where}, at or above filter_raise_threshold_ratio="
+                f"{raise_at}. Check the filter predicate, or change the threshold with "
                 "grain_core.experimental.DatasetOptions(filter_raise_threshold_ratio=...)."
             )
         warn_at = opts.filter_warn_threshold_ratio
@@ -144,10 +153,12 @@ class FilterRatioChecker:
             if now - self._last_warning >= 60:
                 self._last_warning = now
                 _logger.warning(
-                    "Transformation %s skipped %.2f%% of the last seen elements "
+                    "Transformation %s skipped %.2f %% of the last seen %d elements%s "
                     "(filter_warn_threshold_ratio=%s).",
                     self._name,
                     100 * ratio,
+                    seen,
+                    self._where,
                     warn_at,
                 )
 

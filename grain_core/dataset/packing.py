@@ -26,7 +26,7 @@ from typing import Any, ClassVar, Generic, TypeVar
 import numpy as np
 
 from grain_core import _tree
-from grain_core._checks import non_negative_int, positive_int
+from grain_core._checks import as_int, non_negative_int, positive_int
 from grain_core.dataset.base import DatasetIterator, IterDataset
 from grain_core.record import Record
 
@@ -71,7 +71,12 @@ def _value_at(tree: Any, path: Path) -> Any:
 def _check_max_sequences(max_sequences_per_bin: int | None) -> int | None:
     if max_sequences_per_bin is None:
         return None
-    return positive_int("`max_sequences_per_bin`", max_sequences_per_bin)
+    n = as_int("`max_sequences_per_bin`", max_sequences_per_bin)
+    if n <= 0:  # Grain's text: users match on it
+        raise ValueError(
+            f"If specified, `max_sequences_per_bin` must be a positive integer, but got {n}."
+        )
+    return n
 
 
 class _Layout:

@@ -6,10 +6,12 @@ import _thread
 import collections
 import concurrent.futures
 import copy
+import functools
 import queue
 import sys
 import threading
 import time
+import weakref
 from collections.abc import Sequence
 from typing import Any, NoReturn
 
@@ -146,6 +148,14 @@ class PrefetchIterDataset(IterDataset[Any]):
     def __iter__(self) -> PrefetchDatasetIterator:
         return PrefetchDatasetIterator(self)
 
+    def holes_checker(self) -> FilterRatioChecker:
+        """The filter-ratio check of this reader's holes (elements filtered out upstream)."""
+        return FilterRatioChecker(
+            f"PrefetchDatasetIterator(read_options={self.read_options}, "
+            f"allow_nones={self.allow_nones})",
+            where=f"reading {self.map_parent!r}",
+        )
+
     def __repr__(self) -> str:
         return (
             f"PrefetchIterDataset(read_options={self.read_options}, allow_nones={self.allow_nones})"
@@ -166,15 +176,27 @@ class PrefetchDatasetIterator(DatasetIterator[Any]):
         self._buffer_size = opts.prefetch_buffer_size
         self._chunk_cap = max(1, min(_MAX_CHUNK, opts.prefetch_buffer_size))
         self._executor: concurrent.futures.ThreadPoolExecutor | None = None
-        self._checker = FilterRatioChecker(f"to_iter_dataset over {self._map_ds!r}")
+        self._checker = ds.holes_checker()
         # Kept across set_state: what was learnt about the reads still holds.
         self._concurrency = ReadConcurrency(
             self._num_threads, overlaps_consumer=not _inline_while_cpu_bound
         )
         self._reader = _BlockReader(self._threaded, self._concurrency, self._chunk_cap)
+        # Guards the read-ahead (pending blocks, positions, reads running), which a read
+        # thread extends when its block is done; reentrant: a read already done when its
+        # callback is added calls it in the thread that added it.
+        self._read_ahead_lock = threading.RLock()
+        # A finished read starts the next ones, so the read-ahead fills while the consumer is
+        # away (after an early break), as Grain's read threads do. The callback holds the
+        # iterator weakly: a dropped iterator is still collected with its reads in flight.
+        self._on_read_done = functools.partial(_read_done, weakref.ref(self))
         self._reset(0)
 
     def _reset(self, next_index: int) -> None:
+        with self._read_ahead_lock:
+            self._reset_positions(next_index)
+
+    def _reset_positions(self, next_index: int) -> None:
         self._next_index = next_index  # parent indices consumed, holes included
         self._chunk: Sequence[Any] = []
         self._chunk_pos = 0
@@ -185,6 +207,7 @@ class PrefetchDatasetIterator(DatasetIterator[Any]):
             collections.deque()
         )
         self._in_flight = 0
+        self._running: set[concurrent.futures.Future[Any]] = set()  # reads not done yet
         self._reader.cpu_share = 1.0
 
     def _next_chunk_range(self, limit: int) -> tuple[int, int]:
@@ -198,31 +221,41 @@ class PrefetchDatasetIterator(DatasetIterator[Any]):
         return start, count
 
     def _fill(self) -> None:
-        self._pending.extend(self._start_reads(self._concurrency.value - len(self._pending)))
+        """Starts reads on the read threads until ``concurrency.value`` run at once or the
+        read-ahead holds ``prefetch_buffer_size`` elements."""
+        with self._read_ahead_lock:
+            while (
+                not self._closed
+                and self._read_index < self._len
+                and self._in_flight < self._buffer_size
+                and len(self._running) < self._concurrency.value
+            ):
+                if self._executor is None:
+                    self._executor = concurrent.futures.ThreadPoolExecutor(
+                        self._num_threads, thread_name_prefix=READ_THREAD_PREFIX
+                    )
+                start, count = self._next_chunk_range(self._buffer_size - self._in_flight)
+                block = self._executor.submit(self._reader.read, self._map_ds, start, count)
+                self._pending.append((start, count, block))
+                self._in_flight += count
+                self._running.add(block)
+                block.add_done_callback(self._on_read_done)
 
-    def _start_reads(self, blocks: int) -> list[tuple[int, int, concurrent.futures.Future[Any]]]:
-        """Starts up to ``blocks`` reads of the next blocks on the read threads."""
-        started = []
-        while self._read_index < self._len and self._in_flight < self._buffer_size and blocks > 0:
-            if self._executor is None:
-                self._executor = concurrent.futures.ThreadPoolExecutor(
-                    self._num_threads, thread_name_prefix=READ_THREAD_PREFIX
-                )
-            start, count = self._next_chunk_range(self._buffer_size - self._in_flight)
-            started.append(
-                (start, count, self._executor.submit(self._reader.read, self._map_ds, start, count))
-            )
-            self._in_flight += count
-            blocks -= 1
-        return started
+    def _read_finished(self, block: concurrent.futures.Future[Any]) -> None:
+        """A read thread's block is done: the next reads start (see ``_on_read_done``)."""
+        with self._read_ahead_lock:
+            self._running.discard(block)
+            if not block.cancelled():
+                self._fill()
 
     def _load_chunk(self) -> None:
         if self._threaded:
             self._fill()
         if not self._pending:  # no read threads, or none in use now: read here
             self._read_here(self._chunk_cap)
-        start, count, block = self._pending.popleft()
-        self._in_flight -= count
+        with self._read_ahead_lock:
+            start, count, block = self._pending.popleft()
+            self._in_flight -= count
         try:
             chunk = block.result()
         except Exception:
@@ -319,21 +352,23 @@ class PrefetchDatasetIterator(DatasetIterator[Any]):
     def _read_here(self, limit: int) -> None:
         """Reads the next block (at most ``limit`` elements) in this thread and queues it as
         the threads' blocks are: an error is raised when its turn comes."""
-        start, count = self._next_chunk_range(limit)
-        self._in_flight += count
+        # Queued before it is read: the reads that the first read's watcher starts come after.
+        block: concurrent.futures.Future[Sequence[Any]] = concurrent.futures.Future()
+        with self._read_ahead_lock:
+            start, count = self._next_chunk_range(limit)
+            self._in_flight += count
+            self._pending.append((start, count, block))
         watch = None
         if self._threaded and not self._concurrency.measured:
             watch = _FirstReadWatch(self)
-        block: concurrent.futures.Future[Sequence[Any]] = concurrent.futures.Future()
         try:
             block.set_result(self._reader.read(self._map_ds, start, count))
         except BaseException as e:  # noqa: BLE001 - re-read one by one when its turn comes
             # A read thread's SystemExit waits for its turn too: a worker reading ahead while
             # it waits for credits sends what it computed before user code exits.
             block.set_exception(e)
-        self._pending.append((start, count, block))
         if watch is not None:
-            self._pending.extend(watch.stop())
+            watch.stop()
 
     def buffered(self) -> bool:
         """Whether ``next`` has an element read already (a hole skipped counts as one)."""
@@ -349,8 +384,8 @@ class PrefetchDatasetIterator(DatasetIterator[Any]):
         next_index = as_int(self._state_name("next_index"), state["next_index"])
         if not 0 <= next_index <= self._len:
             raise IndexError(
-                f"Checkpoint `next_index` {next_index} is out of range [0, {self._len}] for "
-                f"{self._map_ds!r}: the checkpoint belongs to a different pipeline."
+                f"Checkpoint `next_index` {next_index} is out of range for dataset of length "
+                f"{self._len} ({self._map_ds!r}): the checkpoint belongs to a different pipeline."
             )
         self._cancel_pending()
         self._reset(next_index)
@@ -368,8 +403,9 @@ class PrefetchDatasetIterator(DatasetIterator[Any]):
         self.set_state({"next_index": index})
 
     def _cancel_pending(self) -> None:
-        for _, _, future in self._pending:
-            future.cancel()
+        with self._read_ahead_lock:
+            for _, _, future in self._pending:
+                future.cancel()
 
     def start_prefetch(self) -> None:
         if self._threaded and not self._closed:
@@ -378,11 +414,21 @@ class PrefetchDatasetIterator(DatasetIterator[Any]):
     def close(self) -> None:
         if self._closed:
             return
-        self._closed = True
+        with self._read_ahead_lock:  # no read starts after this
+            self._closed = True
         self._cancel_pending()
         if self._executor is not None:
             self._executor.shutdown(wait=False, cancel_futures=True)
             self._executor = None
+
+
+def _read_done(
+    iterator: weakref.ref[PrefetchDatasetIterator], block: concurrent.futures.Future[Any]
+) -> None:
+    """A read thread's block is done: its iterator, unless collected, starts the next reads."""
+    it = iterator()
+    if it is not None:
+        it._read_finished(block)
 
 
 def _array_bytes(element: Any) -> int:
@@ -507,7 +553,6 @@ class _FirstReadWatch:
         self._it: PrefetchDatasetIterator | None = it
         self._stop = threading.Event()
         self._lock = threading.Lock()
-        self._started: list[tuple[int, int, concurrent.futures.Future[Any]]] = []
         self._reader = _BusyClock()
         self._began = self._reader.read(), time.perf_counter()
         _thread.start_new_thread(self._watch, ())
@@ -529,15 +574,14 @@ class _FirstReadWatch:
                     it = self._it
                     if it is not None:
                         it._concurrency.waits_on_io()
-                        self._started = it._start_reads(it._concurrency.value)
+                        it._fill()
                 return
 
-    def stop(self) -> list[tuple[int, int, concurrent.futures.Future[Any]]]:
-        """Ends the watch (the first read is done); returns the reads it started, in order."""
+    def stop(self) -> None:
+        """Ends the watch (the first read is done)."""
         self._stop.set()
         with self._lock:
             self._it = None
-            return self._started
 
 
 class ReadConcurrency:
@@ -665,7 +709,10 @@ class ThreadPrefetchIterDataset(IterDataset[Any]):
     def __init__(self, parent: IterDataset[Any], *, prefetch_buffer_size: int) -> None:
         super().__init__(parent)
         if prefetch_buffer_size < 0:
-            raise ValueError(f"prefetch_buffer_size must be >= 0, got {prefetch_buffer_size}.")
+            raise ValueError(
+                "`prefetch_buffer_size` must be greater than or equal to 0, got "
+                f"{prefetch_buffer_size}."
+            )
         self._buffer_size = prefetch_buffer_size
 
     def __iter__(self) -> DatasetIterator[Any]:

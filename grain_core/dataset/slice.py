@@ -20,7 +20,9 @@ class SliceMapDataset(MapDataset[Any]):
     def __init__(self, parent: MapDataset[Any], sl: slice) -> None:
         super().__init__(parent)
         if not isinstance(sl, slice):
-            raise ValueError(f"SliceMapDataset takes a `slice`, got {sl!r}.")
+            raise ValueError(
+                f"SliceMapDataset takes a `slice`: sl is not a slice: {type(sl)} (got {sl!r})."
+            )
         self._parent = parent
         self._parent_len = len(parent)
         self._start, self._stop, self._step = sl.indices(self._parent_len)

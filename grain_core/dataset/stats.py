@@ -794,9 +794,10 @@ def get_execution_summary(iterator: DatasetIterator[Any]) -> ExecutionSummary:
     mode = ctx.dataset_options.execution_tracking_mode if ctx is not None else None
     if mode in (None, ExecutionTrackingMode.DISABLED) or "_stage_stats" not in vars(iterator):
         raise ValueError(
-            "Execution statistics are not collected for this iterator. Turn on debug mode "
-            "(`grain_core.config.update('py_debug_mode', True)`) or set "
-            "`execution_tracking_mode` to `STAGE_TIMING`, e.g. "
+            "Execution statistics are not collected for this iterator. Set "
+            "`grain_py_debug_mode` or set `execution_tracking_mode` in grain options to "
+            "`STAGE_TIMING` to enable execution statistics collection: "
+            "`grain_core.config.update('py_debug_mode', True)`, or "
             "`ds = grain_core.experimental.WithOptionsIterDataset(ds, "
             "grain_core.experimental.DatasetOptions(execution_tracking_mode="
             "grain_core.experimental.ExecutionTrackingMode.STAGE_TIMING))`, before iterating."

@@ -68,7 +68,11 @@ def _rebuild(node: Any, index: int, count: int, sequential: bool) -> Any:
         clone = copy.copy(node)
         clone.set_slice(sl)
         return clone
-    parents = node._parents
+    # An IterDataset node over a MapDataset (a packer built on one) iterates it as
+    # ``to_iter_dataset()`` does: that boundary is the one sliced.
+    parents = tuple(
+        PrefetchIterDataset(p) if isinstance(p, MapDataset) else p for p in node._parents
+    )
     if not parents or not all(isinstance(p, IterDataset) for p in parents):
         raise ValueError(
             f"Cannot slice `IterDataset` source {node!r} for {count} workers: it has no "

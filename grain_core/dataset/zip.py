@@ -90,14 +90,14 @@ class _ZipIterator(DatasetIterator[tuple[Any, ...]]):
         """Raises ``ValueError`` unless every parent ended at the same element."""
         if ended > 0:
             earlier = "argument 1" if ended == 1 else f"arguments 1-{ended}"
-            raise ValueError(f"ZipIterDataset argument {ended + 1} is shorter than {earlier}.")
+            raise ValueError(f"ZipIterDataset argument {ended + 1} is shorter than {earlier}")
         for j, other in enumerate(self._parents[1:], start=2):
             try:
                 next(other)
             except StopIteration:
                 continue
             earlier = "argument 1" if j == 2 else f"arguments 1-{j - 1}"
-            raise ValueError(f"ZipIterDataset argument {j} is longer than {earlier}.")
+            raise ValueError(f"ZipIterDataset argument {j} is longer than {earlier}")
 
     def get_state(self) -> dict[str, Any]:
         return {"parents": [p.get_state() for p in self._parents]}

@@ -26,7 +26,7 @@ from grain_core.dataset.mp.pickling import EngineInput
 from grain_core.dataset.mp.positions import ClassBatchesMapDataset, dispatch_view
 from grain_core.dataset.mp.protocol import ERROR
 from grain_core.dataset.mp.share_index import share_next_index, share_state_at
-from grain_core.dataset.options import DatasetOptions, FilterRatioChecker
+from grain_core.dataset.options import DatasetOptions
 
 __all__ = ["ClassConsumer", "DispatchedClassIterator", "Producer"]
 
@@ -102,9 +102,7 @@ class ClassConsumer:
         self.error: BaseException | None = None
         self._ended = [False] * n  # per class: the consumer was told it ended
         self._filter_counts = [[0, 0] for _ in range(n)]  # per class: seen, dropped
-        self._checkers = [
-            FilterRatioChecker(f"to_iter_dataset over {ds.map_parent!r}") for _ in range(n)
-        ]
+        self._checkers = [ds.holes_checker() for _ in range(n)]
         self._make_workers = make_workers
         self._mode = in_process or config.py_mp_prefetch_in_process
         self._producer: Producer | None = None

@@ -11,8 +11,8 @@ the parent keeps that output and its state, and hands out the positions instead:
   rotating engine and, for elements, across worker counts.
 * Workers get *runs* ``(class, first slice index, count)``, compute them in order
   (``PositionReader``, ahead of their credits) and send the results with the CPU time they
-  cost (small results already read several to a message); the parent files results by
-  position, no tags needed.
+  cost in this generation (results already read several to a message); the parent files
+  results by position, no tags needed.
 * A worker is committed to about ``_RUN_TARGET_S`` of CPU work, at least
   ``per_worker_buffer_size`` positions and at most the read-ahead
   (``ReadOptions.prefetch_buffer_size``), or ``SMALL_AHEAD`` if that is more and its results
@@ -64,6 +64,7 @@ from grain_core.dataset.mp.protocol import (
     STATS_GENERATION,
     assign_message,
     credit_batch,
+    element_block_names,
     overdraft_room,
     receive_side_message,
     shared_ahead_room,
@@ -375,6 +376,9 @@ class LocalWorkers:
         self._granted = [0] * self._count
         self._received = [0] * self._count
         self._consumed = [0] * self._count
+        # A new generation: the workers' CPU seconds count from zero again.
+        self._cpu_mark = [0.0] * self._count
+        self._since_learned = [0] * self._count
         self._assigned = list(self._consumer.frontier)
 
     def _receive(self, worker: int) -> None:
@@ -391,26 +395,26 @@ class LocalWorkers:
                 )
                 if answers is not None:
                     self._stats_answered[worker] = answers
-            else:
-                recycled.released.extend(names)
+            elif kind in (ELEMENT, ELEMENTS):
+                count = len(value) if kind == ELEMENTS else 1
+                for blocks in element_block_names(kind, count, names):
+                    recycled.released.extend(blocks)
             return
         held = self._consumer.held
         if kind == ERROR:
             error = remote_error(value, worker, self._count)
             held[self._next_position(worker)] = (ERROR, error, (worker, []))
             return
-        if kind == ELEMENTS:
-            for element in value:
-                held[self._next_position(worker)] = (ELEMENT, element, (worker, []))
-        else:
-            held[self._next_position(worker)] = (ELEMENT, value, (worker, names))
-        count = len(value) if kind == ELEMENTS else 1
+        values = value if kind == ELEMENTS else [value]
+        count = len(values)
+        for element, blocks in zip(values, element_block_names(kind, count, names), strict=True):
+            held[self._next_position(worker)] = (ELEMENT, element, (worker, blocks))
         room = (
             0
             if names or not self._overdraft_allowed
             else overdraft_room(self._pool.last_message_bytes // count)
         )
-        shared = shared_ahead_room(shm.shared_bytes(value)) if names else 0
+        shared = shared_ahead_room(shm.shared_bytes(value) // count) if names else 0
         self._overdraft_room[worker] = room
         self._shared_room[worker] = shared
         self._credit_batch[worker] = credit_batch(self._buffer, max(room, shared))
@@ -482,6 +486,7 @@ class LocalWorkers:
         else:
             self._ahead = [max(self._buffer, shared) for shared in self._shared_room]
         runs: list[list[tuple[int, int, int]]] = [[] for _ in range(n)]
+        due = [self._consumed[w] + self._ahead[w] - self._granted[w] for w in range(n)]
         for worker in sorted(range(n), key=self._outstanding.__getitem__):
             limit = self._limits[worker]
             free = limit - self._outstanding[worker]
@@ -503,8 +508,10 @@ class LocalWorkers:
                 share = max(1, free // len(open_classes))
                 free -= share - self._give(worker, cls, share, window, runs[worker])
         for worker in range(n):
-            credits = self._consumed[worker] + self._ahead[worker] - self._granted[worker]
-            if credits < self._credit_batch[worker]:
+            # Credits due go with runs, else once a batch of them is due: each message costs
+            # both processes a wake-up.
+            credits = max(0, due[worker])
+            if not runs[worker] and credits < self._credit_batch[worker]:
                 credits = 0
             # Blocks the consumer dropped go back with the next runs or credits: a worker
             # writes into a block only once it has a credit to send what it wrote.

@@ -1,6 +1,6 @@
 """The worker side of dispatch (``dispatch.py``): a worker computes the runs of positions the
 parent assigns, in assignment order (``positions.PositionReader``), and sends each result with
-its CPU seconds so far, results already read that need no shared memory several to a message
+its CPU seconds so far, results already read several to a message
 (``protocol.elements_message``). An error is sent for its position and the worker goes on
 with the next one.
 """
@@ -25,7 +25,8 @@ class DispatchWorkerLoop(WorkerLoop):
     """A worker of the dispatching engine.
 
     It computes the runs of positions the parent assigns, in assignment order, and sends each
-    element with the CPU seconds the worker has used so far instead of a state (the parent knows every position). An
+    element with the CPU seconds the worker has used in this generation so far instead of a
+    state (the parent knows every position). An
     error is sent for its position and the worker goes on with the next one: another class's
     positions queued behind it are still needed.
 
@@ -70,6 +71,9 @@ class DispatchWorkerLoop(WorkerLoop):
         shm.release_blocks(names)
         if generation != self._generation:
             self._generation = generation
+            # CPU seconds count per generation: the parent that sizes runs by them (a new
+            # iterator on kept workers, or a restore) starts counting at zero.
+            self._cpu_start = time.process_time()
             self._pending = 0
             self._reset_credits(0)
             if self._reader is not None:
@@ -86,10 +90,11 @@ class DispatchWorkerLoop(WorkerLoop):
             self._take_credit(0)
             self._send_error(self._build_error)
             return
-        # Elements read already (ahead, or in the block of the last one), that need no shared
-        # memory, go together (for GROUP_S at most): small elements cost the parent a message
-        # each.
+        # Elements read already (ahead, or in the block of the last one) go together (for
+        # GROUP_S at most), those in shared memory too: each message costs the parent a
+        # wake-up, and a worker that waited for credits has several ready when they come.
         group: list[Any] = []
+        names_of: list[list[str]] = []  # per element of the group: its blocks
         deadline = time.perf_counter() + GROUP_S
         waiting, self._waiting = self._waiting, None
         while True:
@@ -99,7 +104,7 @@ class DispatchWorkerLoop(WorkerLoop):
                     element = self._reader.next()
                 except Exception as e:  # noqa: BLE001 - re-raised in the parent at its position
                     self._take_credit(0)
-                    self._send_group(group)
+                    self._send_group(group, names_of)
                     self._send_error(e)
                     return
                 tree, names = shm.copy_to_shm(element, self._min_shm_size)
@@ -107,23 +112,20 @@ class DispatchWorkerLoop(WorkerLoop):
                 size = 0 if self._credits > 0 else self._size_for_overdraft(tree, names)
                 if not self._take_credit(size):
                     self._waiting = (tree, names, size)
-                    self._send_group(group)
+                    self._send_group(group, names_of)
                     return
             else:  # _can_produce found it may go now
                 (tree, names, size), waiting = waiting, None
                 self._take_credit(size)
-            if names:
-                self._send_group(group)
-                self._send_result(tree, self._cpu_seconds(), names)
-                return
             group.append(tree)
+            names_of.append(names)
             if not (
                 self._pending > 0
                 and (self._credits > 0 or self._may_overdraw())
                 and self._reader.ready()
                 and time.perf_counter() < deadline
             ):
-                self._send_group(group)
+                self._send_group(group, names_of)
                 return
 
     def _cpu_seconds(self) -> float:
@@ -131,25 +133,30 @@ class DispatchWorkerLoop(WorkerLoop):
         # worker's commitments by.
         return time.process_time() - self._cpu_start
 
-    def _send_group(self, group: list[Any]) -> None:
-        """Sends the elements of ``group`` (none in shared memory) in one message, or one
-        message each when one of them cannot be pickled (that one is sent as its error)."""
+    def _send_group(self, group: list[Any], names_of: list[list[str]]) -> None:
+        """Sends the elements of ``group`` (element ``i``'s arrays in blocks ``names_of[i]``)
+        in one message, or one message each when one of them cannot be pickled (that one is
+        sent as its error)."""
         if not group:
             return
         cpu_seconds = self._cpu_seconds()
         dropped: Sequence[str] = shm.take_dropped()
         if len(group) > 1:
-            message = elements_message(self._generation, group, cpu_seconds, dropped)
+            shared = any(names_of)
+            message = elements_message(
+                self._generation, group, cpu_seconds, dropped, names_of if shared else None
+            )
             try:
                 data = dumps_message(message)
             except Exception:  # noqa: BLE001 - one of them cannot be pickled: each alone below
                 pass
             else:
                 self._write(data)
-                self._result_bytes = len(data) // len(group)
+                if not shared:
+                    self._result_bytes = len(data) // len(group)
                 return
-        for element in group:  # one, or one of them cannot be pickled
-            self._send_result(element, cpu_seconds, [], dropped)
+        for element, names in zip(group, names_of, strict=True):  # one, or one unpicklable
+            self._send_result(element, cpu_seconds, names, dropped)
             dropped = ()
 
     def _send_result(

@@ -11,7 +11,7 @@ once (``pickling.dumps_message``) and sent as bytes over the worker's pipes
 * Output (worker → parent): ``(generation, kind, payload, extra, shm_names, dropped)``, six
   fields always, so one unpacking reads any of them. ``generation`` counts the parent's
   restores (a message of an older one is discarded, its blocks freed); ``extra`` is the
-  worker's state after the element (rotation) or its CPU seconds so far (dispatch);
+  worker's state after the element (rotation) or its CPU seconds in this generation (dispatch);
   ``shm_names`` are the blocks holding the element's arrays; ``dropped`` the blocks the
   worker freed (the parent forgets its mappings of them). Here: ``ELEMENT``, ``ERROR``, and
   the side messages ``STATS`` and ``WARNING`` (generation ``STATS_GENERATION``, which no
@@ -21,7 +21,7 @@ once (``pickling.dumps_message``) and sent as bytes over the worker's pipes
   does not track its stages): the parent asks whenever it reports (an execution summary, the
   dataset graph, a trace) and waits for the answers, so what it shows is what the workers had
   done when it asked, never an older snapshot. Rotation adds ``END``, ``PICKLED_ELEMENTS`` and ``WANTS_CREDIT``; dispatch adds
-  ``ELEMENTS``.
+  ``ELEMENTS`` (several results in one message; ``shm_names`` then lists each one's blocks).
 
 Kinds are numbered here for both engines so that no two mean the same.
 
@@ -65,6 +65,7 @@ __all__ = [
     "WARNING",
     "assign_message",
     "credit_batch",
+    "element_block_names",
     "element_message",
     "elements_message",
     "error_message",
@@ -136,10 +137,23 @@ def assign_message(
 
 
 def elements_message(
-    generation: int, values: list[Any], cpu_seconds: float, dropped: Sequence[str]
+    generation: int,
+    values: list[Any],
+    cpu_seconds: float,
+    dropped: Sequence[str],
+    names: list[list[str]] | None = None,
 ) -> tuple[Any, ...]:
-    """Output: results of consecutive assigned positions, none in shared memory."""
-    return (generation, ELEMENTS, values, cpu_seconds, [], dropped)
+    """Output: results of consecutive assigned positions; ``names``, where some are in shared
+    memory, the blocks of each (``[]`` where none is: no list per value)."""
+    return (generation, ELEMENTS, values, cpu_seconds, names or [], dropped)
+
+
+def element_block_names(kind: int, count: int, names: list[Any]) -> list[list[str]]:
+    """The blocks of each of the ``count`` results of an output message of ``kind``
+    (``ELEMENT`` or ``ELEMENTS``) whose ``shm_names`` field is ``names``."""
+    if kind != ELEMENTS:
+        return [names]
+    return names or [[] for _ in range(count)]
 
 
 def element_message(
