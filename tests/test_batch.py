@@ -9,12 +9,22 @@ from hypothesis import strategies as st
 
 import grain_core as grain
 from grain_core import _tree
-from grain_core.dataset.batch import make_batch
+from grain_core.dataset.batch import BatchIterDataset, BatchMapDataset, make_batch
 from grain_core.sources import ColumnBlock
 from grain_core.testing import check_iterator_conformance
 
 MD = grain.MapDataset
 Pair = collections.namedtuple("Pair", ["a", "b"])
+
+
+def test_batch_datasets_take_drop_remainder_by_position():
+    # As Grain's classes do: (parent, batch_size, drop_remainder, batch_fn).
+    source = grain.MapDataset.range(5)
+    assert len(BatchMapDataset(source, 2, True)) == 2
+    assert [b.tolist() for b in BatchIterDataset(source.to_iter_dataset(), 2, True)] == [
+        [0, 1],
+        [2, 3],
+    ]
 
 
 def test_make_batch_stacks_leaves():

@@ -10,6 +10,7 @@ import pytest
 
 import grain_core as grain
 from grain_core.dataset.base import DatasetIterator, IteratorContext, MultiprocessingContext
+from grain_core.dataset.options import DatasetOptions
 
 MD = grain.MapDataset
 
@@ -113,6 +114,17 @@ def test_context_merge_rejects_different_workers():
     b = IteratorContext(mp_context=MultiprocessingContext(1, 2))
     with pytest.raises(ValueError, match="different worker processes"):
         a.merge(b)
+
+
+def test_contexts_are_equal_by_options_worker_and_loader_flag():
+    a = IteratorContext(dataset_options=DatasetOptions(filter_warn_threshold_ratio=0.1))
+    a.merge(IteratorContext(dataset_options=DatasetOptions(filter_raise_threshold_ratio=0.2)))
+    merged = DatasetOptions(filter_warn_threshold_ratio=0.1, filter_raise_threshold_ratio=0.2)
+    assert a == IteratorContext(dataset_options=merged)
+    assert a != IteratorContext(dataset_options=merged, mp_context=MultiprocessingContext(1, 2))
+    loader = IteratorContext(dataset_options=merged)
+    loader.is_dataloader_pipeline = True
+    assert a != loader
 
 
 def test_next_index_defaults_raise():

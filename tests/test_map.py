@@ -7,6 +7,7 @@ from hypothesis import strategies as st
 
 import grain_core as grain
 from grain_core import transforms
+from grain_core.dataset.map import RandomMapIterDataset, RandomMapMapDataset
 from grain_core.testing import assert_equal_output_after_checkpoint, check_iterator_conformance
 
 MD = grain.MapDataset
@@ -251,3 +252,14 @@ def test_batched_map_refuses_holes_and_results_of_another_length():
     ds = grain.MapDataset.source(np.arange(10)).map(lambda b: b[:1], batched=True)
     with pytest.raises(ValueError, match=r"lengths \[1\] for a batch of 3 elements"):
         ds.batch(3)[0]
+
+
+def test_random_map_datasets_default_to_the_pipeline_seed():
+    # Built directly without `seed`, as Grain's classes allow: the seed comes from `.seed()`.
+    def draw(x: int, rng: np.random.Generator) -> int:
+        return x + int(rng.integers(0, 1000))
+
+    seeded = grain.MapDataset.range(6).seed(7)
+    assert list(RandomMapMapDataset(seeded, draw)) == list(seeded.random_map(draw))
+    iter_seeded = seeded.to_iter_dataset()
+    assert list(RandomMapIterDataset(iter_seeded, draw)) == list(iter_seeded.random_map(draw))

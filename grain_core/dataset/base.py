@@ -419,6 +419,18 @@ class IteratorContext:
         self.dataset_options = self.dataset_options.merge(other.dataset_options)
         self.is_dataloader_pipeline = self.is_dataloader_pipeline or other.is_dataloader_pipeline
 
+    def __eq__(self, other: object) -> bool:
+        # Contexts are equal by what they tell iterators (the debug-mode ``output`` aside).
+        if not isinstance(other, IteratorContext):
+            return NotImplemented
+        return (
+            self.dataset_options == other.dataset_options
+            and self.mp_context == other.mp_context
+            and self.is_dataloader_pipeline == other.is_dataloader_pipeline
+        )
+
+    __hash__ = None  # type: ignore[assignment]  # mutable
+
 
 class ShareContext(IteratorContext):
     """The context of share ``index`` of ``count`` of a pipeline read on threads
