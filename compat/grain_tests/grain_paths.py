@@ -2,9 +2,11 @@
 
 ``grain_core.install_as_grain()`` serves Grain's public module paths. Grain's tests also
 import private paths (``grain._src.python.dataset.transformations.batch`` ...) that no client
-should: this plugin serves those for the test run only, each a module whose attributes are
-looked up by name in the grain_core modules listed for it (then in every grain_core module
-below), with the few names that differ spelled out in ``RENAMED``. Test helper modules that
+should: this plugin serves those for the test run only (found by a finder on
+``sys.meta_path``, so a test may reload them), each a module whose attributes are looked up by
+name in the grain_core modules listed for it (then in every grain_core module below), with the
+few names that differ spelled out in ``RENAMED`` (one of them, ``multiprocess_prefetch``, is
+Grain's argument list for the same public call). Test helper modules that
 Grain ships beside its tests (``testing_util``, ``grain._src.core.pytest``) run from the wheel.
 
 Loaded by ``run.py`` with ``-p grain_paths``; it also marks the expected failures of
