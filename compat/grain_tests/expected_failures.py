@@ -42,12 +42,20 @@ PACKER_VALIDATES_WHEN_BUILT = (
     f"deliberate: a nested packed feature not marked as a meta feature is refused when the "
     f"packer is built, not at its first element ({_DOC})"
 )
+SOURCE_PATH = (
+    "deliberate: the name expected holds the path of a file in Grain's tree (.../_src/core/); "
+    "the runner runs Grain's tests from suite/ and the function is grain_core's"
+)
 TUNING_ESTIMATE = (
     "deliberate: pick_performance_config's buffer size is grain_core's own estimate "
     "(docs/compatibility.md, Not part of the contract)"
 )
 
 _TESTS_BY_REASON: dict[str, tuple[str, ...]] = {
+    SOURCE_PATH: (
+        "core/transforms_test.py::GetPrettyTransformNameTest::test_get_pretty_transform_name0",
+        "core/transforms_test.py::GetPrettyTransformNameTest::test_get_pretty_transform_name1",
+    ),
     _internal("`BatchIterDataset._batch_fn`, Grain's `functools.partial` of `make_batch`"): (
         f"{_T}/batch_test.py::BatchIterDatasetTest::test_batch_shared_memory_source_ds_jax",
         f"{_T}/batch_test.py::BatchIterDatasetTest::test_batch_shared_memory_source_ds_no_jax",
@@ -112,15 +120,6 @@ _TESTS_BY_REASON: dict[str, tuple[str, ...]] = {
         f"{_T}/batch_test.py::StringTruncationTest::test_parallel_batch_parallel_path_shm_preserves_strings",
         f"{_T}/batch_test.py::StringTruncationTest::test_parallel_batch_stack_shm_numpy_strings",
         f"{_T}/batch_test.py::StringTruncationTest::test_parallel_batch_stack_shm_preserves_variable_length_strings",
-    ),
-    _internal("`core.transforms.get_pretty_transform_name`"): (
-        "core/transforms_test.py::GetPrettyTransformNameTest::test_get_pretty_transform_name0",
-        "core/transforms_test.py::GetPrettyTransformNameTest::test_get_pretty_transform_name1",
-        "core/transforms_test.py::GetPrettyTransformNameTest::test_get_pretty_transform_name2",
-        "core/transforms_test.py::GetPrettyTransformNameTest::test_get_pretty_transform_name3",
-        "core/transforms_test.py::GetPrettyTransformNameTest::test_get_pretty_transform_name4",
-        "core/transforms_test.py::GetPrettyTransformNameTest::test_get_pretty_transform_name5",
-        "core/transforms_test.py::GetPrettyTransformNameTest::test_get_pretty_transform_name6",
     ),
     _internal("`data_loader.CopyNumPyArrayToSharedMemory`"): (
         "python/data_loader_test.py::CopyNumPyArrayToSharedMemoryTest::test_copy_nested_numpy_array_to_shared_memory",
@@ -223,6 +222,7 @@ _TESTS_BY_REASON: dict[str, tuple[str, ...]] = {
         "python/dataset/elastic_iterator_test.py::ElasticIteratorTest::test_produces_correct_elements2",
     ),
     ERROR_TEXT: (
+        "core/transforms_test.py::GetPrettyTransformNameTest::test_get_pretty_transform_name3",
         "python/dataset/base_test.py::IteratorContextTest::test_merge_with_different_mp_context",
         "python/dataset/dataset_test.py::GetExecutionSummaryTest::test_execution_summary_with_logging",
         "python/dataset/dataset_test.py::GetExecutionSummaryTest::test_get_execution_summary_without_collection",

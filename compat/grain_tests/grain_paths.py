@@ -86,6 +86,10 @@ PRIVATE_MODULES: dict[str, tuple[str, ...]] = {
 
 #: Names that Grain spells differently: (Grain module, Grain name) -> "module:name".
 RENAMED: dict[tuple[str, str], str] = {
+    (
+        "grain._src.core.transforms",
+        "get_pretty_transform_name",
+    ): "grain_core.dataset.base:transform_name",
     (f"{_TRANSFORMATIONS}.batch", "BatchFn"): "grain_core.capabilities:BatchFunctionOutputSpec",
     (
         f"{_TRANSFORMATIONS}.packing_packed_batch",
