@@ -15,6 +15,9 @@ import importlib
 import os
 from typing import TYPE_CHECKING, Any
 
+from grain_core._version import __version__ as __version__
+from grain_core._version import __version_info__ as __version_info__
+
 # Imported now: ``grain_core.config`` is this object, not the submodule of the same name.
 from grain_core.config import config
 
@@ -35,9 +38,6 @@ if TYPE_CHECKING:
     from grain_core.options import MultiprocessingOptions, ReadOptions
     from grain_core.plugins import hookimpl
     from grain_core.record import Record, RecordMetadata
-
-__version__ = "0.1.0"
-__version_info__ = (0, 1, 0)
 
 __all__ = [
     "DataLoader",

@@ -63,7 +63,7 @@ pre { background: #f6f6f6; padding: 0.8em; overflow-x: auto; font-size: 0.85em; 
 def require_plotly() -> None:
     """Raises ImportError naming the extra to install if plotly is missing."""
     try:
-        import plotly  # noqa: F401 - optional dependency, imported to check
+        import plotly  # noqa: F401  # optional dependency, imported to check
     except ImportError as e:
         raise ImportError(
             "The grain-core profile report draws its charts with plotly, which is not "
@@ -88,17 +88,15 @@ def _figures(data: ProfileData) -> list[Any]:
         title="Throughput over time", xaxis_title="seconds", yaxis_title="batches per second"
     )
 
-    from grain_core.profiling import format_share, stage_label  # import cycle: it renders here
-
     shown = list(data.stages[:15])[::-1]
-    labels = [("[worker] " if s.in_workers else "") + _short(stage_label(s.name)) for s in shown]
+    labels = [("[worker] " if s.in_workers else "") + _short(s.label) for s in shown]
     stages = go.Figure(
         go.Bar(
             x=[100 * s.share for s in shown],
             y=labels,
             orientation="h",
             marker_color=[_CATEGORY_COLOURS.get(s.category, "#888") for s in shown],
-            text=[f"{format_share(s.share)} · {s.category}" for s in shown],
+            text=[f"{s.share_text} · {s.category}" for s in shown],
             hovertext=[f"{s.name}<br>{s.self_s:.3f} s in {s.calls} calls" for s in shown],
         )
     )

@@ -43,7 +43,7 @@ class CheckpointHandler:
     def save(self, directory: Any, item: Any = None, args: Any = None) -> None:
         item = item if item is not None else args.item
         if _saves_shard_states(item):  # elastic IterDataset mode
-            from grain_core.dataset.elastic import write_shard_state_files
+            from grain_core.dataset.elastic import write_shard_state_files  # import cost
 
             write_shard_state_files(directory, item)
             return
@@ -60,7 +60,7 @@ class CheckpointHandler:
         """
         item = item if item is not None else args.item
         if _saves_shard_states(item):  # elastic IterDataset mode
-            from grain_core.dataset.elastic import restore_shard_state_files
+            from grain_core.dataset.elastic import restore_shard_state_files  # import cost
 
             restore_shard_state_files(directory, item)
             item.start_prefetch()
@@ -102,7 +102,7 @@ class CheckpointHandler:
 def _same_state_everywhere(item: Any) -> bool:
     # An ElasticIterator over a MapDataset has the same state on every shard, so a checkpoint
     # of any process restores any number of processes.
-    from grain_core.dataset.elastic import ElasticIterator
+    from grain_core.dataset.elastic import ElasticIterator  # import cost
 
     return isinstance(item, ElasticIterator)
 

@@ -20,15 +20,15 @@ import sys
 import time
 from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 import numpy as np
 
 from grain_core import __version__, plugins, shard_names, storage
+from grain_core._progress import progress
 
 __all__ = ["main"]
 
-_T = TypeVar("_T")
 
 _SAMPLE_CHARS = 200
 _COMPRESSIONS = ("GZIP", "ZLIB", "NONE")
@@ -593,22 +593,6 @@ def _json_default(value: Any) -> Any:
     if isinstance(value, bytes):
         return value[:_SAMPLE_CHARS].decode("utf-8", errors="replace")
     return repr(value)
-
-
-def progress(iterable: Iterable[_T], total: int | None, unit: str) -> Iterable[_T]:
-    """Wraps ``iterable`` in a tqdm progress bar when stderr is a terminal and tqdm exists
-    (``total=None``: a count without an end).
-
-    tqdm is optional (``pip install tqdm``): without it, or when output is
-    redirected, the iterable is returned unchanged so logs stay clean.
-    """
-    if not sys.stderr.isatty():
-        return iterable
-    try:
-        from tqdm import tqdm  # optional dependency
-    except ImportError:
-        return iterable
-    return tqdm(iterable, total=total, unit=unit, file=sys.stderr, leave=False)
 
 
 def _cmd_bench(args: argparse.Namespace) -> int:

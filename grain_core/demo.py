@@ -33,8 +33,8 @@ import numpy as np
 
 import grain_core as grain
 from grain_core import _demo, plugins, transforms
+from grain_core._progress import progress
 from grain_core.checkpoint import CheckpointHandler
-from grain_core.cli import progress
 from grain_core.storage import write_bytes
 
 __all__ = ["add_arguments", "run"]
@@ -83,7 +83,7 @@ def run(args: argparse.Namespace) -> int:
     if not 1 <= checkpoint_step < args.steps:
         raise ValueError(f"--checkpoint-step must be in [1, {args.steps - 1}].")
     try:
-        import jax  # noqa: F401
+        import jax  # noqa: F401  # optional dependency, imported to check
     except ImportError:
         print(
             f"grain-core demo trains a JAX model; install JAX: {DEMO_INSTALL_HINT}", file=sys.stderr

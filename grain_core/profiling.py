@@ -35,6 +35,7 @@ from typing import Any
 import cloudpickle
 
 from grain_core import _report_html
+from grain_core._progress import progress as progress_bar
 from grain_core.dataset.base import DatasetIterator, IterDataset, MapDataset
 from grain_core.dataset.debug import graph_of
 from grain_core.dataset.mp import (
@@ -89,6 +90,16 @@ class StageTime:
     self_s: float
     share: float
     calls: int
+
+    @property
+    def label(self) -> str:
+        """The stage's name in the user's words (:func:`stage_label`)."""
+        return stage_label(self.name)
+
+    @property
+    def share_text(self) -> str:
+        """The stage's share of the time as the report writes it (:func:`format_share`)."""
+        return format_share(self.share)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -275,8 +286,6 @@ def profile(
     batch: Any = None
     loop: Iterable[int] = range(num_batches)
     if progress:
-        from grain_core.cli import progress as progress_bar  # import cycle: cli imports us
-
         loop = progress_bar(loop, num_batches, "batch")
     with Trace() as recording:
         it = iter(ds)

@@ -13,21 +13,29 @@ there):
   is valid when both exist, the shard has ``size`` bytes and the remote object still has
   ``size`` and ``version`` (its ETag/generation, looked up once per process); the first use
   in a process also re-hashes the copy (``verify=True``) and compares ``sha256``.
-* ``<key>.lock``: ``flock``-ed exclusively while the entry is checked, downloaded or evicted
-  (so a second process waits for the first download instead of starting its own), and shared
-  by every reader that pins the entry (:meth:`ShardCache.pin`): a pinned entry is never
-  evicted.
+* ``<key>.lock``: the pin lock, shared by every reader that checks or pins the entry
+  (:meth:`ShardCache.pin`) and taken exclusively, without waiting, to evict it: a pinned
+  entry is never evicted.
+* ``<key>.download.lock``: ``flock``-ed exclusively by whoever re-checks a copy it found
+  invalid and downloads it, so that a second process waits for the first download instead of
+  starting its own. Nobody ever waits for a pin: a reader waits for a download, a download for
+  room that other downloads hold or for their end, and where pinned shards leave no room the
+  reader gets :class:`ShardCacheFullError` at once; processes sharing the directory never
+  wait for each other in a circle.
 * ``<key>.<size>.<random>.tmp``: a download in progress, ``flock``-ed by its downloader and
   renamed into place when complete (readers never see a partial shard); its ``size`` counts
   against the limit. One whose lock is free was left by a killed process: the next
-  reservation, and the next use of the same entry, remove it.
+  reservation, and the next use of the same entry, remove it. A download ahead's is
+  ``<key>.<size>.<random>.ahead.tmp``: a read that needs its room removes it, and the download
+  stops at its next block and lets go (the read waits for that, never for the whole download).
 * ``.cache.lock``: held while space is reserved, so that two processes never both count the
   same free bytes.
 
 Eviction: before a download, least recently used shards are removed until the new one fits
 ``max_bytes``; pinned shards and downloads in progress are never removed, and background
 downloads (:meth:`ShardCache.prefetch`) never remove a shard another one of this process
-fetched and nobody has used yet.
+fetched and nobody has used yet. A background download pins nothing: what it leaves may be
+evicted at once by a reader that needs the room.
 
 Shared directories: every name is opened relative to a descriptor of the directory without
 following symbolic links. A link planted at a lock's name is replaced by the lock, one at an
@@ -74,8 +82,16 @@ MAX_BYTES_ENV: Final = "GRAIN_CORE_CACHE_MAX_BYTES"
 
 # Downloads are streamed to disk in blocks of this size (hashed on the way).
 _BLOCK: Final = 8 << 20
-_TEMP_NAME = re.compile(r"^(?P<key>[0-9a-f]{40})\.(?P<size>\d+)\.[0-9a-f]+\.tmp$")
+_TEMP_NAME = re.compile(
+    r"^(?P<key>[0-9a-f]{40})\.(?P<size>\d+)\.[0-9a-f]+(?P<ahead>\.ahead)?\.tmp$"
+)
 _DIRECTORY_LOCK: Final = ".cache.lock"
+# An entry's two locks: readers share its pin lock (an eviction takes it exclusively, without
+# waiting); its download lock is held by whoever checks a copy found invalid and downloads it.
+# Nobody waits for a pin: a reader waits for a download, a download for room or another
+# download, so processes sharing the directory never wait for each other in a circle.
+_PIN_LOCK: Final = ".lock"
+_DOWNLOAD_LOCK: Final = ".download.lock"
 # How the cache opens names in its directory: never through a symbolic link, never a FIFO's
 # blocking open, never inherited by an exec'd program.
 _NO_FOLLOW: Final = os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK
@@ -307,7 +323,7 @@ class ShardCache:
         if pending is not None:
             pending.result()  # a background download of it: its outcome, then check again
         pinned = self._pin(url, storage_options, ahead=False)
-        assert pinned is not None  # only a download ahead gives way
+        assert pinned is not None  # only a download ahead pins nothing
         return pinned
 
     def local_path(self, url: str, storage_options: Mapping[str, Any] | None = None) -> str:
@@ -325,7 +341,9 @@ class ShardCache:
     ) -> None:
         """Starts downloading ``urls`` in the background (at most ``read_ahead`` at once);
         a later :meth:`pin` waits for them, and failures surface there. A shard that does
-        not fit without evicting a pinned one or one fetched ahead is left for :meth:`pin`."""
+        not fit without evicting a pinned one or one fetched ahead is left for :meth:`pin`,
+        and so is one whose room a read needs while it downloads (it stops at its next
+        block)."""
         with self._lock:
             if self._pool is None:
                 self._pool = concurrent.futures.ThreadPoolExecutor(
@@ -338,15 +356,13 @@ class ShardCache:
                     )
 
     def _fetch_ahead(self, url: str, storage_options: Mapping[str, Any] | None) -> None:
-        pinned = self._pin(url, storage_options, ahead=True)
-        if pinned is not None:
-            pinned.close()
+        self._pin(url, storage_options, ahead=True)
 
     def _pin(
         self, url: str, storage_options: Mapping[str, Any] | None, *, ahead: bool
     ) -> PinnedShard | None:
-        """Pins the entry of ``url``, downloading it first if needed; None when a download
-        ahead (``ahead``) finds no room."""
+        """Pins the entry of ``url``, downloading it first if needed; a download ahead
+        (``ahead``) only downloads it where it finds room, and returns None."""
         with self._lock:
             version = self._versions.get(url)
         if version is None:
@@ -355,32 +371,52 @@ class ShardCache:
                 self._versions[url] = version
         key = _key(url, version)
         with self._open_directory() as directory_fd:
-            lock = self._open_lock(directory_fd, key)
+            # A download ahead takes no pin: the shard it leaves may be evicted at once, and
+            # a reader that waited for its room never finds it held.
+            lock = None if ahead else self._open_lock(directory_fd, key)
             try:
-                # Checked under the shared lock (readers of a valid copy do not wait for each
-                # other), downloaded under the exclusive one, then checked again.
-                lock.acquire(shared=True)
-                while not self._valid(directory_fd, key, url, version):
-                    lock.acquire()
-                    if not self._valid(directory_fd, key, url, version):
-                        if not self._download(
-                            directory_fd, key, url, version, storage_options, ahead
-                        ):
-                            lock.close()
-                            return None
-                    lock.acquire(shared=True)
-                with self._disk_errors(url, version[0]):
-                    os.utime(key + ".shard", dir_fd=directory_fd, follow_symlinks=False)
-                    self._remove_stale_downloads(directory_fd, key)
+                if lock is not None:
+                    lock.acquire(shared=True)  # waits only for an eviction in progress
+                if not self._valid(directory_fd, key, url, version):
+                    if not self._fill(directory_fd, key, url, version, storage_options, ahead):
+                        return None
+                if lock is not None:
+                    with self._disk_errors(url, version[0]):
+                        os.utime(key + ".shard", dir_fd=directory_fd, follow_symlinks=False)
+                        self._remove_stale_downloads(directory_fd, key)
             except BaseException:
-                lock.close()
+                if lock is not None:
+                    lock.close()
                 raise
         with self._lock:
             if ahead:
                 self._fetched_ahead.add(key)
             else:
                 self._fetched_ahead.discard(key)
+        if lock is None:
+            return None
         return PinnedShard(self._path(key, ".shard"), url, version[0], lock)
+
+    def _fill(
+        self,
+        directory_fd: int,
+        key: str,
+        url: str,
+        version: tuple[int, str],
+        storage_options: Mapping[str, Any] | None,
+        ahead: bool,
+    ) -> bool:
+        """Makes the entry a valid copy under its download lock: waits for another
+        download of it (never for a pin: readers keep the entry's other lock), checks again,
+        and downloads it if still needed. False when a download ahead finds no room."""
+        download_lock = self._open_lock(directory_fd, key, _DOWNLOAD_LOCK)
+        try:
+            download_lock.acquire()
+            if self._valid(directory_fd, key, url, version):
+                return True
+            return self._download(directory_fd, key, url, version, storage_options, ahead)
+        finally:
+            download_lock.close()
 
     def _valid(self, directory_fd: int, key: str, url: str, version: tuple[int, str]) -> bool:
         """Whether the entry is a complete copy of ``url`` at ``version`` (regular files, not
@@ -418,8 +454,8 @@ class ShardCache:
         storage_options: Mapping[str, Any] | None,
         ahead: bool,
     ) -> bool:
-        """Downloads ``url`` into the entry (whose lock the caller holds exclusively); False
-        when a download ahead finds no room."""
+        """Downloads ``url`` into the entry (whose download lock the caller holds); False
+        when a download ahead finds no room or a read takes it (removes its file)."""
         size = version[0]
         with contextlib.suppress(FileNotFoundError):
             os.unlink(key + ".json", dir_fd=directory_fd)  # the entry is invalid from here on
@@ -434,6 +470,8 @@ class ShardCache:
             with self._disk_errors(url, size):
                 with storage.open_read(url, storage_options) as source:
                     while block := source.read(_BLOCK):
+                        if ahead and os.fstat(temp.fd).st_nlink == 0:
+                            return False  # a read took the room: give way
                         digest.update(block)
                         _write_all(temp.fd, block)
                 os.fsync(temp.fd)
@@ -446,9 +484,14 @@ class ShardCache:
                     byte_range=(0, size),
                 )
             with self._disk_errors(url, size):
-                os.replace(
-                    temp_name, key + ".shard", src_dir_fd=directory_fd, dst_dir_fd=directory_fd
-                )
+                try:
+                    os.replace(
+                        temp_name, key + ".shard", src_dir_fd=directory_fd, dst_dir_fd=directory_fd
+                    )
+                except FileNotFoundError:
+                    if ahead:  # a read took the room after the last block
+                        return False
+                    raise
                 meta = {"url": url, "size": size, "version": version[1]}
                 _write_json(directory_fd, key + ".json", {**meta, "sha256": digest.hexdigest()})
         except BaseException:
@@ -467,8 +510,9 @@ class ShardCache:
         """Makes room for ``size`` bytes (evicting least recently used unpinned shards; a
         download ahead leaves shards fetched ahead alone) and creates the locked temporary
         file that holds the reservation; returns its name and lock. Where only downloads in
-        progress leave no room, waits for one of them to end and tries again (a download
-        ahead gives way instead).
+        progress leave no room, a read stops the downloads ahead if their room is enough
+        (waiting for them to let go at their next block), else waits for another download to
+        end, and tries again; a download ahead gives way instead.
 
         Raises:
           ShardCacheError: If the shard is larger than ``max_bytes``.
@@ -485,12 +529,13 @@ class ShardCache:
         with self._lock:
             kept = set(self._fetched_ahead) if ahead else set()
         while True:
+            stopped: list[_Lock] = []
             cache_lock = self._open_lock(directory_fd, None)
             try:
                 with self._disk_errors(url, size):
                     cache_lock.acquire()
                     shards, live = self._usage(directory_fd, exclude=key)
-                    downloading = sum(reserved for _, reserved in live)
+                    downloading = sum(reserved for _, reserved, _ in live)
                     used = sum(s for _, _, s in shards) + downloading
                     held: list[tuple[str, int]] = []
                     for _, other, other_size in sorted(shards):
@@ -501,7 +546,8 @@ class ShardCache:
                         else:
                             held.append((other, other_size))
                     if used + size <= self._max_bytes:
-                        temp_name = f"{key}.{size}.{secrets.token_hex(6)}.tmp"
+                        kind = ".ahead" if ahead else ""
+                        temp_name = f"{key}.{size}.{secrets.token_hex(6)}{kind}.tmp"
                         temp = _Lock(directory_fd, temp_name, "new")
                         temp.acquire()
                         return temp_name, temp
@@ -509,9 +555,17 @@ class ShardCache:
                         raise ShardCacheFullError(
                             self._full_message(directory_fd, url, size, held, downloading)
                         )
+                    ahead_room = sum(reserved for _, reserved, is_ahead in live if is_ahead)
+                    if used + size - ahead_room <= self._max_bytes:
+                        stopped = _stop_downloads_ahead(directory_fd, live)
             finally:
                 cache_lock.close()
-            _wait_for_download(directory_fd, live[0][0])
+            if stopped:
+                for temp in stopped:
+                    _wait_until_let_go(temp)
+            else:
+                other = next((name for name, _, is_ahead in live if not is_ahead), live[0][0])
+                _wait_for_download(directory_fd, other)
 
     def _full_message(
         self,
@@ -545,10 +599,10 @@ class ShardCache:
 
     def _usage(
         self, directory_fd: int, exclude: str
-    ) -> tuple[list[tuple[float, str, int]], list[tuple[str, int]]]:
+    ) -> tuple[list[tuple[float, str, int]], list[tuple[str, int, bool]]]:
         """The shards ``(last use, key, size)`` other than ``exclude``, and the downloads in
-        progress ``(temporary file, bytes reserved)``; removes temporary files of killed
-        downloads."""
+        progress ``(temporary file, bytes reserved, whether it is a download ahead)``; removes
+        temporary files of killed downloads."""
         shards = []
         for name in os.listdir(directory_fd):
             if not name.endswith(".shard") or name == exclude + ".shard":
@@ -558,9 +612,11 @@ class ShardCache:
                 shards.append((info.st_mtime, name[: -len(".shard")], info.st_size))
         return shards, self._remove_stale_downloads(directory_fd, None)
 
-    def _remove_stale_downloads(self, directory_fd: int, key: str | None) -> list[tuple[str, int]]:
+    def _remove_stale_downloads(
+        self, directory_fd: int, key: str | None
+    ) -> list[tuple[str, int, bool]]:
         """Removes the temporary files (of ``key``, or all) whose downloader is gone; returns
-        the live ones with the bytes each reserves."""
+        the live ones with the bytes each reserves and whether it is a download ahead."""
         live = []
         for name in os.listdir(directory_fd):
             match = _TEMP_NAME.match(name)
@@ -577,7 +633,7 @@ class ShardCache:
                     with contextlib.suppress(FileNotFoundError):
                         os.unlink(name, dir_fd=directory_fd)
                 else:
-                    live.append((name, int(match["size"])))
+                    live.append((name, int(match["size"]), match["ahead"] is not None))
             finally:
                 temp.close()
         return live
@@ -612,10 +668,11 @@ class ShardCache:
         finally:
             os.close(fd)
 
-    def _open_lock(self, directory_fd: int, key: str | None) -> _Lock:
-        """The lock of an entry (the directory's for None)."""
+    def _open_lock(self, directory_fd: int, key: str | None, suffix: str = _PIN_LOCK) -> _Lock:
+        """The lock of an entry (its pin lock, or the one named by ``suffix``; the
+        directory's for None)."""
         try:
-            return _Lock(directory_fd, _DIRECTORY_LOCK if key is None else key + ".lock", "lock")
+            return _Lock(directory_fd, _DIRECTORY_LOCK if key is None else key + suffix, "lock")
         except OSError as err:
             raise self._directory_error(err) from err
 
@@ -687,16 +744,44 @@ def _key(url: str, version: tuple[int, str]) -> str:
 
 
 def _wait_for_download(directory_fd: int, temp_name: str) -> None:
-    """Returns once the download writing ``temp_name`` has ended (its downloader holds the
-    file's lock until then)."""
+    """Returns once the download writing ``temp_name`` has ended."""
     try:
         temp = _Lock(directory_fd, temp_name, "existing")
     except OSError:  # ended already
         return
+    _wait_until_let_go(temp)
+
+
+def _wait_until_let_go(temp: _Lock) -> None:
+    """Returns once the downloader of the temporary file ``temp`` was opened on has let go
+    of it (it holds the file's lock until then); closes ``temp``."""
     try:
         temp.acquire(shared=True)
     finally:
         temp.close()
+
+
+def _stop_downloads_ahead(directory_fd: int, live: list[tuple[str, int, bool]]) -> list[_Lock]:
+    """Removes the temporary files of the downloads ahead among ``live`` (``_usage``'s), which
+    makes each stop at its next block; returns those files opened before the removal, to wait
+    until their downloaders let go (until then the bytes they wrote are on the disk)."""
+    stopped: list[_Lock] = []
+    try:
+        for name, _, is_ahead in live:
+            if not is_ahead:
+                continue
+            try:
+                temp = _Lock(directory_fd, name, "existing")
+            except OSError:  # ended meanwhile
+                continue
+            stopped.append(temp)
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(name, dir_fd=directory_fd)
+    except BaseException:
+        for temp in stopped:
+            temp.close()
+        raise
+    return stopped
 
 
 def _sha256(fd: int) -> str:

@@ -460,7 +460,7 @@ class _StreamedDownload:
         self._future = asyncio.run_coroutine_threadsafe(self._pump(fs, fs_path), fs.loop)
 
     async def _pump(self, fs: Any, fs_path: str) -> None:
-        import asyncio  # see __init__
+        import asyncio  # import cost: only streamed remote reads run a coroutine
 
         self._room = asyncio.Event()
         file = None

@@ -12,6 +12,7 @@ import dataclasses
 import json
 import os
 import pickle
+import threading
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -22,6 +23,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 grain_arrayrecord = pytest.importorskip("grain_arrayrecord")
+
+from conftest import fails_after  # noqa: E402
 
 import grain_core  # noqa: E402
 from grain_core import plugins  # noqa: E402
@@ -667,6 +670,98 @@ def test_a_cache_smaller_than_the_glob_serves_every_shard_over_epochs(
     source.close()
 
 
+class _SignalOnWait(threading.Condition):
+    """A condition that sets ``event`` when a thread starts waiting on it."""
+
+    def __init__(self, lock: Any, event: threading.Event) -> None:
+        super().__init__(lock)
+        self._event = event
+
+    def wait(self, timeout: float | None = None) -> bool:
+        self._event.set()
+        return super().wait(timeout)
+
+
+def test_threads_opening_copies_at_once_keep_the_source_within_its_share(tmp_path: Path) -> None:
+    """One thread pins shard 1 (held at a hook) while another reads shard 0; the hook lets
+    the first go once the second pins too or waits for the source. The source never holds
+    more than its share of the cache (half: one shard here), so another process sharing the
+    cache finds room. Before, both threads passed the share check before either had pinned,
+    the source kept two idle copies, and the other process got ShardCacheFullError."""
+    import subprocess
+    import sys
+
+    from grain_core.shard_cache import PinnedShard, ShardCache
+
+    shards = [
+        _write(tmp_path / f"part-{k}.array_record", [bytes([k]) * 2000] * 50) for k in range(3)
+    ]
+    urls = [f"local://{path}" for path in shards]
+    max_bytes = int(2.5 * max(path.stat().st_size for path in shards))
+    armed, first_held, go = threading.Event(), threading.Event(), threading.Event()
+    counting = threading.Lock()
+    held = [0]  # this source's pins taken or being taken, not closed
+    pinned_beside_another: list[str] = []
+
+    class WatchedCache(ShardCache):
+        def pin(self, url: str, storage_options: Any = None) -> PinnedShard:
+            with counting:
+                if held[0]:
+                    pinned_beside_another.append(url)
+                    go.set()  # a second pin lets the first go
+                held[0] += 1
+            if armed.is_set() and url == urls[1]:
+                first_held.set()
+                go.wait()
+            try:
+                pinned = super().pin(url, storage_options)
+            except BaseException:
+                with counting:
+                    held[0] -= 1
+                raise
+            close = pinned.close
+
+            def close_and_count() -> None:
+                with counting:
+                    held[0] -= 1
+                close()
+
+            pinned.close = close_and_count  # type: ignore[method-assign]
+            return pinned
+
+    cache = WatchedCache(tmp_path / "cache", max_bytes=max_bytes, read_ahead=0)
+    source = ArrayRecordDataSource(urls, shard_cache=cache)
+    source._idle = _SignalOnWait(source._lock, go)  # a thread waiting for room lets it go
+    go.clear()
+    armed.set()
+    reads = [threading.Thread(target=source.__getitem__, args=(k,), daemon=True) for k in (50, 0)]
+    try:
+        with fails_after(60):
+            reads[0].start()
+            first_held.wait()
+            reads[1].start()
+            for read in reads:
+                read.join()
+    finally:
+        go.set()
+    assert pinned_beside_another == []
+    other = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            "import sys; from grain_core.shard_cache import ShardCache; "
+            "ShardCache(sys.argv[1], max_bytes=int(sys.argv[2])).pin(sys.argv[3]).close()",
+            str(tmp_path / "cache"),
+            str(max_bytes),
+            urls[2],
+        ],
+        capture_output=True,
+        text=True,
+    )
+    assert other.returncode == 0, other.stderr
+    source.close()
+
+
 def test_shard_patterns_name_the_files_grain_core_convert_writes(tmp_path: Path) -> None:
     records = [_record(i) for i in range(10)]
     for k in range(2):
@@ -678,11 +773,6 @@ def test_shard_patterns_name_the_files_grain_core_convert_writes(tmp_path: Path)
         ArrayRecordDataSource(str(tmp_path / "x.array_record@3"))
 
 
-@pytest.mark.skip(
-    reason="known deadlock: 2 DataLoader workers and the parent sharing a ShardCache smaller "
-    "than the glob hung once in CI (tests-all-3.11, 0c3f371) while passing elsewhere; "
-    "skipped until the pin/eviction wait is fixed (see the session 18 closing note)"
-)
 def test_workers_share_a_cache_smaller_than_the_glob(tmp_path: Path) -> None:
     pytest.importorskip("fsspec")
     from grain_core.shard_cache import ShardCache
@@ -701,4 +791,5 @@ def test_workers_share_a_cache_smaller_than_the_glob(tmp_path: Path) -> None:
         sampler=grain_core.samplers.IndexSampler(len(source), num_epochs=1),
         worker_count=2,
     )
-    assert sorted(loader) == sorted(records)
+    with fails_after(300):  # a safety net: a deadlock fails the test instead of hanging CI
+        assert sorted(loader) == sorted(records)

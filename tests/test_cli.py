@@ -214,11 +214,6 @@ def test_unknown_arguments_and_no_command(grain_core_cli: RunCli) -> None:
     assert grain_core_cli()[0] == 2
 
 
-def test_progress_is_off_when_stderr_is_not_a_terminal() -> None:
-    items = [1, 2, 3]
-    assert cli.progress(items, 3, "x") is items
-
-
 def test_help_does_not_load_plugins(grain_core_cli: RunCli) -> None:
     with pytest.raises(SystemExit):
         grain_core_cli("--help")

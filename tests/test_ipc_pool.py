@@ -2,9 +2,15 @@
 
 from __future__ import annotations
 
+import ctypes
+import dataclasses
+import faulthandler
 import logging
+import multiprocessing.connection
 import os
+import pickle
 import re
+import signal
 import subprocess
 import sys
 import threading
@@ -335,3 +341,109 @@ def test_an_iterator_used_by_two_threads_at_once_says_it_is_not_thread_safe(
             _release(fifo)
             reader.join()
     assert first == [0]
+
+
+@dataclasses.dataclass(frozen=True)
+class _StuckSpec:
+    """A worker stuck reading the FIFO ``release`` until the test writes to it, in native code
+    that holds the GIL (``holds_gil``: its stack thread cannot answer) or in a read that
+    lets it go; faulthandler's signal writes its stacks into the FIFO ``dumps``."""
+
+    index: int
+    count: int
+    shm_prefix: str
+    holds_gil: bool
+    release: str
+    dumps: str
+
+
+def _stuck_worker(spec: _StuckSpec, control: Any, output: Any) -> None:
+    dumps = os.open(spec.dumps, os.O_RDWR)  # a FIFO opened so does not wait for a reader
+    faulthandler.register(signal.SIGUSR1, file=dumps, all_threads=True)
+    release = os.open(spec.release, os.O_RDWR)
+    # This thread keeps the GIL until it blocks below: a stack request that comes right after
+    # "stuck" finds a worker already stuck, never one still on its way.
+    sys.setswitchinterval(3600.0)
+    output.send_bytes(pickle.dumps(("stuck",)))
+    if spec.holds_gil:
+        # libc's read() called through PyDLL keeps the GIL while it blocks.
+        ctypes.PyDLL(None).read(release, ctypes.create_string_buffer(1), 1)
+    else:
+        os.read(release, 1)
+    sys.setswitchinterval(0.005)
+    try:
+        control.recv_bytes()
+    except EOFError:
+        return  # the pool stops
+
+
+def test_faulthandler_is_signalled_once_for_a_stack_request_unanswered_for_a_second(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Two workers stuck in user code; the parent's watchdog asks both for their stacks at 0 s
+    # (on a clock the test advances). Worker 1 answers and is never signalled. Worker 0 holds
+    # the GIL and cannot answer: SIGUSR1 (faulthandler writes its stacks) comes only once its
+    # request has gone unanswered for _STACK_ANSWER_S, and once for that request, whatever
+    # the reports after it. Released, it answers, and a new request is answered too.
+    signalled: list[int] = []
+    kill = os.kill
+
+    def recording_kill(pid: int, signum: int) -> None:
+        if signum == signal.SIGUSR1:
+            signalled.append(pid)
+        kill(pid, signum)
+
+    monkeypatch.setattr(os, "kill", recording_kill)
+    now = [0.0]
+    specs = []
+    for i in range(2):
+        release, dumps = str(tmp_path / f"release{i}"), str(tmp_path / f"dumps{i}")
+        os.mkfifo(release)
+        os.mkfifo(dumps)
+        prefix = ipc_pool.WorkerPool.new_prefix(i)
+        specs.append(_StuckSpec(i, 2, prefix, holds_gil=i == 0, release=release, dumps=dumps))
+    pool = ipc_pool.WorkerPool(specs, _stuck_worker, stall_warning_s=30.0, clock=lambda: now[0])
+    watches = [ipc_pool.StallWatch(0.0, lambda i=i: (i, f"element {i}")) for i in range(2)]
+    stuck, answering = pool._procs[0].pid, 1
+    try:
+        with fails_after(120):
+            assert [pool.recv(i) for i in range(2)] == [("stuck",)] * 2
+            for watch in watches:
+                pool._ask_for_stacks(watch)
+            multiprocessing.connection.wait([pool._stack_answers[answering]])
+            now[0] = ipc_pool._STACK_ANSWER_S - 0.01
+            assert "no answer yet" in pool._stall_report(watches[0], 29.0, None)
+            assert "in _stuck_worker" in pool._stall_report(watches[1], 29.0, None)
+            assert signalled == []
+            now[0] = ipc_pool._STACK_ANSWER_S
+            assert "no answer yet" in pool._stall_report(watches[0], 30.0, None)
+            assert signalled == [stuck]
+            with open(specs[0].dumps, "rb", buffering=0) as f:  # the worker holds it open
+                written = b""
+                while b"in _stuck_worker" not in written:
+                    written += f.read(65536)
+            for t in (1.5, 2.0, 31.0, 60.0):
+                now[0] = t
+                for watch in watches:
+                    pool._ask_for_stacks(watch)
+                multiprocessing.connection.wait([pool._stack_answers[answering]])
+                assert "no answer yet" in pool._stall_report(watches[0], t, None)
+                assert "in _stuck_worker" in pool._stall_report(watches[1], t, None)
+            assert signalled == [stuck]
+            _write_byte(specs[0].release)
+            multiprocessing.connection.wait([pool._stack_answers[0]])
+            assert "in _stuck_worker" in pool._stall_report(watches[0], 90.0, None)
+            now[0] = 90.0
+            pool._ask_for_stacks(watches[0])
+            multiprocessing.connection.wait([pool._stack_answers[0]])
+            now[0] = 120.0
+            assert "in _stuck_worker" in pool._stall_report(watches[0], 120.0, None)
+            assert signalled == [stuck]
+            _write_byte(specs[1].release)
+    finally:
+        pool.shutdown()
+
+
+def _write_byte(fifo: str) -> None:
+    with open(fifo, "wb") as f:  # the worker holds it open for reading: no wait here
+        f.write(b"x")

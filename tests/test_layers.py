@@ -1,19 +1,26 @@
-"""The import directions between grain_core's layers (``docs/architecture.md``), checked on the
-syntax tree of every module, imports inside functions included."""
+"""The import directions between grain_core's layers, checked on the syntax tree of every
+module, imports inside functions included. The layer of each module is the table of
+``docs/architecture.md``, parsed here."""
 
 from __future__ import annotations
 
 import ast
 import dataclasses
+import importlib.util
+import re
 import subprocess
 import sys
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
+from grain_core.plugins import DEFAULT_PLUGINS
+
 ROOT = Path(__file__).resolve().parents[1]
 CORE = ROOT / "grain_core"
+ARCHITECTURE = ROOT / "docs" / "architecture.md"
 FORMAT_PLUGINS = [
     ROOT / "plugins" / "grain_arrayrecord" / "grain_arrayrecord",
     ROOT / "plugins" / "grain_parquet" / "grain_parquet",
@@ -24,18 +31,62 @@ FORMAT_PLUGINS = [
 TRANSPORT = "grain_core._ipc"
 ENGINES = "grain_core.dataset.mp"
 
-#: Imports that break a rule today, each with the work that removes it. An entry that no
-#: longer matches anything fails too, so the list only shrinks.
-KNOWN_EXCEPTIONS: dict[tuple[str, str], str] = {}
+_FLUENT = "fluent API cycle: the method builds an operator whose module imports base"
+#: Imports that point to a layer above their module's, each with its reason. An entry that
+#: no longer matches anything fails too, so the list only shrinks.
+KNOWN_EXCEPTIONS: dict[tuple[str, str], str] = {
+    ("grain_core/dataset/base.py", "grain_core.dataset.mp"): (
+        f"{_FLUENT} (IterDataset.mp_prefetch)"
+    ),
+    ("grain_core/dataset/batch.py", "grain_core.dataset.mp"): (
+        "a batch written into shared memory (enable_shared_memory_output) is built by "
+        "dataset/mp/shm_batch.py, which moves down with the operators (issue 38, item 4)"
+    ),
+    ("grain_core/dataset/element_spec.py", "grain_core.dataset.mp"): (
+        "the type table's rule for the worker-prefetch node; each node declares its own rule "
+        "with the operators' move (issue 38, item 4)"
+    ),
+}
+
+
+def _load_circles_tool() -> Any:
+    spec = importlib.util.spec_from_file_location(
+        "import_circles", ROOT / "tools" / "import_circles.py"
+    )
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+#: ``tools/import_circles.py``: the import statements of a module, and the circles.
+CIRCLES = _load_circles_tool()
+_import_statements = CIRCLES.import_statements
+
+#: The reasons an import inside a function may give on its line.
+FUNCTION_IMPORT_REASONS = ("# fluent API cycle", "# optional dependency", "# import cost")
 
 
 @dataclasses.dataclass(frozen=True)
 class Import:
-    """One module an ``import`` statement reaches, and where."""
+    """One module an ``import`` statement reaches, and where.
+
+    Attributes:
+      path: The importing file.
+      line: The statement's first line.
+      target: The module reached.
+      in_function: Whether the statement is inside a function.
+      runs: False under ``if TYPE_CHECKING:``, which never runs.
+      package_of_module: True for ``m`` in ``from m import a`` where ``m.a`` is a module: a
+        parent package that Python runs on the way, not a module the statement names.
+    """
 
     path: Path
     line: int
     target: str
+    in_function: bool = False
+    runs: bool = True
+    package_of_module: bool = False
 
 
 def _module_name(path: Path) -> str:
@@ -59,21 +110,23 @@ def _imports(path: Path) -> Iterator[Import]:
     is a module of grain_core, ``m.a``."""
     tree = ast.parse(path.read_text(), str(path))
     package = _module_name(path).rsplit(".", 1)[0] if path.name != "__init__.py" else None
-    for node in ast.walk(tree):
+    for node, in_function, runs in _import_statements(tree):
+        where = {"in_function": in_function, "runs": runs}
         if isinstance(node, ast.Import):
             for alias in node.names:
-                yield Import(path, node.lineno, alias.name)
-        elif isinstance(node, ast.ImportFrom):
-            module = node.module or ""
-            if node.level:
-                base = (package or _module_name(path)).split(".")
-                base = base[: len(base) - node.level + 1]
-                module = ".".join([*base, module] if module else base)
-            yield Import(path, node.lineno, module)
-            for alias in node.names:
-                sub = f"{module}.{alias.name}"
-                if sub.startswith("grain_core.") and _is_core_module(sub):
-                    yield Import(path, node.lineno, sub)
+                yield Import(path, node.lineno, alias.name, **where)
+            continue
+        module = node.module or ""
+        if node.level:
+            base = (package or _module_name(path)).split(".")
+            base = base[: len(base) - node.level + 1]
+            module = ".".join([*base, module] if module else base)
+        submodules = [f"{module}.{alias.name}" for alias in node.names]
+        submodules = [s for s in submodules if s.startswith("grain_core.") and _is_core_module(s)]
+        named_only_modules = len(submodules) == len(node.names)
+        yield Import(path, node.lineno, module, **where, package_of_module=named_only_modules)
+        for sub in submodules:
+            yield Import(path, node.lineno, sub, **where)
 
 
 def _within(target: str, package: str) -> bool:
@@ -200,3 +253,200 @@ def test_importing_the_transport_loads_no_dataset_module() -> None:
         [sys.executable, "-c", code], check=True, capture_output=True, text=True, cwd=ROOT
     )
     assert out.stdout.strip() == "[]"
+
+
+# The layer table.
+
+
+@dataclasses.dataclass(frozen=True)
+class Layer:
+    """One row of the layer table: its core modules (dotted names) and the layers it may
+    import besides its own."""
+
+    name: str
+    modules: tuple[str, ...]
+    may_import: frozenset[str]
+
+
+def _core_module_of(relative: str) -> str:
+    """``grain_core.dataset.mp`` for ``dataset/mp/__init__.py``."""
+    parts = ["grain_core", *Path(relative).with_suffix("").parts]
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _table_rows() -> list[tuple[str, str, str]]:
+    """The cells (layer, modules, may import) of ``docs/architecture.md``'s layer table."""
+    text = ARCHITECTURE.read_text()
+    section = text.split("## Layers, bottom to top", 1)[1].split("\n## ", 1)[0]
+    rows = [line for line in section.splitlines() if line.startswith("| ")][1:]
+    cells = []
+    for row in rows:
+        layer, modules, may_import = (cell.strip() for cell in row.strip("| ").split(" | "))
+        cells.append((layer, modules, may_import))
+    return cells
+
+
+def _layer_table() -> list[Layer]:
+    """The rows of ``docs/architecture.md``'s layer table that hold core modules (``*.py``
+    paths relative to ``grain_core/``), bottom to top."""
+    layers = []
+    for name, modules, may_import in _table_rows():
+        paths = [p for p in re.findall(r"`([^`]+)`", modules) if p.endswith(".py")]
+        if paths:
+            allowed = frozenset(n.strip() for n in may_import.split(","))
+            layers.append(Layer(name, tuple(_core_module_of(p) for p in paths), allowed))
+    return layers
+
+
+def _layer_of() -> dict[str, Layer]:
+    return {module: layer for layer in _layer_table() for module in layer.modules}
+
+
+def _core_module_names() -> set[str]:
+    return {_module_name(path) for path in _sources(CORE)}
+
+
+def test_every_core_module_is_in_the_layer_table_once() -> None:
+    listed = [module for layer in _layer_table() for module in layer.modules]
+    assert sorted(m for m in set(listed) if listed.count(m) > 1) == []
+    assert sorted(_core_module_names() - set(listed)) == [], "add it to docs/architecture.md"
+    assert sorted(set(listed) - _core_module_names()) == [], "remove it from the table"
+
+
+def test_the_table_names_every_first_party_plugin_package() -> None:
+    named = {n for row in _table_rows() for n in re.findall(r"`(grain_[a-z_]+)`", row[1])}
+    on_disk = {p.name for p in (ROOT / "plugins").iterdir() if (p / "pyproject.toml").is_file()}
+    assert named == on_disk
+    assert {p.name for p in FORMAT_PLUGINS if p.is_relative_to(ROOT / "plugins")} == on_disk
+
+
+def test_the_default_plugins_belong_to_the_dataset_layer() -> None:
+    # The plugin manager imports them by name; the table says where they sit.
+    layer_of = _layer_of()
+    assert {layer_of[module].name for module in DEFAULT_PLUGINS.values()} == {"Dataset"}
+
+
+def test_every_layer_a_row_may_import_is_a_row_below_it() -> None:
+    layers = _layer_table()
+    for position, layer in enumerate(layers):
+        assert layer.may_import <= {below.name for below in layers[: position + 1]}, layer.name
+
+
+def _module_imported(imp: Import, modules: set[str]) -> str | None:
+    """The core module ``imp`` reaches (``m`` for a name ``m.x`` that is not a module), or
+    None outside grain_core."""
+    target = imp.target
+    while target and target not in modules:
+        target = target.rpartition(".")[0]
+    return target or None
+
+
+def test_no_module_imports_a_layer_above_its_own() -> None:
+    layer_of = _layer_of()
+    modules = set(layer_of)
+
+    def allowed(imp: Import) -> bool:
+        if not imp.runs or imp.package_of_module:
+            return True
+        target = _module_imported(imp, modules)
+        if target is None:
+            return True
+        own = layer_of[_module_name(imp.path)]
+        return layer_of[target] is own or layer_of[target].name in own.may_import
+
+    assert _violations(_sources(CORE), allowed) == []
+
+
+def test_the_layer_check_sees_an_upward_import() -> None:
+    # A test of the test: the engines' package is above the dataset layer, the import in
+    # ``IterDataset.mp_prefetch`` is seen as one into it, and the exception is what lets it be.
+    layer_of = _layer_of()
+    assert layer_of[ENGINES].name != layer_of["grain_core.dataset.base"].name
+    assert layer_of[ENGINES].name not in layer_of["grain_core.dataset.base"].may_import
+    base = [i for i in _imports(CORE / "dataset" / "base.py") if i.target == ENGINES]
+    assert base and all(i.in_function and i.runs for i in base)
+    assert ("grain_core/dataset/base.py", ENGINES) in KNOWN_EXCEPTIONS
+
+
+def test_upward_exceptions_are_base_fluent_api_or_name_the_issue_that_removes_them() -> None:
+    for (path, _), reason in KNOWN_EXCEPTIONS.items():
+        assert (
+            reason.startswith(_FLUENT)
+            if path == "grain_core/dataset/base.py"
+            else "issue" in reason
+        )
+
+
+# Imports inside functions.
+
+
+def test_every_import_inside_a_function_says_why_on_its_line() -> None:
+    paths = [*_sources(CORE), *(p for top in FORMAT_PLUGINS for p in _sources(top))]
+    unexplained = []
+    for path in paths:
+        lines = path.read_text().splitlines()
+        for node, in_function, _ in _import_statements(ast.parse("\n".join(lines), str(path))):
+            if not in_function:
+                continue
+            line = lines[node.lineno - 1]
+            reasons = [r for r in FUNCTION_IMPORT_REASONS if r in line]
+            where = f"{path.relative_to(ROOT)}:{node.lineno}"
+            if not reasons:
+                unexplained.append(f"{where}: {line.strip()}")
+            elif reasons == ["# fluent API cycle"] and path != CORE / "dataset" / "base.py":
+                unexplained.append(f"{where}: a fluent API cycle is base.py's alone")
+    assert unexplained == []
+
+
+def test_the_checker_tells_function_and_type_checking_imports_apart() -> None:
+    # A test of the test, on a module of each kind of import.
+    source = (
+        "import a\n"
+        "if TYPE_CHECKING:\n"
+        "    import b\n"
+        "else:\n"
+        "    import c\n"
+        "def f():\n"
+        "    import d\n"
+        "    if TYPE_CHECKING:\n"
+        "        import e\n"
+        "class K:\n"
+        "    def m(self):\n"
+        "        g = lambda: __import__('x')\n"
+        "        import h\n"
+    )
+    found = {
+        node.names[0].name: (in_function, runs)
+        for node, in_function, runs in _import_statements(ast.parse(source))
+        if isinstance(node, ast.Import)
+    }
+    assert found == {
+        "a": (False, True),
+        "b": (False, False),
+        "c": (False, True),
+        "d": (True, True),
+        "e": (True, False),
+        "h": (True, True),
+    }
+
+
+# Circles.
+
+
+def test_the_only_import_circle_is_inside_the_dataset_layer() -> None:
+    # The plugin manager, the front ends and the command-line tools import one way; the
+    # dataset's operators and engines still import each other (issue 38 moves them apart).
+    circles = CIRCLES.circles(CIRCLES.import_graph(CORE))
+    assert len(circles) == 1
+    assert [m for m in circles[0] if not _within(m, "grain_core.dataset")] == []
+
+
+def test_the_circle_tool_finds_a_circle_through_a_function_level_import(tmp_path: Path) -> None:
+    package = tmp_path / "pkg"
+    package.mkdir()
+    (package / "__init__.py").write_text("")
+    (package / "a.py").write_text("from pkg import b\n")
+    (package / "b.py").write_text("def f():\n    from pkg.c import x\n")
+    (package / "c.py").write_text("import pkg.a\nif TYPE_CHECKING:\n    import pkg.d\n")
+    (package / "d.py").write_text("import pkg.c\n")
+    assert CIRCLES.circles(CIRCLES.import_graph(package)) == [["pkg.a", "pkg.b", "pkg.c"]]

@@ -141,6 +141,37 @@ def test_builtins_load_with_zero_plugins() -> None:
     assert registry.objects("formats") == []
 
 
+def test_builtins_are_the_dataset_layers_default_plugin_loaded_by_name() -> None:
+    builtin = _report(_load(GRAIN_CORE_PLUGINS=""), plugins.BUILTIN_PLUGIN)
+    assert builtin.module == plugins.DEFAULT_PLUGINS[plugins.BUILTIN_PLUGIN]
+    assert not builtin.module.startswith("grain_core.plugins")
+    assert builtin.hooks == ("register_sharding_policies", "register_shuffle_strategies")
+
+
+def test_a_default_plugin_that_fails_is_reported_like_any_other() -> None:
+    with pytest.warns(PluginWarning, match=r"plugin 'builtins' \(grainpipe [^)]*\) failed"):
+        registry = Registry({"GRAIN_CORE_PLUGINS": ""}, {"builtins": "no_such_default_plugin"})
+    builtin = _report(registry, "builtins")
+    assert builtin.status == "failed"
+    assert builtin.error is not None and "no_such_default_plugin" in builtin.error
+    assert builtin.traceback is not None and "ModuleNotFoundError" in builtin.traceback
+    assert registry.objects("shuffle_strategies") == []
+
+
+def test_the_plugin_manager_loads_no_dataset_module_until_it_loads_plugins() -> None:
+    code = (
+        "import sys\n"
+        "import grain_core.plugins\n"
+        "print(sorted(m for m in sys.modules if m.startswith('grain_core.dataset')))\n"
+        "grain_core.plugins.registry()\n"
+        "print('grain_core._builtin_plugin' in sys.modules)\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], check=True, capture_output=True, text=True, timeout=60
+    )
+    assert out.stdout.split("\n")[:2] == ["[]", "True"]
+
+
 def test_builtin_names_are_listed() -> None:
     assert {s.name for s in plugins.list_shuffle_strategies()} >= {"global", "window"}
     assert {p.name for p in plugins.list_sharding_policies()} >= {

@@ -227,7 +227,8 @@ def test_a_full_disk_names_the_directory_and_leaves_nothing(tmp_path: Path) -> N
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.startswith(f"Shard cache {directory}: no space for {url}"), out.stderr
-    assert sorted(p.suffix for p in directory.iterdir()) == [".lock", ".lock"]
+    locks = ["cache.lock", "download.lock", "lock"]  # the directory's and the entry's two
+    assert sorted(p.name.split(".", 1)[1] for p in directory.iterdir()) == locks
 
 
 def test_prefetch_downloads_in_the_background(tmp_path: Path) -> None:
@@ -314,6 +315,115 @@ def test_a_download_ahead_never_evicts_one_fetched_ahead_and_not_yet_used(tmp_pa
     with cache.pin(urls[0]) as pinned:
         assert Path(pinned.path).read_bytes() == b"a" * 400
     assert [_downloads(u) for u in urls] == [1, 1, 0]
+
+
+def test_readers_that_find_an_entry_missing_together_never_wait_for_each_others_pin(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Two processes check a missing entry at the same moment (a hook makes each wait there
+    for the other); one downloads it and keeps it pinned until the other has its pin too.
+    Before, the other waited for the entry's exclusive lock, which the first one's pin keeps:
+    a DataLoader worker holding a pin while it waits for the parent, which waits for the
+    worker stuck on that lock, hung for ever."""
+    url = _remote(tmp_path, "a.bin", b"a" * 1000)
+    cache = sc.ShardCache(tmp_path / "cache")
+    to_child_r, to_child_w = os.pipe()
+    to_parent_r, to_parent_w = os.pipe()
+    ends = {"to_other": to_child_w, "from_other": to_parent_r}
+    checked: list[bool] = []
+    real_valid = sc.ShardCache._valid
+
+    def valid_then_meet(self: sc.ShardCache, *args: Any) -> bool:
+        found = real_valid(self, *args)
+        if not checked:  # this process's first check: both have found the entry missing
+            checked.append(found)
+            os.write(ends["to_other"], b"c")
+            os.read(ends["from_other"], 1)
+        return found
+
+    monkeypatch.setattr(sc.ShardCache, "_valid", valid_then_meet)
+
+    def child() -> bool:
+        ends.update(to_other=to_parent_w, from_other=to_child_r)
+        with cache.pin(url) as pinned:
+            os.write(to_parent_w, b"p")
+            os.read(to_child_r, 1)  # the parent has its pin too (or gave up)
+            return Path(pinned.path).read_bytes() == b"a" * 1000
+
+    pid = _child(child)
+    try:
+        with fails_after(60), cache.pin(url) as pinned:
+            assert os.read(to_parent_r, 1) == b"p"  # both hold a pin of the shard now
+            assert Path(pinned.path).read_bytes() == b"a" * 1000
+    finally:
+        os.write(to_child_w, b"d")
+        status = _exit_status(pid)
+    assert checked == [False]
+    assert status == 0
+    assert _downloads(url) == 1
+
+
+def test_a_read_takes_the_room_of_a_download_ahead_which_stops_at_its_next_block(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A download ahead holds the room a read needs, and its transfer stalls after its first
+    block (a hook: its next read waits until another thread removes a download's temporary
+    file). The read takes the room: the download ahead stops at its next block and leaves
+    nothing behind. Before, the read waited for the whole download ahead (here for ever)."""
+    import threading
+
+    from grain_core import storage
+
+    monkeypatch.setattr(sc, "_BLOCK", 100)
+    pinned_url = _remote(tmp_path, "p.bin", b"p" * 500)
+    ahead_url = _remote(tmp_path, "a.bin", b"a" * 400)
+    url = _remote(tmp_path, "c.bin", b"c" * 400)
+    cache = sc.ShardCache(tmp_path / "cache", max_bytes=1000, read_ahead=1)
+    stalled, go = threading.Event(), threading.Event()
+    real_open_read, real_unlink = storage.open_read, os.unlink
+
+    class Stalling:
+        """The download ahead's source: its second read waits for ``go``."""
+
+        def __init__(self, file: Any) -> None:
+            self._file = file
+            self._reads = 0
+
+        def read(self, size: int = -1) -> bytes:
+            self._reads += 1
+            if self._reads == 2:
+                stalled.set()
+                go.wait()
+            return self._file.read(size)  # type: ignore[no-any-return]
+
+        def __enter__(self) -> Stalling:
+            return self
+
+        def __exit__(self, *exc_info: object) -> None:
+            self._file.close()
+
+    def open_read(path: Any, *args: Any, **kwargs: Any) -> Any:
+        file = real_open_read(path, *args, **kwargs)
+        return Stalling(file) if path == ahead_url else file
+
+    def unlink(path: Any, *args: Any, **kwargs: Any) -> None:
+        real_unlink(path, *args, **kwargs)
+        if str(path).endswith(".tmp") and threading.current_thread() is threading.main_thread():
+            go.set()  # the reader removed a download's file: the stalled transfer goes on
+
+    monkeypatch.setattr(storage, "open_read", open_read)
+    monkeypatch.setattr(os, "unlink", unlink)
+    try:
+        with cache.pin(pinned_url), fails_after(60):
+            cache.prefetch([ahead_url])
+            stalled.wait()  # 500 bytes pinned + 400 downloading ahead + 400 > 1000
+            with cache.pin(url) as pinned:
+                assert Path(pinned.path).read_bytes() == b"c" * 400
+    finally:
+        go.set()
+    assert not list((tmp_path / "cache").glob("*.tmp"))
+    # The download ahead gave way; a read of its shard downloads it.
+    assert Path(cache.local_path(ahead_url)).read_bytes() == b"a" * 400
 
 
 # ---------------------------------------------------------------------------- forks
@@ -463,7 +573,7 @@ def _untouched(victim: Path) -> bool:
     return victim.read_bytes() == b"not yours" and info.st_mtime_ns == 1_000_000_000
 
 
-@pytest.mark.parametrize("name", ["lock", "cache.lock", "json", "shard", "tmp"])
+@pytest.mark.parametrize("name", ["lock", "download.lock", "cache.lock", "json", "shard", "tmp"])
 def test_a_planted_symlink_is_replaced_never_followed(tmp_path: Path, name: str) -> None:
     url = _remote(tmp_path, "a.bin", b"not yours")  # the victim's size and bytes: a link
     directory = tmp_path / "cache"  # to it passes every check that follows links
@@ -473,6 +583,7 @@ def test_a_planted_symlink_is_replaced_never_followed(tmp_path: Path, name: str)
     key = _entry_key(cache, url)
     planted = {
         "lock": f"{key}.lock",
+        "download.lock": f"{key}.download.lock",
         "cache.lock": ".cache.lock",
         "json": f"{key}.json",
         "shard": f"{key}.shard",
@@ -485,7 +596,7 @@ def test_a_planted_symlink_is_replaced_never_followed(tmp_path: Path, name: str)
         fresh = sc.ShardCache(directory, verify=False)
     else:
         fresh = sc.ShardCache(directory, verify=False, max_bytes=100)
-        fresh.local_path(_remote(tmp_path, "b.bin", b"b" * 60))  # a reservation (evicts a)
+        fresh.local_path(_remote(tmp_path, "b.bin", b"b" * 95))  # a reservation (evicts a)
     assert Path(fresh.local_path(url)).read_bytes() == b"not yours"
     assert _untouched(victim)
     assert not link.is_symlink()

@@ -430,6 +430,8 @@ class WorkerPool:
         stacks. None: no warnings.
       stall_timeout_s: Watchdog: after this long the wait raises ``WorkerStalledError`` (the
         worker keeps running). None: wait forever.
+      clock: What times a stack request's age (``_STACK_ANSWER_S``): ``time.monotonic``, or a
+        test's clock that it advances itself.
 
     Raises:
       ValueError: Inside a worker process (workers do not start workers).
@@ -442,8 +444,10 @@ class WorkerPool:
         preload: Sequence[str] = (),
         stall_warning_s: float | None = None,
         stall_timeout_s: float | None = None,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self._closed = False
+        self._clock = clock
         self._stall_warning_s = stall_warning_s
         self._stall_timeout_s = stall_timeout_s
         self._watched = stall_warning_s is not None or stall_timeout_s is not None
@@ -694,7 +698,7 @@ class WorkerPool:
             self._stack_requests[worker].send_bytes(b"")
         except OSError:  # the worker is ending: the report says so
             return
-        self._stacks_asked[worker] = time.monotonic()
+        self._stacks_asked[worker] = self._clock()
 
     def _stall_report(self, watch: StallWatch, waited: float, limit_s: float | None) -> str:
         worker, what = watch.waiting_for()
@@ -733,7 +737,7 @@ class WorkerPool:
             if _STACK_SIGNAL is None:
                 return "(no answer yet)"
             asked = self._stacks_asked[index]
-            unanswered_s = 0.0 if asked is None else time.monotonic() - asked
+            unanswered_s = 0.0 if asked is None else self._clock() - asked
             if unanswered_s >= _STACK_ANSWER_S and not self._stacks_signalled[index]:
                 os.kill(self._procs[index].pid, _STACK_SIGNAL)
                 self._stacks_signalled[index] = True

@@ -51,6 +51,7 @@ __all__ = [
     "SharedMemoryArrayMetadata",
     "SharedMemoryFullError",
     "copy_to_shm",
+    "free_blocks_with_arrays",
     "open_from_shm",
     "unlink_shm",
 ]
@@ -257,14 +258,22 @@ def unlink_block(name: str) -> None:
 
 
 def unlink_prefix(prefix: str) -> list[str]:
-    """Removes every block whose name starts with ``prefix``; returns the names removed."""
+    """Removes every block whose name starts with ``prefix`` (what a stopped or dead worker
+    left); returns the names removed. A worker killed between creating a block and
+    registering it with the resource tracker leaves a block the tracker does not know, so each
+    name is registered before it is unregistered: the tracker's books balance either way."""
     try:
         entries = os.listdir(SHM_DIR)
     except OSError:
         return []
     removed = [f"/{e}" for e in entries if e.startswith(prefix)]
     for name in removed:
-        unlink_block(name)
+        try:
+            _posixshmem.shm_unlink(name)
+        except FileNotFoundError:
+            continue
+        resource_tracker.register(name, _RTYPE)
+        resource_tracker.unregister(name, _RTYPE)
     return removed
 
 
@@ -570,6 +579,24 @@ def open_from_shm(tree: Any, recycled: RecycledBlocks | None = None) -> Any:
             return kind(*items)
         return kind(items)
     return tree
+
+
+def free_blocks_with_arrays(tree: Any) -> None:
+    """Frees the block of each whole-block :class:`SharedMemoryArray` leaf of ``tree`` when
+    that array is garbage-collected (``unlink_on_del``): what the parent does for a worker's
+    result, for a result computed in this process (a batch function stacked it into a block
+    that no worker will recycle)."""
+    if isinstance(tree, SharedMemoryArray):
+        if tree._is_whole_block():
+            tree.unlink_on_del()
+        return
+    kind = type(tree)
+    if kind is dict:
+        tree = tree.values()
+    elif kind is not list and not isinstance(tree, tuple):
+        return
+    for leaf in tree:
+        free_blocks_with_arrays(leaf)
 
 
 def copy_into_block(array: np.ndarray) -> str:

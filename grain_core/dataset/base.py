@@ -517,8 +517,9 @@ class DatasetIterator(Iterator[T], abc.ABC):
                 p._share_ctx(ctx)
         if self._start_stage_timing_if_enabled():
             # Debug mode and the dataset graph report from the pipeline's output: the
-            # iterator built last, which no other iterator of its pipeline reads.
-            from grain_core.dataset.debug import watch_output  # import cycle: debug needs base
+            # iterator built last, which no other iterator of its pipeline reads. (debug imports
+            # base, and only a pipeline that tracks its stages needs it.)
+            from grain_core.dataset.debug import watch_output  # import cost
 
             watch_output(self)
 
@@ -542,7 +543,8 @@ class DatasetIterator(Iterator[T], abc.ABC):
         # timing is installed on the iterators themselves (see grain_core.dataset.stats).
         if self._ctx.dataset_options.execution_tracking_mode is ExecutionTrackingMode.DISABLED:
             return False
-        from grain_core.dataset.stats import time_stages  # import cycle: stats needs base
+        # stats imports base, and only a pipeline that tracks its stages needs it.
+        from grain_core.dataset.stats import time_stages  # import cost
 
         time_stages(self)
         return True

@@ -26,6 +26,7 @@ from grain_core.plugins._errors import (
 )
 from grain_core.plugins._manager import (
     BUILTIN_PLUGIN,
+    DEFAULT_PLUGINS,
     DISABLE_ENV,
     ENTRY_POINT_GROUP,
     PLUGINS_ENV,
@@ -63,6 +64,7 @@ from grain_core.plugins.hookspecs import hookimpl
 __all__ = [
     "BUILTIN_PLUGIN",
     "CAPABILITIES",
+    "DEFAULT_PLUGINS",
     "DISABLE_ENV",
     "ENTRY_POINT_GROUP",
     "PLUGINS_ENV",

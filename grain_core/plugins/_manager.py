@@ -9,6 +9,8 @@ and the other plugins keep working.
 from __future__ import annotations
 
 import dataclasses
+import functools
+import importlib
 import os
 import re
 import sys
@@ -20,8 +22,8 @@ from typing import TYPE_CHECKING, Any
 
 import pluggy
 
-from grain_core import __version__
-from grain_core.plugins import _builtins, hookspecs
+from grain_core._version import __version__
+from grain_core.plugins import hookspecs
 from grain_core.plugins._errors import (
     AmbiguousFormatError,
     MissingPluginError,
@@ -46,6 +48,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "BUILTIN_PLUGIN",
+    "DEFAULT_PLUGINS",
     "DISABLE_ENV",
     "ENTRY_POINT_GROUP",
     "PLUGINS_ENV",
@@ -71,6 +74,10 @@ ENTRY_POINT_GROUP = "grain_core"
 PLUGINS_ENV = "GRAIN_CORE_PLUGINS"
 DISABLE_ENV = "GRAIN_CORE_DISABLE_PLUGINS"
 BUILTIN_PLUGIN = "builtins"
+#: grain_core's own plugins, name -> module: imported by name and registered through the same
+#: loader as an entry point's, before any of those. The modules live in the layers whose
+#: objects they register, so the manager imports none of them.
+DEFAULT_PLUGINS: Mapping[str, str] = {BUILTIN_PLUGIN: "grain_core._builtin_plugin"}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -183,9 +190,12 @@ class Registry:
 
     Args:
       environ: Where to read ``GRAIN_CORE_PLUGINS`` / ``GRAIN_CORE_DISABLE_PLUGINS``.
+      default_plugins: The core's own plugins, name -> module, loaded before the entry points.
     """
 
-    def __init__(self, environ: Mapping[str, str]) -> None:
+    def __init__(
+        self, environ: Mapping[str, str], default_plugins: Mapping[str, str] = DEFAULT_PLUGINS
+    ) -> None:
         self.reports: list[PluginReport] = []
         self.problems: list[str] = []
         self._objects: dict[str, dict[str, list[_Registration]]] = {
@@ -193,16 +203,17 @@ class Registry:
         }
         self._pm = pluggy.PluginManager(hookspecs.PROJECT_NAME)
         self._pm.add_hookspecs(hookspecs)
-        self._load_all(environ)
+        self._load_all(environ, default_plugins)
         self._find_conflicts()
         self._warn()
 
     # Loading.
 
-    def _load_all(self, environ: Mapping[str, str]) -> None:
-        builtin = PluginReport(BUILTIN_PLUGIN, "grainpipe", __version__, _builtins.__name__)
-        self.reports.append(builtin)
-        self._load_one(builtin, lambda: _builtins)
+    def _load_all(self, environ: Mapping[str, str], default_plugins: Mapping[str, str]) -> None:
+        for name, module in default_plugins.items():
+            default = PluginReport(name, "grainpipe", __version__, module)
+            self.reports.append(default)
+            self._load_one(default, functools.partial(importlib.import_module, module))
         selected = _parse_env_names(environ, PLUGINS_ENV)
         disabled = _parse_env_names(environ, DISABLE_ENV) or set()
         seen: dict[str, PluginReport] = {}
@@ -433,7 +444,7 @@ def _conflict_message(kind: _Kind, name: str, registrations: list[_Registration]
 
 
 def _entry_points() -> list[importlib.metadata.EntryPoint]:
-    import importlib.metadata  # here: ~20 ms that a process which never loads plugins skips
+    import importlib.metadata  # import cost: ~20 ms a process loading no plugin skips
 
     found = importlib.metadata.entry_points(group=ENTRY_POINT_GROUP)
     return sorted(found, key=lambda ep: (ep.name, ep.dist.name if ep.dist else ""))
@@ -492,12 +503,14 @@ def registry() -> Registry:
 
 
 def loaded_plugin_names() -> list[str] | None:
-    """Names of the plugins this process has loaded (the core's built-ins left out), or None
-    if it has not loaded plugins yet. Worker processes load the same set."""
+    """Names of the plugins this process has loaded (the core's default plugins left out), or
+    None if it has not loaded plugins yet. Worker processes load the same set."""
     loaded = _registry
     if loaded is None:
         return None
-    return [r.name for r in loaded.reports if r.status == "loaded" and r.name != BUILTIN_PLUGIN]
+    return [
+        r.name for r in loaded.reports if r.status == "loaded" and r.name not in DEFAULT_PLUGINS
+    ]
 
 
 def reset() -> None:

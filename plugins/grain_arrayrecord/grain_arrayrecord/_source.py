@@ -33,11 +33,12 @@ from a local copy in a ``grain_core.shard_cache.ShardCache`` (the default one un
 user's cache directory unless one is passed); opening a shard there starts downloading the
 next ``read_ahead`` shards of the source in the background, so a pass over the shards in order
 overlaps the downloads with reading. The source pins the copies it has open, so the cache
-never evicts them. It keeps open copies within half the cache (closing its least recently
-used idle ones first), and when the cache has no room for the next shard it closes more
-(waiting for reads in progress on them) and asks again: so a cache smaller than the data set
-serves every shard, two processes (DataLoader workers) sharing it each find room, and the
-full-cache error comes only when the pins of this source and others alone fill it.
+never evicts them. It keeps open copies within half the cache, whatever its threads do at
+once (a thread closes the least recently used idle copies first, or waits for reads in
+progress on them), and when the cache has no room for the next shard it closes more and asks
+again: so a cache smaller than the data set serves every shard, two processes (DataLoader
+workers) sharing it each find room, and the full-cache error comes only when the pins of this
+source and others alone fill it.
 """
 
 from __future__ import annotations
@@ -176,10 +177,12 @@ class ArrayRecordDataSource:
         self._lock = threading.Lock()  # guards opening readers, never reading
         self._readers: dict[str, Any] = {}
         self._pool: concurrent.futures.ThreadPoolExecutor | None = None  # remote reads
-        # Cached shards: the pin of each open copy, and the reads in progress on it (a copy
-        # is closed only when none is); _idle is notified when a count drops to 0.
+        # Cached shards: the pin of each open copy, the reads in progress on it (a copy is
+        # closed only when none is) and the copies threads are opening; _idle is notified
+        # when a count drops to 0 or an opening ends.
         self._pins: dict[str, PinnedShard] = {}
         self._reads: dict[str, int] = {}
+        self._opening: set[str] = set()
         self._idle = threading.Condition(self._lock)
 
     @property
@@ -308,30 +311,7 @@ class ArrayRecordDataSource:
     @contextlib.contextmanager
     def _cached_reader(self, path: str) -> Iterator[Any]:
         """The reader of a cached shard's pinned copy, kept open while the block runs."""
-        with self._lock:
-            reader = self._readers.pop(path, None)
-            if reader is not None:
-                self._readers[path] = reader  # the most recently used last
-                self._reads[path] += 1
-        if reader is None:
-            # Downloads happen outside the lock, so that shards arrive in parallel; the cache
-            # lets one thread (or process) download a shard and the others wait for it.
-            self._keep_within_own_share()
-            pinned = self._pin(path)
-            self._prefetch_after(path)
-            with self._lock:
-                reader = self._readers.get(path)
-                if reader is None:
-                    try:
-                        reader = self._readers[path] = self._open(path, pinned.path)
-                    except BaseException:
-                        pinned.close()
-                        raise
-                    self._pins[path] = pinned
-                    self._reads[path] = 0
-                else:
-                    pinned.close()
-                self._reads[path] += 1
+        reader = self._take_cached_reader(path)
         try:
             yield reader
         finally:
@@ -339,6 +319,58 @@ class ArrayRecordDataSource:
                 self._reads[path] -= 1
                 if not self._reads[path]:
                     self._idle.notify_all()
+
+    def _take_cached_reader(self, path: str) -> Any:
+        """The open reader of ``path``'s copy, with one more read counted. A thread opens it
+        (pinning the copy) only within this source's share of the cache, checked and taken
+        under the lock so that threads opening copies at once cannot exceed it together: it
+        closes idle copies first, and waits while another thread opens the same copy or every
+        copy that keeps it from the room is being read or opened."""
+        with self._lock:
+            while True:
+                reader = self._readers.pop(path, None)
+                if reader is not None:
+                    self._readers[path] = reader  # the most recently used last
+                    self._reads[path] += 1
+                    return reader
+                if path not in self._opening:
+                    if self._room_for_another_copy():
+                        self._opening.add(path)
+                        break
+                    if self._close_idle_copy_locked():
+                        continue
+                self._idle.wait()
+        # Downloads happen outside the lock, so that shards arrive in parallel; the cache lets
+        # one thread (or process) download a shard and the others wait for it.
+        try:
+            pinned = self._pin(path)
+            self._prefetch_after(path)
+            try:
+                reader = self._open(path, pinned.path)
+            except BaseException:
+                pinned.close()
+                raise
+            with self._lock:
+                self._readers[path] = reader
+                self._pins[path] = pinned
+                self._reads[path] = 1
+        finally:
+            with self._lock:
+                self._opening.discard(path)
+                self._idle.notify_all()
+        return reader
+
+    def _room_for_another_copy(self) -> bool:
+        """Whether this source's open copies, those being opened and one more (each sized as
+        the largest open one) take at most half the cache, so that other processes reading
+        the same cache (DataLoader workers) always find room for theirs; one copy always
+        has room. Called under the lock."""
+        assert self._shard_cache is not None
+        if not self._pins:
+            return not self._opening  # the size of a copy being opened is not known yet
+        sizes = [p.size for p in self._pins.values()]
+        copies = sum(sizes) + max(sizes) * (len(self._opening) + 1)
+        return copies <= self._shard_cache.max_bytes // 2
 
     def _pin(self, path: str) -> PinnedShard:
         """Pins ``path``'s copy, closing this source's least recently used idle copies while
@@ -355,38 +387,24 @@ class ArrayRecordDataSource:
                 if not self._close_idle_copy():
                     raise
 
-    def _keep_within_own_share(self) -> None:
-        """Closes idle copies until this source's open copies and one more (sized as the
-        last) take at most half the cache, so that other processes reading the same cache
-        (DataLoader workers) always find room for theirs."""
-        assert self._shard_cache is not None
-        share = self._shard_cache.max_bytes // 2
-        while True:
-            with self._lock:
-                pins = list(self._pins.values())
-            if not pins or sum(p.size for p in pins) + pins[-1].size <= share:
-                return
-            if not self._close_idle_copy():
-                return
-
     def _close_idle_copy(self) -> bool:
         """Closes the least recently used open copy no read uses (waiting for one if all
         are read); False if this source has none open."""
         with self._lock:
-            while True:
-                if not self._pins:
-                    return False
-                idle = next(
-                    (p for p in self._readers if p in self._pins and not self._reads[p]), None
-                )
-                if idle is not None:
-                    break
+            while self._pins:
+                if self._close_idle_copy_locked():
+                    return True
                 self._idle.wait()
-            reader = self._readers.pop(idle)
-            pinned = self._pins.pop(idle)
-            del self._reads[idle]
-        reader.close()
-        pinned.close()
+            return False
+
+    def _close_idle_copy_locked(self) -> bool:
+        """Closes the least recently used open copy no read uses, if any (under the lock)."""
+        idle = next((p for p in self._readers if p in self._pins and not self._reads[p]), None)
+        if idle is None:
+            return False
+        del self._reads[idle]
+        self._readers.pop(idle).close()
+        self._pins.pop(idle).close()
         return True
 
     def _open(self, path: str, local: str) -> Any:
@@ -472,7 +490,7 @@ class ArrayRecordDataSource:
 
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
-        for runtime in ("_lock", "_readers", "_pool", "_pins", "_reads", "_idle"):
+        for runtime in ("_lock", "_readers", "_pool", "_pins", "_reads", "_opening", "_idle"):
             del state[runtime]
         return state
 

@@ -666,9 +666,9 @@ def _compiled_from_string(message: str) -> tuple[Callable[[bytes], Any], type[Ex
     """``FromString`` of the message class ``message`` and protobuf's ``DecodeError``, where
     the protobuf runtime's compiled parser (``upb`` or ``cpp``) is installed; else None."""
     try:
-        # optional dependency: protobuf is only used where installed
-        from google.protobuf.internal import api_implementation  # type: ignore[import-untyped]
-        from google.protobuf.message import DecodeError  # type: ignore[import-untyped]
+        # protobuf is only used where installed.
+        from google.protobuf.internal import api_implementation  # type: ignore[import-untyped]  # optional dependency
+        from google.protobuf.message import DecodeError  # type: ignore[import-untyped]  # optional dependency
     except ModuleNotFoundError:
         return None
     if api_implementation.Type() not in ("upb", "cpp"):

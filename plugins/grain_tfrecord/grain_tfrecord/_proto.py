@@ -23,7 +23,7 @@ def example_message_classes() -> SimpleNamespace:
       ModuleNotFoundError: If ``protobuf`` is not installed (``pip install protobuf``).
     """
     try:
-        from google.protobuf import (  # type: ignore[import-untyped]
+        from google.protobuf import (  # type: ignore[import-untyped]  # optional dependency
             descriptor_pb2,
             descriptor_pool,
             message_factory,

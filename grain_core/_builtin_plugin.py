@@ -1,7 +1,11 @@
-"""The core's own shuffle strategies and sharding policies, registered as a plugin.
+"""The core's own shuffle strategies and sharding policies: grain_core's default plugin.
 
-They go through the same hooks as third-party plugins so that lookup, listing and conflict
-rules are the same for everyone.
+The plugin manager imports this module by name (``grain_core.plugins.DEFAULT_PLUGINS``) and
+registers it through the same loader and hooks as a third-party plugin, so that lookup,
+listing, conflict rules and the report of a failure are the same for everyone. It belongs to
+the dataset layer (``docs/architecture.md``), whose operators it applies, and the manager
+below never imports it; it sits outside ``dataset/`` so that loading the plugins, which
+``grain-core plugins`` and every format lookup do, runs no ``dataset/__init__``.
 """
 
 from __future__ import annotations
@@ -9,8 +13,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from grain_core.plugins._specs import ShardingPolicy, ShuffleStrategy
-from grain_core.plugins.hookspecs import hookimpl
+from grain_core.plugins import ShardingPolicy, ShuffleStrategy, hookimpl
 from grain_core.sharding import (
     ShardByJaxProcess,
     ShardOptions,
@@ -19,7 +22,7 @@ from grain_core.sharding import (
 )
 
 if TYPE_CHECKING:
-    from grain_core import MapDataset
+    from grain_core.dataset.base import MapDataset
 
 __all__ = ["register_sharding_policies", "register_shuffle_strategies"]
 
@@ -56,8 +59,8 @@ class WindowShuffle:
             raise TypeError("The 'window' shuffle strategy needs window_size=<int>.")
         window_size = options.pop("window_size")
         _reject_unknown_options(self.name, options)
-        # Imported here: the experimental module imports the whole Dataset API.
-        from grain_core.experimental import WindowShuffleMapDataset
+        # Loading the plugins (`grain-core plugins`, a format lookup) loads no operator.
+        from grain_core.dataset.window_shuffle import WindowShuffleMapDataset  # import cost
 
         return WindowShuffleMapDataset(ds, window_size=window_size, seed=seed)
 
