@@ -32,7 +32,7 @@ from grain_tfrecord import (  # noqa: E402
     encode_example,
     parse_example_batch,
 )
-from grain_tfrecord._example_batch import _Walk, _WireBatch  # noqa: E402
+from grain_tfrecord._example_batch import _Walk, _WireBatch, _with_zero_tail  # noqa: E402
 
 import grain_core  # noqa: E402
 
@@ -47,6 +47,19 @@ def _walked_without_fallback(records: list[bytes] | np.ndarray, spec: dict) -> b
     batch = _WireBatch(records)
     _Walk(batch, {name: s._resolved[0] for name, s in spec.items()}).run()
     return not batch.fallback.any()
+
+
+def _stacked_by_batch(records: list[bytes]) -> np.ndarray:
+    """The records as a plain ``batch`` stacks them: an ``S`` array whose buffer the parser
+    reads in place."""
+    stacked = grain_core.MapDataset.source(records).batch(len(records))[0]
+    assert _with_zero_tail(stacked) is not None
+    return stacked
+
+
+# The forms a batch of records reaches the parser in: a list, an S array NumPy made (read
+# through a padded copy), an S array ``batch`` made (read in place).
+_FORMS = {"list": list, "numpy": np.array, "batch": _stacked_by_batch}
 
 
 # ------------------------------------------------------------------------ wire generation
@@ -173,10 +186,10 @@ def _assert_ragged_rows(ragged: RaggedValues, expected: list[np.ndarray], name: 
 
 # ------------------------------------------------------------------------ differential tests
 @settings(max_examples=150)
-@given(_batches(), st.booleans())
+@given(_batches(), st.sampled_from(sorted(_FORMS)))
 def test_fuzz_batches_agree_with_the_protobuf_runtime(
     records: list[tuple[bytes, dict]],  # type: ignore[type-arg]
-    as_numpy_bytes: bool,
+    form: str,
 ) -> None:
     """Canonical and non-canonical records mixed in one batch: each feature of each record
     as protobuf decodes it (the walk for the canonical ones, the exact decoder for others)."""
@@ -184,7 +197,7 @@ def test_fuzz_batches_agree_with_the_protobuf_runtime(
     pb = grain_tfrecord.example_message_classes()
     serialized = [data for data, _ in records]
     expected = [_reference(pb, data) for data in serialized]
-    batch = np.array(serialized) if as_numpy_bytes else serialized
+    batch = _FORMS[form](serialized)
     parsed = parse_example_batch(batch, _var_len_spec())
     for name, kind in _SCHEMA.items():
         empty = np.empty(0, dtype=object if kind == "bytes" else _DTYPES[kind])
@@ -199,6 +212,7 @@ def test_canonical_batches_take_the_vectorised_walk(records: list[tuple[bytes, d
     spec = _var_len_spec()
     assert _walked_without_fallback(serialized, spec)
     assert _walked_without_fallback(np.array(serialized), spec)
+    assert _walked_without_fallback(_stacked_by_batch(serialized), spec)
     parsed = parse_example_batch(serialized, spec)
     for name, kind in _SCHEMA.items():
         empty = np.empty(0, dtype=object if kind == "bytes" else _DTYPES[kind])
@@ -207,10 +221,10 @@ def test_canonical_batches_take_the_vectorised_walk(records: list[tuple[bytes, d
 
 
 @settings(max_examples=150)
-@given(_shared_layout_batch(), st.booleans())
+@given(_shared_layout_batch(), st.sampled_from(sorted(_FORMS)))
 def test_batches_sharing_a_layout_agree_with_the_protobuf_runtime(
     records: list[tuple[bytes, dict]],  # type: ignore[type-arg]
-    as_numpy_bytes: bool,
+    form: str,
 ) -> None:
     """The record-template fast path (records laid out alike, their value sizes and varint
     widths differing: scalars read as one word, equal-sized bytes items, empty lists, long
@@ -220,7 +234,7 @@ def test_batches_sharing_a_layout_agree_with_the_protobuf_runtime(
     pb = grain_tfrecord.example_message_classes()
     serialized = [data for data, _ in records]
     expected = [_reference(pb, data) for data in serialized]
-    batch = np.array(serialized) if as_numpy_bytes else serialized
+    batch = _FORMS[form](serialized)
     parsed = parse_example_batch(batch, _var_len_spec())
     for name, kind in _SCHEMA.items():
         empty = np.empty(0, dtype=object if kind == "bytes" else _DTYPES[kind])
@@ -388,22 +402,26 @@ def test_fixed_width_bytes_arrays_keep_trailing_nul_bytes() -> None:
         "x": VarLenFeature(np.int64),
         "y": FixedLenFeature((), np.float32, default_value=1.0),
     }
-    for batch in (records, stacked):
+    for batch in (records, stacked, _stacked_by_batch(records)):
         parsed = parse_example_batch(batch, spec)
         assert [r.tolist() for r in parsed["x"].rows()] == [[5, 0], [0], []]  # type: ignore[union-attr]
         assert parsed["y"].tolist() == [1.0, 1.0, 0.0]  # type: ignore[union-attr]
-    padded = np.array([records[0], records[0] + b"\x00\x05"])
-    with pytest.raises(ExampleDecodeError, match="record 1 of the batch"):
-        parse_example_batch(padded, spec)
+    for padded in (np.array, _stacked_by_batch):
+        with pytest.raises(ExampleDecodeError, match="record 1 of the batch"):
+            parse_example_batch(padded([records[0], records[0] + b"\x00\x05"]), spec)
 
 
 def test_empty_batches_and_empty_records() -> None:
     spec = {"x": FixedLenFeature((2,), np.int64, default_value=[0, 0]), "v": VarLenFeature(bytes)}
     parsed = parse_example_batch([], spec)
     assert parsed["x"].shape == (0, 2) and parsed["v"].row_splits.tolist() == [0]  # type: ignore[union-attr]
-    parsed = parse_example_batch([b"", encode_example({"v": [b"a", b"b"]})], spec)
+    records = [b"", encode_example({"v": [b"a", b"b"]})]
+    for batch in (records, np.array(records), _stacked_by_batch(records)):
+        parsed = parse_example_batch(batch, spec)
+        assert parsed["x"].tolist() == [[0, 0], [0, 0]]
+        assert [r.tolist() for r in parsed["v"].rows()] == [[], [b"a", b"b"]]  # type: ignore[union-attr]
+    parsed = parse_example_batch(_stacked_by_batch([b"", b""]), spec)
     assert parsed["x"].tolist() == [[0, 0], [0, 0]]
-    assert [r.tolist() for r in parsed["v"].rows()] == [[], [b"a", b"b"]]  # type: ignore[union-attr]
 
 
 def test_repeated_feature_names_keep_the_last() -> None:
