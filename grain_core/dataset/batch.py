@@ -64,9 +64,10 @@ def _stack_bytes(records: Sequence[bytes]) -> np.ndarray:
     followed in its buffer by ``BYTES_TAIL`` zero bytes."""
     width = max(1, *map(len, records))
     size = len(records) * width
-    buffer = np.zeros(size + BYTES_TAIL, np.uint8)
+    buffer = np.empty(size + BYTES_TAIL, np.uint8)
+    buffer[size:] = 0
     stacked = buffer[:size].view(f"S{width}")
-    stacked[...] = records
+    stacked[...] = records  # NumPy writes each record's NUL padding
     return stacked
 
 
