@@ -393,14 +393,8 @@ class _WireBatch:
             assert isinstance(serialized, np.ndarray)
             width = serialized.dtype.itemsize
             self.size = serialized.size
-            in_place = _with_zero_tail(serialized)
-            # The array read in place where zero bytes follow it in its buffer (``batch``
-            # stacks bytes so); else one copy joins its buffer with the padding.
-            self.data: bytes | memoryview = (
-                b"".join((np.ascontiguousarray(serialized).data, bytes(_PAD)))
-                if in_place is None
-                else in_place.data.toreadonly()
-            )
+            # One copy: the array's buffer joined with the padding the windows read past.
+            self.data = b"".join((np.ascontiguousarray(serialized).data, bytes(_PAD)))
             self.starts = np.arange(self.size, dtype=np.int64) * width
             self.ends = self.starts + width
             # Where each record's bytes end before its NUL padding (NumPy's length of an S
@@ -430,26 +424,7 @@ class _WireBatch:
         return np.ndarray((len(self.data) - width + 1, width), np.uint8, self.data, 0, (1, 1))
 
     def record(self, row: int) -> bytes:
-        return bytes(self.view[int(self.starts[row]) : int(self.ends[row])])
-
-
-def _with_zero_tail(array: np.ndarray) -> np.ndarray | None:
-    """The bytes of a contiguous ``array`` and the ``_PAD`` zero bytes after it, as a view of
-    the byte buffer it lies in; None where that buffer does not hold them."""
-    base = array.base
-    if not (
-        isinstance(base, np.ndarray)
-        and base.dtype == np.uint8
-        and base.ndim == 1
-        and base.flags.c_contiguous
-        and array.flags.c_contiguous
-    ):
-        return None
-    offset = array.__array_interface__["data"][0] - base.__array_interface__["data"][0]
-    stop = offset + array.nbytes
-    if offset < 0 or stop + _PAD > base.size or base[stop : stop + _PAD].any():
-        return None
-    return base[offset : stop + _PAD]
+        return self.data[int(self.starts[row]) : int(self.ends[row])]
 
 
 # What the walk found of one feature: (rows, their value counts, their values in row order).
@@ -553,9 +528,7 @@ class _Template:
     max_size: int
 
     @staticmethod
-    def of(
-        data: bytes | memoryview, pos: int, end: int, kinds: Mapping[str, int]
-    ) -> _Template | None:
+    def of(data: bytes, pos: int, end: int, kinds: Mapping[str, int]) -> _Template | None:
         """The template of the entry at ``pos``, or None if it is not canonical: one-byte
         tags; key, then value; a Feature with one list; a packed list or one bytes item."""
         lengths: list[tuple[int, int]] = []
@@ -585,7 +558,7 @@ class _Template:
         try:
             entry_end = field(0x0A, end)
             key_end = field(0x0A, entry_end, sized=False)  # the name: fixed bytes
-            name = str(data[pos:key_end], "utf-8")
+            name = data[pos:key_end].decode("utf-8")
             pos = key_end
             value_end = field(0x12, entry_end)
             kind = kinds.get(name)
@@ -716,9 +689,7 @@ class _RecordLayout:
     checks: _RecordChecks | None
 
     @staticmethod
-    def of(
-        data: bytes | memoryview, pos: int, end: int, kinds: Mapping[str, int]
-    ) -> _RecordLayout | None:
+    def of(data: bytes, pos: int, end: int, kinds: Mapping[str, int]) -> _RecordLayout | None:
         """The layout of the Features from ``pos`` to ``end``; None if an entry is not
         canonical."""
         entries: list[_Template] = []
@@ -909,7 +880,7 @@ class _Walk:
                 same &= (raw[at[:, None] + np.arange(size)] == expected).all(axis=1)
             pending &= ~same
             try:
-                name = str(name_bytes, "utf-8")
+                name = name_bytes.decode("utf-8")
             except UnicodeDecodeError:
                 self.leave(rows, ~same)
             else:
@@ -1010,8 +981,8 @@ class _Walk:
             if bool(same_size[:, -1].all()):
                 values[:] = same_size.view(f"S{width}").ravel().tolist()
                 return values
-        wire = self.batch.view
-        values[:] = [bytes(wire[a:b]) for a, b in zip(start.tolist(), stop.tolist(), strict=True)]
+        wire = self.batch.data
+        values[:] = [wire[a:b] for a, b in zip(start.tolist(), stop.tolist(), strict=True)]
         return values
 
     def bytes_list(
