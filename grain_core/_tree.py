@@ -19,7 +19,19 @@ import operator
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-__all__ = ["flatten", "map_structure", "same_structure", "spec_str", "unflatten"]
+__all__ = [
+    "TreePath",
+    "flatten",
+    "leaf_paths",
+    "map_structure",
+    "map_structure_with_path",
+    "same_structure",
+    "spec_str",
+    "unflatten",
+]
+
+#: A leaf's address in a tree: the dict keys and sequence indices from the root down.
+TreePath = tuple[Any, ...]
 
 
 def _is_namedtuple(x: object) -> bool:
@@ -56,6 +68,26 @@ def _flatten_into(tree: Any, out: list[Any]) -> None:
         out.append(tree)
 
 
+def leaf_paths(tree: Any) -> list[tuple[TreePath, Any]]:
+    """Returns ``(path, leaf)`` pairs of ``tree`` in the order of :func:`flatten`."""
+    out: list[tuple[TreePath, Any]] = []
+    _leaf_paths_into(tree, (), out)
+    return out
+
+
+def _leaf_paths_into(tree: Any, path: TreePath, out: list[tuple[TreePath, Any]]) -> None:
+    if tree is None:
+        return
+    if isinstance(tree, Mapping):
+        for k in _sorted_keys(tree):
+            _leaf_paths_into(tree[k], (*path, k), out)
+    elif isinstance(tree, (list, tuple)):
+        for i, child in enumerate(tree):
+            _leaf_paths_into(child, (*path, i), out)
+    else:
+        out.append((path, tree))
+
+
 def unflatten(structure: Any, leaves: list[Any]) -> Any:
     """Rebuilds ``structure`` with its leaves replaced, in order, by ``leaves``.
 
@@ -85,6 +117,17 @@ def map_structure(fn: Callable[..., Any], *trees: Any) -> Any:
         _kinds.clear()
         _kinds_token = token
     return _map(fn, trees)
+
+
+def map_structure_with_path(fn: Callable[..., Any], *trees: Any) -> Any:
+    """Like :func:`map_structure`, with each leaf's path (:func:`leaf_paths`) passed to ``fn``
+    before the leaves: ``fn(path, *leaves)``.
+
+    Raises:
+      ValueError: if the trees differ in structure; the message shows both structures.
+    """
+    paths = iter([path for path, _ in leaf_paths(trees[0])])
+    return map_structure(lambda *leaves: fn(next(paths), *leaves), *trees)
 
 
 def same_structure(a: Any, b: Any) -> bool:

@@ -9,12 +9,22 @@ from hypothesis import strategies as st
 
 import grain_core as grain
 from grain_core import _tree
-from grain_core.dataset.batch import make_batch
+from grain_core.dataset.batch import BatchIterDataset, BatchMapDataset, make_batch
 from grain_core.sources import ColumnBlock
 from grain_core.testing import check_iterator_conformance
 
 MD = grain.MapDataset
 Pair = collections.namedtuple("Pair", ["a", "b"])
+
+
+def test_batch_datasets_take_drop_remainder_by_position():
+    # As Grain's classes do: (parent, batch_size, drop_remainder, batch_fn).
+    source = grain.MapDataset.range(5)
+    assert len(BatchMapDataset(source, 2, True)) == 2
+    assert [b.tolist() for b in BatchIterDataset(source.to_iter_dataset(), 2, True)] == [
+        [0, 1],
+        [2, 3],
+    ]
 
 
 def test_make_batch_stacks_leaves():
@@ -152,8 +162,11 @@ def test_invalid_batch_size(size):
 
 
 def test_map_batch_after_filter_is_refused():
-    with pytest.raises(ValueError, match="to_iter_dataset"):
+    # Grain's words come first (users match on them), then what to do.
+    with pytest.raises(ValueError, match="^`MapDataset.batch` can not follow `MapDataset.filter`"):
         MD.range(10).filter(lambda x: x % 2).map(lambda x: x).batch(2)
+    with pytest.raises(ValueError, match="to_iter_dataset"):
+        MD.range(10).filter(lambda x: x % 2).batch(2)
 
 
 def test_iter_batch_and_checkpoints():

@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import asyncio
+import functools
 import gc
 import json
 import pickle
@@ -9,7 +10,13 @@ import numpy as np
 import pytest
 
 import grain_core as grain
-from grain_core.dataset.base import DatasetIterator, IteratorContext, MultiprocessingContext
+from grain_core.dataset.base import (
+    DatasetIterator,
+    IteratorContext,
+    MultiprocessingContext,
+    transform_name,
+)
+from grain_core.dataset.options import DatasetOptions
 
 MD = grain.MapDataset
 
@@ -113,6 +120,17 @@ def test_context_merge_rejects_different_workers():
     b = IteratorContext(mp_context=MultiprocessingContext(1, 2))
     with pytest.raises(ValueError, match="different worker processes"):
         a.merge(b)
+
+
+def test_contexts_are_equal_by_options_worker_and_loader_flag():
+    a = IteratorContext(dataset_options=DatasetOptions(filter_warn_threshold_ratio=0.1))
+    a.merge(IteratorContext(dataset_options=DatasetOptions(filter_raise_threshold_ratio=0.2)))
+    merged = DatasetOptions(filter_warn_threshold_ratio=0.1, filter_raise_threshold_ratio=0.2)
+    assert a == IteratorContext(dataset_options=merged)
+    assert a != IteratorContext(dataset_options=merged, mp_context=MultiprocessingContext(1, 2))
+    loader = IteratorContext(dataset_options=merged)
+    loader.is_dataloader_pipeline = True
+    assert a != loader
 
 
 def test_next_index_defaults_raise():
@@ -344,3 +362,13 @@ def test_merging_contexts_of_different_workers_says_so_in_grains_text() -> None:
     b = IteratorContext(mp_context=MultiprocessingContext(process_index=1, process_count=2))
     with pytest.raises(ValueError, match="Cannot merge contexts from different worker processes"):
         a.merge(b)
+
+
+def test_transform_names_say_what_the_user_wrote() -> None:
+    # The names in messages and summaries; Grain's tests pin "functools.partial" for a partial.
+    def add(x: int, y: int) -> int:
+        return x + y
+
+    name = transform_name(functools.partial(add, 1))
+    assert name.startswith("functools.partial(add @ .../") and "test_dataset_base.py:" in name
+    assert "list" in transform_name(list)

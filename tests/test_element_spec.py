@@ -82,6 +82,17 @@ def test_batch_rebatch_zip_mix_interleave() -> None:
     assert get_element_spec(inter) == INT
 
 
+def test_batch_spec_is_unchanged_by_shared_memory_output() -> None:
+    # Batches written into shared memory have the spec of the batch function as given.
+    map_batch = MapDataset.range(10).map(_ToPair()).batch(4, drop_remainder=True)
+    iter_batch = MapDataset.range(10).map(_ToPair()).to_iter_dataset().batch(4)
+    specs = [get_element_spec(map_batch), get_element_spec(iter_batch)]
+    map_batch.enable_shared_memory_output()
+    iter_batch.enable_shared_memory_output()
+    assert [get_element_spec(map_batch), get_element_spec(iter_batch)] == specs
+    assert specs[0]["x"] == ShapeDtypeStruct((4, 3), np.float32)
+
+
 def test_custom_batch_fn_needs_output_spec() -> None:
     padded = MapDataset.range(5).batch(3, batch_fn=functools.partial(batch_and_pad, batch_size=3))
     with pytest.raises(NotImplementedError, match="batch_fn"):

@@ -143,7 +143,7 @@ def test_map_needs_max_fan_out() -> None:
 def test_map_creates_holes_so_map_batch_refuses_it() -> None:
     ds = FlatMapMapDataset(grain.MapDataset.range(3), Repeat())
     assert FlatMapMapDataset.creates_holes
-    with pytest.raises(ValueError, match="cannot follow `FlatMapMapDataset`"):
+    with pytest.raises(ValueError, match="^`MapDataset.batch` can not follow `FlatMapMapDataset`"):
         ds.batch(2)
     assert [b.tolist() for b in ds.to_iter_dataset().batch(2)] == [[1, 2], [2]]
 

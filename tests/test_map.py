@@ -9,6 +9,7 @@ from hypothesis import strategies as st
 
 import grain_core as grain
 from grain_core import transforms
+from grain_core.dataset.map import RandomMapIterDataset, RandomMapMapDataset
 from grain_core.testing import assert_equal_output_after_checkpoint, check_iterator_conformance
 
 MD = grain.MapDataset
@@ -275,3 +276,14 @@ def test_a_filter_dropping_everything_is_reported_in_grains_text(caplog) -> None
     )
     with pytest.raises(ValueError, match=text):
         list(raising)
+
+
+def test_random_map_datasets_default_to_the_pipeline_seed() -> None:
+    # Built directly without `seed`, as Grain's classes allow: the seed comes from `.seed()`.
+    def draw(x: int, rng: np.random.Generator) -> int:
+        return x + int(rng.integers(0, 1000))
+
+    seeded = grain.MapDataset.range(6).seed(7)
+    assert list(RandomMapMapDataset(seeded, draw)) == list(seeded.random_map(draw))
+    iter_seeded = seeded.to_iter_dataset()
+    assert list(RandomMapIterDataset(iter_seeded, draw)) == list(iter_seeded.random_map(draw))

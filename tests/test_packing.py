@@ -15,6 +15,7 @@ from grain_core.dataset.packing import (
     BestFitPackIterDataset,
     FirstFitPackIterDataset,
     PackAndBatchOperation,
+    non_sequence_meta_features,
 )
 from grain_core.testing import (
     assert_equal_output_after_checkpoint,
@@ -291,6 +292,13 @@ def test_non_sequence_meta_features_are_lists_per_bin(packer):
     assert [r["doc"] for r in actual] == [["a", "b"], ["c"]]
     assert [r["id"] for r in actual] == [[0.5, 1.5], [2.5]]
     assert "doc_segment_ids" not in actual[0]
+
+
+def test_non_sequence_meta_features_are_those_not_in_length_struct():
+    length_struct = {"x": 3, "nested": {"inner": 3}}
+    meta = ["id", "nested", "doc"]
+    assert non_sequence_meta_features(length_struct, meta) == ["id", "doc"]
+    assert non_sequence_meta_features(length_struct, []) == []
 
 
 @pytest.mark.parametrize("packer", PACKERS)

@@ -26,6 +26,31 @@ def test_map_structure_rebuilds_types_and_keeps_none():
     assert isinstance(out["b"], Point)
 
 
+def test_leaf_paths_follow_flatten_order():
+    tree = {"b": 2, "a": [1, None, Point(3, 4)], "c": None}
+    assert _tree.leaf_paths(tree) == [
+        (("a", 0), 1),
+        (("a", 2, 0), 3),
+        (("a", 2, 1), 4),
+        (("b",), 2),
+    ]
+    assert [leaf for _, leaf in _tree.leaf_paths(tree)] == _tree.flatten(tree)
+    assert _tree.leaf_paths(5) == [((), 5)]
+
+
+def test_map_structure_with_path_passes_each_leafs_path():
+    a = {"y": [1, 2], "x": None, "z": Point(3, 4)}
+    b = {"y": [10, 20], "x": None, "z": Point(30, 40)}
+    out = _tree.map_structure_with_path(lambda path, u, v: (path, u + v), a, b)
+    assert out == {
+        "x": None,
+        "y": [(("y", 0), 11), (("y", 1), 22)],
+        "z": Point((("z", 0), 33), (("z", 1), 44)),
+    }
+    with pytest.raises(ValueError, match="same structure"):
+        _tree.map_structure_with_path(lambda path, u, v: u, {"y": [1]}, {"y": [1, 2]})
+
+
 def test_map_structure_over_several_trees():
     out = _tree.map_structure(lambda a, b: a + b, {"x": (1, 2)}, {"x": (10, 20)})
     assert out == {"x": (11, 22)}

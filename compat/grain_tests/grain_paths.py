@@ -2,9 +2,11 @@
 
 ``grain_core.install_as_grain()`` serves Grain's public module paths. Grain's tests also
 import private paths (``grain._src.python.dataset.transformations.batch`` ...) that no client
-should: this plugin serves those for the test run only, each a module whose attributes are
-looked up by name in the grain_core modules listed for it (then in every grain_core module
-below), with the few names that differ spelled out in ``RENAMED``. Test helper modules that
+should: this plugin serves those for the test run only (found by a finder on
+``sys.meta_path``, so a test may reload them), each a module whose attributes are looked up by
+name in the grain_core modules listed for it (then in every grain_core module below), with the
+few names that differ spelled out in ``RENAMED`` (one of them, ``multiprocess_prefetch``, is
+Grain's argument list for the same public call). Test helper modules that
 Grain ships beside its tests (``testing_util``, ``grain._src.core.pytest``) run from the wheel.
 
 Loaded by ``run.py`` with ``-p grain_paths``; it also marks the expected failures of
@@ -14,11 +16,13 @@ Loaded by ``run.py`` with ``-p grain_paths``; it also marks the expected failure
 from __future__ import annotations
 
 import importlib
+import importlib.abc
+import importlib.machinery
 import importlib.util
 import os
 import sys
 import types
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
@@ -26,7 +30,7 @@ import pytest
 
 import grain_core
 
-__all__ = ["PRIVATE_MODULES", "RENAMED", "WHEEL_HELPERS"]
+__all__ = ["PRIVATE_MODULES", "RENAMED", "WHEEL_HELPERS", "multiprocess_prefetch"]
 
 #: The extracted wheel (``run.py`` sets it): helper modules and test data come from there.
 WHEEL_ROOT = Path(os.environ.get("GRAIN_TESTS_WHEEL_ROOT", "."))
@@ -81,7 +85,41 @@ PRIVATE_MODULES: dict[str, tuple[str, ...]] = {
 }
 
 #: Names that Grain spells differently: (Grain module, Grain name) -> "module:name".
-RENAMED: dict[tuple[str, str], str] = {}
+RENAMED: dict[tuple[str, str], str] = {
+    (
+        "grain._src.core.transforms",
+        "get_pretty_transform_name",
+    ): "grain_core.dataset.base:transform_name",
+    (f"{_TRANSFORMATIONS}.batch", "BatchFn"): "grain_core.capabilities:BatchFunctionOutputSpec",
+    (
+        f"{_TRANSFORMATIONS}.packing_packed_batch",
+        "get_non_sequence_meta_features",
+    ): "grain_core.dataset.packing:non_sequence_meta_features",
+    (
+        f"{_TRANSFORMATIONS}.process_prefetch",
+        "multiprocess_prefetch",
+    ): "grain_paths:multiprocess_prefetch",
+}
+
+
+def multiprocess_prefetch(
+    ds: Any,
+    num_workers: int = 0,
+    buffer_size: int = 1,
+    worker_init_fn: Callable[[int, int], None] | None = None,
+    sequential_slice: bool = False,
+) -> Any:
+    """Grain's function behind ``IterDataset.mp_prefetch``, which takes the options' two fields
+    as arguments: the same call through grain_core's public ``mp_prefetch``."""
+    options = grain_core.MultiprocessingOptions(
+        num_workers=num_workers, per_worker_buffer_size=buffer_size
+    )
+    return ds.mp_prefetch(options, worker_init_fn, sequential_slice=sequential_slice)
+
+
+#: A mapped module by the last part of its name, as Grain's modules name one another (the
+#: first listed where two share it).
+_MODULE_BY_BASENAME = {name.rpartition(".")[2]: name for name in reversed(PRIVATE_MODULES)}
 
 #: Grain's test helpers, run from the wheel against the mapped modules.
 WHEEL_HELPERS = (
@@ -111,6 +149,7 @@ class _MappedModule(types.ModuleType):
     def __init__(self, name: str, search: Iterable[str]) -> None:
         super().__init__(name, f"Grain's {name}, served from grain_core for its tests.")
         self._grain_search = tuple(dict.fromkeys((*search, *_FALLBACK)))
+        self._grain_found: set[str] = set()
 
     def __getattr__(self, attr: str) -> Any:
         if attr.startswith("__"):
@@ -122,7 +161,26 @@ class _MappedModule(types.ModuleType):
         else:
             value = _find(attr, self._grain_search, self.__name__)
         setattr(self, attr, value)
+        self._grain_found.add(attr)
         return value
+
+    def forget(self) -> None:
+        """Drops the names found so far (a reload): they are looked up again on next use."""
+        for attr in self._grain_found:
+            delattr(self, attr)
+        self._grain_found.clear()
+
+
+class _MappedLoader(importlib.abc.Loader):
+    """Makes the ``_MappedModule`` of a Grain private path; a reload (Grain's tests reload
+    ``batch`` and ``tree_lib`` around a test without JAX) starts its look-ups afresh."""
+
+    def create_module(self, spec: importlib.machinery.ModuleSpec) -> types.ModuleType:
+        return _MappedModule(spec.name, PRIVATE_MODULES[spec.name])
+
+    def exec_module(self, module: types.ModuleType) -> None:
+        if isinstance(module, _MappedModule):
+            module.forget()
 
 
 def _find(attr: str, modules: Iterable[str], grain_module: str) -> Any:
@@ -133,6 +191,10 @@ def _find(attr: str, modules: Iterable[str], grain_module: str) -> Any:
             continue
         if hasattr(module, attr):
             return getattr(module, attr)
+    # Grain's modules import one another (``batch.tree_lib``): a mapped module of that name.
+    imported = _MODULE_BY_BASENAME.get(attr)
+    if imported is not None:
+        return importlib.import_module(imported)
     return _missing(f"{grain_module}.{attr}")
 
 
@@ -158,35 +220,39 @@ def _package(name: str) -> types.ModuleType:
     return module
 
 
-def _install(name: str, module: types.ModuleType) -> None:
-    sys.modules[name] = module
-    parent, _, child = name.rpartition(".")
-    setattr(_package(parent), child, module)
-
-
-class _WheelHelperFinder:
-    """Imports Grain's test helpers from the extracted wheel (ahead of the alias's finder)."""
+class _GrainTestFinder:
+    """Finds Grain's private paths (mapped) and its test helpers (from the extracted wheel),
+    ahead of the alias's finder."""
 
     def find_spec(self, fullname: str, path: Any = None, target: Any = None) -> Any:
+        if fullname in PRIVATE_MODULES:
+            return importlib.machinery.ModuleSpec(fullname, _MAPPED_LOADER)
         if fullname not in WHEEL_HELPERS:
             return None
         location = WHEEL_ROOT / (fullname.replace(".", "/") + ".py")
         return importlib.util.spec_from_file_location(fullname, location)
 
 
+_MAPPED_LOADER = _MappedLoader()
+
+
 def install_private_paths() -> None:
     """Serves Grain's private paths that its tests import (after the public alias); once per
     process."""
-    if any(isinstance(f, _WheelHelperFinder) for f in sys.meta_path):
+    if any(isinstance(f, _GrainTestFinder) for f in sys.meta_path):
         return
     grain_core.install_as_grain()
     import grain  # the alias: grain_core
 
-    for name, search in PRIVATE_MODULES.items():
-        _install(name, _MappedModule(name, search))
-    for name in WHEEL_HELPERS:
+    for name in (*PRIVATE_MODULES, *WHEEL_HELPERS):
         _package(name.rpartition(".")[0])
-    sys.meta_path.insert(0, _WheelHelperFinder())
+    sys.meta_path.insert(0, _GrainTestFinder())
+    for name in PRIVATE_MODULES:
+        importlib.import_module(name)
+    if importlib.util.find_spec("jax") is not None:
+        # Grain's tree library imports JAX where it is installed, and its tests read
+        # ``sys.modules["jax"]`` to run each case with and without it.
+        importlib.import_module("jax")
     del grain
 
 

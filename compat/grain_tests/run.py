@@ -1,7 +1,7 @@
 """Runs the unit tests shipped in Google Grain's wheel on grain_core (or, with
 ``--reference``, on Grain itself, installed in the running interpreter).
 
-    python compat/grain_tests/run.py [--wheel PATH] [--reference] [-- pytest args]
+    python compat/grain_tests/run.py [--wheel PATH] [--reference] [--only NAME ...] [-- pytest args]
 
 Without ``--wheel`` the wheel is fetched with ``pip download grain==0.2.18`` into
 ``~/.cache/grain_core/grain-wheel``. The test modules of the Dataset API, its
@@ -19,6 +19,7 @@ import subprocess
 import sys
 import tempfile
 import zipfile
+from collections.abc import Sequence
 from pathlib import Path
 
 __all__ = ["GRAIN_VERSION", "TEST_MODULES", "main"]
@@ -90,9 +91,18 @@ def fetch_wheel() -> Path:
     return found[-1]
 
 
-def extract(wheel: Path, root: Path) -> list[Path]:
+def extract(wheel: Path, root: Path, only: Sequence[str] = ()) -> list[Path]:
     """Extracts Grain's test helpers and test data, and the test modules under
-    ``root/suite`` (outside the ``grain`` namespace, which is grain_core's); returns them."""
+    ``root/suite`` (outside the ``grain`` namespace, which is grain_core's); returns them.
+
+    Args:
+      wheel: Grain's wheel.
+      root: the folder to extract into.
+      only: if given, the test modules whose path contains one of these strings.
+
+    Raises:
+      SystemExit: if the wheel lacks a test module, or ``only`` selects none.
+    """
     with zipfile.ZipFile(wheel) as archive:
         names = archive.namelist()
         wanted = [
@@ -106,8 +116,11 @@ def extract(wheel: Path, root: Path) -> list[Path]:
     missing = sorted(set(TEST_MODULES) - set(names))
     if missing:
         raise SystemExit(f"grain {GRAIN_VERSION}'s wheel lacks {missing}")
+    selected = [n for n in TEST_MODULES if not only or any(part in n for part in only)]
+    if not selected:
+        raise SystemExit(f"no test module of {TEST_MODULES} contains any of {list(only)}")
     modules = []
-    for name in TEST_MODULES:
+    for name in selected:
         module = root / "suite" / name.removeprefix("grain/_src/")
         module.parent.mkdir(parents=True, exist_ok=True)
         modules.append((root / name).rename(module))
@@ -121,12 +134,19 @@ def main() -> int:
     parser.add_argument(
         "--reference", action="store_true", help="run on the installed Google Grain"
     )
+    parser.add_argument(
+        "--only",
+        action="append",
+        default=[],
+        metavar="NAME",
+        help="run only the test modules whose path contains NAME (repeatable), e.g. packing_test",
+    )
     parser.add_argument("pytest_args", nargs="*", help="passed to pytest (after --)")
     args = parser.parse_args()
     wheel = args.wheel or fetch_wheel()
     with tempfile.TemporaryDirectory(prefix="grain-tests-") as tmp:
         root = Path(tmp)
-        modules = extract(wheel, root)
+        modules = extract(wheel, root, args.only)
         env = dict(os.environ, GRAIN_TESTS_WHEEL_ROOT=str(root))
         if args.reference:
             env["GRAIN_TESTS_REFERENCE"] = "1"

@@ -140,7 +140,7 @@ def _transform_fn(transform: Any, method: str) -> Callable[..., Any]:
 def transform_name(transform: Any) -> str:
     """Display name of a user transform: class name, custom str/repr, or function and place."""
     if isinstance(transform, functools.partial):
-        return f"partial({transform_name(transform.func)})"
+        return f"functools.partial({transform_name(transform.func)})"
     code = getattr(transform, "__code__", None)
     if code is not None:
         parts = code.co_filename.split(os.sep)[-3:]
@@ -417,6 +417,18 @@ class IteratorContext:
             )
         self.dataset_options = self.dataset_options.merge(other.dataset_options)
         self.is_dataloader_pipeline = self.is_dataloader_pipeline or other.is_dataloader_pipeline
+
+    def __eq__(self, other: object) -> bool:
+        # Contexts are equal by what they tell iterators (the debug-mode ``output`` aside).
+        if not isinstance(other, IteratorContext):
+            return NotImplemented
+        return (
+            self.dataset_options == other.dataset_options
+            and self.mp_context == other.mp_context
+            and self.is_dataloader_pipeline == other.is_dataloader_pipeline
+        )
+
+    __hash__ = None  # type: ignore[assignment]  # mutable
 
 
 class ShareContext(IteratorContext):

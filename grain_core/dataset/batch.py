@@ -165,7 +165,6 @@ class BatchMapDataset(MapDataset[Any]):
         self,
         parent: MapDataset[Any],
         batch_size: int,
-        *,
         drop_remainder: bool = False,
         batch_fn: Callable[[Sequence[Any]], Any] | None = None,
     ) -> None:
@@ -173,15 +172,19 @@ class BatchMapDataset(MapDataset[Any]):
         batch_size = positive_int("batch_size", batch_size)
         holes = has_holes_upstream(parent)
         if holes is not None:
+            # Grain's words, which users match on: a filter is named by its method.
+            after = "MapDataset.filter" if holes == "FilterMapDataset" else holes
             raise ValueError(
-                f"`MapDataset.batch` cannot follow `{holes}`, which leaves holes in the index "
+                f"`MapDataset.batch` can not follow `{after}`, which leaves holes in the index "
                 "space. Convert to an IterDataset with `to_iter_dataset()` first and batch "
                 "there."
             )
         self._parent = parent
         self._batch_size = int(batch_size)
         self._drop_remainder = drop_remainder
-        self._use_batch_fn(_resolve_batch_fn(batch_fn))
+        # The function as given: the element spec is its, wherever the batches are written.
+        self._given_batch_fn = _resolve_batch_fn(batch_fn)
+        self._use_batch_fn(self._given_batch_fn)
         self._maps_batches = isinstance(parent, BatchMapping) and parent.maps_batches
         n = len(parent)
         self._parent_len = n
@@ -315,14 +318,15 @@ class BatchIterDataset(IterDataset[Any]):
         self,
         parent: IterDataset[Any],
         batch_size: int,
-        *,
         drop_remainder: bool = False,
         batch_fn: Callable[[Sequence[Any]], Any] | None = None,
     ) -> None:
         super().__init__(parent)
         self._batch_size = positive_int("batch_size", batch_size)
         self._drop_remainder = drop_remainder
-        self._batch_fn = _resolve_batch_fn(batch_fn)
+        # The function as given: the element spec is its, wherever the batches are written.
+        self._given_batch_fn = _resolve_batch_fn(batch_fn)
+        self._batch_fn = self._given_batch_fn
 
     @property
     def batch_size(self) -> int:

@@ -106,8 +106,8 @@ def _transform_output_spec(ds: Any) -> Any:
 
 def _batch_spec(ds: Any) -> Any:
     size, drop = ds._batch_size, ds._drop_remainder
-    if ds._batch_fn is not _batch.make_batch:
-        batch_fn = ds._batch_fn
+    batch_fn = ds._given_batch_fn
+    if batch_fn is not _batch.make_batch:
         if not isinstance(batch_fn, BatchFunctionOutputSpec):
             raise NotImplementedError(
                 f"Cannot infer the element spec of {ds!r}: its custom batch_fn has no "

@@ -144,7 +144,7 @@ class MapWithIndexMapDataset(_ElementwiseMapDataset):
 class RandomMapMapDataset(_ElementwiseMapDataset):
     """``ds[i] = fn(parent[i], rng_i)``; ``rng_i`` is Philox with counter ``[0, 0, 0, i]``."""
 
-    def __init__(self, parent: MapDataset[Any], transform: Any, *, seed: int | None) -> None:
+    def __init__(self, parent: MapDataset[Any], transform: Any, *, seed: int | None = None) -> None:
         super().__init__(parent, transform)
         self._fn = _transform_fn(transform, "random_map")
         self._seed = self._resolve_seed(seed, "random_map", below_2_32=False)
@@ -338,7 +338,9 @@ class RandomMapIterDataset(_ElementwiseIterDataset):
 
     _iterator_cls = _RandomMapIterator
 
-    def __init__(self, parent: IterDataset[Any], transform: Any, *, seed: int | None) -> None:
+    def __init__(
+        self, parent: IterDataset[Any], transform: Any, *, seed: int | None = None
+    ) -> None:
         super().__init__(parent, transform)
         self._seed = self._resolve_seed(seed, "random_map", below_2_32=False)
 

@@ -30,32 +30,26 @@ from grain_core._checks import as_int, non_negative_int, positive_int
 from grain_core.dataset.base import DatasetIterator, IterDataset
 from grain_core.record import Record
 
-__all__ = ["BestFitPackIterDataset", "FirstFitPackIterDataset", "PackAndBatchOperation"]
+__all__ = [
+    "BestFitPackIterDataset",
+    "FirstFitPackIterDataset",
+    "PackAndBatchOperation",
+    "non_sequence_meta_features",
+]
 
 _LOG = logging.getLogger(__name__)
 
 T = TypeVar("T")
-Path = tuple[Any, ...]
+Path = _tree.TreePath
 
 
-def _leaf_paths(tree: Any) -> list[tuple[Path, Any]]:
-    """``(path, leaf)`` pairs in the canonical ``_tree`` order (sorted dict keys)."""
-    out: list[tuple[Path, Any]] = []
-
-    def walk(node: Any, path: Path) -> None:
-        if node is None:
-            return
-        if isinstance(node, Mapping):
-            for key in sorted(node):
-                walk(node[key], (*path, key))
-        elif isinstance(node, (list, tuple)):
-            for i, child in enumerate(node):
-                walk(child, (*path, i))
-        else:
-            out.append((path, node))
-
-    walk(tree, ())
-    return out
+def non_sequence_meta_features(
+    length_struct: Mapping[str, Any], meta_features: Sequence[str]
+) -> list[str]:
+    """The meta features that are not packed: those absent from ``length_struct``, which a
+    packer returns per bin as the list of the values packed into it (in ``meta_features``
+    order)."""
+    return [k for k in meta_features if k not in length_struct]
 
 
 def _path_name(path: Path) -> str:
@@ -93,7 +87,7 @@ class _Layout:
         alignment_struct: Any = None,
         padding_struct: Any = None,
     ) -> None:
-        pairs = _leaf_paths(length_struct)
+        pairs = _tree.leaf_paths(length_struct)
         if not pairs:
             raise ValueError(f"`length_struct` has no target lengths: {length_struct!r}.")
         self.paths: list[Path] = [p for p, _ in pairs]
@@ -394,7 +388,7 @@ class _PackIterDataset(IterDataset[dict[str, Any]]):
             alignment_struct=pack_alignment_struct,
             padding_struct=padding_struct,
         )
-        self._extra_meta = tuple(k for k in meta_features if k not in length_struct)
+        self._extra_meta = tuple(non_sequence_meta_features(length_struct, meta_features))
         self._plan = _RowPlan(length_struct, self._layout, meta, self._extra_meta)
         if shuffle_bins_group_by_feature is not None:
             key = shuffle_bins_group_by_feature
