@@ -234,7 +234,10 @@ def _define_absl_flags(flags: Any) -> None:
             define = flags.DEFINE_float
         else:
             define = flags.DEFINE_string
-        define(flag, value, f"grain_core.config.{name} (docs/debugging.md).")
+        # Google Grain, imported into the same process (a side-by-side comparison, a library
+        # that imports it), defines these names again: its definition then replaces ours
+        # instead of stopping the import with DuplicateFlagError.
+        define(flag, value, f"grain_core.config.{name} (docs/debugging.md).", allow_override=True)
         flags.register_validator(flag, _flag_checker(name, flags.ValidationError))
     object.__setattr__(config, "_flags", flags.FLAGS)
 

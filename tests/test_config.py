@@ -224,6 +224,30 @@ def test_options_are_absl_flags_when_absl_is_imported(absl_first: bool) -> None:
     assert done.returncode == 0, done.stderr
 
 
+_SECOND_DEFINITION_SCRIPT = """
+import grain_core
+from absl import flags
+from grain_core import config
+
+# What Google Grain's config module does at import, in a process that has grain_core too.
+flags.DEFINE_bool("grain_py_debug_mode", False, "Grain's own definition.")
+flags.DEFINE_string("grain_py_traceback_filtering", "auto", "Grain's own.")
+flags.FLAGS(["trainer", "--grain_py_debug_mode"])
+assert config.py_debug_mode is True
+"""
+
+
+def test_grain_defining_the_same_flags_after_grain_core_is_not_an_error() -> None:
+    import subprocess
+    import sys
+
+    pytest.importorskip("absl")
+    done = subprocess.run(
+        [sys.executable, "-c", _SECOND_DEFINITION_SCRIPT], capture_output=True, text=True
+    )
+    assert done.returncode == 0, done.stderr
+
+
 def test_grain_core_does_not_import_absl() -> None:
     import subprocess
     import sys

@@ -6,11 +6,13 @@ from __future__ import annotations
 import logging
 import os
 import threading
+import time
 from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
 import pytest
+from conftest import shm_names
 
 import grain_core as grain
 from grain_core.dataset.mp import consumer as mp_consumer
@@ -377,3 +379,29 @@ def test_output_and_states_stay_those_of_the_workers_across_hand_overs(
     elements, states = _run(_pipelines()[index])
     _same(elements, expected)
     assert states == expected_states
+
+
+class _Row(grain.transforms.Map):
+    def map(self, element: int) -> np.ndarray:
+        return np.full(1024, element, np.float32)
+
+
+def test_batches_read_ahead_here_and_dropped_unread_free_their_blocks(
+    mode: Any, no_shm_leak: None
+) -> None:
+    # A DataLoader with workers stacks its batches into shared memory; computed in the parent,
+    # the read-ahead stacks batches the consumer never takes once the iterator is dropped
+    # (an epoch broken off, a hand-over to workers): their blocks go with them.
+    mode("always")
+    loader = grain.DataLoader(
+        data_source=grain.sources.RangeDataSource(0, 64 * 24, 1),
+        sampler=grain.samplers.SequentialSampler(64 * 24),
+        operations=[_Row(), grain.transforms.Batch(64)],
+        worker_count=2,
+    )
+    it = iter(loader)
+    taken = [next(it), next(it)]
+    while len(shm_names()) <= len(taken):  # the read-ahead stacked a batch not taken yet
+        time.sleep(0.01)
+    it.close()
+    del it, taken

@@ -291,20 +291,25 @@ def test_unlink_shm_frees_unopened_elements() -> None:
     assert not any(_exists(n) for n in names)
 
 
-def test_arrays_of_a_result_free_their_blocks_when_collected() -> None:
-    # What the in-process mode does to a batch stacked into shared memory in the parent:
-    # whole-block arrays anywhere in the result free their block with the array; a view of
-    # part of a block (no block of its own) and a plain array are left alone.
-    whole = [SharedMemoryArray(8, np.float32) for _ in range(3)]
-    names = [a.metadata.name for a in whole]
-    partial = SharedMemoryArray(8, np.float32)
-    result = {"a": whole[0], "b": [whole[1], (whole[2], np.ones(2))], "c": partial[2:4]}
-    _shm.free_blocks_with_arrays(result)
-    del whole, result
+def test_a_batch_stacked_outside_a_worker_frees_its_block_when_collected() -> None:
+    # The parent computing a batch itself (in-process mode, its read-ahead threads included):
+    # no worker will take the block back, so it goes with the array, even when the batch is
+    # dropped unread from a read-ahead buffer.
+    stacked = _shm.stacked_array((4, 8), np.dtype(np.float32))
+    name = stacked.metadata.name
+    del stacked
     gc.collect()
-    assert not any(_exists(name) for name in names)
-    assert _exists(partial.metadata.name)
-    partial.metadata.close_and_unlink_shm()
+    assert not _exists(name)
+
+
+def test_a_batch_stacked_in_a_worker_keeps_its_block_for_the_parent(block_pool: None) -> None:
+    # A worker sends the block to the parent, which hands it back to the worker's pool.
+    stacked = _shm.stacked_array((4, 8), np.dtype(np.float32))
+    name = stacked.metadata.name
+    del stacked
+    gc.collect()
+    assert _exists(name)
+    _shm.release_blocks([name])
 
 
 _DEAD_WORKERS_BLOCKS_SCRIPT = """

@@ -52,8 +52,8 @@ __all__ = [
     "SharedMemoryArrayMetadata",
     "SharedMemoryFullError",
     "copy_to_shm",
-    "free_blocks_with_arrays",
     "open_from_shm",
+    "stacked_array",
     "unlink_shm",
 ]
 
@@ -582,22 +582,20 @@ def open_from_shm(tree: Any, recycled: RecycledBlocks | None = None) -> Any:
     return tree
 
 
-def free_blocks_with_arrays(tree: Any) -> None:
-    """Frees the block of each whole-block :class:`SharedMemoryArray` leaf of ``tree`` when
-    that array is garbage-collected (``unlink_on_del``): what the parent does for a worker's
-    result, for a result computed in this process (a batch function stacked it into a block
-    that no worker will recycle)."""
-    if isinstance(tree, SharedMemoryArray):
-        if tree._is_whole_block():
-            tree.unlink_on_del()
-        return
-    kind = type(tree)
-    if kind is dict:
-        tree = tree.values()
-    elif kind is not list and not isinstance(tree, tuple):
-        return
-    for leaf in tree:
-        free_blocks_with_arrays(leaf)
+def stacked_array(shape: tuple[int, ...], dtype: np.dtype[Any]) -> SharedMemoryArray:
+    """A :class:`SharedMemoryArray` for a batch to stack into. In a worker (a block pool) the
+    block goes to the parent, which hands it back when done with it. In any other process (the
+    parent computing a result itself, read-ahead threads included) nothing would free it: the
+    block goes when the array is garbage-collected (``unlink_on_del``), from its creation, so a
+    batch dropped unread (a read-ahead buffer discarded) frees its block too.
+
+    Raises:
+      SharedMemoryFullError: If ``/dev/shm`` has no room for the block.
+    """
+    out = SharedMemoryArray(shape, dtype)
+    if _pool is None:
+        out.unlink_on_del()
+    return out
 
 
 def copy_into_block(array: np.ndarray) -> str:

@@ -201,9 +201,6 @@ class InProcessProducer:
             kind, value = ERROR, e
         else:
             self._next = position + 1
-            # A batch stacked into shared memory here (a DataLoader's batch function) has no
-            # worker to recycle its block: the block goes with the array, as a worker's does.
-            shm.free_blocks_with_arrays(value)
         finally:
             self._watchdog.end()
         consumer.held[(cls, j)] = (kind, value, None)

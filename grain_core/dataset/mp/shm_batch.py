@@ -67,7 +67,7 @@ def _stack_into_shared_memory(*leaves: Any) -> Any:
         and len({(x.shape, x.dtype) for x in leaves}) == 1
     ):
         try:
-            out = shm.SharedMemoryArray((len(leaves), *first.shape), first.dtype)
+            out = shm.stacked_array((len(leaves), *first.shape), first.dtype)
         except shm.SharedMemoryFullError as e:
             shm.warn_full(e)
             return make_batch(list(leaves))
