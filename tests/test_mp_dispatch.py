@@ -468,19 +468,12 @@ def test_workers_poller_tells_output_from_ended_workers(
         os.close(sentinels[1][1])
 
 
-def test_blocks_freed_before_a_message_that_cannot_be_pickled_reach_the_parent(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    # The parent forgets its mappings of the blocks a worker freed from the names each message
-    # carries: those taken for a message that could not be pickled go with its error.
+@contextlib.contextmanager
+def _idle_dispatch_loop() -> Iterator[tuple[DispatchWorkerLoop, Any]]:
+    """A worker's dispatch loop that is never run, for tests calling its methods, and the
+    parent's end of its output pipe."""
     import multiprocessing
-    import pickle
 
-    from grain_core.dataset.mp.protocol import ERROR
-
-    pool = _shm._BlockPool(1)
-    pool.dropped.append("freed-block")
-    monkeypatch.setattr(_shm, "_pool", pool)
     spec = WorkerSpec(
         index=0,
         count=1,
@@ -496,7 +489,25 @@ def test_blocks_freed_before_a_message_that_cannot_be_pickled_reach_the_parent(
     control_r, control_w = multiprocessing.Pipe(duplex=False)
     output_r, output_w = multiprocessing.Pipe(duplex=False)
     try:
-        loop = DispatchWorkerLoop(spec, control_r, output_w)
+        yield DispatchWorkerLoop(spec, control_r, output_w), output_r
+    finally:
+        for conn in (control_r, control_w, output_r, output_w):
+            conn.close()
+
+
+def test_blocks_freed_before_a_message_that_cannot_be_pickled_reach_the_parent(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # The parent forgets its mappings of the blocks a worker freed from the names each message
+    # carries: those taken for a message that could not be pickled go with its error.
+    import pickle
+
+    from grain_core.dataset.mp.protocol import ERROR
+
+    pool = _shm._BlockPool(1)
+    pool.dropped.append("freed-block")
+    monkeypatch.setattr(_shm, "_pool", pool)
+    with _idle_dispatch_loop() as (loop, output_r):
         loop._send_group([1, threading.Lock()], [[], []])
         messages = [pickle.loads(output_r.recv_bytes()) for _ in range(2)]
         assert messages[0][1:3] == (ELEMENT, 1) and messages[0][5] == ["freed-block"]
@@ -506,9 +517,6 @@ def test_blocks_freed_before_a_message_that_cannot_be_pickled_reach_the_parent(
         error = pickle.loads(output_r.recv_bytes())
         assert error[1] == ERROR and error[5] == ["freed-later"]
         assert not output_r.poll()
-    finally:
-        for conn in (control_r, control_w, output_r, output_w):
-            conn.close()
 
 
 def test_a_worker_counts_cpu_seconds_per_generation(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -516,28 +524,12 @@ def test_a_worker_counts_cpu_seconds_per_generation(monkeypatch: pytest.MonkeyPa
     # worker kept from the last iterator (persistent_workers) that went on counting from its
     # start made the new iterator's first result look as costly as the whole last epoch, and
     # its runs shrank to two positions (a round trip to the parent per result).
-    import multiprocessing
 
     from grain_core.dataset.mp import dispatch_worker
 
     clock = [100.0]
     monkeypatch.setattr(dispatch_worker.time, "process_time", lambda: clock[0])
-    spec = WorkerSpec(
-        index=0,
-        count=1,
-        init_fn=None,
-        dataset=b"",
-        sequential_slice=False,
-        state=None,
-        plugins=None,
-        options=None,
-        shm_prefix="unused",
-        pool_size=1,
-    )
-    control_r, control_w = multiprocessing.Pipe(duplex=False)
-    output_r, output_w = multiprocessing.Pipe(duplex=False)
-    try:
-        loop = DispatchWorkerLoop(spec, control_r, output_w)
+    with _idle_dispatch_loop() as (loop, _):
         clock[0] = 160.0  # a minute of work in the last generation
         assert loop._cpu_seconds() == 60.0
         loop._handle(assign_message(2**32, [], 1, []))  # the next iterator's generation
@@ -545,9 +537,6 @@ def test_a_worker_counts_cpu_seconds_per_generation(monkeypatch: pytest.MonkeyPa
         assert loop._cpu_seconds() == 0.5
         loop._handle(assign_message(2**32, [], 1, []))  # the same generation goes on
         assert loop._cpu_seconds() == 0.5
-    finally:
-        for conn in (control_r, control_w, output_r, output_w):
-            conn.close()
 
 
 def test_a_new_generation_learns_from_zero() -> None:
@@ -693,33 +682,13 @@ def test_results_in_shared_memory_travel_several_to_a_message() -> None:
     # one message (a wake-up of the parent each otherwise), each with its own blocks, which
     # the parent files with its position and hands back when that message is of an old
     # generation.
-    import multiprocessing
     import pickle
 
     first, second = _in_shared_memory(1024), _in_shared_memory(2048)
-    spec = WorkerSpec(
-        index=0,
-        count=1,
-        init_fn=None,
-        dataset=b"",
-        sequential_slice=False,
-        state=None,
-        plugins=None,
-        options=None,
-        shm_prefix="unused",
-        pool_size=1,
-    )
-    control_r, control_w = multiprocessing.Pipe(duplex=False)
-    output_r, output_w = multiprocessing.Pipe(duplex=False)
-    try:
-        DispatchWorkerLoop(spec, control_r, output_w)._send_group(
-            [first, 7, second], [["a"], [], ["b", "c"]]
-        )
+    with _idle_dispatch_loop() as (loop, output_r):
+        loop._send_group([first, 7, second], [["a"], [], ["b", "c"]])
         message = pickle.loads(output_r.recv_bytes())
         assert not output_r.poll()
-    finally:
-        for conn in (control_r, control_w, output_r, output_w):
-            conn.close()
     assert message[1] == ELEMENTS and message[4] == [["a"], [], ["b", "c"]]
     d = _dispatcher()
     d._pool = _RecordingPool((message, 100), ((1, *message[1:]), 100))  # type: ignore[assignment]
