@@ -16,29 +16,28 @@ import numpy as np
 
 from grain_core import _tree
 from grain_core.capabilities import BatchFunctionOutputSpec, TransformOutputSpec
-from grain_core.dataset import batch as _batch
-from grain_core.dataset import cache as _cache
-from grain_core.dataset import interleave as _interleave
-from grain_core.dataset import limit as _limit
-from grain_core.dataset import map as _map
-from grain_core.dataset import mix as _mix
 from grain_core.dataset import mp as _mp
 from grain_core.dataset import prefetch as _prefetch
-from grain_core.dataset import rebatch as _rebatch
-from grain_core.dataset import repeat as _repeat
-from grain_core.dataset import repeat_iter as _repeat_iter
-from grain_core.dataset import shuffle as _shuffle
-from grain_core.dataset import slice as _slice
 from grain_core.dataset import source as _source
-from grain_core.dataset import window_shuffle as _window_shuffle
 from grain_core.dataset import with_options as _with_options
-from grain_core.dataset import zip as _zip
 from grain_core.dataset.base import (
     IterDataset,
     MapDataset,
     _WithSeedIterDataset,
     _WithSeedMapDataset,
 )
+from grain_core.dataset.ops import batch as _batch
+from grain_core.dataset.ops import cache as _cache
+from grain_core.dataset.ops import interleave as _interleave
+from grain_core.dataset.ops import limit as _limit
+from grain_core.dataset.ops import map as _map
+from grain_core.dataset.ops import mix as _mix
+from grain_core.dataset.ops import rebatch as _rebatch
+from grain_core.dataset.ops import repeat as _repeat
+from grain_core.dataset.ops import shuffle as _shuffle
+from grain_core.dataset.ops import slice as _slice
+from grain_core.dataset.ops import window_shuffle as _window_shuffle
+from grain_core.dataset.ops import zip as _zip
 
 __all__ = ["ShapeDtypeStruct", "ShapeDtypeStructProtocol", "get_element_spec"]
 
@@ -159,7 +158,7 @@ _PASS_THROUGH: tuple[type, ...] = (
     _window_shuffle.WindowShuffleMapDataset,
     _window_shuffle.WindowShuffleIterDataset,
     _limit.LimitIterDataset,
-    _repeat_iter.RepeatIterDataset,
+    _repeat.RepeatIterDataset,
     _cache.CacheIterDataset,
     _with_options.WithOptionsIterDataset,
     _mp.MultiprocessPrefetchIterDataset,

@@ -15,7 +15,7 @@ from typing import Any
 
 from grain_core.capabilities import InPlaceSliceable, WorkerSliceable
 from grain_core.dataset.base import IterDataset, MapDataset, _WithSeedMapDataset
-from grain_core.dataset.map import (
+from grain_core.dataset.ops.map import (
     FilterMapDataset,
     MapMapDataset,
     MapWithIndexMapDataset,

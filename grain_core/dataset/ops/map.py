@@ -18,7 +18,7 @@ from grain_core.dataset.base import (
     stop_iteration_error,
     transform_name,
 )
-from grain_core.dataset.batch import has_holes_upstream, make_batch, reads_blocks
+from grain_core.dataset.ops.batch import has_holes_upstream, make_batch, reads_blocks
 from grain_core.dataset.options import FilterRatioChecker
 from grain_core.dataset.source import StackedBlock, columns_wanted
 from grain_core.transforms import Filter

@@ -15,7 +15,7 @@ import numpy as np
 from grain_core import _tree
 from grain_core._checks import positive_int
 from grain_core.dataset.base import DatasetIterator, IterDataset
-from grain_core.dataset.batch import make_batch
+from grain_core.dataset.ops.batch import make_batch
 
 __all__ = ["RebatchIterDataset", "batch_and_pad"]
 
