@@ -42,10 +42,6 @@ KNOWN_EXCEPTIONS: dict[tuple[str, str], str] = {
         "a batch written into shared memory (enable_shared_memory_output) is built by "
         "dataset/mp/shm_batch.py, which moves down with the operators (issue 38, item 4)"
     ),
-    ("grain_core/dataset/element_spec.py", "grain_core.dataset.mp"): (
-        "the type table's rule for the worker-prefetch node; each node declares its own rule "
-        "with the operators' move (issue 38, item 4)"
-    ),
 }
 
 

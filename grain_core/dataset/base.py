@@ -17,7 +17,7 @@ import os
 import sys
 import warnings
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
-from typing import TYPE_CHECKING, Any, Generic, TypeVar, overload
+from typing import TYPE_CHECKING, Any, ClassVar, Generic, TypeVar, overload
 
 import numpy as np
 
@@ -81,6 +81,9 @@ class _Node:
 
     _parents: tuple[Any, ...]
     _seed_value: int | None = None
+    #: How ``get_element_spec`` derives this node's element spec from its parents': a rule of
+    #: ``dataset/element_spec.py`` (None: not without reading data).
+    element_spec_rule: ClassVar[Callable[[Any], Any] | None] = None
 
     @property
     def parents(self) -> tuple[Any, ...]:
@@ -304,7 +307,9 @@ class MapDataset(_Node, Generic[T], abc.ABC):
 
     def seed(self, seed: int) -> MapDataset[T]:
         """Sets the root seed from which downstream random transforms derive theirs."""
-        return _WithSeedMapDataset(self, seed)
+        from grain_core.dataset.ops.seed import WithSeedMapDataset  # fluent API cycle
+
+        return WithSeedMapDataset(self, seed)
 
     def shuffle(self, seed: int | None = None) -> MapDataset[T]:
         """Global per-epoch permutation with O(1) memory and random access."""
@@ -346,31 +351,6 @@ class MapDataset(_Node, Generic[T], abc.ABC):
         from grain_core.dataset.ops.apply import apply_transformations  # fluent API cycle
 
         return apply_transformations(self, transformations)
-
-
-class _WithSeedMapDataset(MapDataset[T]):
-    """Pass-through node carrying the seed set by ``.seed()``."""
-
-    passes_values = True
-
-    def __init__(self, parent: MapDataset[T], seed: int) -> None:
-        super().__init__(parent)
-        self._seed_value = _random.validate_seed(seed, "`.seed()`", below_2_32=False)
-        self._parent = parent
-
-    def __len__(self) -> int:
-        return len(self._parent)
-
-    def __getitem__(self, index: Any) -> Any:
-        if isinstance(index, slice):
-            return self.slice(index)
-        return self._parent[index]
-
-    def _getitems(self, indices: Indices) -> Sequence[Any]:
-        return self._parent._getitems(indices)
-
-    def __repr__(self) -> str:
-        return f"SeedMapDataset(seed={self._seed_value})"
 
 
 # ------------------------------------------------------------------------- iterators
@@ -743,7 +723,9 @@ class IterDataset(_Node, Iterable[T], Generic[T], abc.ABC):
         return RandomMapIterDataset(self, transform, seed=seed)
 
     def seed(self, seed: int) -> IterDataset[T]:
-        return _WithSeedIterDataset(self, seed)
+        from grain_core.dataset.ops.seed import WithSeedIterDataset  # fluent API cycle
+
+        return WithSeedIterDataset(self, seed)
 
     def prefetch(self, multiprocessing_options: MultiprocessingOptions) -> IterDataset[T]:
         """Deprecated alias of :meth:`mp_prefetch`."""
@@ -767,17 +749,3 @@ class IterDataset(_Node, Iterable[T], Generic[T], abc.ABC):
         from grain_core.dataset.ops.apply import apply_transformations  # fluent API cycle
 
         return apply_transformations(self, transformations)
-
-
-class _WithSeedIterDataset(IterDataset[T]):
-    """Pass-through node carrying the seed set by ``.seed()``."""
-
-    def __init__(self, parent: IterDataset[T], seed: int) -> None:
-        super().__init__(parent)
-        self._seed_value = _random.validate_seed(seed, "`.seed()`", below_2_32=False)
-
-    def __iter__(self) -> DatasetIterator[T]:
-        return self._parents[0].__iter__()
-
-    def __repr__(self) -> str:
-        return f"SeedIterDataset(seed={self._seed_value})"

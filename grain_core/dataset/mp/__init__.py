@@ -30,6 +30,7 @@ from collections.abc import Callable
 from typing import Any
 
 from grain_core.dataset.base import DatasetIterator, IterDataset
+from grain_core.dataset.element_spec import parent_spec
 from grain_core.dataset.mp import dispatch, remote, rotation
 from grain_core.dataset.mp.consumer import ClassConsumer, DispatchedClassIterator
 from grain_core.dataset.mp.in_process import (
@@ -128,6 +129,8 @@ def _upstream_options(ds: IterDataset[Any]) -> DatasetOptions | None:
 
 class MultiprocessPrefetchIterDataset(IterDataset[Any]):
     """The pipeline ``parent`` run by worker processes (see module docstring)."""
+
+    element_spec_rule = parent_spec
 
     def __init__(
         self,

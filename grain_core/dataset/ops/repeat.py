@@ -11,6 +11,7 @@ import numpy as np
 
 from grain_core._checks import positive_int
 from grain_core.dataset.base import INFINITE, DatasetIterator, Indices, IterDataset, MapDataset
+from grain_core.dataset.element_spec import parent_spec
 
 __all__ = ["RepeatIterDataset", "RepeatMapDataset"]
 
@@ -21,6 +22,8 @@ class RepeatMapDataset(MapDataset[Any]):
     With ``reseed_each_epoch=False`` the index is reduced modulo ``n`` so every epoch reads the
     parent's first epoch and random transforms repeat exactly.
     """
+
+    element_spec_rule = parent_spec
 
     passes_values = True
 
@@ -79,6 +82,8 @@ class RepeatIterDataset(IterDataset[Any]):
     Raises:
       ValueError: if ``num_epochs`` is not positive.
     """
+
+    element_spec_rule = parent_spec
 
     def __init__(self, parent: IterDataset[Any], num_epochs: int | None = None) -> None:
         super().__init__(parent)
