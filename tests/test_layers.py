@@ -38,10 +38,6 @@ KNOWN_EXCEPTIONS: dict[tuple[str, str], str] = {
     ("grain_core/dataset/base.py", "grain_core.dataset.mp"): (
         f"{_FLUENT} (IterDataset.mp_prefetch)"
     ),
-    ("grain_core/dataset/ops/batch.py", "grain_core.dataset.mp"): (
-        "a batch written into shared memory (enable_shared_memory_output) is built by "
-        "dataset/mp/shm_batch.py, which moves down with the operators (issue 38, item 4)"
-    ),
 }
 
 
