@@ -22,7 +22,7 @@ from bench_core import SEED_BATCHES, _records
 
 import grain_core
 from grain_core import _demo
-from grain_core.dataset.base import DatasetIterator
+from grain_core.dataset.iterator import DatasetIterator
 from grain_core.experimental import (
     DatasetOptions,
     ExecutionTrackingMode,

@@ -33,7 +33,8 @@ if TYPE_CHECKING:
         transforms,
     )
     from grain_core.data_loader import DataLoader, DataLoaderIterator, load
-    from grain_core.dataset.base import DatasetIterator, IterDataset, MapDataset
+    from grain_core.dataset.base import IterDataset, MapDataset
+    from grain_core.dataset.iterator import DatasetIterator
     from grain_core.grain_alias import install_as_grain
     from grain_core.options import MultiprocessingOptions, ReadOptions
     from grain_core.plugins import hookimpl

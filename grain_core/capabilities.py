@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any, Protocol, TypeVar, runtime_checkable
 import numpy as np
 
 if TYPE_CHECKING:
-    from grain_core.dataset.base import ElementBlock
+    from grain_core.dataset.iterator import ElementBlock
 
 T = TypeVar("T")
 

@@ -43,7 +43,8 @@ from grain_core.capabilities import (
     RecordKeysSampler,
     RecordRngDeclaring,
 )
-from grain_core.dataset.base import DatasetIterator, Indices, IterDataset, MapDataset
+from grain_core.dataset.base import Indices, IterDataset, MapDataset
+from grain_core.dataset.iterator import DatasetIterator
 from grain_core.dataset.mp import MultiprocessPrefetchIterDataset
 from grain_core.dataset.ops.batch import make_batch
 from grain_core.dataset.ops.flatmap import FlatMapIterDataset

@@ -10,7 +10,6 @@ from typing import Any
 
 from grain_core.capabilities import SupportsNextBlock
 from grain_core.dataset.autotune import PerformanceConfig, pick_performance_config
-from grain_core.dataset.base import ElementBlock
 from grain_core.dataset.debug import DatasetGraph, GraphNode, dataset_graph
 from grain_core.dataset.elastic import ElasticIterator
 from grain_core.dataset.element_spec import (
@@ -18,6 +17,7 @@ from grain_core.dataset.element_spec import (
     ShapeDtypeStructProtocol,
     get_element_spec,
 )
+from grain_core.dataset.iterator import ElementBlock
 from grain_core.dataset.multithread import multithread_prefetch
 from grain_core.dataset.next_index import get_next_index, set_next_index
 from grain_core.dataset.ops.apply import apply_transformations

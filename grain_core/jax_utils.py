@@ -22,7 +22,8 @@ from typing import Any
 
 import numpy as np
 
-from grain_core.dataset.base import DatasetIterator, IterDataset
+from grain_core.dataset.base import IterDataset
+from grain_core.dataset.iterator import DatasetIterator
 from grain_core.dataset.prefetch import ThreadPrefetchIterDataset
 from grain_core.sharding import JAX_INSTALL_HINT
 

@@ -36,8 +36,9 @@ import cloudpickle
 
 from grain_core import _report_html
 from grain_core._progress import progress as progress_bar
-from grain_core.dataset.base import DatasetIterator, IterDataset, MapDataset
+from grain_core.dataset.base import IterDataset, MapDataset
 from grain_core.dataset.debug import graph_of
+from grain_core.dataset.iterator import DatasetIterator
 from grain_core.dataset.mp import (
     MARGIN,
     seconds_per_result_with_workers,

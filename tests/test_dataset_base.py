@@ -10,12 +10,8 @@ import numpy as np
 import pytest
 
 import grain_core as grain
-from grain_core.dataset.base import (
-    DatasetIterator,
-    IteratorContext,
-    MultiprocessingContext,
-    transform_name,
-)
+from grain_core.dataset.base import transform_name
+from grain_core.dataset.iterator import DatasetIterator, IteratorContext, MultiprocessingContext
 from grain_core.dataset.options import DatasetOptions
 
 MD = grain.MapDataset

@@ -11,7 +11,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from grain_core.capabilities import SupportsNextBlock
-from grain_core.dataset.base import DatasetIterator, IterDataset, MapDataset
+from grain_core.dataset.base import IterDataset, MapDataset
+from grain_core.dataset.iterator import DatasetIterator
 from grain_core.dataset.ops.interleave import InterleaveIterDataset
 from grain_core.experimental import DatasetOptions, WithOptionsIterDataset
 from grain_core.testing import assert_equal_output_after_checkpoint, check_iterator_conformance

@@ -97,7 +97,7 @@ def test_first_element_arrives_before_a_large_block_is_read():
 
 def test_filter_raise_threshold_applies_to_holes():
     ds = MD.range(3000).filter(lambda x: x % 100 == 0).to_iter_dataset()
-    from grain_core.dataset.base import DatasetIterator
+    from grain_core.dataset.iterator import DatasetIterator
 
     it = iter(ds)
     assert isinstance(it, DatasetIterator)

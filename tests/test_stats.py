@@ -13,7 +13,8 @@ import pytest
 
 import grain_core as grain
 from grain_core.dataset import stats
-from grain_core.dataset.base import DatasetIterator, MapDataset
+from grain_core.dataset.base import MapDataset
+from grain_core.dataset.iterator import DatasetIterator
 from grain_core.experimental import (
     DatasetOptions,
     ExecutionTrackingMode,

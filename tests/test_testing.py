@@ -8,7 +8,8 @@ import numpy as np
 import pytest
 
 import grain_core as grain
-from grain_core.dataset.base import DatasetIterator, IterDataset
+from grain_core.dataset.base import IterDataset
+from grain_core.dataset.iterator import DatasetIterator
 from grain_core.testing import (
     assert_equal_output_after_checkpoint,
     assert_trees_equal,

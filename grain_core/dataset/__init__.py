@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from grain_core.dataset.base import DatasetIterator, IterDataset, MapDataset
+from grain_core.dataset.base import IterDataset, MapDataset
+from grain_core.dataset.iterator import DatasetIterator
 from grain_core.dataset.options import DatasetOptions, ExecutionTrackingMode
 
 __all__ = [

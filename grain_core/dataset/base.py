@@ -1,4 +1,5 @@
-"""The three core types: ``MapDataset``, ``IterDataset`` and ``DatasetIterator``.
+"""The two dataset types: ``MapDataset`` and ``IterDataset`` (their iterators' base class,
+``DatasetIterator``, is the runtime's, in ``iterator.py``).
 
 Every transformation is a node whose ``parents`` are its inputs. The base classes own the
 protocol (factories, chaining methods, seeds, state, closing); each node module implements only
@@ -22,23 +23,16 @@ from typing import TYPE_CHECKING, Any, ClassVar, Generic, TypeVar, overload
 import numpy as np
 
 from grain_core import random as _random
-from grain_core._checkpoint_io import load_coroutine, save_coroutine
-from grain_core._checks import non_negative_int
 from grain_core.capabilities import BatchedTransform
-from grain_core.dataset.options import DatasetOptions, ExecutionTrackingMode, pipeline_options
+from grain_core.dataset.iterator import DatasetIterator, _FirstParent
 
 if TYPE_CHECKING:
     from grain_core import transforms
     from grain_core.options import MultiprocessingOptions, ReadOptions
 
 __all__ = [
-    "DatasetIterator",
-    "ElementBlock",
     "IterDataset",
-    "IteratorContext",
     "MapDataset",
-    "MultiprocessingContext",
-    "ShareContext",
 ]
 
 T = TypeVar("T")
@@ -55,25 +49,6 @@ def _parents_tuple(parents: Any) -> tuple[Any, ...]:
     if isinstance(parents, (MapDataset, IterDataset)):
         return (parents,)
     return tuple(parents)
-
-
-class _FirstParent:
-    """``node._parent`` of a dataset or iterator: its first parent, as subclasses written for
-    Grain read their input.
-
-    Read from ``_parents`` on every access, so worker copies of a pipeline (which replace
-    ``_parents``) see their own. A non-data descriptor: grain_core's own one-input datasets set
-    ``self._parent`` once, and that instance attribute wins (no call on per-element paths).
-    """
-
-    def __get__(self, obj: Any, objtype: Any = None) -> Any:
-        if obj is None:
-            return self
-        parents = obj._parents
-        if not parents:
-            # hasattr(node, "_parent") must say False for a source (MaxText's close asks).
-            raise AttributeError(f"{type(obj).__name__} has no parent", name="_parent", obj=obj)
-        return parents[0]
 
 
 class _Node:
@@ -351,306 +326,6 @@ class MapDataset(_Node, Generic[T], abc.ABC):
         from grain_core.dataset.ops.apply import apply_transformations  # fluent API cycle
 
         return apply_transformations(self, transformations)
-
-
-# ------------------------------------------------------------------------- iterators
-class MultiprocessingContext:
-    """Which worker of how many this iterator runs in (``(0, 1)`` outside workers)."""
-
-    __slots__ = ("process_index", "process_count")
-
-    def __init__(self, process_index: int = 0, process_count: int = 1) -> None:
-        self.process_index = process_index
-        self.process_count = process_count
-
-    def __eq__(self, other: object) -> bool:
-        return isinstance(other, MultiprocessingContext) and (
-            self.process_index,
-            self.process_count,
-        ) == (other.process_index, other.process_count)
-
-    def __repr__(self) -> str:
-        return f"MultiprocessingContext({self.process_index}, {self.process_count})"
-
-
-class IteratorContext:
-    """Mutable context shared by all iterators of one pipeline (options and worker identity)."""
-
-    __slots__ = ("dataset_options", "mp_context", "is_dataloader_pipeline", "output")
-
-    def __init__(
-        self,
-        dataset_options: DatasetOptions | None = None,
-        mp_context: MultiprocessingContext | None = None,
-    ) -> None:
-        self.dataset_options = dataset_options or pipeline_options()
-        self.mp_context = mp_context or MultiprocessingContext()
-        self.is_dataloader_pipeline = False
-        # The pipeline's output iterator (a weak reference), set only in debug mode and while
-        # the dataset graph is visualized (grain_core.dataset.debug).
-        self.output: Any = None
-
-    def merge(self, other: IteratorContext) -> None:
-        """Merges ``other`` into this context.
-
-        Raises:
-          ValueError: if the two contexts belong to different worker processes.
-        """
-        if self.mp_context != other.mp_context:
-            raise ValueError(
-                f"Cannot merge contexts from different worker processes (iterator contexts): "
-                f"{self.mp_context} vs {other.mp_context}."
-            )
-        self.dataset_options = self.dataset_options.merge(other.dataset_options)
-        self.is_dataloader_pipeline = self.is_dataloader_pipeline or other.is_dataloader_pipeline
-
-    def __eq__(self, other: object) -> bool:
-        # Contexts are equal by what they tell iterators (the debug-mode ``output`` aside).
-        if not isinstance(other, IteratorContext):
-            return NotImplemented
-        return (
-            self.dataset_options == other.dataset_options
-            and self.mp_context == other.mp_context
-            and self.is_dataloader_pipeline == other.is_dataloader_pipeline
-        )
-
-    __hash__ = None  # type: ignore[assignment]  # mutable
-
-
-class ShareContext(IteratorContext):
-    """The context of share ``index`` of ``count`` of a pipeline read on threads
-    (``multithread_prefetch``): the pipeline's options and flags (read and written through to
-    its context), and its own worker identity, the pipeline's composed with the share's: share
-    ``i`` of ``n`` inside worker ``p`` of ``P`` is worker ``p + P * i`` of ``P * n``, so steps
-    that number their elements by worker (``random_map``) number them as one thread would.
-    """
-
-    __slots__ = ("_pipeline", "_index", "_count", "_outer", "_composed")
-
-    def __init__(self, pipeline: IteratorContext, index: int, count: int) -> None:
-        self._pipeline = pipeline
-        self._index = index
-        self._count = count
-        self._outer: MultiprocessingContext | None = None
-        self._composed = MultiprocessingContext()
-
-    @property
-    def dataset_options(self) -> DatasetOptions:
-        return self._pipeline.dataset_options
-
-    @dataset_options.setter
-    def dataset_options(self, options: DatasetOptions) -> None:
-        self._pipeline.dataset_options = options
-
-    @property
-    def is_dataloader_pipeline(self) -> bool:
-        return self._pipeline.is_dataloader_pipeline
-
-    @is_dataloader_pipeline.setter
-    def is_dataloader_pipeline(self, value: bool) -> None:
-        self._pipeline.is_dataloader_pipeline = value
-
-    @property
-    def output(self) -> Any:
-        return self._pipeline.output
-
-    @output.setter
-    def output(self, value: Any) -> None:
-        self._pipeline.output = value
-
-    @property
-    def mp_context(self) -> MultiprocessingContext:
-        outer = self._pipeline.mp_context
-        if outer is not self._outer:
-            # Workers replace the pipeline's context once, after building it: compose lazily.
-            self._outer = outer
-            self._composed = MultiprocessingContext(
-                outer.process_index + outer.process_count * self._index,
-                outer.process_count * self._count,
-            )
-        return self._composed
-
-    @mp_context.setter
-    def mp_context(self, value: MultiprocessingContext) -> None:
-        raise AttributeError(
-            "A thread share's worker identity derives from its pipeline's; set the pipeline's."
-        )
-
-
-class DatasetIterator(Iterator[T], abc.ABC):
-    """A stateful iterator whose position can be saved (``get_state``) and restored.
-
-    ``get_state()`` returns a new JSON-serialisable dict that the caller may keep. Iterators are
-    context managers: leaving the ``with`` block closes them and every parent, releasing threads,
-    processes and shared memory deterministically.
-    """
-
-    _closed: bool = False
-
-    def __init__(self, parents: DatasetIterator[Any] | Sequence[Any] = ()) -> None:
-        if isinstance(parents, DatasetIterator):
-            parents = (parents,)
-        self._parents = tuple(parents)
-        ctx = IteratorContext()
-        for p in self._parents:
-            parent_ctx = getattr(p, "_ctx", None)
-            if parent_ctx is not None:
-                ctx.merge(parent_ctx)
-        self._ctx = ctx
-        for p in self._parents:
-            if isinstance(p, DatasetIterator):
-                p._share_ctx(ctx)
-        if self._start_stage_timing_if_enabled():
-            # Debug mode and the dataset graph report from the pipeline's output: the
-            # iterator built last, which no other iterator of its pipeline reads. (debug imports
-            # base, and only a pipeline that tracks its stages needs it.)
-            from grain_core.dataset.debug import watch_output  # import cost
-
-            watch_output(self)
-
-    def _share_ctx(self, ctx: IteratorContext) -> None:
-        if self._ctx is ctx:
-            return
-        self._ctx = ctx
-        for p in self._parents:
-            if isinstance(p, DatasetIterator):
-                p._share_ctx(ctx)
-        self._start_stage_timing_if_enabled()
-
-    def _merge_dataset_options(self, options: DatasetOptions) -> None:
-        """Merges ``options`` over the pipeline's options; explicit fields of ``options`` win."""
-        self._ctx.dataset_options = options.merge(self._ctx.dataset_options)
-        self._start_stage_timing_if_enabled()
-
-    def _start_stage_timing_if_enabled(self) -> bool:
-        """Installs stage timing if the pipeline tracks it; returns whether it does."""
-        # Runs when an iterator joins a pipeline or its options change, never per element:
-        # timing is installed on the iterators themselves (see grain_core.dataset.stats).
-        if self._ctx.dataset_options.execution_tracking_mode is ExecutionTrackingMode.DISABLED:
-            return False
-        # stats imports base, and only a pipeline that tracks its stages needs it.
-        from grain_core.dataset.stats import time_stages  # import cost
-
-        time_stages(self)
-        return True
-
-    _parent = _FirstParent()
-
-    def __iter__(self) -> DatasetIterator[T]:
-        return self
-
-    @abc.abstractmethod
-    def __next__(self) -> T: ...
-
-    @abc.abstractmethod
-    def get_state(self) -> dict[str, Any]:
-        """Returns a new JSON-serialisable dict describing the position of this iterator."""
-
-    @abc.abstractmethod
-    def set_state(self, state: dict[str, Any]) -> None:
-        """Restores a position returned by ``get_state`` (of an equally defined pipeline)."""
-
-    def start_prefetch(self) -> None:
-        """Starts background work (threads, processes) without consuming elements."""
-        for p in self._parents:
-            start = getattr(p, "start_prefetch", None)
-            if start is not None:
-                start()
-
-    def close(self) -> None:
-        """Releases resources of this iterator and its parents. Idempotent."""
-        if self._closed:
-            return
-        self._closed = True
-        for p in self._parents:
-            close = getattr(p, "close", None)
-            if close is not None:
-                close()
-
-    def _check_open(self) -> None:
-        if self._closed:
-            raise ValueError(
-                f"Trying to advance a closed iterator ({type(self).__name__}). Create a new "
-                "iterator with iter(dataset)."
-            )
-
-    def __enter__(self) -> DatasetIterator[T]:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
-    def __del__(self) -> None:
-        try:
-            self.close()
-        except Exception:  # noqa: BLE001 - never raise from a finaliser
-            pass
-
-    def _get_next_index(self) -> int:
-        raise NotImplementedError(
-            f"{type(self).__name__} cannot report how many elements it has produced."
-        )
-
-    def _state_int(self, state: Mapping[str, Any], key: str) -> int:
-        """``state[key]``, a position or count that ``get_state`` saved, for ``set_state``.
-
-        Raises:
-          KeyError: ``key`` is missing.
-          TypeError: the value is not an integer (``2.7``, ``True``, ``"3"``): never truncated.
-          ValueError: the value is negative.
-        """
-        return non_negative_int(self._state_name(key), state[key])
-
-    def _state_name(self, key: str) -> str:
-        """How errors name ``key`` of this iterator's checkpoint state."""
-        return f"{type(self).__name__.lstrip('_')} checkpoint `{key}`"
-
-    def _progress_held(self) -> str | None:
-        """What this iterator holds beyond its parent's position at the consumer's point, or
-        ``None``: its state is its parent's, plus counters that may restart.
-
-        ``ElasticIterator`` moves the progress of an IterDataset pipeline to another shard count
-        only when every iterator above the sliced node returns ``None``; a description (the
-        node and the elements it has handed out from a group it read, say) goes into the error.
-        The default holds back: an iterator with a state of its own must say when it is empty.
-        """
-        return f"{type(self).__name__} keeps a position of its own"
-
-    def _set_next_index(self, index: int) -> None:
-        raise NotImplementedError(
-            f"{type(self).__name__} cannot jump to an element index without processing data."
-        )
-
-    # Orbax v1 "stateful checkpointable" protocol.
-    async def save(self, directory: Any) -> Any:
-        return save_coroutine(directory, self)
-
-    async def load(self, directory: Any) -> Any:
-        return load_coroutine(directory, self)
-
-
-class ElementBlock(Generic[T]):
-    """Consecutive elements taken from an iterator in one call, and the iterator's state
-    after each of them.
-
-    Args:
-      elements: The elements, in stream order (empty: the iterator is exhausted).
-      state_after: ``state_after(k)`` is the iterator's ``get_state()`` once the first ``k``
-        elements are taken (``0 <= k <= len(elements)``). It must stay right after the
-        iterator moves on: it keeps what it needs, never reads the iterator's later position.
-    """
-
-    __slots__ = ("elements", "state_after")
-
-    def __init__(self, elements: Sequence[T], state_after: Callable[[int], dict[str, Any]]) -> None:
-        self.elements = elements
-        self.state_after = state_after
-
-    def __len__(self) -> int:
-        return len(self.elements)
-
-    def __repr__(self) -> str:
-        return f"ElementBlock(len={len(self.elements)})"
 
 
 class IterDataset(_Node, Iterable[T], Generic[T], abc.ABC):

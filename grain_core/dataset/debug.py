@@ -37,7 +37,7 @@ import weakref
 from typing import Any
 
 from grain_core.config import config
-from grain_core.dataset.base import DatasetIterator
+from grain_core.dataset.iterator import DatasetIterator
 from grain_core.dataset.stats import (
     ExecutionSummary,
     format_table,

@@ -41,7 +41,8 @@ from typing import Any
 
 from grain_core import _checkpoint_io
 from grain_core.capabilities import InPlaceSliceable, ShardStateOwner, WorkerSliceable
-from grain_core.dataset.base import DatasetIterator, IterDataset, MapDataset
+from grain_core.dataset.base import IterDataset, MapDataset
+from grain_core.dataset.iterator import DatasetIterator
 from grain_core.dataset.ops.interleave import (
     InterleaveDatasetIterator,
     InterleaveIterDataset,

@@ -7,13 +7,8 @@ from typing import Any
 
 from grain_core._checks import non_negative_int
 from grain_core.capabilities import SupportsNextBlock
-from grain_core.dataset.base import (
-    DatasetIterator,
-    ElementBlock,
-    IteratorContext,
-    IterDataset,
-    ShareContext,
-)
+from grain_core.dataset.base import IterDataset
+from grain_core.dataset.iterator import DatasetIterator, ElementBlock, IteratorContext, ShareContext
 from grain_core.dataset.ops.interleave import InterleaveIterDataset
 from grain_core.dataset.worker_slicing import slice_for_worker
 

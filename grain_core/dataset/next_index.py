@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from grain_core.dataset.base import DatasetIterator
+from grain_core.dataset.iterator import DatasetIterator
 
 __all__ = ["get_next_index", "set_next_index"]
 

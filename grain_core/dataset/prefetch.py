@@ -14,14 +14,9 @@ from collections.abc import Sequence
 from typing import Any, NoReturn
 
 from grain_core._checks import as_int
-from grain_core.dataset.base import (
-    DatasetIterator,
-    ElementBlock,
-    IterDataset,
-    MapDataset,
-    stop_iteration_error,
-)
+from grain_core.dataset.base import IterDataset, MapDataset, stop_iteration_error
 from grain_core.dataset.element_spec import parent_spec
+from grain_core.dataset.iterator import DatasetIterator, ElementBlock
 from grain_core.dataset.options import FilterRatioChecker
 from grain_core.dataset.read_concurrency import (
     MAX_BLOCK,

@@ -56,7 +56,8 @@ from typing import Any
 from grain_core import _tree
 from grain_core.capabilities import ReadsInputsOnOwnThread, WorkerStageReceiver
 from grain_core.dataset import trace
-from grain_core.dataset.base import DatasetIterator, Indices, MapDataset, transform_name
+from grain_core.dataset.base import Indices, MapDataset, transform_name
+from grain_core.dataset.iterator import DatasetIterator
 from grain_core.dataset.options import ExecutionTrackingMode
 
 __all__ = [

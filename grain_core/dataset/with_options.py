@@ -4,8 +4,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from grain_core.dataset.base import DatasetIterator, IterDataset
+from grain_core.dataset.base import IterDataset
 from grain_core.dataset.element_spec import parent_spec
+from grain_core.dataset.iterator import DatasetIterator
 from grain_core.dataset.options import DatasetOptions
 
 __all__ = ["WithOptionsIterDataset"]

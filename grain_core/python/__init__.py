@@ -26,7 +26,8 @@ from grain_core.constants import (
 )
 from grain_core.data_loader import DataLoader, load
 from grain_core.data_loader import DataLoaderIterator as PyGrainDatasetIterator
-from grain_core.dataset.base import DatasetIterator, IterDataset, MapDataset
+from grain_core.dataset.base import IterDataset, MapDataset
+from grain_core.dataset.iterator import DatasetIterator
 from grain_core.multiprocessing import SharedMemoryArray
 from grain_core.options import MultiprocessingOptions, ReadOptions
 from grain_core.python import experimental

@@ -29,8 +29,9 @@ import weakref
 from collections.abc import Callable
 from typing import Any
 
-from grain_core.dataset.base import DatasetIterator, IterDataset
+from grain_core.dataset.base import IterDataset
 from grain_core.dataset.element_spec import parent_spec
+from grain_core.dataset.iterator import DatasetIterator
 from grain_core.dataset.mp import dispatch, remote, rotation
 from grain_core.dataset.mp.consumer import ClassConsumer, DispatchedClassIterator
 from grain_core.dataset.mp.in_process import (

@@ -20,7 +20,7 @@ from typing import Any, Protocol
 
 from grain_core._ipc.errors import UnreadableElementError, WorkerDiedError
 from grain_core.config import config
-from grain_core.dataset.base import DatasetIterator
+from grain_core.dataset.iterator import DatasetIterator
 from grain_core.dataset.mp.in_process import InProcessProducer, WorkerPayoff, clock
 from grain_core.dataset.mp.pickling import EngineInput
 from grain_core.dataset.mp.positions import ClassBatchesMapDataset, dispatch_view

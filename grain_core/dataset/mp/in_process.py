@@ -58,7 +58,7 @@ import numpy as np
 
 from grain_core import _tree
 from grain_core._ipc import shm
-from grain_core.dataset.base import DatasetIterator
+from grain_core.dataset.iterator import DatasetIterator
 from grain_core.dataset.mp.positions import read_steps
 from grain_core.dataset.mp.protocol import ELEMENT, ERROR, overdraft_room
 from grain_core.dataset.options import DatasetOptions

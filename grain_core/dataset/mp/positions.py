@@ -22,14 +22,13 @@ from typing import Any
 import numpy as np
 
 from grain_core.dataset.base import (
-    DatasetIterator,
     IterDataset,
     MapDataset,
-    MultiprocessingContext,
     _transform_fn,
     stop_iteration_error,
     transform_name,
 )
+from grain_core.dataset.iterator import DatasetIterator, MultiprocessingContext
 from grain_core.dataset.ops.batch import BatchIterDataset, has_holes_upstream
 from grain_core.dataset.ops.map import MapIterDataset
 from grain_core.dataset.ops.shm_batch import with_shared_memory_output

@@ -43,7 +43,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from grain_core._ipc.errors import ErrorPayload
-from grain_core.dataset.base import DatasetIterator
+from grain_core.dataset.iterator import DatasetIterator
 from grain_core.dataset.stats import attach_worker_stages
 
 __all__ = [

@@ -40,7 +40,8 @@ from grain_core._ipc.errors import (
     unreadable_element_error,
 )
 from grain_core._ipc.pool import STOP_TIMEOUT_S, WorkerPool
-from grain_core.dataset.base import DatasetIterator, IterDataset, MultiprocessingContext
+from grain_core.dataset.base import IterDataset
+from grain_core.dataset.iterator import DatasetIterator, MultiprocessingContext
 from grain_core.dataset.mp.pickling import EngineInput, dumps, dumps_message
 from grain_core.dataset.mp.protocol import (
     CREDIT,

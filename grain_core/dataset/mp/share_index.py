@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from grain_core.dataset.base import DatasetIterator
+from grain_core.dataset.iterator import DatasetIterator
 from grain_core.dataset.mp.pickling import EngineInput
 from grain_core.dataset.worker_slicing import slice_for_worker
 

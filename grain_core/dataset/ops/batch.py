@@ -18,8 +18,9 @@ from grain_core.capabilities import (
     ColumnBlockStacking,
     HoleMaking,
 )
-from grain_core.dataset.base import INFINITE, DatasetIterator, Indices, IterDataset, MapDataset
+from grain_core.dataset.base import INFINITE, Indices, IterDataset, MapDataset
 from grain_core.dataset.element_spec import batch_spec
+from grain_core.dataset.iterator import DatasetIterator
 from grain_core.dataset.source import ColumnBlock, StackedBlock, columns_wanted
 
 __all__ = [

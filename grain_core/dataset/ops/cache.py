@@ -6,8 +6,9 @@ import copy
 from typing import Any
 
 from grain_core._checks import as_flag
-from grain_core.dataset.base import DatasetIterator, IterDataset
+from grain_core.dataset.base import IterDataset
 from grain_core.dataset.element_spec import parent_spec
+from grain_core.dataset.iterator import DatasetIterator
 
 __all__ = ["CacheIterDataset"]
 

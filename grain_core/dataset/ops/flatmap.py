@@ -20,7 +20,6 @@ from grain_core._checks import positive_int
 from grain_core.capabilities import FanOutBounded
 from grain_core.dataset.base import (
     INFINITE,
-    DatasetIterator,
     Indices,
     IterDataset,
     MapDataset,
@@ -28,6 +27,7 @@ from grain_core.dataset.base import (
     stop_iteration_error,
     transform_name,
 )
+from grain_core.dataset.iterator import DatasetIterator
 
 __all__ = ["FlatMapIterDataset", "FlatMapMapDataset"]
 

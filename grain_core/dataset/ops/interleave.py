@@ -30,14 +30,9 @@ from typing import Any, Final
 
 from grain_core._checks import as_flag, non_negative_int, positive_int
 from grain_core.capabilities import SupportsNextBlock
-from grain_core.dataset.base import (
-    DatasetIterator,
-    ElementBlock,
-    IteratorContext,
-    IterDataset,
-    MapDataset,
-)
+from grain_core.dataset.base import IterDataset, MapDataset
 from grain_core.dataset.element_spec import first_dataset_spec
+from grain_core.dataset.iterator import DatasetIterator, ElementBlock, IteratorContext
 from grain_core.dataset.prefetch import PrefetchIterDataset, ThreadPrefetchDatasetIterator
 
 __all__ = [

@@ -10,7 +10,6 @@ import numpy as np
 from grain_core import _tree
 from grain_core import random as _random
 from grain_core.dataset.base import (
-    DatasetIterator,
     Indices,
     IterDataset,
     MapDataset,
@@ -19,6 +18,7 @@ from grain_core.dataset.base import (
     transform_name,
 )
 from grain_core.dataset.element_spec import parent_spec, transform_spec
+from grain_core.dataset.iterator import DatasetIterator
 from grain_core.dataset.ops.batch import has_holes_upstream, make_batch, reads_blocks
 from grain_core.dataset.options import FilterRatioChecker
 from grain_core.dataset.source import StackedBlock, columns_wanted

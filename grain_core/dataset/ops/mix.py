@@ -13,15 +13,9 @@ import numpy as np
 from grain_core import _tree
 from grain_core._checks import as_flag
 from grain_core.capabilities import SupportsNextBlock
-from grain_core.dataset.base import (
-    INFINITE,
-    DatasetIterator,
-    ElementBlock,
-    Indices,
-    IterDataset,
-    MapDataset,
-)
+from grain_core.dataset.base import INFINITE, Indices, IterDataset, MapDataset
 from grain_core.dataset.element_spec import parent_spec
+from grain_core.dataset.iterator import DatasetIterator, ElementBlock
 from grain_core.transforms import DatasetSelectionMap
 
 # Most elements taken from a block-reading component at once.

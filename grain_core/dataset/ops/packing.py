@@ -27,7 +27,8 @@ import numpy as np
 
 from grain_core import _tree
 from grain_core._checks import as_int, non_negative_int, positive_int
-from grain_core.dataset.base import DatasetIterator, IterDataset
+from grain_core.dataset.base import IterDataset
+from grain_core.dataset.iterator import DatasetIterator
 from grain_core.record import Record
 
 __all__ = [

@@ -30,7 +30,8 @@ import numpy as np
 
 from grain_core import _tree
 from grain_core._checks import positive_int
-from grain_core.dataset.base import DatasetIterator, IterDataset
+from grain_core.dataset.base import IterDataset
+from grain_core.dataset.iterator import DatasetIterator
 
 __all__ = ["BOSHandling", "ConcatThenSplitIterDataset"]
 

@@ -14,8 +14,9 @@ import numpy as np
 
 from grain_core import _tree
 from grain_core._checks import positive_int
-from grain_core.dataset.base import DatasetIterator, IterDataset
+from grain_core.dataset.base import IterDataset
 from grain_core.dataset.element_spec import rebatch_spec
+from grain_core.dataset.iterator import DatasetIterator
 from grain_core.dataset.ops.batch import make_batch
 
 __all__ = ["RebatchIterDataset", "batch_and_pad"]

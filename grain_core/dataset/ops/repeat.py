@@ -10,8 +10,9 @@ from typing import Any
 import numpy as np
 
 from grain_core._checks import positive_int
-from grain_core.dataset.base import INFINITE, DatasetIterator, Indices, IterDataset, MapDataset
+from grain_core.dataset.base import INFINITE, Indices, IterDataset, MapDataset
 from grain_core.dataset.element_spec import parent_spec
+from grain_core.dataset.iterator import DatasetIterator
 
 __all__ = ["RepeatIterDataset", "RepeatMapDataset"]
 

@@ -7,8 +7,9 @@ from collections.abc import Sequence
 from typing import Any, TypeVar
 
 from grain_core import random as _random
-from grain_core.dataset.base import DatasetIterator, Indices, IterDataset, MapDataset
+from grain_core.dataset.base import Indices, IterDataset, MapDataset
 from grain_core.dataset.element_spec import parent_spec
+from grain_core.dataset.iterator import DatasetIterator
 
 # The node classes keep Grain's private names, which the dataset graph and execution summary
 # show (docs/debugging.md); worker_slicing.py knows the map one as position-preserving.

@@ -22,8 +22,9 @@ import numpy as np
 
 from grain_core import random as _random
 from grain_core._checks import positive_int
-from grain_core.dataset.base import DatasetIterator, Indices, IterDataset, MapDataset
+from grain_core.dataset.base import Indices, IterDataset, MapDataset
 from grain_core.dataset.element_spec import parent_spec
+from grain_core.dataset.iterator import DatasetIterator
 
 __all__ = ["WindowShuffleIterDataset", "WindowShuffleMapDataset"]
 

@@ -5,8 +5,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from grain_core.dataset.base import DatasetIterator, Indices, IterDataset, MapDataset
+from grain_core.dataset.base import Indices, IterDataset, MapDataset
 from grain_core.dataset.element_spec import every_parent_spec
+from grain_core.dataset.iterator import DatasetIterator
 
 __all__ = ["ZipIterDataset", "ZipMapDataset"]
 
