@@ -19,7 +19,7 @@ import pytest
 from hypothesis import HealthCheck, settings
 
 import grain_core as grain
-from grain_core.dataset.mp import dispatch as mp_dispatch
+from grain_core.dataset.mp import positions as mp_positions
 
 settings.register_profile(
     "grain_core", max_examples=50, deadline=None, suppress_health_check=[HealthCheck.too_slow]
@@ -165,7 +165,7 @@ def no_shm_leak() -> Iterator[None]:
 @pytest.fixture
 def strict_rotation(monkeypatch: pytest.MonkeyPatch) -> None:
     """``mp_prefetch`` runs every pipeline by strict rotation (no dispatching)."""
-    monkeypatch.setattr(mp_dispatch, "dispatchable", lambda *_: False)
+    monkeypatch.setattr(mp_positions, "dispatchable", lambda *_: False)
 
 
 def big_element(x: int) -> dict[str, Any]:

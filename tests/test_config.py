@@ -132,13 +132,13 @@ def _check_relay_sigterm(cfg: Config, monkeypatch: pytest.MonkeyPatch) -> None:
 
 def _check_dispatch(cfg: Config, monkeypatch: pytest.MonkeyPatch) -> None:
     import grain_core as grain
-    from grain_core.dataset.mp import dispatch as mp_dispatch
+    from grain_core.dataset.mp import positions
 
-    monkeypatch.setattr(mp_dispatch, "config", cfg)  # the engine reads the config object
+    monkeypatch.setattr(positions, "config", cfg)  # mp_prefetch's choice reads the config object
     ds = grain.MapDataset.range(8).to_iter_dataset()
-    assert mp_dispatch.dispatchable(ds, 2, False)
+    assert positions.dispatchable(ds, 2, False)
     cfg.update("py_mp_prefetch_dispatch", False)
-    assert not mp_dispatch.dispatchable(ds, 2, False)
+    assert not positions.dispatchable(ds, 2, False)
 
 
 def _check_in_process(cfg: Config, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -244,10 +244,10 @@ def test_the_graph_shows_the_nodes_in_worker_processes(
     logs: pytest.LogCaptureFixture,
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    from grain_core.dataset.mp import dispatch as mp_dispatch
+    from grain_core.dataset.mp import positions as mp_positions
 
     if not dispatch:
-        monkeypatch.setattr(mp_dispatch, "dispatchable", lambda *_: False)
+        monkeypatch.setattr(mp_positions, "dispatchable", lambda *_: False)
     switches.update("py_dataset_visualization_output_dir", "")
     ds = grain.MapDataset.range(64).map(_triple).to_iter_dataset(SYNC).batch(4)
     with iter(ds.mp_prefetch(grain.MultiprocessingOptions(num_workers=2))) as it:

@@ -32,7 +32,7 @@ from grain_core._ipc import errors as ipc_errors
 from grain_core._ipc import pool as ipc_pool
 from grain_core._ipc import shm as _shm
 from grain_core.dataset.mp import MultiprocessPrefetchIterDataset, protocol, rotation
-from grain_core.dataset.mp import dispatch as mp_dispatch
+from grain_core.dataset.mp import positions as mp_positions
 from grain_core.dataset.mp.pickling import pickle_pipeline
 from grain_core.dataset.stats import get_execution_summary
 from grain_core.dataset.worker_slicing import slice_for_worker
@@ -469,7 +469,7 @@ def test_killed_worker_is_reported_while_its_pipe_stays_open(
 ) -> None:
     # No end of file ever comes on the dead worker's pipe: the parent must watch the process.
     if not dispatch:
-        monkeypatch.setattr(mp_dispatch, "dispatchable", lambda *_: False)
+        monkeypatch.setattr(mp_positions, "dispatchable", lambda *_: False)
     pid_file = tmp_path / "child"
     ds = grain.MapDataset.range(8).map(_ForkThenKillSelfOnThree(str(pid_file))).to_iter_dataset()
     it = iter(ds.mp_prefetch(mp_options(2)))
@@ -1090,7 +1090,7 @@ def test_worker_stages_reach_the_parent_summary(
     no_shm_leak: None, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     # Strict rotation (dispatching workers: test_mp_dispatch).
-    monkeypatch.setattr(mp_dispatch, "dispatchable", lambda *_: False)
+    monkeypatch.setattr(mp_positions, "dispatchable", lambda *_: False)
     ds = WithOptionsIterDataset(_slow_map_pipeline().map(_times_ten), TIMING)
     with iter(ds.mp_prefetch(mp_options(2))) as it:
         it.start_prefetch()  # worker start-up is not part of any next()
@@ -1123,7 +1123,7 @@ def test_every_summary_has_what_the_workers_did_when_it_was_taken(
     # workers' stages have read at least every element handed out (more: they read ahead),
     # and asking, with elements in flight, changes neither the output nor its order.
     if not dispatch:
-        monkeypatch.setattr(mp_dispatch, "dispatchable", lambda *_: False)
+        monkeypatch.setattr(mp_positions, "dispatchable", lambda *_: False)
     ds = grain.MapDataset.range(40).map(_times_ten).to_iter_dataset()
     ds = WithOptionsIterDataset(ds, TIMING).mp_prefetch(mp_options(2))
     seen: list[int] = []

@@ -24,7 +24,6 @@ from hypothesis import strategies as st
 import grain_core as grain
 from grain_core._ipc import shm as _shm
 from grain_core._ipc.pool import WorkerPool
-from grain_core.dataset.mp import dispatch as mp_dispatch
 from grain_core.dataset.mp import positions
 from grain_core.dataset.mp.consumer import ClassConsumer
 from grain_core.dataset.mp.dispatch import LocalWorkers
@@ -137,7 +136,7 @@ def test_output_and_states_equal_strict_rotation(
 ) -> None:
     ds = _filtered().mp_prefetch(mp_options(workers))
     dispatched = _run(ds, 26)
-    monkeypatch.setattr(mp_dispatch, "dispatchable", lambda *_: False)
+    monkeypatch.setattr(positions, "dispatchable", lambda *_: False)
     assert _run(ds, 26) == dispatched
     assert sorted(dispatched[0]) == [x for x in range(40) if x % 3]
 
@@ -150,7 +149,7 @@ def test_checkpoints_move_between_the_engines(monkeypatch: pytest.MonkeyPatch) -
         state = it.get_state()
         rest = list(it)
     with monkeypatch.context() as m:
-        m.setattr(mp_dispatch, "dispatchable", lambda *_: False)
+        m.setattr(positions, "dispatchable", lambda *_: False)
         with iter(ds) as it:
             it.set_state(state)
             assert list(it) == rest
@@ -194,7 +193,7 @@ def test_batches_after_to_iter_dataset_are_dispatched_as_rotation_makes_them(
     length: int, batch: int, drop: bool, workers: int, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     ds = _batched(length, batch, drop).mp_prefetch(mp_options(workers))
-    assert mp_dispatch.dispatchable(ds.parents[0], workers, False)
+    assert positions.dispatchable(ds.parents[0], workers, False)
     # Batches are read as far ahead as the elements they hold would be (500 by default).
     view = positions.dispatch_view(ds.parents[0], workers)
     assert view is not None and view.reader.read_options == grain.ReadOptions(
@@ -210,7 +209,7 @@ def test_batches_after_to_iter_dataset_are_dispatched_as_rotation_makes_them(
     with iter(ds) as it:  # the state once every worker's share has ended
         assert list(it)
         ended = it.get_state()
-    monkeypatch.setattr(mp_dispatch, "dispatchable", lambda *_: False)
+    monkeypatch.setattr(positions, "dispatchable", lambda *_: False)
     rotating, rotating_states = _run(ds, steps)
     with iter(ds) as it:
         assert list(it)
@@ -223,7 +222,7 @@ def test_batches_after_to_iter_dataset_are_dispatched_as_rotation_makes_them(
 def test_batch_checkpoints_move_between_the_engines(monkeypatch: pytest.MonkeyPatch) -> None:
     ds = _batched(40, 3, True).mp_prefetch(mp_options(3))
     with monkeypatch.context() as m:
-        m.setattr(mp_dispatch, "dispatchable", lambda *_: False)
+        m.setattr(positions, "dispatchable", lambda *_: False)
         with iter(ds) as it:
             for _ in range(5):
                 next(it)
@@ -253,9 +252,9 @@ def test_maps_after_to_iter_dataset_are_dispatched_as_rotation_makes_them(
     ds = grain.MapDataset.range(13).to_iter_dataset().map(_double).map(_none_on_ten)
     if batch is not None:
         ds = ds.map(repr).batch(batch)
-    assert mp_dispatch.dispatchable(ds, 3, False)
+    assert positions.dispatchable(ds, 3, False)
     dispatched = _run(ds.mp_prefetch(mp_options(3)), 7 if batch else 13)
-    monkeypatch.setattr(mp_dispatch, "dispatchable", lambda *_: False)
+    monkeypatch.setattr(positions, "dispatchable", lambda *_: False)
     rotating = _run(ds.mp_prefetch(mp_options(3)), 7 if batch else 13)
     if batch is None:
         assert dispatched == rotating and None in dispatched[0]
@@ -279,7 +278,7 @@ def test_steps_and_their_time_reach_the_execution_summary() -> None:
     # parent's. A buffer of 0: no overdraft, the workers wait for each credit.
     ds = grain.MapDataset.range(60).to_iter_dataset().map(_sleepy)
     ds = grain.experimental.WithOptionsIterDataset(ds, timing).mp_prefetch(mp_options(2, 0))
-    assert mp_dispatch.dispatchable(ds.parents[0], 2, False)
+    assert positions.dispatchable(ds.parents[0], 2, False)
     with iter(ds) as it:
         for _ in range(50):
             next(it)
@@ -402,7 +401,7 @@ def test_a_worker_init_fn_keeps_each_worker_on_its_share() -> None:
     ]
     grain.config.update("py_mp_prefetch_dispatch", False)
     try:
-        assert mp_dispatch.dispatchable(ds, 3, False) is False
+        assert positions.dispatchable(ds, 3, False) is False
     finally:
         grain.config.update("py_mp_prefetch_dispatch", True)
 
@@ -483,6 +482,7 @@ def _idle_dispatch_loop() -> Iterator[tuple[DispatchWorkerLoop, Any]]:
         state=None,
         plugins=None,
         options=None,
+        nodes=positions.PIPELINE_NODES,
         shm_prefix="unused",
         pool_size=1,
     )
@@ -823,6 +823,7 @@ def _worker_loop_in_thread(
         state=None,
         plugins=None,
         options=options,
+        nodes=positions.PIPELINE_NODES,
         shm_prefix=f"gc{os.getpid():x}t",
         pool_size=1,
         buffer_size=buffer_size,
@@ -1068,7 +1069,7 @@ def test_overdrawn_and_waiting_results_keep_the_output_and_checkpoints(
     # Results a worker overdrew and results waiting for a credit (pickled-large, in shared
     # memory) arrive in order; a restore drops a waiting result (and frees its block).
     if engine == "rotation":
-        monkeypatch.setattr(mp_dispatch, "dispatchable", lambda *_: False)
+        monkeypatch.setattr(positions, "dispatchable", lambda *_: False)
 
     def make() -> grain.IterDataset:
         return (
@@ -1098,8 +1099,8 @@ def _check_restores_like_strict_rotation(
     dispatch: the rest of the stream and the final state are the same. ``convert`` makes
     elements comparable."""
     convert = convert or (lambda x: x)
-    original = mp_dispatch.dispatchable
-    mp_dispatch.dispatchable = lambda *_: False  # hypothesis tests cannot take monkeypatch
+    original = positions.dispatchable
+    positions.dispatchable = lambda *_: False  # hypothesis tests cannot take monkeypatch
     try:
         with iter(ds) as it:
             states = [it.get_state()]
@@ -1109,7 +1110,7 @@ def _check_restores_like_strict_rotation(
                 states.append(it.get_state())
             states.append(it.get_state())  # exhausted
     finally:
-        mp_dispatch.dispatchable = original
+        positions.dispatchable = original
     stop = min(stop, len(elements))
     with iter(ds) as it:
         it.set_state(states[stop])

@@ -18,8 +18,7 @@ from conftest import LogProduced, big_element, fails_after, mp_options
 import grain_core as grain
 from grain_core._ipc import pool as ipc_pool
 from grain_core._ipc import shm as _shm
-from grain_core.dataset.mp import dispatch as mp_dispatch
-from grain_core.dataset.mp import protocol, rotation
+from grain_core.dataset.mp import positions, protocol, rotation
 from grain_core.testing import assert_trees_equal, check_iterator_conformance
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="POSIX shm + /dev/shm")
@@ -39,7 +38,8 @@ def test_map_dataset_batch_stacks_into_shared_memory_in_a_worker(
     # is written once, into a block that travels by name (no second copy into shared memory).
     monkeypatch.setattr(_shm, "_pool", _shm._BlockPool(4))  # as in a worker
     ds = grain.MapDataset.range(10).map(big_element).batch(3).to_iter_dataset()
-    it = rotation.build_worker_iterator(ds, 1, 2, False, None)
+    share = positions.worker_share(ds, 1, 2, False, True)
+    it = rotation.build_worker_iterator(share, 1, 2, None)
     try:
         batch = next(it)
         assert_trees_equal(batch, list(ds)[1])
@@ -89,7 +89,7 @@ def test_worker_stays_within_its_buffer_ahead(
     # also go on the overdraft (SMALL_AHEAD of them, OVERDRAFT_BYTES at most: 31 of 32 KiB)
     # instead of waiting for the parent after each. (Dispatching workers: test_mp_dispatch.)
     # Closing while the worker holds an element back leaves no shared memory behind.
-    monkeypatch.setattr(mp_dispatch, "dispatchable", lambda *_: False)
+    monkeypatch.setattr(positions, "dispatchable", lambda *_: False)
     log = tmp_path / "produced.txt"
     ds = grain.MapDataset.range(200).to_iter_dataset().map(LogProduced(str(log)))
     if size != "small":
@@ -118,7 +118,7 @@ def test_worker_stays_within_its_buffer_ahead(
 def test_a_buffer_of_zero_produces_on_request_only(
     size: str, tmp_path: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(mp_dispatch, "dispatchable", lambda *_: False)
+    monkeypatch.setattr(positions, "dispatchable", lambda *_: False)
     log = tmp_path / "produced.txt"
     ds = grain.MapDataset.range(20).to_iter_dataset().map(LogProduced(str(log)))
     if size != "small":

@@ -32,7 +32,7 @@ from typing import Any
 from grain_core.dataset.base import IterDataset
 from grain_core.dataset.element_spec import parent_spec
 from grain_core.dataset.iterator import DatasetIterator
-from grain_core.dataset.mp import dispatch, remote, rotation
+from grain_core.dataset.mp import dispatch, positions, remote, rotation
 from grain_core.dataset.mp.consumer import ClassConsumer, DispatchedClassIterator
 from grain_core.dataset.mp.in_process import (
     MARGIN,
@@ -144,7 +144,10 @@ class MultiprocessPrefetchIterDataset(IterDataset[Any]):
         self.backend = remote.worker_backend(options)
         if self.backend is not None:
             remote.check_remote_pipeline(
-                parent, self.backend, worker_init_fn is not None, sequential_slice
+                positions.dispatch_obstacle(parent),
+                self.backend,
+                worker_init_fn is not None,
+                sequential_slice,
             )
         elif options.num_workers > 0:
             start_worker_server()
@@ -153,6 +156,7 @@ class MultiprocessPrefetchIterDataset(IterDataset[Any]):
         self.engine = EngineInput(
             parent,
             options,
+            positions.PIPELINE_NODES,
             sequential_slice=sequential_slice,
             worker_init_fn=worker_init_fn,
             share_arrays=self.backend is None,
@@ -188,7 +192,7 @@ class MultiprocessPrefetchIterDataset(IterDataset[Any]):
                 engine, lambda c: remote.BackendWorkers(c, backend), in_process="never"
             )
             make = functools.partial(DispatchedClassIterator, consumer)
-        elif engine.worker_init_fn is None and dispatch.dispatchable(
+        elif engine.worker_init_fn is None and positions.dispatchable(
             engine.pipeline, engine.num_workers, engine.sequential_slice
         ):
             consumer = ClassConsumer(engine, dispatch.LocalWorkers, engine.options.in_process)

@@ -23,7 +23,6 @@ from grain_core.config import config
 from grain_core.dataset.iterator import DatasetIterator
 from grain_core.dataset.mp.in_process import InProcessProducer, WorkerPayoff, clock
 from grain_core.dataset.mp.pickling import EngineInput
-from grain_core.dataset.mp.positions import ClassBatchesMapDataset, dispatch_view
 from grain_core.dataset.mp.protocol import ERROR
 from grain_core.dataset.mp.share_index import share_next_index, share_state_at
 from grain_core.dataset.options import DatasetOptions
@@ -87,12 +86,12 @@ class ClassConsumer:
     ) -> None:
         self.engine = engine
         self.count = n = engine.num_workers
-        view = dispatch_view(engine.pipeline, n)
+        view = engine.nodes.dispatch_view(engine.pipeline, n)
         assert view is not None, "mp_prefetch dispatches only pipelines with a view"
         self.view = view
         self.reader = ds = view.reader
         # Batches of each worker's share: states count elements, as under strict rotation.
-        self.batches = ds.map_parent if type(ds.map_parent) is ClassBatchesMapDataset else None
+        self.batches = view.class_batches
         total = len(ds.map_parent)
         self.lengths = [len(range(c, total, n)) for c in range(n)]
         self.frontier = [0] * n  # per class: next slice index for the consumer

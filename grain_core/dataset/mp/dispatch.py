@@ -52,11 +52,8 @@ from typing import Any
 from grain_core._ipc import shm
 from grain_core._ipc.errors import UnreadableElementError, WorkerDiedError, remote_error
 from grain_core._ipc.pool import STOP_TIMEOUT_S, StallWatch, WorkerPool
-from grain_core.config import config
-from grain_core.dataset.base import IterDataset
 from grain_core.dataset.mp.consumer import ClassConsumer
 from grain_core.dataset.mp.dispatch_worker import worker_main
-from grain_core.dataset.mp.positions import dispatch_view
 from grain_core.dataset.mp.protocol import (
     ELEMENT,
     ELEMENTS,
@@ -74,7 +71,7 @@ from grain_core.dataset.mp.worker import WorkerSpec, lease_workers, release_work
 from grain_core.dataset.options import DatasetOptions
 from grain_core.plugins import loaded_plugin_names
 
-__all__ = ["LocalWorkers", "dispatchable"]
+__all__ = ["LocalWorkers"]
 
 #: CPU seconds of work a worker is committed to at once (it keeps a worker busy across the
 #: parent's round trip without tying positions to a worker that turns out to be slow).
@@ -85,18 +82,6 @@ _HELP_MIN_CPU_S = 0.01
 _LEARN_EVERY = 8
 #: Weight of the newest element time in a worker's running average.
 _TIME_WEIGHT = 0.3
-
-
-def dispatchable(ds: IterDataset[Any], count: int, sequential_slice: bool) -> bool:
-    """Whether ``mp_prefetch`` over ``ds`` with ``count`` workers (and no ``worker_init_fn``)
-    dispatches positions: ``ds`` has a ``dispatch_view``, the workers take strided shares, and
-    ``grain_core.config.py_mp_prefetch_dispatch`` is on (off, each worker computes its own
-    strided share: for transformations whose result depends on the worker computing it)."""
-    return (
-        not sequential_slice
-        and bool(config.py_mp_prefetch_dispatch)
-        and dispatch_view(ds, count) is not None
-    )
 
 
 # ---------------------------------------------------------------------------- parent side
@@ -182,6 +167,7 @@ class LocalWorkers:
                     state=None,
                     plugins=plugins,
                     options=options,
+                    nodes=engine.nodes,
                     shm_prefix=WorkerPool.new_prefix(w),
                     pool_size=2 * self._buffer + 2,
                     buffer_size=engine.options.per_worker_buffer_size,

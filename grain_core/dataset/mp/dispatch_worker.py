@@ -14,7 +14,6 @@ from typing import Any
 
 from grain_core._ipc import shm
 from grain_core.dataset.mp.pickling import FIXED_SIZE_TYPES, dumps_message
-from grain_core.dataset.mp.positions import PositionReader
 from grain_core.dataset.mp.protocol import OVERDRAFT_BYTES, elements_message
 from grain_core.dataset.mp.worker import GROUP_S, WorkerLoop, WorkerSpec, run_worker
 
@@ -50,7 +49,9 @@ class DispatchWorkerLoop(WorkerLoop):
 
     def _build_pipeline(self, ds: Any) -> None:
         spec = self._spec
-        self._reader = self._it = PositionReader(ds, spec.index, spec.count, spec.options)
+        self._reader = self._it = spec.nodes.position_reader(
+            ds, spec.index, spec.count, spec.options
+        )
         self._cpu_start = time.process_time()  # start-up is not the cost of an element
 
     def _pipeline(self) -> Any:

@@ -59,10 +59,8 @@ import numpy as np
 from grain_core import _tree
 from grain_core._ipc import shm
 from grain_core.dataset.iterator import DatasetIterator
-from grain_core.dataset.mp.positions import read_steps
 from grain_core.dataset.mp.protocol import ELEMENT, ERROR, overdraft_room
 from grain_core.dataset.options import DatasetOptions
-from grain_core.dataset.prefetch import PrefetchIterDataset
 from grain_core.dataset.read_concurrency import READ_THREAD_PREFIX
 
 __all__ = [
@@ -175,17 +173,13 @@ class InProcessProducer:
         self._watchdog = ParentWatchdog(options.stall_warning_s, options.stall_timeout_s)
 
     def start(self, options: DatasetOptions) -> None:
-        view = self._consumer.view
         # Holes (None) are returned as a worker returns them: the consumer skips them.
-        reader = PrefetchIterDataset(
-            view.reader.map_parent, read_options=view.reader.read_options, allow_nones=True
-        )
-        self._reader = iter(reader)
-        self._pipeline = read_steps(self._reader, view.steps)
-        self._pipeline._merge_dataset_options(options)
+        self._reader, pipeline = self._consumer.view.read_in_parent()
+        pipeline._merge_dataset_options(options)
         # In debug mode the consumer's mp_prefetch iterator reports this pipeline (its nodes
         # appear below it, as the workers' do): it is no output of its own.
-        self._pipeline._ctx.output = None
+        pipeline._ctx.output = None
+        self._pipeline = pipeline
 
     def fill(self, cls: int, j: int) -> None:
         consumer = self._consumer

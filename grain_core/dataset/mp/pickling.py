@@ -21,18 +21,22 @@ import pickle
 import types
 import weakref
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import cloudpickle
 import numpy as np
 
 from grain_core._ipc import shm
-from grain_core.dataset.base import IterDataset, MapDataset
 from grain_core.options import MultiprocessingOptions
+
+if TYPE_CHECKING:
+    from grain_core.dataset.base import IterDataset
+    from grain_core.dataset.mp.positions import DispatchView, PositionReader
 
 __all__ = [
     "FIXED_SIZE_TYPES",
     "EngineInput",
+    "PipelineNodes",
     "dumps",
     "dumps_message",
     "pickle_init_fn",
@@ -47,6 +51,28 @@ FIXED_SIZE_TYPES = frozenset({int, float, bool, complex, type(None)})
 SHARED_ARRAY_MIN_BYTES = 1024 * 1024
 
 
+@dataclasses.dataclass(frozen=True)
+class PipelineNodes:
+    """The dataset nodes the engines build from their pipeline: built by the dataset side
+    (``positions.PIPELINE_NODES``) and handed to the engines in ``EngineInput.nodes``, so no
+    engine imports an operator. Module-level functions and classes: a worker gets them
+    pickled by reference.
+
+    Attributes:
+      worker_share: ``(pipeline, index, count, sequential_slice, shared_memory)``: worker
+        ``index`` of ``count``'s share of the pipeline; with ``shared_memory``, its final
+        batch is written into shared memory.
+      dispatch_view: ``(pipeline, count)``: how dispatching workers compute the pipeline by
+        position (a ``positions.DispatchView``), or None when they cannot.
+      position_reader: ``(pipeline, index, count, options, shared_memory=True)``: a
+        dispatching worker's reader of its assigned positions.
+    """
+
+    worker_share: Callable[[IterDataset[Any], int, int, bool, bool], IterDataset[Any]]
+    dispatch_view: Callable[[IterDataset[Any], int], DispatchView | None]
+    position_reader: Callable[..., PositionReader]
+
+
 @dataclasses.dataclass(eq=False)
 class EngineInput:
     """What an ``mp_prefetch`` engine runs, built once by ``mp_prefetch``'s dataset.
@@ -54,6 +80,8 @@ class EngineInput:
     Attributes:
       pipeline: The pipeline the workers run.
       options: Worker count, buffer, backend and watchdog thresholds.
+      nodes: What builds the nodes the engines run from ``pipeline`` (worker shares, the
+        dispatch view, the position reader).
       sequential_slice: Workers take contiguous blocks instead of strided shares.
       worker_init_fn: Called in each worker before the pipeline is unpickled.
       share_arrays: Large arrays of the pipeline go to the workers in shared memory (workers
@@ -65,6 +93,7 @@ class EngineInput:
 
     pipeline: IterDataset[Any]
     options: MultiprocessingOptions
+    nodes: PipelineNodes
     sequential_slice: bool = False
     worker_init_fn: Callable[[int, int], None] | None = None
     share_arrays: bool = True
@@ -250,7 +279,7 @@ def _first_unpicklable_node(root: Any) -> Any:
             self._target = target
 
         def persistent_id(self, obj: Any) -> Any:
-            if obj is not self._target and isinstance(obj, (MapDataset, IterDataset)):
+            if obj is not self._target and id(obj) in seen:
                 return id(obj)
             return None
 

@@ -21,6 +21,7 @@ from typing import Any
 
 import numpy as np
 
+from grain_core.config import config
 from grain_core.dataset.base import (
     IterDataset,
     MapDataset,
@@ -29,22 +30,27 @@ from grain_core.dataset.base import (
     transform_name,
 )
 from grain_core.dataset.iterator import DatasetIterator, MultiprocessingContext
+from grain_core.dataset.mp.pickling import PipelineNodes
 from grain_core.dataset.ops.batch import BatchIterDataset, has_holes_upstream
 from grain_core.dataset.ops.map import MapIterDataset
 from grain_core.dataset.ops.shm_batch import with_shared_memory_output
 from grain_core.dataset.options import DatasetOptions
 from grain_core.dataset.prefetch import PrefetchIterDataset, read_index
 from grain_core.dataset.with_options import WithOptionsIterDataset
+from grain_core.dataset.worker_slicing import slice_for_worker
 from grain_core.options import ReadOptions
 
 __all__ = [
     "AssignedPositionsMapDataset",
     "ClassBatchesMapDataset",
     "DispatchView",
+    "PIPELINE_NODES",
     "PositionReader",
     "dispatch_obstacle",
     "dispatch_view",
+    "dispatchable",
     "read_steps",
+    "worker_share",
 ]
 
 
@@ -63,6 +69,46 @@ class DispatchView:
 
     reader: PrefetchIterDataset
     steps: _StepsAfterReading | None
+
+    @property
+    def class_batches(self) -> ClassBatchesMapDataset | None:
+        """The batches of each worker's share, laid out by position (when the view ends
+        with a batch); None otherwise."""
+        source = self.reader.map_parent
+        return source if type(source) is ClassBatchesMapDataset else None
+
+    def read_in_parent(self) -> tuple[DatasetIterator[Any], DatasetIterator[Any]]:
+        """An iterator reading every position in this process (holes returned, as a worker
+        returns them), and the pipeline that reads from it (the reader, then the steps)."""
+        reader = iter(
+            PrefetchIterDataset(
+                self.reader.map_parent, read_options=self.reader.read_options, allow_nones=True
+            )
+        )
+        return reader, read_steps(reader, self.steps)
+
+
+def dispatchable(ds: IterDataset[Any], count: int, sequential_slice: bool) -> bool:
+    """Whether ``mp_prefetch`` over ``ds`` with ``count`` workers (and no ``worker_init_fn``)
+    dispatches positions: ``ds`` has a ``dispatch_view``, the workers take strided shares, and
+    ``grain_core.config.py_mp_prefetch_dispatch`` is on (off, each worker computes its own
+    strided share: for transformations whose result depends on the worker computing it)."""
+    return (
+        not sequential_slice
+        and bool(config.py_mp_prefetch_dispatch)
+        and dispatch_view(ds, count) is not None
+    )
+
+
+def worker_share(
+    ds: IterDataset[Any], index: int, count: int, sequential_slice: bool, shared_memory: bool
+) -> IterDataset[Any]:
+    """Worker ``index`` of ``count``'s share of pipeline ``ds`` (``slice_for_worker``); with
+    ``shared_memory``, its final batch is written into shared memory."""
+    if shared_memory:
+        # Before slicing: a worker's slice of a MapDataset batch is a slice over that batch.
+        ds = with_shared_memory_output(ds)
+    return slice_for_worker(ds, index, count, sequential_slice)
 
 
 def dispatch_view(ds: IterDataset[Any], count: int) -> DispatchView | None:
@@ -465,3 +511,9 @@ class _StepsIterator(DatasetIterator[Any]):
 
     def set_state(self, state: dict[str, Any]) -> None:
         self._parents[0].set_state(state)
+
+
+#: What ``mp_prefetch``'s dataset hands the engines (``EngineInput.nodes``).
+PIPELINE_NODES = PipelineNodes(
+    worker_share=worker_share, dispatch_view=dispatch_view, position_reader=PositionReader
+)

@@ -30,19 +30,21 @@ import os
 import pickle
 import time
 import weakref
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from grain_core import plugins
 from grain_core._ipc.errors import ErrorPayload, WorkerDiedError, error_payload, remote_error
 from grain_core._ipc.pool import worker_jax_platforms
-from grain_core.dataset.base import IterDataset
 from grain_core.dataset.mp.consumer import ClassConsumer
-from grain_core.dataset.mp.positions import PositionReader, dispatch_obstacle
+from grain_core.dataset.mp.pickling import PipelineNodes
 from grain_core.dataset.mp.protocol import ELEMENT, ERROR
 from grain_core.dataset.options import DatasetOptions
 from grain_core.dataset.read_concurrency import read_inline_while_cpu_bound
 from grain_core.options import MultiprocessingOptions
 from grain_core.plugins import WorkerBackend, WorkerGroup, WorkerJob, WorkerLostError
+
+if TYPE_CHECKING:
+    from grain_core.dataset.mp.positions import PositionReader
 
 __all__ = [
     "BackendWorkers",
@@ -87,13 +89,20 @@ def worker_backend(options: MultiprocessingOptions) -> WorkerBackend | None:
 
 
 def check_remote_pipeline(
-    ds: IterDataset[Any], backend: WorkerBackend, has_init_fn: bool, sequential_slice: bool
+    obstacle: str | None, backend: WorkerBackend, has_init_fn: bool, sequential_slice: bool
 ) -> None:
     """Refuses what workers on ``backend`` cannot run as local ones would.
 
+    Args:
+      obstacle: What keeps the pipeline from being computed by position
+        (``positions.dispatch_obstacle``), or None.
+      backend: Where the workers run.
+      has_init_fn: A ``worker_init_fn`` was given.
+      sequential_slice: ``sequential_slice=True`` was given.
+
     Raises:
-      ValueError: ``ds`` is not computed by position (the message names the node), or a
-        ``worker_init_fn`` or ``sequential_slice`` was given.
+      ValueError: The pipeline is not computed by position (the message names the node), or
+        a ``worker_init_fn`` or ``sequential_slice`` was given.
     """
     where = f"mp_prefetch on worker backend {backend.name!r}"
     if has_init_fn:
@@ -104,7 +113,6 @@ def check_remote_pipeline(
         )
     if sequential_slice:
         raise ValueError(f'{where} does not take sequential_slice=True; use backend="local".')
-    obstacle = dispatch_obstacle(ds)
     if obstacle is not None:
         raise ValueError(
             f"{where} needs a pipeline whose elements are functions of their position, and "
@@ -123,6 +131,7 @@ class BlockWorker:
       classes: ``num_workers`` (the strided classes of the output).
       options: The parent iterator's ``DatasetOptions``.
       plugin_names: Plugin names loaded in the parent (None: it had loaded none).
+      nodes: What builds a worker's position reader (``EngineInput.nodes``).
     """
 
     def __init__(
@@ -131,11 +140,13 @@ class BlockWorker:
         classes: int,
         options: DatasetOptions | None,
         plugin_names: list[str] | None,
+        nodes: PipelineNodes,
     ) -> None:
         self.dataset = dataset
         self.classes = classes
         self.options = options
         self.plugin_names = plugin_names
+        self.nodes = nodes
 
     def __call__(self, index: int, count: int) -> BlockComputer:
         return BlockComputer(self, index, count)
@@ -152,7 +163,7 @@ class BlockComputer:
         self._reader: PositionReader | None = None
         self._build_error: BaseException | None = None
         try:
-            self._reader = PositionReader(
+            self._reader = worker.nodes.position_reader(
                 pickle.loads(worker.dataset),
                 index,
                 worker.classes,
@@ -223,10 +234,13 @@ class BackendWorkers:
           TypeError: The backend's ``start`` returned no ``WorkerGroup``.
           Exception: What the backend raised starting its workers.
         """
-        dataset, _ = self._consumer.engine.payload()
+        engine = self._consumer.engine
+        dataset, _ = engine.payload()
         job = WorkerJob(
             num_workers=self._count,
-            make_worker=BlockWorker(dataset, self._count, options, plugins.loaded_plugin_names()),
+            make_worker=BlockWorker(
+                dataset, self._count, options, plugins.loaded_plugin_names(), engine.nodes
+            ),
             environ={"JAX_PLATFORMS": worker_jax_platforms()},
         )
         group = self._backend.start(job)

@@ -30,7 +30,7 @@ import pickle
 import time
 import weakref
 from collections.abc import Sequence
-from typing import Any, cast
+from typing import TYPE_CHECKING, Any, cast
 
 from grain_core._ipc import shm
 from grain_core._ipc.errors import (
@@ -40,7 +40,6 @@ from grain_core._ipc.errors import (
     unreadable_element_error,
 )
 from grain_core._ipc.pool import STOP_TIMEOUT_S, WorkerPool
-from grain_core.dataset.base import IterDataset
 from grain_core.dataset.iterator import DatasetIterator, MultiprocessingContext
 from grain_core.dataset.mp.pickling import EngineInput, dumps, dumps_message
 from grain_core.dataset.mp.protocol import (
@@ -65,10 +64,11 @@ from grain_core.dataset.mp.worker import (
     release_workers,
     run_worker,
 )
-from grain_core.dataset.ops.shm_batch import with_shared_memory_output
 from grain_core.dataset.options import DatasetOptions
-from grain_core.dataset.worker_slicing import slice_for_worker
 from grain_core.plugins import loaded_plugin_names
+
+if TYPE_CHECKING:
+    from grain_core.dataset.base import IterDataset
 
 __all__ = [
     "RotationIterator",
@@ -113,19 +113,18 @@ def wants_credit_message(generation: int, credits: int) -> tuple[Any, ...]:
 
 # ---------------------------------------------------------------------------- worker side
 def build_worker_iterator(
-    ds: IterDataset[Any],
+    share: IterDataset[Any],
     index: int,
     count: int,
-    sequential: bool,
     options: DatasetOptions | None,
 ) -> DatasetIterator[Any]:
-    """Builds worker ``index``'s iterator with its multiprocessing context and options.
+    """Builds worker ``index``'s iterator over its ``share`` of the pipeline
+    (``PipelineNodes.worker_share``) with its multiprocessing context and options.
 
     ``options`` are the parent's: they already hold the options set in this pipeline, merged
     with those set downstream of ``mp_prefetch``, so they win.
     """
-    # Before slicing: a worker's slice of a MapDataset batch is a slice over that batch.
-    it = iter(slice_for_worker(with_shared_memory_output(ds), index, count, sequential))
+    it = iter(share)
     it._ctx.mp_context = MultiprocessingContext(index, count)
     if options is not None:
         it._merge_dataset_options(options)
@@ -138,9 +137,8 @@ class RotationWorkerLoop(WorkerLoop):
 
     def _build_pipeline(self, ds: Any) -> None:
         spec = self._spec
-        self._it = build_worker_iterator(
-            ds, spec.index, spec.count, spec.sequential_slice, spec.options
-        )
+        share = spec.nodes.worker_share(ds, spec.index, spec.count, spec.sequential_slice, True)
+        self._it = build_worker_iterator(share, spec.index, spec.count, spec.options)
         if spec.state is not None:
             self._it.set_state(spec.state)
 
@@ -322,6 +320,7 @@ class RotationIterator(DatasetIterator[Any]):
                 state=self._state,
                 plugins=plugins,
                 options=options,
+                nodes=engine.nodes,
                 shm_prefix=WorkerPool.new_prefix(self._index),
                 pool_size=2 * self._buffer + 2,
                 buffer_size=self._buffer,
@@ -482,8 +481,8 @@ class RotationIterator(DatasetIterator[Any]):
             # Before the first element: build this worker's pipeline here only to read its
             # initial state; no process starts.
             engine = self._engine
-            worker_ds = slice_for_worker(
-                engine.pipeline, self._index, self._count, engine.sequential_slice
+            worker_ds = engine.nodes.worker_share(
+                engine.pipeline, self._index, self._count, engine.sequential_slice, False
             )
             it = iter(worker_ds)
             self._state = it.get_state()

@@ -14,13 +14,14 @@ from typing import Any
 
 from grain_core.dataset.iterator import DatasetIterator
 from grain_core.dataset.mp.pickling import EngineInput
-from grain_core.dataset.worker_slicing import slice_for_worker
 
 __all__ = ["share_next_index", "share_state_at"]
 
 
 def _share_iterator(engine: EngineInput, index: int, count: int) -> DatasetIterator[Any]:
-    return iter(slice_for_worker(engine.pipeline, index, count, engine.sequential_slice))
+    return iter(
+        engine.nodes.worker_share(engine.pipeline, index, count, engine.sequential_slice, False)
+    )
 
 
 def share_next_index(engine: EngineInput, index: int, count: int, state: dict[str, Any]) -> int:

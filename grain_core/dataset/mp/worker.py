@@ -30,7 +30,12 @@ from grain_core._ipc import shm
 from grain_core._ipc.errors import error_payload
 from grain_core._ipc.pool import WorkerPool, readiness_check
 from grain_core.dataset import trace
-from grain_core.dataset.mp.pickling import dumps, dumps_message, register_numpy_scalar_reducers
+from grain_core.dataset.mp.pickling import (
+    PipelineNodes,
+    dumps,
+    dumps_message,
+    register_numpy_scalar_reducers,
+)
 from grain_core.dataset.mp.protocol import (
     OVERDRAFT_BYTES,
     SHARED_AHEAD_BYTES,
@@ -81,6 +86,7 @@ class WorkerSpec:
       state: Worker pipeline state to start from (None: the beginning).
       plugins: Plugin names loaded in the parent (None: the parent had not loaded plugins).
       options: ``DatasetOptions`` of the parent's iterator, merged into the worker's.
+      nodes: What builds the worker's nodes from the pipeline (``EngineInput.nodes``).
       shm_prefix: Name prefix of this worker's shared-memory blocks.
       pool_size: Free blocks of one size the worker keeps for reuse.
       buffer_size: Large elements the worker may have in flight (``per_worker_buffer_size``).
@@ -97,6 +103,7 @@ class WorkerSpec:
         state: Any,
         plugins: list[str] | None,
         options: Any,
+        nodes: PipelineNodes,
         shm_prefix: str,
         pool_size: int,
         buffer_size: int = 1,
@@ -109,6 +116,7 @@ class WorkerSpec:
         self.state = state
         self.plugins = plugins
         self.options = options
+        self.nodes = nodes
         self.shm_prefix = shm_prefix
         self.pool_size = pool_size
         self.buffer_size = buffer_size
