@@ -13,7 +13,6 @@ from grain_core.dataset.apply import apply_transformations
 from grain_core.dataset.autotune import PerformanceConfig, pick_performance_config
 from grain_core.dataset.base import ElementBlock
 from grain_core.dataset.cache import CacheIterDataset
-from grain_core.dataset.debug import DatasetGraph, GraphNode, dataset_graph
 from grain_core.dataset.elastic import ElasticIterator
 from grain_core.dataset.element_spec import (
     ShapeDtypeStruct,
@@ -35,12 +34,13 @@ from grain_core.dataset.packing_concat_split import BOSHandling, ConcatThenSplit
 from grain_core.dataset.prefetch import ThreadPrefetchDatasetIterator, ThreadPrefetchIterDataset
 from grain_core.dataset.rebatch import RebatchIterDataset, batch_and_pad
 from grain_core.dataset.repeat_iter import RepeatIterDataset
-from grain_core.dataset.stats import ExecutionSummary, StageSummary, get_execution_summary
-from grain_core.dataset.trace import Trace
 from grain_core.dataset.window_shuffle import WindowShuffleIterDataset, WindowShuffleMapDataset
 from grain_core.dataset.with_options import WithOptionsIterDataset
 from grain_core.dataset.zip import ZipIterDataset, ZipMapDataset
 from grain_core.jax_utils import device_put, make_global_batch
+from grain_core.observe.graph import DatasetGraph, GraphNode, dataset_graph
+from grain_core.observe.spans import Trace
+from grain_core.observe.summary import ExecutionSummary, StageSummary, get_execution_summary
 from grain_core.plugins import resolve_public_name
 from grain_core.random import RngPool, index_shuffle
 from grain_core.testing import assert_equal_output_after_checkpoint

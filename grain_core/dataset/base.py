@@ -38,7 +38,10 @@ __all__ = [
     "IteratorContext",
     "MapDataset",
     "MultiprocessingContext",
+    "PipelineObserver",
     "ShareContext",
+    "pipeline_observer",
+    "set_pipeline_observer",
 ]
 
 T = TypeVar("T")
@@ -401,7 +404,7 @@ class IteratorContext:
         self.mp_context = mp_context or MultiprocessingContext()
         self.is_dataloader_pipeline = False
         # The pipeline's output iterator (a weak reference), set only in debug mode and while
-        # the dataset graph is visualized (grain_core.dataset.debug).
+        # the dataset graph is visualized (grain_core.observe.graph).
         self.output: Any = None
 
     def merge(self, other: IteratorContext) -> None:
@@ -516,11 +519,8 @@ class DatasetIterator(Iterator[T], abc.ABC):
                 p._share_ctx(ctx)
         if self._start_stage_timing_if_enabled():
             # Debug mode and the dataset graph report from the pipeline's output: the
-            # iterator built last, which no other iterator of its pipeline reads. (debug imports
-            # base, and only a pipeline that tracks its stages needs it.)
-            from grain_core.dataset.debug import watch_output  # import cost
-
-            watch_output(self)
+            # iterator built last, which no other iterator of its pipeline reads.
+            _observer.watch_output(self)
 
     def _share_ctx(self, ctx: IteratorContext) -> None:
         if self._ctx is ctx:
@@ -539,13 +539,10 @@ class DatasetIterator(Iterator[T], abc.ABC):
     def _start_stage_timing_if_enabled(self) -> bool:
         """Installs stage timing if the pipeline tracks it; returns whether it does."""
         # Runs when an iterator joins a pipeline or its options change, never per element:
-        # timing is installed on the iterators themselves (see grain_core.dataset.stats).
+        # timing is installed on the iterators themselves (see grain_core.observe.stages).
         if self._ctx.dataset_options.execution_tracking_mode is ExecutionTrackingMode.DISABLED:
             return False
-        # stats imports base, and only a pipeline that tracks its stages needs it.
-        from grain_core.dataset.stats import time_stages  # import cost
-
-        time_stages(self)
+        _observer.time_stages(self)
         return True
 
     _parent = _FirstParent()
@@ -775,3 +772,51 @@ class _WithSeedIterDataset(IterDataset[T]):
 
     def __repr__(self) -> str:
         return f"SeedIterDataset(seed={self._seed_value})"
+
+
+class PipelineObserver:
+    """What the dataset layer and the engines ask of observability, which sits above them
+    (``grain_core.observe``, which ``grain_core.dataset`` imports, registers its own with
+    ``set_pipeline_observer``). Asked only when a pipeline is built, when a worker reports and
+    when a report is made, never per element. The default observes nothing."""
+
+    def time_stages(self, iterator: DatasetIterator[Any]) -> None:
+        """Installs stage timing on ``iterator`` and its inputs; their pipeline tracks them."""
+
+    def watch_output(self, iterator: DatasetIterator[Any]) -> None:
+        """Lets ``iterator``, built last in a tracked pipeline, report in debug mode."""
+
+    def tracks(self, iterator: DatasetIterator[Any]) -> bool:
+        """Whether ``iterator`` records stage statistics."""
+        return False
+
+    def worker_snapshot(self, iterator: DatasetIterator[Any]) -> Any:
+        """A worker pipeline's statistics (and trace spans) under ``iterator``, an opaque
+        picklable payload for the parent; None if it does not track them."""
+        return None
+
+    def receive_worker_snapshot(self, iterator: DatasetIterator[Any], snapshot: Any) -> None:
+        """Puts a worker's ``snapshot`` under ``iterator``, the parent's stage receiving that
+        worker's elements."""
+
+    def span_wrapper(
+        self, iterator: DatasetIterator[Any]
+    ) -> Callable[[Callable[..., Any], str, str], Callable[..., Any]] | None:
+        """For a worker whose pipeline (output ``iterator``) traces its stages: a function
+        that wraps a callable of the worker loop so that each call is a span of the given name
+        and category; None otherwise."""
+        return None
+
+
+_observer = PipelineObserver()
+
+
+def pipeline_observer() -> PipelineObserver:
+    """The observer registered with ``set_pipeline_observer``."""
+    return _observer
+
+
+def set_pipeline_observer(observer: PipelineObserver) -> None:
+    """Registers ``observer`` (``grain_core.observe`` does, when imported)."""
+    global _observer
+    _observer = observer

@@ -53,7 +53,7 @@ from grain_core._ipc import shm
 from grain_core._ipc.errors import UnreadableElementError, WorkerDiedError, remote_error
 from grain_core._ipc.pool import STOP_TIMEOUT_S, StallWatch, WorkerPool
 from grain_core.config import config
-from grain_core.dataset.base import IterDataset
+from grain_core.dataset.base import IterDataset, pipeline_observer
 from grain_core.dataset.mp.consumer import ClassConsumer
 from grain_core.dataset.mp.dispatch_worker import worker_main
 from grain_core.dataset.mp.positions import dispatch_view
@@ -270,7 +270,7 @@ class LocalWorkers:
         tracked = []
         for worker, slot in enumerate(self._consumer.slots):
             iterator = None if slot is None else slot()
-            if iterator is not None and "_stage_stats" in vars(iterator):
+            if iterator is not None and pipeline_observer().tracks(iterator):
                 tracked.append(worker)
                 self.request_stats(worker)
         deadline = time.monotonic() + STOP_TIMEOUT_S

@@ -40,7 +40,12 @@ from grain_core._ipc.errors import (
     unreadable_element_error,
 )
 from grain_core._ipc.pool import STOP_TIMEOUT_S, WorkerPool
-from grain_core.dataset.base import DatasetIterator, IterDataset, MultiprocessingContext
+from grain_core.dataset.base import (
+    DatasetIterator,
+    IterDataset,
+    MultiprocessingContext,
+    pipeline_observer,
+)
 from grain_core.dataset.mp.pickling import EngineInput, dumps, dumps_message
 from grain_core.dataset.mp.protocol import (
     CREDIT,
@@ -542,7 +547,7 @@ class RotationIterator(DatasetIterator[Any]):
     def close(self) -> None:
         if self._closed:
             return
-        if self._pool is not None and "_stage_stats" in vars(self):
+        if self._pool is not None and pipeline_observer().tracks(self):
             # Tracked: the worker's last statistics and trace spans reach the parent (its wait
             # since END included). A worker busy in a long function gets the time shutting it
             # down would give it.

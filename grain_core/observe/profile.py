@@ -1,7 +1,7 @@
 """Profiling a pipeline into one HTML report (``grain-core profile``, :func:`profile`).
 
 :func:`profile` runs a pipeline for some batches under a :class:`~grain_core.experimental.Trace`
-and writes a self-contained HTML page (:mod:`grain_core._report_html`, which needs the optional
+and writes a self-contained HTML page (:mod:`grain_core.observe.report_html`, which needs the optional
 ``plotly``: ``pip install plotly``): the verdict on the bottleneck in plain
 words, throughput over time, each stage's share of the time, how busy each process was, the
 consumer's waiting share and the dataset graph. :func:`report_from_trace` makes the same page
@@ -34,18 +34,18 @@ from typing import Any
 
 import cloudpickle
 
-from grain_core import _report_html
 from grain_core._progress import progress as progress_bar
 from grain_core.dataset.base import DatasetIterator, IterDataset, MapDataset
-from grain_core.dataset.debug import graph_of
 from grain_core.dataset.mp import (
     MARGIN,
     seconds_per_result_with_workers,
     transport_seconds,
     usable_cores,
 )
-from grain_core.dataset.stats import get_execution_summary
-from grain_core.dataset.trace import Trace, span_clock, write_report_file
+from grain_core.observe import report_html
+from grain_core.observe.graph import graph_of
+from grain_core.observe.spans import Trace, span_clock, write_report_file
+from grain_core.observe.summary import get_execution_summary
 
 __all__ = [
     "PipelineError",
@@ -278,7 +278,7 @@ def profile(
         raise ValueError(f"step_seconds must be >= 0, got {step_seconds!r}.")
     if output is not None:
         _check_writable(output, "report")
-        _report_html.require_plotly()
+        report_html.require_plotly()
     if trace_output is not None:
         _check_writable(trace_output, "trace")
     ds = _dataset_from(pipeline)
@@ -322,7 +322,7 @@ def profile(
         write_report_file(trace_output, json.dumps(trace_json))
     data = analyze(trace_json)
     if output is not None:
-        write_report_file(output, _report_html.render(data))
+        write_report_file(output, report_html.render(data))
     return data
 
 
@@ -365,7 +365,7 @@ def report_from_trace(
       OSError: if it cannot be read, or ``output`` cannot be written.
     """
     _check_writable(output, "report")
-    _report_html.require_plotly()
+    report_html.require_plotly()
     text = Path(trace_path).read_text(encoding="utf-8")
     try:
         trace_json = json.loads(text)
@@ -379,7 +379,7 @@ def report_from_trace(
             "save one with grain_core.experimental.Trace.save or grain-core profile --trace-output."
         )
     data = analyze(trace_json)
-    write_report_file(output, _report_html.render(data))
+    write_report_file(output, report_html.render(data))
     return data
 
 
@@ -730,7 +730,7 @@ def run(args: argparse.Namespace) -> int:
     """Runs ``grain-core profile``."""
     start = time.perf_counter()
     try:
-        _report_html.require_plotly()
+        report_html.require_plotly()
     except ImportError as e:
         print(f"grain-core profile: error: {e}", file=sys.stderr)
         return 1

@@ -1,4 +1,4 @@
-"""Tests for grain_core.profiling and its HTML page (grain_core._report_html)."""
+"""Tests for grain_core.observe.profile and its HTML page (grain_core.observe.report_html)."""
 
 from __future__ import annotations
 
@@ -16,9 +16,10 @@ import numpy as np
 import pytest
 
 import grain_core as grain
-from grain_core import _report_html, cli, profiling
-from grain_core.dataset.trace import validate_trace_events
-from grain_core.profiling import ProcessTime, ProfileData, StageTime, verdict
+from grain_core import cli
+from grain_core.observe import profile, report_html
+from grain_core.observe.profile import ProcessTime, ProfileData, StageTime, verdict
+from grain_core.observe.spans import validate_trace_events
 
 pytest.importorskip("plotly", reason="the report needs plotly: pip install plotly")
 
@@ -85,7 +86,7 @@ def pipeline_file(tmp_path: Path) -> Path:
 def test_profile_reads_the_batches_and_names_the_busiest_stage(tmp_path: Path) -> None:
     out = tmp_path / "report.html"
     trace_out = tmp_path / "trace.json"
-    data = profiling.profile(_pipeline, num_batches=12, output=out, trace_output=trace_out)
+    data = profile.profile(_pipeline, num_batches=12, output=out, trace_output=trace_out)
     assert len(data.batch_end_s) == 12
     assert list(data.batch_end_s) == sorted(data.batch_end_s) and data.window_s > 0
     names = [s.name for s in data.stages]
@@ -100,22 +101,22 @@ def test_profile_reads_the_batches_and_names_the_busiest_stage(tmp_path: Path) -
     saved = json.loads(trace_out.read_text())
     validate_trace_events(saved["traceEvents"])
     # The saved trace gives the same report.
-    again = profiling.report_from_trace(trace_out, tmp_path / "again.html")
+    again = profile.report_from_trace(trace_out, tmp_path / "again.html")
     assert again == data
 
 
 def test_profile_takes_a_dataset_or_an_import_path(pipeline_file: Path, tmp_path: Path) -> None:
-    data = profiling.profile(_pipeline(), num_batches=3, output=None)
+    data = profile.profile(_pipeline(), num_batches=3, output=None)
     assert len(data.batch_end_s) == 3
-    data = profiling.profile(f"{pipeline_file}:make", num_batches=3, output=None)
+    data = profile.profile(f"{pipeline_file}:make", num_batches=3, output=None)
     assert len(data.batch_end_s) == 3
     # A finite dataset ends the run early.
-    data = profiling.profile(grain.MapDataset.range(5).batch(2), num_batches=10, output=None)
+    data = profile.profile(grain.MapDataset.range(5).batch(2), num_batches=10, output=None)
     assert len(data.batch_end_s) == 3
 
 
 def test_workers_appear_with_their_utilisation(tmp_path: Path) -> None:
-    data = profiling.profile(_worker_pipeline, num_batches=24, output=None)
+    data = profile.profile(_worker_pipeline, num_batches=24, output=None)
     workers = [p for p in data.processes if p.is_worker]
     assert sorted(p.name.split(" (")[0] for p in workers) == [
         "grain_core worker 0",
@@ -138,17 +139,17 @@ def test_an_unwritable_output_fails_before_running(tmp_path: Path) -> None:
     blocker = tmp_path / "file"
     blocker.write_text("")
     with pytest.raises(OSError, match=r"Cannot write the report '.*file/r\.html'.*not a writable"):
-        profiling.profile(pipeline, output=blocker / "r.html")
+        profile.profile(pipeline, output=blocker / "r.html")
     with pytest.raises(OSError, match="Cannot write the trace"):
-        profiling.profile(pipeline, output=None, trace_output=blocker / "t.json")
+        profile.profile(pipeline, output=None, trace_output=blocker / "t.json")
     assert not called
 
 
 def test_a_pipeline_function_that_raises_is_named(pipeline_file: Path) -> None:
     with pytest.raises(
-        profiling.PipelineError, match="pipeline function broken raised FileNotFoundError"
+        profile.PipelineError, match="pipeline function broken raised FileNotFoundError"
     ) as e:
-        profiling.profile(f"{pipeline_file}:broken", output=None)
+        profile.profile(f"{pipeline_file}:broken", output=None)
     assert isinstance(e.value.__cause__, FileNotFoundError)
 
 
@@ -163,30 +164,30 @@ def test_a_pipeline_function_that_raises_is_named(pipeline_file: Path) -> None:
 )
 def test_bad_import_paths_are_refused(spec: str, match: str, pipeline_file: Path) -> None:
     with pytest.raises(ValueError, match=match):
-        profiling.profile(spec.format(file=pipeline_file), output=None)
+        profile.profile(spec.format(file=pipeline_file), output=None)
 
 
 def test_bad_arguments_are_refused(tmp_path: Path) -> None:
     for bad in (0, -3, True, 2.5):
         with pytest.raises(ValueError, match="num_batches must be a positive int"):
-            profiling.profile(_pipeline, num_batches=bad, output=None)  # type: ignore[arg-type]
+            profile.profile(_pipeline, num_batches=bad, output=None)  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="step_seconds must be >= 0"):
-        profiling.profile(_pipeline, step_seconds=-1, output=None)
+        profile.profile(_pipeline, step_seconds=-1, output=None)
     with pytest.raises(TypeError, match="must return a grain_core MapDataset"):
-        profiling.profile(lambda: [1, 2], output=None)
+        profile.profile(lambda: [1, 2], output=None)
     not_a_trace = tmp_path / "x.json"
     not_a_trace.write_text('{"a": 1}')
     with pytest.raises(ValueError, match="not a trace-event file"):
-        profiling.report_from_trace(not_a_trace, tmp_path / "r.html")
+        profile.report_from_trace(not_a_trace, tmp_path / "r.html")
     not_a_trace.write_text("{")
     with pytest.raises(ValueError, match="is not JSON"):
-        profiling.report_from_trace(not_a_trace, tmp_path / "r.html")
+        profile.report_from_trace(not_a_trace, tmp_path / "r.html")
 
 
 def test_missing_plotly_names_the_extra(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     monkeypatch.setitem(sys.modules, "plotly", None)
     with pytest.raises(ImportError, match=r"pip install plotly"):
-        profiling.profile(_pipeline, output=tmp_path / "r.html")
+        profile.profile(_pipeline, output=tmp_path / "r.html")
 
 
 # -------------------------------------------------------------------------------- verdict
@@ -290,25 +291,25 @@ def test_without_a_step_the_verdict_asks_for_one() -> None:
 
 
 def test_stage_labels_are_the_users_words() -> None:
-    assert profiling.stage_label("DispatchedClass") == "receiving results from the workers"
+    assert profile.stage_label("DispatchedClass") == "receiving results from the workers"
     assert (
-        profiling.stage_label("MapMapDataset(transform=square @ .../tmp/p/pipe.py:9)")
+        profile.stage_label("MapMapDataset(transform=square @ .../tmp/p/pipe.py:9)")
         == "map square (pipe.py:9)"
     )
-    assert profiling.stage_label("ShuffleMapDataset(seed=3)") == "shuffle(seed=3)"
-    assert profiling.stage_label("Batch") == "batch"
-    assert profiling.stage_label("MapWithIndexMapDataset") == "map_with_index"
+    assert profile.stage_label("ShuffleMapDataset(seed=3)") == "shuffle(seed=3)"
+    assert profile.stage_label("Batch") == "batch"
+    assert profile.stage_label("MapWithIndexMapDataset") == "map_with_index"
 
 
 def test_the_chart_and_the_verdict_show_one_percentage_per_stage(tmp_path: Path) -> None:
-    data = profiling.profile(_pipeline, num_batches=12, output=None)
+    data = profile.profile(_pipeline, num_batches=12, output=None)
     top = next(s for s in data.stages if s.category not in ("wait", "transport"))
-    assert profiling.format_share(top.share) in data.verdict
-    figures = _report_html._figures(data)
+    assert profile.format_share(top.share) in data.verdict
+    figures = report_html._figures(data)
     bars = figures[1].data[0]
-    label = profiling.stage_label(top.name)
+    label = profile.stage_label(top.name)
     assert (
-        f"{profiling.format_share(top.share)} · {top.category}"
+        f"{profile.format_share(top.share)} · {top.category}"
         == bars.text[list(bars.y).index(label)]
     )
     assert not any("MapDataset" in y for y in bars.y)
@@ -376,7 +377,7 @@ def _chromium() -> str:
 def test_the_report_renders_in_a_headless_browser(tmp_path: Path) -> None:
     browser = _chromium()
     out = tmp_path / "report.html"
-    profiling.profile(_worker_pipeline, num_batches=16, output=out)
+    profile.profile(_worker_pipeline, num_batches=16, output=out)
     command = [
         browser,
         "--headless",

@@ -1,4 +1,4 @@
-"""Tests for grain_core.dataset.stats: STAGE_TIMING execution statistics."""
+"""Tests for grain_core.observe.stages and grain_core.observe.summary: STAGE_TIMING execution statistics."""
 
 from __future__ import annotations
 
@@ -12,7 +12,6 @@ from typing import Any
 import pytest
 
 import grain_core as grain
-from grain_core.dataset import stats
 from grain_core.dataset.base import DatasetIterator, MapDataset
 from grain_core.experimental import (
     DatasetOptions,
@@ -22,6 +21,7 @@ from grain_core.experimental import (
     WithOptionsIterDataset,
     get_execution_summary,
 )
+from grain_core.observe import stages
 from grain_core.testing import check_iterator_conformance
 
 TIMING = DatasetOptions(execution_tracking_mode=ExecutionTrackingMode.STAGE_TIMING)
@@ -44,7 +44,7 @@ class FakeClock:
 @pytest.fixture
 def clock(monkeypatch: pytest.MonkeyPatch) -> FakeClock:
     fake = FakeClock()
-    monkeypatch.setattr(stats, "_now", fake)
+    monkeypatch.setattr(stages, "_now", fake)
     return fake
 
 
@@ -339,7 +339,7 @@ def test_worker_snapshots_merge_under_the_receiving_stage(clock: FakeClock) -> N
     """What mp_prefetch does with worker statistics, without processes: each worker's latest
     snapshot replaces its previous one under the parent stage that receives its elements."""
     workers = [iter(WithOptionsIterDataset(_pipeline(clock).map(abs), TIMING)) for _ in range(2)]
-    assert all(stats.is_tracking(w) for w in workers)
+    assert all(stages.is_tracking(w) for w in workers)
     inputs = [grain.MapDataset.range(2).to_iter_dataset(SYNC) for _ in range(2)]
     merge = InterleaveIterDataset(inputs, cycle_length=2, iter_buffer_size=0)
     parent = iter(WithOptionsIterDataset(merge, TIMING))
@@ -347,10 +347,10 @@ def test_worker_snapshots_merge_under_the_receiving_stage(clock: FakeClock) -> N
     receivers = parent._iters
     for worker, receiver in zip(workers, receivers, strict=True):
         next(worker)
-        stats.attach_worker_stages(receiver, stats.worker_stage_snapshot(worker))
+        stages.attach_worker_stages(receiver, stages.worker_stage_snapshot(worker))
         list(worker)
-        snapshot = json.loads(json.dumps(stats.worker_stage_snapshot(worker)))  # as sent
-        stats.attach_worker_stages(receiver, snapshot)
+        snapshot = json.loads(json.dumps(stages.worker_stage_snapshot(worker)))  # as sent
+        stages.attach_worker_stages(receiver, snapshot)
     summary = get_execution_summary(parent)
     in_workers = [s for s in summary.stages if s.in_workers]
     assert [s.name.split("(")[0] for s in in_workers][:2] == ["Map", "Batch"]
@@ -365,9 +365,9 @@ def test_worker_snapshots_merge_under_the_receiving_stage(clock: FakeClock) -> N
 
 def test_untracked_iterators_are_not_tracking_and_ignore_snapshots() -> None:
     it = iter(_pipeline())
-    assert not stats.is_tracking(it)
+    assert not stages.is_tracking(it)
     row = ("Map", "iter", "_MapIterator", 1, 1, 1, 1, 1, None, 0, ())
-    stats.attach_worker_stages(it, ([row], 0, 1, {}, []))
+    stages.attach_worker_stages(it, ([row], 0, 1, {}, []))
     assert "_stage_stats" not in vars(it)
 
 
