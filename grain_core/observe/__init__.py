@@ -20,7 +20,7 @@ from collections.abc import Callable
 from typing import Any
 
 from grain_core.dataset.base import DatasetIterator, PipelineObserver, set_pipeline_observer
-from grain_core.observe import graph, stages
+from grain_core.observe import stages
 
 __all__ = ["Observer"]
 
@@ -33,6 +33,8 @@ class Observer(PipelineObserver):
         stages.time_stages(iterator)
 
     def watch_output(self, iterator: DatasetIterator[Any]) -> None:
+        from grain_core.observe import graph  # import cost: only tracked pipelines report
+
         graph.watch_output(iterator)
 
     def tracks(self, iterator: DatasetIterator[Any]) -> bool:

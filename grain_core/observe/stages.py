@@ -533,11 +533,15 @@ def attach_worker_stages(iterator: DatasetIterator[Any], snapshot: WorkerSnapsho
 
 
 def refresh_worker_stages(iterator: DatasetIterator[Any]) -> None:
-    """Asks every stage under ``iterator`` that receives a worker process's stages for fresh
-    ones, and waits for them (call it from the thread that iterates: the answers come on the
-    pipes its elements come on). Threads that read inputs of their own (thread prefetch,
-    ``device_put``) are kept out of those inputs meanwhile: they finish the read in progress
-    first."""
+    """The one function that asks workers for their statistics: asks every stage under
+    ``iterator`` that receives a worker process's stages for fresh ones, and waits for them.
+
+    Threading rule: call it from the thread that iterates ``iterator`` (the answers come on
+    the pipes its elements come on), never from another thread while that one iterates.
+    Threads that read inputs of their own (thread prefetch, ``device_put``) are stopped
+    meanwhile (``ReadsInputsOnOwnThread.inputs_paused``): they finish the read in progress,
+    keep what they read and go on afterwards.
+    """
     _prepare_reachable(iterator)
     receivers = []
     readers = []  # outermost first: each reader thread reads from the ones after it
