@@ -236,7 +236,7 @@ class LocalWorkers:
         self._restarted = True  # runs are re-planned on the next pump, once for all classes
 
     def request_stats(self, worker: int) -> None:
-        """Asks ``worker`` for its stage statistics (``stats.refresh_worker_stages``)."""
+        """Asks ``worker`` for its stage statistics (``observe.stages.refresh_worker_stages``)."""
         if self._pool is not None:
             self._stats_requests[worker] += 1
             self._pool.send(worker, stats_request_message(self._stats_requests[worker]))

@@ -433,7 +433,7 @@ class RotationIterator(DatasetIterator[Any]):
             self._stats_answered = answers
 
     def request_worker_stages(self) -> None:
-        """Asks the worker for its stage statistics (``stats.refresh_worker_stages``)."""
+        """Asks the worker for its stage statistics (``observe.stages.refresh_worker_stages``)."""
         if self._pool is not None and not self._closed and self._error is None:
             self._stats_requests += 1
             self._pool.send(0, stats_request_message(self._stats_requests))
