@@ -322,6 +322,26 @@ def test_the_default_plugins_belong_to_the_dataset_layer() -> None:
     assert {layer_of[module].name for module in DEFAULT_PLUGINS.values()} == {"Dataset"}
 
 
+def test_observability_imports_of_the_dataset_only_its_base_types() -> None:
+    # Neither an operator nor an engine: the dataset and the engines ask a PipelineObserver.
+    base_types = {"grain_core.dataset.base", "grain_core.dataset.options"}
+    observe = next(layer for layer in _layer_table() if layer.name == "Observability")
+    paths = [
+        CORE / Path(*m.split(".")[1:]).with_suffix(".py")
+        for m in observe.modules
+        if _within(m, "grain_core.observe") and m != "grain_core.observe"
+    ]
+    paths.append(CORE / "observe" / "__init__.py")
+    assert all(p.is_file() for p in paths)
+
+    def allowed(imp: Import) -> bool:
+        if imp.package_of_module or not _within(imp.target, "grain_core.dataset"):
+            return True
+        return imp.target in base_types
+
+    assert _violations(paths, allowed) == []
+
+
 def test_every_layer_a_row_may_import_is_a_row_below_it() -> None:
     layers = _layer_table()
     for position, layer in enumerate(layers):
