@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any, Generic, TypeVar, overload
 import numpy as np
 
 from grain_core import random as _random
-from grain_core._checkpoint_io import load_coroutine, save_coroutine
+from grain_core._checkpoint_io import load_coroutine, save_coroutine, start_when_restored
 from grain_core._checks import non_negative_int
 from grain_core.capabilities import BatchedTransform
 from grain_core.dataset.options import DatasetOptions, ExecutionTrackingMode, pipeline_options
@@ -570,6 +570,13 @@ class DatasetIterator(Iterator[T], abc.ABC):
             start = getattr(p, "start_prefetch", None)
             if start is not None:
                 start()
+
+    def _start_when_restored(self) -> bool:
+        """Called at the end of ``set_state`` by an iterator with background work of its own:
+        a restore that starts background work (``CheckpointHandler.restore``) starts it when
+        every iterator has its state, so the restore walks the tree once. Returns whether the
+        restore will start it."""
+        return start_when_restored(self.start_prefetch)
 
     def close(self) -> None:
         """Releases resources of this iterator and its parents. Idempotent."""

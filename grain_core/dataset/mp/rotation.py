@@ -505,6 +505,7 @@ class RotationIterator(DatasetIterator[Any]):
         self._error = None
         self._received.clear()
         if self._pool is None:
+            self._start_when_restored()
             return
         released = self._drop_messages_in_flight()
         self._generation += 1
