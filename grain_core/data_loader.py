@@ -44,14 +44,14 @@ from grain_core.capabilities import (
     RecordRngDeclaring,
 )
 from grain_core.dataset.base import DatasetIterator, Indices, IterDataset, MapDataset
-from grain_core.dataset.batch import make_batch
-from grain_core.dataset.flatmap import FlatMapIterDataset
-from grain_core.dataset.interleave import (
+from grain_core.dataset.mp import MultiprocessPrefetchIterDataset
+from grain_core.dataset.ops.batch import make_batch
+from grain_core.dataset.ops.flatmap import FlatMapIterDataset
+from grain_core.dataset.ops.interleave import (
     interleave_input_states,
     interleave_next_input,
     interleave_state,
 )
-from grain_core.dataset.mp import MultiprocessPrefetchIterDataset
 from grain_core.dataset.source import BatchedReader
 from grain_core.options import MultiprocessingOptions, ReadOptions
 from grain_core.record import Record, RecordMetadata

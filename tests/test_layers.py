@@ -38,13 +38,9 @@ KNOWN_EXCEPTIONS: dict[tuple[str, str], str] = {
     ("grain_core/dataset/base.py", "grain_core.dataset.mp"): (
         f"{_FLUENT} (IterDataset.mp_prefetch)"
     ),
-    ("grain_core/dataset/batch.py", "grain_core.dataset.mp"): (
+    ("grain_core/dataset/ops/batch.py", "grain_core.dataset.mp"): (
         "a batch written into shared memory (enable_shared_memory_output) is built by "
         "dataset/mp/shm_batch.py, which moves down with the operators (issue 38, item 4)"
-    ),
-    ("grain_core/dataset/element_spec.py", "grain_core.dataset.mp"): (
-        "the type table's rule for the worker-prefetch node; each node declares its own rule "
-        "with the operators' move (issue 38, item 4)"
     ),
 }
 

@@ -31,10 +31,10 @@ import grain_core as grain
 from grain_core._ipc import errors as ipc_errors
 from grain_core._ipc import pool as ipc_pool
 from grain_core._ipc import shm as _shm
-from grain_core.dataset.batch import make_batch
 from grain_core.dataset.mp import MultiprocessPrefetchIterDataset, protocol, rotation, shm_batch
 from grain_core.dataset.mp import dispatch as mp_dispatch
 from grain_core.dataset.mp.pickling import pickle_pipeline
+from grain_core.dataset.ops.batch import make_batch
 from grain_core.dataset.source import StackedBlock
 from grain_core.dataset.stats import get_execution_summary
 from grain_core.dataset.worker_slicing import slice_for_worker

@@ -26,6 +26,7 @@ from grain_core.dataset.base import (
     MapDataset,
     stop_iteration_error,
 )
+from grain_core.dataset.element_spec import parent_spec
 from grain_core.dataset.options import FilterRatioChecker
 from grain_core.options import ReadOptions
 
@@ -123,6 +124,8 @@ def read_index(ds: MapDataset[Any], index: int) -> Any:
 
 class PrefetchIterDataset(IterDataset[Any]):
     """Iterates one epoch of a MapDataset in index order (``MapDataset.to_iter_dataset``)."""
+
+    element_spec_rule = parent_spec
 
     def __init__(
         self,
@@ -706,6 +709,8 @@ class ThreadPrefetchIterDataset(IterDataset[Any]):
     Raises:
       ValueError: if ``prefetch_buffer_size`` is negative.
     """
+
+    element_spec_rule = parent_spec
 
     def __init__(self, parent: IterDataset[Any], *, prefetch_buffer_size: int) -> None:
         super().__init__(parent)

@@ -30,7 +30,7 @@ from collections.abc import Callable
 from typing import Any
 
 from grain_core.dataset.base import DatasetIterator, IterDataset
-from grain_core.dataset.interleave import InterleaveIterDataset
+from grain_core.dataset.element_spec import parent_spec
 from grain_core.dataset.mp import dispatch, remote, rotation
 from grain_core.dataset.mp.consumer import ClassConsumer, DispatchedClassIterator
 from grain_core.dataset.mp.in_process import (
@@ -43,6 +43,7 @@ from grain_core.dataset.mp.pickling import EngineInput
 from grain_core.dataset.mp.shm_batch import shared_memory_batch_fn
 from grain_core.dataset.mp.worker import WarmWorkers, start_worker_server
 from grain_core.dataset.multithread import multithread_prefetch
+from grain_core.dataset.ops.interleave import InterleaveIterDataset
 from grain_core.dataset.options import DatasetOptions
 from grain_core.dataset.with_options import WithOptionsIterDataset
 from grain_core.options import MultiprocessingOptions
@@ -128,6 +129,8 @@ def _upstream_options(ds: IterDataset[Any]) -> DatasetOptions | None:
 
 class MultiprocessPrefetchIterDataset(IterDataset[Any]):
     """The pipeline ``parent`` run by worker processes (see module docstring)."""
+
+    element_spec_rule = parent_spec
 
     def __init__(
         self,

@@ -20,7 +20,8 @@ from grain_core.dataset.base import (
     stop_iteration_error,
     transform_name,
 )
-from grain_core.dataset.batch import has_holes_upstream, make_batch, reads_blocks
+from grain_core.dataset.element_spec import parent_spec, transform_spec
+from grain_core.dataset.ops.batch import has_holes_upstream, make_batch, reads_blocks
 from grain_core.dataset.options import FilterRatioChecker
 from grain_core.dataset.source import StackedBlock, columns_wanted
 from grain_core.transforms import Filter
@@ -38,7 +39,18 @@ __all__ = [
 ]
 
 
-class _ElementwiseMapDataset(MapDataset[Any]):
+class _TransformApplying:
+    """A node's transform as given (``capabilities.TransformApplying``)."""
+
+    _transform: Any
+
+    @property
+    def transform(self) -> Any:
+        """The function or transformation object applied to each element."""
+        return self._transform
+
+
+class _ElementwiseMapDataset(_TransformApplying, MapDataset[Any]):
     """One parent, same length; subclasses define ``__getitem__`` and ``_getitems`` only."""
 
     def __init__(self, parent: MapDataset[Any], transform: Any) -> None:
@@ -55,6 +67,8 @@ class _ElementwiseMapDataset(MapDataset[Any]):
 
 class MapMapDataset(_ElementwiseMapDataset):
     """``ds[i] = fn(parent[i])``; holes pass through."""
+
+    element_spec_rule = transform_spec
 
     def __init__(self, parent: MapDataset[Any], transform: Any) -> None:
         super().__init__(parent, transform)
@@ -127,6 +141,8 @@ class BatchedMapMapDataset(_ElementwiseMapDataset):
 class MapWithIndexMapDataset(_ElementwiseMapDataset):
     """``ds[i] = fn(i, parent[i])`` with the raw index ``i``."""
 
+    element_spec_rule = transform_spec
+
     def __init__(self, parent: MapDataset[Any], transform: Any) -> None:
         super().__init__(parent, transform)
         self._fn = _transform_fn(transform, "map_with_index")
@@ -145,6 +161,8 @@ class MapWithIndexMapDataset(_ElementwiseMapDataset):
 
 class RandomMapMapDataset(_ElementwiseMapDataset):
     """``ds[i] = fn(parent[i], rng_i)``; ``rng_i`` is Philox with counter ``[0, 0, 0, i]``."""
+
+    element_spec_rule = transform_spec
 
     def __init__(self, parent: MapDataset[Any], transform: Any, *, seed: int | None = None) -> None:
         super().__init__(parent, transform)
@@ -185,6 +203,8 @@ class RandomMapMapDataset(_ElementwiseMapDataset):
 class FilterMapDataset(_ElementwiseMapDataset):
     """``ds[i] = parent[i]`` if the predicate holds, else ``None`` (a hole)."""
 
+    element_spec_rule = parent_spec
+
     creates_holes = True
     # Grain's words in MapDataset.batch's refusal, which users match on.
     display_name = "MapDataset.filter"
@@ -205,17 +225,12 @@ class FilterMapDataset(_ElementwiseMapDataset):
 
 
 # ------------------------------------------------------------------------ IterDataset side
-class _ElementwiseIterDataset(IterDataset[Any]):
+class _ElementwiseIterDataset(_TransformApplying, IterDataset[Any]):
     _iterator_cls: type[DatasetIterator[Any]]
 
     def __init__(self, parent: IterDataset[Any], transform: Any) -> None:
         super().__init__(parent)
         self._transform = transform
-
-    @property
-    def transform(self) -> Any:
-        """The function or transformation object applied to each element."""
-        return self._transform
 
     def __iter__(self) -> DatasetIterator[Any]:
         return self._iterator_cls(iter(self._parents[0]), self)  # type: ignore[call-arg]
@@ -239,6 +254,8 @@ class _MapIterator(ElementwiseIterator[Any]):
 
 class MapIterDataset(_ElementwiseIterDataset):
     """Applies ``fn`` to every element; state is the parent's."""
+
+    element_spec_rule = transform_spec
 
     _iterator_cls = _MapIterator
 
@@ -301,6 +318,8 @@ class _MapWithIndexIterator(_IndexedIterator):
 class MapWithIndexIterDataset(_ElementwiseIterDataset):
     """Applies ``fn(index, element)``; state ``{"parent", "counter"}``."""
 
+    element_spec_rule = transform_spec
+
     _iterator_cls = _MapWithIndexIterator
 
 
@@ -324,6 +343,8 @@ class _RandomMapIterator(_IndexedIterator):
 
 class RandomMapIterDataset(_ElementwiseIterDataset):
     """Applies ``fn(element, rng)``; state ``{"parent", "index_for_rng"}``."""
+
+    element_spec_rule = transform_spec
 
     _iterator_cls = _RandomMapIterator
 
@@ -366,5 +387,7 @@ class _FilterIterator(ParentStateIterator[Any]):
 
 class FilterIterDataset(_ElementwiseIterDataset):
     """Keeps elements for which the predicate holds; state is the parent's."""
+
+    element_spec_rule = parent_spec
 
     _iterator_cls = _FilterIterator
