@@ -365,3 +365,30 @@ def test_restore_walks_the_iterator_tree_once_and_starts_the_read_ahead(tmp_path
         # The restore started the read-ahead thread: record 4 is read before any next().
         assert source.read.wait(timeout=120)
         assert list(fresh) == [6, 8, 10, 12, 14, 16, 18]
+
+
+def test_restore_creates_and_starts_an_interleaves_inputs_in_one_walk(tmp_path: Path) -> None:
+    handler = checkpoint.CheckpointHandler()
+    visits: list[str] = []
+
+    def make() -> Any:
+        inputs = [
+            _VisitCounting(grain.MapDataset.range(start, 40, 4).to_iter_dataset(), visits)
+            for start in range(4)
+        ]
+        return iter(
+            grain.experimental.InterleaveIterDataset(inputs, cycle_length=2, iter_buffer_size=0)
+        )
+
+    with make() as it:
+        expected = list(it)
+    with make() as it:
+        for _ in range(5):
+            next(it)
+        handler.save(tmp_path, it)
+    with make() as fresh:
+        visits.clear()
+        handler.restore(tmp_path, fresh)
+        # The two inputs in the cycle are created with their states and started: one visit each.
+        assert visits == ["set_state", "set_state"]
+        assert list(fresh) == expected[5:]
