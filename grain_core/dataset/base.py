@@ -309,9 +309,9 @@ class MapDataset(_Node, Generic[T], abc.ABC):
 
     def seed(self, seed: int) -> MapDataset[T]:
         """Sets the root seed from which downstream random transforms derive theirs."""
-        from grain_core.dataset.ops.seed import WithSeedMapDataset  # fluent API cycle
+        from grain_core.dataset.ops.seed import _WithSeedMapDataset  # fluent API cycle
 
-        return WithSeedMapDataset(self, seed)
+        return _WithSeedMapDataset(self, seed)
 
     def shuffle(self, seed: int | None = None) -> MapDataset[T]:
         """Global per-epoch permutation with O(1) memory and random access."""
@@ -760,9 +760,9 @@ class IterDataset(_Node, Iterable[T], Generic[T], abc.ABC):
         return RandomMapIterDataset(self, transform, seed=seed)
 
     def seed(self, seed: int) -> IterDataset[T]:
-        from grain_core.dataset.ops.seed import WithSeedIterDataset  # fluent API cycle
+        from grain_core.dataset.ops.seed import _WithSeedIterDataset  # fluent API cycle
 
-        return WithSeedIterDataset(self, seed)
+        return _WithSeedIterDataset(self, seed)
 
     def prefetch(self, multiprocessing_options: MultiprocessingOptions) -> IterDataset[T]:
         """Deprecated alias of :meth:`mp_prefetch`."""

@@ -143,8 +143,8 @@ def _resolve_batch_fn(batch_fn: Callable[[Sequence[Any]], Any] | None) -> Callab
 def _in_shared_memory(batch_fn: Callable[..., Any]) -> Callable[..., Any]:
     """``batch_fn`` writing its output into shared memory, or ``batch_fn`` itself when it
     cannot (a custom function without ``enable_shared_memory_output()``)."""
-    # The engines import this module, and only a batch sent between processes needs them.
-    from grain_core.dataset.mp import shared_memory_batch_fn  # import cost
+    # Shared memory (grain_core._ipc.shm, 30 ms) loads only for a batch sent between processes.
+    from grain_core.dataset.ops.shm_batch import shared_memory_batch_fn  # import cost
 
     return shared_memory_batch_fn(batch_fn) or batch_fn
 
