@@ -286,8 +286,8 @@ class _RecordFlatMap:
 def _batch_fn(batch_fn: Any, shared_memory: bool) -> Any:
     """The function a ``Batch`` operation stacks with: the user's or ``make_batch``, writing
     into shared memory when the batch is sent to the parent process."""
-    # The worker engines load only for a DataLoader with workers.
-    from grain_core.dataset.mp import shared_memory_batch_fn  # import cost
+    # Shared memory (grain_core._ipc.shm) loads only for a DataLoader with workers.
+    from grain_core.dataset.ops.shm_batch import shared_memory_batch_fn  # import cost
 
     fn = make_batch if batch_fn is None else batch_fn
     if shared_memory:

@@ -39,6 +39,7 @@ class _Flags:
     max_fan_out = 3
     uses_record_rng = False
     creates_holes = True
+    display_name = "flags"
     maps_batches = True
     reads_columns = True
     checkpoints_shard_states = True
@@ -97,8 +98,8 @@ def test_sources_are_read_with_their_batched_read_chosen_when_built() -> None:
 
 
 def test_the_built_in_batch_functions_stack_column_blocks() -> None:
-    from grain_core.dataset.mp.shm_batch import make_batch_in_shared_memory
     from grain_core.dataset.ops.batch import make_batch
+    from grain_core.dataset.ops.shm_batch import make_batch_in_shared_memory
 
     for batch_fn in (make_batch, make_batch_in_shared_memory):
         assert isinstance(batch_fn, capabilities.ColumnBlockStacking)

@@ -103,6 +103,8 @@ def test_custom_batch_fn_needs_output_spec() -> None:
 def test_unknown_sources_raise() -> None:
     with pytest.raises(NotImplementedError, match="without reading data"):
         get_element_spec(MapDataset.source([1, 2]))
+    with pytest.raises(NotImplementedError, match="without reading data"):
+        get_element_spec([1, 2])  # type: ignore[arg-type]  # not a dataset at all
 
 
 def test_node_hook() -> None:

@@ -129,7 +129,7 @@ def test_the_graph_is_logged_when_the_first_element_is_produced(
         "_MapIterator",
         "PrefetchDatasetIterator",
         "ShuffleMapDataset",
-        "WithSeedMapDataset",
+        "_WithSeedMapDataset",
         "SourceMapDataset",
     ]
     assert [c[3] for c in cells] == ["1", "2", "3", "4", "5", "-"]

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 import grain_core as grain
-from grain_core.dataset.ops.seed import WithSeedIterDataset, WithSeedMapDataset
+from grain_core.dataset.ops.seed import _WithSeedIterDataset, _WithSeedMapDataset
 
 MD = grain.MapDataset
 
@@ -13,7 +13,7 @@ MD = grain.MapDataset
 def test_a_seeded_map_dataset_reads_its_parent() -> None:
     parent = MD.range(6).map(lambda x: x * 3)
     seeded = parent.seed(5)
-    assert isinstance(seeded, WithSeedMapDataset) and seeded.passes_values
+    assert isinstance(seeded, _WithSeedMapDataset) and seeded.passes_values
     assert len(seeded) == 6
     assert list(seeded) == list(parent)
     assert list(seeded._getitems([4, 1])) == [12, 3]
@@ -24,7 +24,7 @@ def test_a_seeded_map_dataset_reads_its_parent() -> None:
 def test_a_seeded_iter_dataset_iterates_its_parent() -> None:
     parent = MD.range(4).to_iter_dataset()
     seeded = parent.seed(2**40)
-    assert isinstance(seeded, WithSeedIterDataset)
+    assert isinstance(seeded, _WithSeedIterDataset)
     assert list(seeded) == [0, 1, 2, 3]
     assert repr(seeded) == f"SeedIterDataset(seed={2**40})"
 

@@ -55,7 +55,7 @@ PRIVATE_MODULES: dict[str, tuple[str, ...]] = {
     "grain._src.python.checkpoint_handlers": ("grain_core.checkpoint",),
     "grain._src.python.testing.experimental": ("grain_core.testing",),
     f"{_DATASET}.base": ("grain_core.dataset.base", "grain_core.dataset.options"),
-    f"{_DATASET}.dataset": ("grain_core.dataset.base",),
+    f"{_DATASET}.dataset": ("grain_core.dataset.base", "grain_core.dataset.ops.seed"),
     f"{_DATASET}.elastic_iterator": ("grain_core.dataset.elastic",),
     f"{_DATASET}.stats": ("grain_core.observe.stages", "grain_core.observe.summary"),
     f"{_DATASET}.sources.parquet_dataset": ("grain_parquet",),

@@ -75,7 +75,7 @@ def get_element_spec(ds: MapDataset[Any] | IterDataset[Any]) -> Any:
     own = getattr(ds, "_element_spec", None)
     if own is not None:
         return own()
-    rule = type(ds).element_spec_rule
+    rule = getattr(type(ds), "element_spec_rule", None)  # None too for a non-dataset
     if rule is None:
         raise NotImplementedError(
             f"Cannot derive the element spec of {ds!r} without reading data. Give its class an "

@@ -21,7 +21,7 @@ from grain_core.dataset.ops.map import (
     MapWithIndexMapDataset,
     RandomMapMapDataset,
 )
-from grain_core.dataset.ops.seed import WithSeedMapDataset
+from grain_core.dataset.ops.seed import _WithSeedMapDataset
 from grain_core.dataset.prefetch import PrefetchIterDataset
 from grain_core.dataset.source import RangeMapDataset, SourceMapDataset
 from grain_core.sharding import ShardOptions, even_split
@@ -35,7 +35,7 @@ _POSITION_PRESERVING = (
     MapWithIndexMapDataset,
     RandomMapMapDataset,
     FilterMapDataset,
-    WithSeedMapDataset,
+    _WithSeedMapDataset,
 )
 
 

@@ -16,7 +16,7 @@ This module chooses the engine and merges: the parent side is an ``InterleaveIte
 with one input per worker (rotation) or per strided class of positions (dispatch), so the
 state is the interleave state with one worker pipeline state per input. The rest of the
 folder: ``protocol`` (the messages), ``pickling``, ``worker`` (the worker loop both engines
-share), ``shm_batch`` (batches written into shared memory), ``positions`` (what dispatching
+share), ``positions`` (what dispatching
 workers compute), ``share_index`` (``get_next_index``/``set_next_index`` with one worker). The processes themselves are ``grain_core._ipc``'s.
 """
 
@@ -40,7 +40,6 @@ from grain_core.dataset.mp.in_process import (
     usable_cores,
 )
 from grain_core.dataset.mp.pickling import EngineInput
-from grain_core.dataset.mp.shm_batch import shared_memory_batch_fn
 from grain_core.dataset.mp.worker import WarmWorkers, start_worker_server
 from grain_core.dataset.multithread import multithread_prefetch
 from grain_core.dataset.ops.interleave import InterleaveIterDataset
@@ -53,7 +52,6 @@ __all__ = [
     "MultiprocessPrefetchIterDataset",
     "mp_prefetch",
     "seconds_per_result_with_workers",
-    "shared_memory_batch_fn",
     "start_worker_server",
     "transport_seconds",
     "usable_cores",

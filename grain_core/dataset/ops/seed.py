@@ -10,12 +10,14 @@ from grain_core import random as _random
 from grain_core.dataset.base import DatasetIterator, Indices, IterDataset, MapDataset
 from grain_core.dataset.element_spec import parent_spec
 
-__all__ = ["WithSeedIterDataset", "WithSeedMapDataset"]
+# The node classes keep Grain's private names, which the dataset graph and execution summary
+# show (docs/debugging.md); worker_slicing.py knows the map one as position-preserving.
+__all__: list[str] = []
 
 T = TypeVar("T")
 
 
-class WithSeedMapDataset(MapDataset[T]):
+class _WithSeedMapDataset(MapDataset[T]):
     """Pass-through node carrying the seed set by ``MapDataset.seed()``."""
 
     passes_values = True
@@ -41,7 +43,7 @@ class WithSeedMapDataset(MapDataset[T]):
         return f"SeedMapDataset(seed={self._seed_value})"
 
 
-class WithSeedIterDataset(IterDataset[T]):
+class _WithSeedIterDataset(IterDataset[T]):
     """Pass-through node carrying the seed set by ``IterDataset.seed()``."""
 
     element_spec_rule = parent_spec
