@@ -245,9 +245,11 @@ class ColumnBlockStacking(Protocol):
 class HoleMaking(Protocol):
     """A ``MapDataset`` that leaves holes (``None``) in its index space when
     ``creates_holes`` is true (``filter``, ``flat_map``): ``MapDataset.batch`` cannot follow
-    it."""
+    it, and its refusal names the node by ``display_name`` (the words Google Grain uses where
+    it has them, e.g. ``MapDataset.filter``)."""
 
     creates_holes: bool
+    display_name: str
 
 
 @runtime_checkable
@@ -350,8 +352,9 @@ class WorkerStageReceiver(Protocol):
 @runtime_checkable
 class ReadsInputsOnOwnThread(Protocol):
     """An iterator whose inputs are read by a thread of its own (thread prefetch). While
-    ``inputs_paused()`` is held, that thread stays out of its inputs, so the holder's thread
-    may use them: a report asking the workers under them for their statistics."""
+    ``inputs_paused()`` is entered, that thread is stopped (no lock is taken per read), so the
+    caller's thread may use the inputs: a report asking the workers under them for their
+    statistics."""
 
     def inputs_paused(self) -> contextlib.AbstractContextManager[Any]:
         """A context in which the iterator's own thread does not read its inputs (it finishes

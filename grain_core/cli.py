@@ -3,7 +3,7 @@
 Commands: ``plugins`` (what is installed and what failed), ``inspect PATH`` (a file through
 its format plugin), ``convert IN OUT`` (records from one format to another), ``demo`` (the
 end-to-end example with its throughput), ``profile`` (an HTML report of a pipeline's time,
-see ``grain_core.profiling``), ``bench`` (the repository's benchmark suite).
+see ``grain_core.observe.profile``), ``bench`` (the repository's benchmark suite).
 ``--version`` lists the loaded plugins too.
 """
 
@@ -253,10 +253,10 @@ def _parser() -> argparse.ArgumentParser:
         "profile",
         help="run a pipeline for N batches and write an HTML report of where its time goes",
     )
-    from grain_core import profiling  # import cost
+    from grain_core.observe import profile as profile_module  # import cost
 
-    profiling.add_arguments(profile)
-    profile.set_defaults(run=profiling.run)
+    profile_module.add_arguments(profile)
+    profile.set_defaults(run=profile_module.run)
 
     bench = commands.add_parser(
         "bench",

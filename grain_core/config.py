@@ -31,12 +31,12 @@ _TRACEBACK_MODES = ("auto", "off", "tracebackhide", "quiet_remove_frames", "remo
 
 _DEFAULTS: dict[str, Any] = {
     # Stage timing on every pipeline built while it is on, and the execution summary logged
-    # periodically and at the end of iteration (grain_core.dataset.debug).
+    # periodically and at the end of iteration (grain_core.observe.graph).
     "py_debug_mode": False,
     # grain_core's own: seconds between two execution summaries in debug mode (Grain: 60).
     "py_debug_summary_interval": 60.0,
     # None: off. "": log the dataset graph when the first element is produced. A directory:
-    # log it and write it there (grain_core.dataset.debug).
+    # log it and write it there (grain_core.observe.graph).
     "py_dataset_visualization_output_dir": None,
     "py_traceback_filtering": "auto",
     "py_relay_sigterm_to_main": False,

@@ -10,7 +10,6 @@ from typing import Any
 
 from grain_core.capabilities import SupportsNextBlock
 from grain_core.dataset.autotune import PerformanceConfig, pick_performance_config
-from grain_core.dataset.debug import DatasetGraph, GraphNode, dataset_graph
 from grain_core.dataset.elastic import ElasticIterator
 from grain_core.dataset.element_spec import (
     ShapeDtypeStruct,
@@ -37,10 +36,11 @@ from grain_core.dataset.ops.window_shuffle import WindowShuffleIterDataset, Wind
 from grain_core.dataset.ops.zip import ZipIterDataset, ZipMapDataset
 from grain_core.dataset.options import DatasetOptions, ExecutionTrackingMode
 from grain_core.dataset.prefetch import ThreadPrefetchDatasetIterator, ThreadPrefetchIterDataset
-from grain_core.dataset.stats import ExecutionSummary, StageSummary, get_execution_summary
-from grain_core.dataset.trace import Trace
 from grain_core.dataset.with_options import WithOptionsIterDataset
 from grain_core.jax_utils import device_put, make_global_batch
+from grain_core.observe.graph import DatasetGraph, GraphNode, dataset_graph
+from grain_core.observe.spans import Trace
+from grain_core.observe.summary import ExecutionSummary, StageSummary, get_execution_summary
 from grain_core.plugins import resolve_public_name
 from grain_core.random import RngPool, index_shuffle
 from grain_core.testing import assert_equal_output_after_checkpoint

@@ -20,6 +20,7 @@ from hypothesis import HealthCheck, settings
 
 import grain_core as grain
 from grain_core.dataset.mp import positions as mp_positions
+from grain_core.observe import stages
 
 settings.register_profile(
     "grain_core", max_examples=50, deadline=None, suppress_health_check=[HealthCheck.too_slow]
@@ -211,3 +212,52 @@ def encode_varint(value: int, extra: int = 0) -> bytes:
         out[-1] |= 0x80
         out += b"\x80" * (extra - 1) + b"\x00"
     return bytes(out)
+
+
+class StageClock:
+    """Replaces the stage-timing clock; transforms ``advance`` it to cost a known amount of time."""
+
+    def __init__(self) -> None:
+        self.now = 0
+
+    def __call__(self) -> int:
+        return self.now
+
+    def advance(self, ns: int) -> None:
+        self.now += ns
+
+
+@pytest.fixture
+def stage_clock(monkeypatch: pytest.MonkeyPatch) -> StageClock:
+    """The clock of stage timing (``grain_core.observe.stages``), replaced by a StageClock."""
+    fake = StageClock()
+    monkeypatch.setattr(stages, "_now", fake)
+    return fake
+
+
+def stage_pipeline(clock: StageClock | None = None) -> Any:
+    """Six stages whose transforms cost 1000, 10 and 100 ns of ``clock`` per element."""
+
+    def costly(x: int) -> int:
+        if clock is not None:
+            clock.advance(1000)
+        return x + 1
+
+    def keep_even(x: int) -> bool:
+        if clock is not None:
+            clock.advance(10)
+        return x % 2 == 0
+
+    def cheap(x: int) -> int:
+        if clock is not None:
+            clock.advance(100)
+        return x * 2
+
+    return (
+        grain.MapDataset.range(100)
+        .map(costly)
+        .to_iter_dataset(grain.ReadOptions(num_threads=0))
+        .filter(keep_even)
+        .map(cheap)
+        .batch(5)
+    )

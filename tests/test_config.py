@@ -68,24 +68,24 @@ def test_workers_compute_unless_the_environment_opts_into_the_parent(
 # ignored would make users believe something is on that is not.
 def _check_debug_mode(cfg: Config, monkeypatch: pytest.MonkeyPatch) -> None:
     import grain_core as grain
-    from grain_core.dataset import stats
+    from grain_core.observe import stages
 
     monkeypatch.setattr("grain_core.dataset.options.config", cfg)
     cfg.update("py_debug_mode", True)
-    assert stats.is_tracking(iter(grain.MapDataset.range(3).to_iter_dataset()))
+    assert stages.is_tracking(iter(grain.MapDataset.range(3).to_iter_dataset()))
     cfg.update("py_debug_mode", False)
-    assert not stats.is_tracking(iter(grain.MapDataset.range(3).to_iter_dataset()))
+    assert not stages.is_tracking(iter(grain.MapDataset.range(3).to_iter_dataset()))
     with pytest.raises(ValueError, match="py_debug_mode must be a bool"):
         cfg.update("py_debug_mode", "yes")
 
 
 def _check_summary_interval(cfg: Config, monkeypatch: pytest.MonkeyPatch) -> None:
-    from grain_core.dataset import debug
+    from grain_core.observe import graph
 
-    monkeypatch.setattr(debug, "config", cfg)
-    monkeypatch.setattr(debug, "_monotonic", lambda: 100.0)
+    monkeypatch.setattr(graph, "config", cfg)
+    monkeypatch.setattr(graph, "_monotonic", lambda: 100.0)
     cfg.update("py_debug_summary_interval", 2.5)
-    assert debug._Reporter().next_due == 102.5
+    assert graph._Reporter().next_due == 102.5
     for bad in (0, -1, float("nan"), True, "60"):
         with pytest.raises(ValueError, match="positive number of seconds"):
             cfg.update("py_debug_summary_interval", bad)
@@ -93,14 +93,14 @@ def _check_summary_interval(cfg: Config, monkeypatch: pytest.MonkeyPatch) -> Non
 
 def _check_visualization_dir(cfg: Config, monkeypatch: pytest.MonkeyPatch) -> None:
     import grain_core as grain
-    from grain_core.dataset import debug
+    from grain_core.observe import graph
 
     monkeypatch.setattr("grain_core.dataset.options.config", cfg)
-    monkeypatch.setattr(debug, "config", cfg)
+    monkeypatch.setattr(graph, "config", cfg)
     cfg.update("py_dataset_visualization_output_dir", "")
     it = iter(grain.MapDataset.range(3).to_iter_dataset())
     next(it)
-    assert "0 | Prefetch" in str(debug.dataset_graph(it))  # tracked, so the graph is known
+    assert "0 | Prefetch" in str(graph.dataset_graph(it))  # tracked, so the graph is known
     assert "_debug_reporter" in vars(it)
 
 

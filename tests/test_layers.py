@@ -32,20 +32,12 @@ TRANSPORT = "grain_core._ipc"
 ENGINES = "grain_core.dataset.mp"
 
 _FLUENT = "fluent API cycle: the method builds an operator whose module imports base"
-_OBSERVE = (
-    "issue 38: observability moves to grain_core/observe (branch integ), which the runtime and "
-    "the engines reach without importing it"
-)
 #: Imports that point to a layer above their module's, each with its reason. An entry that
 #: no longer matches anything fails too, so the list only shrinks.
 KNOWN_EXCEPTIONS: dict[tuple[str, str], str] = {
     ("grain_core/dataset/base.py", "grain_core.dataset.mp"): (
         f"{_FLUENT} (IterDataset.mp_prefetch)"
     ),
-    ("grain_core/dataset/iterator.py", "grain_core.dataset.stats"): _OBSERVE,
-    ("grain_core/dataset/iterator.py", "grain_core.dataset.debug"): _OBSERVE,
-    ("grain_core/dataset/mp/protocol.py", "grain_core.dataset.stats"): _OBSERVE,
-    ("grain_core/dataset/mp/worker.py", "grain_core.dataset.stats"): _OBSERVE,
 }
 
 
@@ -326,6 +318,30 @@ def test_the_default_plugins_belong_to_the_dataset_layer() -> None:
     assert {layer_of[module].name for module in DEFAULT_PLUGINS.values()} == {"Dataset"}
 
 
+def test_observability_imports_of_the_dataset_only_its_base_types() -> None:
+    # Neither an operator nor an engine: the dataset and the engines ask a PipelineObserver.
+    base_types = {
+        "grain_core.dataset.iterator",
+        "grain_core.dataset.base",
+        "grain_core.dataset.options",
+    }
+    observe = next(layer for layer in _layer_table() if layer.name == "Observability")
+    paths = [
+        CORE / Path(*m.split(".")[1:]).with_suffix(".py")
+        for m in observe.modules
+        if _within(m, "grain_core.observe") and m != "grain_core.observe"
+    ]
+    paths.append(CORE / "observe" / "__init__.py")
+    assert all(p.is_file() for p in paths)
+
+    def allowed(imp: Import) -> bool:
+        if imp.package_of_module or not _within(imp.target, "grain_core.dataset"):
+            return True
+        return imp.target in base_types
+
+    assert _violations(paths, allowed) == []
+
+
 def test_every_layer_a_row_may_import_is_a_row_below_it() -> None:
     layers = _layer_table()
     for position, layer in enumerate(layers):
@@ -467,20 +483,15 @@ def test_the_engines_import_no_dataset_node() -> None:
     assert found == []
 
 
-def test_no_engine_is_in_the_circle_but_through_observability() -> None:
+def test_the_one_circle_holds_no_engine_and_not_the_runtime_types() -> None:
     # IterDataset.mp_prefetch reaches the engines' facade, which imports the engines; no
-    # engine imports back into the fluent layer, so without the observability edges that
-    # issue 38's observe/ move removes (KNOWN_EXCEPTIONS), the one circle holds no engine and
-    # none of the runtime's low types.
-    graph = CIRCLES.import_graph(CORE)
-    for (path, target), reason in KNOWN_EXCEPTIONS.items():
-        if reason == _OBSERVE:
-            graph[_module_name(ROOT / path)].discard(target)
-    circles = CIRCLES.circles(graph)
+    # engine imports back into the fluent layer, so the circle is the fluent API's alone.
+    circles = CIRCLES.circles(CIRCLES.import_graph(CORE))
     assert len(circles) == 1
     in_circle = set(circles[0])
     assert in_circle & {*_engine_modules(), "grain_core.dataset.iterator"} == set()
     assert {"grain_core.dataset.base", ENGINES} <= in_circle
+    assert len(in_circle) <= 27
 
 
 def test_the_circle_tool_finds_a_circle_through_a_function_level_import(tmp_path: Path) -> None:

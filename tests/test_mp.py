@@ -34,9 +34,10 @@ from grain_core._ipc import shm as _shm
 from grain_core.dataset.mp import MultiprocessPrefetchIterDataset, protocol, rotation
 from grain_core.dataset.mp import positions as mp_positions
 from grain_core.dataset.mp.pickling import pickle_pipeline
-from grain_core.dataset.stats import get_execution_summary
 from grain_core.dataset.worker_slicing import slice_for_worker
 from grain_core.experimental import DatasetOptions, ExecutionTrackingMode, WithOptionsIterDataset
+from grain_core.observe import Observer
+from grain_core.observe.summary import get_execution_summary
 from grain_core.testing import assert_trees_equal, check_iterator_conformance
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="POSIX shm + /dev/shm")
@@ -1150,7 +1151,7 @@ def test_options_downstream_of_mp_prefetch_reach_the_workers() -> None:
 
 def test_untracked_workers_send_no_statistics(monkeypatch: pytest.MonkeyPatch) -> None:
     calls: list[Any] = []
-    monkeypatch.setattr(protocol, "attach_worker_stages", lambda *a: calls.append(a))
+    monkeypatch.setattr(Observer, "receive_worker_snapshot", lambda *a: calls.append(a))
     ds = grain.MapDataset.range(10).to_iter_dataset().mp_prefetch(mp_options(2))
     with iter(ds) as it:
         assert list(it) == list(range(10))

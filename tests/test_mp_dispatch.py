@@ -269,7 +269,7 @@ def _sleepy(x: int) -> int:
 
 
 def test_steps_and_their_time_reach_the_execution_summary() -> None:
-    from grain_core.dataset.stats import get_execution_summary
+    from grain_core.observe.summary import get_execution_summary
 
     timing = grain.experimental.DatasetOptions(
         execution_tracking_mode=grain.experimental.ExecutionTrackingMode.STAGE_TIMING

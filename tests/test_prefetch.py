@@ -485,3 +485,20 @@ def test_thread_prefetch_fills_its_buffer_after_an_early_break_and_stops_on_clos
     it.close()
     assert not producer.is_alive()
     assert read == list(range(1 + buffer_size + 1))
+
+
+@pytest.mark.parametrize("buffer", [1, 3])
+def test_a_pause_of_the_producer_thread_loses_and_repeats_nothing(buffer: int) -> None:
+    # A report pauses the thread (it holds no lock per read): what it read and had no room
+    # for goes on with the next thread, the end included, and the states stay exact.
+    source = grain.MapDataset.range(40).to_iter_dataset(grain.ReadOptions(num_threads=0))
+    it = ThreadPrefetchDatasetIterator(iter(source), buffer)
+    seen = []
+    for position in range(40):
+        with it.inputs_paused():
+            assert it._thread is None  # stopped: the caller may read the source
+        seen.append(next(it))
+        assert it.get_state() == {"next_index": position + 1}
+    with it.inputs_paused():
+        pass
+    assert list(it) == [] and seen == list(range(40))

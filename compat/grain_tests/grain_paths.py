@@ -65,7 +65,7 @@ PRIVATE_MODULES: dict[str, tuple[str, ...]] = {
         "grain_core.dataset.ops.seed",
     ),
     f"{_DATASET}.elastic_iterator": ("grain_core.dataset.elastic",),
-    f"{_DATASET}.stats": ("grain_core.dataset.stats",),
+    f"{_DATASET}.stats": ("grain_core.observe.stages", "grain_core.observe.summary"),
     f"{_DATASET}.sources.parquet_dataset": ("grain_parquet",),
     f"{_DATASET}.sources.tfrecord_dataset": ("grain_tfrecord",),
     f"{_TRANSFORMATIONS}.autotune": ("grain_core.dataset.autotune",),

@@ -1,6 +1,8 @@
 """The dataset runtime's low types: ``DatasetIterator`` (the iterator protocol: state,
-closing, the context its pipeline shares), its contexts (``IteratorContext``,
-``MultiprocessingContext``, ``ShareContext``) and ``ElementBlock``.
+closing, the context its pipeline shares) and the iterators that build on it alone
+(``ParentStateIterator``, ``ElementwiseIterator``), its contexts (``IteratorContext``,
+``MultiprocessingContext``, ``ShareContext``), ``ElementBlock``, and the seam to
+observability (``PipelineObserver``).
 
 Below the fluent layer (``base.py``'s datasets, the operators): it imports no dataset node, so
 the engines of ``dataset/mp/`` build on it without importing the operators they run.
@@ -12,16 +14,21 @@ import abc
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, Generic, TypeVar
 
-from grain_core._checkpoint_io import load_coroutine, save_coroutine
+from grain_core._checkpoint_io import load_coroutine, save_coroutine, start_when_restored
 from grain_core._checks import non_negative_int
 from grain_core.dataset.options import DatasetOptions, ExecutionTrackingMode, pipeline_options
 
 __all__ = [
     "DatasetIterator",
     "ElementBlock",
+    "ElementwiseIterator",
     "IteratorContext",
     "MultiprocessingContext",
+    "ParentStateIterator",
+    "PipelineObserver",
     "ShareContext",
+    "pipeline_observer",
+    "set_pipeline_observer",
 ]
 
 T = TypeVar("T")
@@ -79,7 +86,7 @@ class IteratorContext:
         self.mp_context = mp_context or MultiprocessingContext()
         self.is_dataloader_pipeline = False
         # The pipeline's output iterator (a weak reference), set only in debug mode and while
-        # the dataset graph is visualized (grain_core.dataset.debug).
+        # the dataset graph is visualized (grain_core.observe.graph).
         self.output: Any = None
 
     def merge(self, other: IteratorContext) -> None:
@@ -194,11 +201,8 @@ class DatasetIterator(Iterator[T], abc.ABC):
                 p._share_ctx(ctx)
         if self._start_stage_timing_if_enabled():
             # Debug mode and the dataset graph report from the pipeline's output: the
-            # iterator built last, which no other iterator of its pipeline reads. (debug imports
-            # base, and only a pipeline that tracks its stages needs it.)
-            from grain_core.dataset.debug import watch_output  # import cost
-
-            watch_output(self)
+            # iterator built last, which no other iterator of its pipeline reads.
+            _observer.watch_output(self)
 
     def _share_ctx(self, ctx: IteratorContext) -> None:
         if self._ctx is ctx:
@@ -217,13 +221,10 @@ class DatasetIterator(Iterator[T], abc.ABC):
     def _start_stage_timing_if_enabled(self) -> bool:
         """Installs stage timing if the pipeline tracks it; returns whether it does."""
         # Runs when an iterator joins a pipeline or its options change, never per element:
-        # timing is installed on the iterators themselves (see grain_core.dataset.stats).
+        # timing is installed on the iterators themselves (see grain_core.observe.stages).
         if self._ctx.dataset_options.execution_tracking_mode is ExecutionTrackingMode.DISABLED:
             return False
-        # stats imports base, and only a pipeline that tracks its stages needs it.
-        from grain_core.dataset.stats import time_stages  # import cost
-
-        time_stages(self)
+        _observer.time_stages(self)
         return True
 
     _parent = _FirstParent()
@@ -248,6 +249,13 @@ class DatasetIterator(Iterator[T], abc.ABC):
             start = getattr(p, "start_prefetch", None)
             if start is not None:
                 start()
+
+    def _start_when_restored(self) -> bool:
+        """Called at the end of ``set_state`` by an iterator with background work of its own:
+        a restore that starts background work (``CheckpointHandler.restore``) starts it when
+        every iterator has its state, so the restore walks the tree once. Returns whether the
+        restore will start it."""
+        return start_when_restored(self.start_prefetch)
 
     def close(self) -> None:
         """Releases resources of this iterator and its parents. Idempotent."""
@@ -321,6 +329,34 @@ class DatasetIterator(Iterator[T], abc.ABC):
         return load_coroutine(directory, self)
 
 
+class ParentStateIterator(DatasetIterator[T]):
+    """An iterator over one parent whose position is its parent's: it owns the state protocol
+    (``get_state`` and ``set_state`` are the parent's, and it holds nothing of its own across
+    shard counts), so a node built on it implements only its own logic (``__next__``)."""
+
+    def get_state(self) -> dict[str, Any]:
+        state: dict[str, Any] = self._parents[0].get_state()
+        return state
+
+    def set_state(self, state: dict[str, Any]) -> None:
+        self._parents[0].set_state(state)
+
+    def _progress_held(self) -> None:
+        return None
+
+
+class ElementwiseIterator(ParentStateIterator[T]):
+    """A ``ParentStateIterator`` whose every element comes from the parent's next one, so it
+    has produced as many elements as its parent and jumps where its parent jumps."""
+
+    def _get_next_index(self) -> int:
+        index: int = self._parents[0]._get_next_index()
+        return index
+
+    def _set_next_index(self, index: int) -> None:
+        self._parents[0]._set_next_index(index)
+
+
 class ElementBlock(Generic[T]):
     """Consecutive elements taken from an iterator in one call, and the iterator's state
     after each of them.
@@ -343,3 +379,51 @@ class ElementBlock(Generic[T]):
 
     def __repr__(self) -> str:
         return f"ElementBlock(len={len(self.elements)})"
+
+
+class PipelineObserver:
+    """What the dataset layer and the engines ask of observability, which sits above them
+    (``grain_core.observe``, which ``grain_core.dataset`` imports, registers its own with
+    ``set_pipeline_observer``). Asked only when a pipeline is built, when a worker reports and
+    when a report is made, never per element. The default observes nothing."""
+
+    def time_stages(self, iterator: DatasetIterator[Any]) -> None:
+        """Installs stage timing on ``iterator`` and its inputs; their pipeline tracks them."""
+
+    def watch_output(self, iterator: DatasetIterator[Any]) -> None:
+        """Lets ``iterator``, built last in a tracked pipeline, report in debug mode."""
+
+    def tracks(self, iterator: DatasetIterator[Any]) -> bool:
+        """Whether ``iterator`` records stage statistics."""
+        return False
+
+    def worker_snapshot(self, iterator: DatasetIterator[Any]) -> Any:
+        """A worker pipeline's statistics (and trace spans) under ``iterator``, an opaque
+        picklable payload for the parent; None if it does not track them."""
+        return None
+
+    def receive_worker_snapshot(self, iterator: DatasetIterator[Any], snapshot: Any) -> None:
+        """Puts a worker's ``snapshot`` under ``iterator``, the parent's stage receiving that
+        worker's elements."""
+
+    def span_wrapper(
+        self, iterator: DatasetIterator[Any]
+    ) -> Callable[[Callable[..., Any], str, str], Callable[..., Any]] | None:
+        """For a worker whose pipeline (output ``iterator``) traces its stages: a function
+        that wraps a callable of the worker loop so that each call is a span of the given name
+        and category; None otherwise."""
+        return None
+
+
+_observer = PipelineObserver()
+
+
+def pipeline_observer() -> PipelineObserver:
+    """The observer registered with ``set_pipeline_observer``."""
+    return _observer
+
+
+def set_pipeline_observer(observer: PipelineObserver) -> None:
+    """Registers ``observer`` (``grain_core.observe`` does, when imported)."""
+    global _observer
+    _observer = observer

@@ -9,9 +9,14 @@ import time
 from typing import Any
 
 from grain_core.config import config
-from grain_core.dataset.trace import is_recording
 
-__all__ = ["DatasetOptions", "ExecutionTrackingMode", "FilterRatioChecker", "pipeline_options"]
+__all__ = [
+    "DatasetOptions",
+    "ExecutionTrackingMode",
+    "FilterRatioChecker",
+    "pipeline_options",
+    "trace_pipelines",
+]
 
 _logger = logging.getLogger("grain_core")
 
@@ -28,12 +33,23 @@ class ExecutionTrackingMode(enum.Enum):
     STAGE_TRACING = "STAGE_TRACING"
 
 
+#: Whether pipelines built now trace their stages: a ``Trace`` is open in this process.
+_tracing = False
+
+
+def trace_pipelines(on: bool) -> None:
+    """Makes the pipelines built from now on trace their stages (``on``) or not: what opening
+    and closing a ``grain_core.observe.spans.Trace`` does."""
+    global _tracing
+    _tracing = on
+
+
 def pipeline_options() -> DatasetOptions:
     """The options a new pipeline starts from: the defaults, with stage timing set explicitly
     while ``py_debug_mode`` or ``py_dataset_visualization_output_dir`` is on (stage tracing while
     a ``Trace`` is open), so that the mode reaches worker processes with the pipeline's options.
     """
-    if is_recording():
+    if _tracing:
         return _TRACING_OPTIONS
     if config.py_debug_mode or config.py_dataset_visualization_output_dir is not None:
         return _TIMING_OPTIONS

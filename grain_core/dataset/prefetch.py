@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import collections
 import concurrent.futures
+import contextlib
 import copy
 import functools
 import queue
 import threading
 import time
 import weakref
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any, NoReturn
 
 from grain_core._checks import as_int
@@ -327,6 +328,7 @@ class PrefetchDatasetIterator(DatasetIterator[Any]):
             )
         self._cancel_pending()
         self._reset(next_index)
+        self._start_when_restored()
 
     def source_extended(self) -> None:
         """Reads on into indices appended to a growing MapDataset (the positions assigned to an
@@ -442,36 +444,50 @@ def _snapshot(source: Any, owns_state_copies: bool) -> Any:
     return copy.deepcopy(state) if owns_state_copies else state
 
 
+class _Carried:
+    """What one producer thread leaves to the next, after a pause (``inputs_paused``): the
+    item it read but had no room for when it was stopped, and whether it put the end."""
+
+    __slots__ = ("ended", "item")
+
+    def __init__(self) -> None:
+        self.item: tuple[Any, Any, BaseException | None] | None = None
+        self.ended = False
+
+
 def _produce(
     source: Any,
     owns_state_copies: bool,
     stop: threading.Event,
     q: queue.Queue[Any],
-    reading: threading.RLock,
+    carried: _Carried,
 ) -> None:
     """The producer thread of a ThreadPrefetchDatasetIterator: ``(element, state, error)``,
-    each read while holding ``reading``."""
+    starting with the item ``carried`` holds and leaving there the one it holds when
+    stopped."""
     try:
+        item, carried.item = carried.item, None
         while not stop.is_set():
-            try:
-                with reading:
-                    item: tuple[Any, Any, BaseException | None] = (
-                        next(source),
-                        _snapshot(source, owns_state_copies),
-                        None,
-                    )
-            except StopIteration:
-                item = (_END, None, None)
-            except BaseException as e:  # noqa: BLE001 - re-raised in the consumer
-                item = (_END, None, e)
+            if item is None:
+                try:
+                    item = (next(source), _snapshot(source, owns_state_copies), None)
+                except StopIteration:
+                    item = (_END, None, None)
+                except BaseException as e:  # noqa: BLE001 - re-raised in the consumer
+                    item = (_END, None, e)
             while not stop.is_set():
                 try:
                     q.put(item, timeout=0.1)
                     break
                 except queue.Full:
                     continue
-            if item[0] is _END:
+            else:
+                carried.item = item
                 return
+            if item[0] is _END:
+                carried.ended = True
+                return
+            item = None
     finally:
         _PRODUCERS.pop(threading.current_thread(), None)
 
@@ -495,21 +511,32 @@ class ThreadPrefetchDatasetIterator(DatasetIterator[Any]):
             maxsize=prefetch_buffer_size
         )
         self._exhausted = False
-        # Held by the producer thread while it reads the source (see inputs_paused).
-        self._reading = threading.RLock()
+        self._carried = _Carried()
 
     def _snapshot(self) -> Any:
         return _snapshot(self._source, self._owns_state_copies)
 
-    def inputs_paused(self) -> threading.RLock:
-        """Held, the producer thread stays out of the source (it finishes the read in progress
-        first), so the holder's thread may use it; reentrant for the producer thread itself."""
-        return self._reading
+    @contextlib.contextmanager
+    def inputs_paused(self) -> Iterator[None]:
+        """While entered, the producer thread is stopped (it finishes the read in progress
+        first and keeps what it read), so the caller's thread may use the source; afterwards
+        a new thread goes on from where it stopped. The producer thread itself passes."""
+        thread = self._thread
+        if thread is None or thread is threading.current_thread():
+            yield
+            return
+        self._stop.set()
+        thread.join()
+        self._thread = None
+        try:
+            yield
+        finally:
+            if not self._closed:
+                self._start()
 
     def _start(self) -> None:
-        if self._thread is None and not self._exhausted:
+        if self._thread is None and not self._exhausted and not self._carried.ended:
             self._stop = threading.Event()
-            self._queue = queue.Queue(maxsize=self._buffer_size)
             # The thread gets the source, never this iterator: an iterator the user drops
             # without close() is then collected, and collecting it stops the thread and
             # closes the source (worker processes included).
@@ -520,7 +547,7 @@ class ThreadPrefetchDatasetIterator(DatasetIterator[Any]):
                     self._owns_state_copies,
                     self._stop,
                     self._queue,
-                    self._reading,
+                    self._carried,
                 ),
                 name="grain_core-thread-prefetch",
                 daemon=True,
@@ -557,6 +584,9 @@ class ThreadPrefetchDatasetIterator(DatasetIterator[Any]):
                     break
             self._thread.join(timeout=5)
             self._thread = None
+        # Fresh: a thread that outlived the join writes only into the old ones.
+        self._queue = queue.Queue(maxsize=self._buffer_size)
+        self._carried = _Carried()
 
     def get_state(self) -> dict[str, Any]:
         return copy.deepcopy(self._state) if self._owns_state_copies else dict(self._state)
@@ -566,6 +596,7 @@ class ThreadPrefetchDatasetIterator(DatasetIterator[Any]):
         self._source.set_state(state)
         self._state = self._snapshot()
         self._exhausted = False
+        self._start_when_restored()
 
     def _progress_held(self) -> None:
         # The state is the source's as of the last element handed out: read-ahead is not in it.

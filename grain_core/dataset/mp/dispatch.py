@@ -52,6 +52,7 @@ from typing import Any
 from grain_core._ipc import shm
 from grain_core._ipc.errors import UnreadableElementError, WorkerDiedError, remote_error
 from grain_core._ipc.pool import STOP_TIMEOUT_S, StallWatch, WorkerPool
+from grain_core.dataset.iterator import pipeline_observer
 from grain_core.dataset.mp.consumer import ClassConsumer
 from grain_core.dataset.mp.dispatch_worker import worker_main
 from grain_core.dataset.mp.protocol import (
@@ -156,20 +157,14 @@ class LocalWorkers:
         plugins = loaded_plugin_names()
 
         def make_specs() -> list[WorkerSpec]:
-            dataset, init_fn = engine.payload()
             return [
-                WorkerSpec(
-                    index=w,
-                    count=self._count,
-                    init_fn=init_fn,
-                    dataset=dataset,
-                    sequential_slice=False,
-                    state=None,
-                    plugins=plugins,
+                WorkerSpec.for_engine(
+                    engine,
+                    w,
+                    self._count,
                     options=options,
-                    nodes=engine.nodes,
-                    shm_prefix=WorkerPool.new_prefix(w),
-                    pool_size=2 * self._buffer + 2,
+                    plugins=plugins,
+                    results_in_flight=self._buffer,
                     buffer_size=engine.options.per_worker_buffer_size,
                 )
                 for w in range(self._count)
@@ -222,7 +217,7 @@ class LocalWorkers:
         self._restarted = True  # runs are re-planned on the next pump, once for all classes
 
     def request_stats(self, worker: int) -> None:
-        """Asks ``worker`` for its stage statistics (``stats.refresh_worker_stages``)."""
+        """Asks ``worker`` for its stage statistics (``observe.stages.refresh_worker_stages``)."""
         if self._pool is not None:
             self._stats_requests[worker] += 1
             self._pool.send(worker, stats_request_message(self._stats_requests[worker]))
@@ -256,7 +251,7 @@ class LocalWorkers:
         tracked = []
         for worker, slot in enumerate(self._consumer.slots):
             iterator = None if slot is None else slot()
-            if iterator is not None and "_stage_stats" in vars(iterator):
+            if iterator is not None and pipeline_observer().tracks(iterator):
                 tracked.append(worker)
                 self.request_stats(worker)
         deadline = time.monotonic() + STOP_TIMEOUT_S

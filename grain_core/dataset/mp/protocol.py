@@ -43,8 +43,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from grain_core._ipc.errors import ErrorPayload
-from grain_core.dataset.iterator import DatasetIterator
-from grain_core.dataset.stats import attach_worker_stages
+from grain_core.dataset.iterator import DatasetIterator, pipeline_observer
 
 __all__ = [
     "ASSIGN",
@@ -201,7 +200,7 @@ def receive_side_message(
     """
     if kind == STATS:
         if iterator is not None and value is not None:
-            attach_worker_stages(iterator, value)
+            pipeline_observer().receive_worker_snapshot(iterator, value)
         return extra  # type: ignore[no-any-return]
     if kind == WARNING:
         category, text, filename, lineno = value

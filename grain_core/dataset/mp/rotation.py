@@ -40,7 +40,7 @@ from grain_core._ipc.errors import (
     unreadable_element_error,
 )
 from grain_core._ipc.pool import STOP_TIMEOUT_S, WorkerPool
-from grain_core.dataset.iterator import DatasetIterator, MultiprocessingContext
+from grain_core.dataset.iterator import DatasetIterator, MultiprocessingContext, pipeline_observer
 from grain_core.dataset.mp.pickling import EngineInput, dumps, dumps_message
 from grain_core.dataset.mp.protocol import (
     CREDIT,
@@ -310,20 +310,16 @@ class RotationIterator(DatasetIterator[Any]):
         options = self._ctx.dataset_options
 
         def make_specs() -> list[WorkerSpec]:
-            dataset, init_fn = engine.payload()
-            spec = WorkerSpec(
-                index=self._index,
-                count=self._count,
-                init_fn=init_fn,
-                dataset=dataset,
+            spec = WorkerSpec.for_engine(
+                engine,
+                self._index,
+                self._count,
+                options=options,
+                plugins=plugins,
+                results_in_flight=self._buffer,
+                buffer_size=self._buffer,
                 sequential_slice=engine.sequential_slice,
                 state=self._state,
-                plugins=plugins,
-                options=options,
-                nodes=engine.nodes,
-                shm_prefix=WorkerPool.new_prefix(self._index),
-                pool_size=2 * self._buffer + 2,
-                buffer_size=self._buffer,
             )
             return [spec]
 
@@ -428,7 +424,7 @@ class RotationIterator(DatasetIterator[Any]):
             self._stats_answered = answers
 
     def request_worker_stages(self) -> None:
-        """Asks the worker for its stage statistics (``stats.refresh_worker_stages``)."""
+        """Asks the worker for its stage statistics (``observe.stages.refresh_worker_stages``)."""
         if self._pool is not None and not self._closed and self._error is None:
             self._stats_requests += 1
             self._pool.send(0, stats_request_message(self._stats_requests))
@@ -505,6 +501,7 @@ class RotationIterator(DatasetIterator[Any]):
         self._error = None
         self._received.clear()
         if self._pool is None:
+            self._start_when_restored()
             return
         released = self._drop_messages_in_flight()
         self._generation += 1
@@ -542,7 +539,7 @@ class RotationIterator(DatasetIterator[Any]):
     def close(self) -> None:
         if self._closed:
             return
-        if self._pool is not None and "_stage_stats" in vars(self):
+        if self._pool is not None and pipeline_observer().tracks(self):
             # Tracked: the worker's last statistics and trace spans reach the parent (its wait
             # since END included). A worker busy in a long function gets the time shutting it
             # down would give it.

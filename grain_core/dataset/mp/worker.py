@@ -10,7 +10,8 @@ is answered by every worker, tracking or not, so the parent can wait for the ans
 traced worker (``STAGE_TRACING``) also records spans of its own: each message it writes to the
 parent (``SEND_SPAN``, category ``transport``) and each wait for a control message, a credit
 or work (``WAIT_SPAN``, category ``wait``), on the clock and in the ring buffer of its stages'
-spans (``grain_core.dataset.trace``), so they travel with its statistics. The engine's subclass says what producing means and which control messages
+spans (``PipelineObserver.span_wrapper``), so they travel with its statistics, an opaque
+payload (``PipelineObserver.worker_snapshot``). The engine's subclass says what producing means and which control messages
 it takes.
 """
 
@@ -29,8 +30,9 @@ from grain_core import plugins
 from grain_core._ipc import shm
 from grain_core._ipc.errors import error_payload
 from grain_core._ipc.pool import WorkerPool, readiness_check
-from grain_core.dataset import trace
+from grain_core.dataset.iterator import pipeline_observer
 from grain_core.dataset.mp.pickling import (
+    EngineInput,
     PipelineNodes,
     dumps,
     dumps_message,
@@ -47,7 +49,6 @@ from grain_core.dataset.mp.protocol import (
     warning_message,
 )
 from grain_core.dataset.read_concurrency import read_inline_while_cpu_bound
-from grain_core.dataset.stats import is_tracing, is_tracking, worker_stage_snapshot
 from grain_core.options import MultiprocessingOptions
 
 __all__ = [
@@ -120,6 +121,50 @@ class WorkerSpec:
         self.shm_prefix = shm_prefix
         self.pool_size = pool_size
         self.buffer_size = buffer_size
+
+    @classmethod
+    def for_engine(
+        cls,
+        engine: EngineInput,
+        index: int,
+        count: int,
+        *,
+        options: Any,
+        plugins: list[str] | None,
+        results_in_flight: int,
+        buffer_size: int,
+        sequential_slice: bool = False,
+        state: Any = None,
+    ) -> WorkerSpec:
+        """The spec of worker ``index`` of ``count`` running ``engine``'s pipeline: its
+        payload, its own block prefix, and free blocks for ``results_in_flight`` results (two
+        each, and two more).
+
+        Args:
+          engine: The engines' input (its payload is pickled once, for every worker).
+          index / count: This worker's index and the number of workers.
+          options: As the attribute.
+          plugins: As the attribute.
+          results_in_flight: The results the parent lets this worker have in flight.
+          buffer_size: As the attribute.
+          sequential_slice: As the attribute.
+          state: As the attribute.
+        """
+        dataset, init_fn = engine.payload()
+        return cls(
+            index=index,
+            count=count,
+            init_fn=init_fn,
+            dataset=dataset,
+            sequential_slice=sequential_slice,
+            state=state,
+            plugins=plugins,
+            options=options,
+            nodes=engine.nodes,
+            shm_prefix=WorkerPool.new_prefix(index),
+            pool_size=2 * results_in_flight + 2,
+            buffer_size=buffer_size,
+        )
 
 
 def start_worker_server() -> None:
@@ -284,8 +329,6 @@ class WorkerLoop:
         self._it: Any = None
         self._build_error: BaseException | None = None
         self._min_shm_size = shm.DEFAULT_MIN_SHM_SIZE
-        self._tracking = False
-        self._thread_id = 0  # the main thread's, in trace spans
         self._control_ready = readiness_check(control)
         # Warnings from any thread of the worker, sent by the main thread (the only writer).
         self._warnings: collections.deque[tuple[Any, ...]] = collections.deque()
@@ -338,12 +381,11 @@ class WorkerLoop:
         except Exception as e:  # noqa: BLE001 - reported to the parent on its next request
             self._build_error = e
             return
-        self._tracking = is_tracking(self._pipeline())
-        if is_tracing(self._pipeline()):
+        wrap = pipeline_observer().span_wrapper(self._pipeline())
+        if wrap is not None:
             # Chosen once: an untraced worker runs the plain methods, with no check.
-            self._thread_id = trace.register_thread()
-            self._write = self._write_traced  # type: ignore[method-assign]
-            self._wait_for_control = self._wait_for_control_traced  # type: ignore[method-assign]
+            self._write = wrap(self._write, SEND_SPAN, "transport")  # type: ignore[method-assign]
+            self._receive_control = wrap(self._receive_control, WAIT_SPAN, "wait")  # type: ignore[method-assign]
 
     def _build_pipeline(self, ds: Any) -> None:
         """Builds the engine's iterator over the unpickled pipeline ``ds``."""
@@ -437,22 +479,12 @@ class WorkerLoop:
             self._send_warnings()
         self._output.send_bytes(data)
 
-    def _write_traced(self, data: bytes) -> None:
-        start = trace.span_clock()
-        type(self)._write(self, data)
-        trace.record_span(
-            (self._thread_id, SEND_SPAN, "transport", start, trace.span_clock() - start)
-        )
-
     def _wait_for_control(self) -> tuple[Any, ...]:
         """Waits for the parent's next control message."""
-        return pickle.loads(self._control.recv_bytes())  # type: ignore[no-any-return]
+        return pickle.loads(self._receive_control())  # type: ignore[no-any-return]
 
-    def _wait_for_control_traced(self) -> tuple[Any, ...]:
-        start = trace.span_clock()
-        data = self._control.recv_bytes()
-        trace.record_span((self._thread_id, WAIT_SPAN, "wait", start, trace.span_clock() - start))
-        return pickle.loads(data)  # type: ignore[no-any-return]
+    def _receive_control(self) -> bytes:
+        return self._control.recv_bytes()
 
     def _queue_warning(
         self,
@@ -522,10 +554,9 @@ class WorkerLoop:
         """Sends the pipeline's stage statistics: unasked (before END and ERROR) if it tracks
         them, and always in answer to request number ``answers`` (None if it does not track
         them), which the parent waits for."""
-        if self._tracking:
-            self._send(stats_message(worker_stage_snapshot(self._pipeline()), answers))
-        elif answers is not None:
-            self._send(stats_message(None, answers))
+        snapshot = pipeline_observer().worker_snapshot(self._pipeline())
+        if snapshot is not None or answers is not None:
+            self._send(stats_message(snapshot, answers))
 
 
 def _min_shm_size(it: Any) -> int:

@@ -3,8 +3,7 @@
 With ``DatasetOptions(execution_tracking_mode=ExecutionTrackingMode.STAGE_TIMING)`` every
 stage of a pipeline records how many elements it produced and its **self time**: wall time
 spent in the stage's own code, excluding the time its input stages spent producing the
-elements it consumed. ``get_execution_summary(iterator)`` returns an ``ExecutionSummary``;
-``print(summary)`` shows it as a table, the first thing to read when a pipeline is slow.
+elements it consumed (``grain_core.observe.summary`` makes the table of them).
 
 Cost model (Grain pays per element even with tracking off): nothing in any ``__next__`` or
 ``_getitems`` checks whether tracking is on. Timing is *installed* when an iterator joins a
@@ -18,11 +17,11 @@ merged later by ``WithOptionsIterDataset``):
   the user holds are never modified).
 
 So a pipeline without tracking runs exactly the code it would run if this module did not exist.
-Debug mode and the dataset-graph switch (``grain_core.dataset.debug``) and an open
+Debug mode and the dataset-graph switch (``grain_core.observe.graph``) and an open
 ``Trace`` turn tracking on for the pipelines built meanwhile. Besides counts and times, each
 stage records its least and largest self time per element and describes its first element
 (``output_spec``); with ``STAGE_TRACING`` each timed call also appends a span to the trace ring
-buffer (``grain_core.dataset.trace``).
+buffer (``grain_core.observe.spans``).
 
 Worker processes (``mp_prefetch``). A tracked worker pipeline sends ``worker_stage_snapshot`` of
 its stages to the parent before its stream ends or stops at an error, and whenever the parent
@@ -33,50 +32,40 @@ the workers had done when it was taken. The parent keeps the latest snapshot of 
 under its receiving stage (``attach_worker_stages``), so the summary shows the worker stages,
 summed over workers and marked ``[worker]``, below the ``mp_prefetch`` stage whose self time is
 the parent's wait for its workers.
-
-Self time is measured per thread: a stage's children run either on the same thread (their
-time is subtracted) or on reader/prefetch threads (then the stage's self time is the time it
-waited for them). Summed self time can therefore exceed wall time when threads overlap; shares
-are of the summed self time. The wait share instead splits the consumer's time in ``next``:
-the thread each stage produced its first element on tells which inputs sit behind a thread
-or process boundary (see ``StageSummary.wait_share``).
 """
 
 from __future__ import annotations
 
 import contextlib
 import copy
-import dataclasses
-import textwrap
 import threading
 import weakref
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 from grain_core import _tree
 from grain_core.capabilities import ReadsInputsOnOwnThread, WorkerStageReceiver
-from grain_core.dataset import trace
 from grain_core.dataset.base import Indices, MapDataset, transform_name
 from grain_core.dataset.iterator import DatasetIterator
 from grain_core.dataset.options import ExecutionTrackingMode
+from grain_core.observe import spans
 
 __all__ = [
-    "ExecutionSummary",
-    "StageSummary",
+    "StageStats",
     "attach_worker_stages",
-    "get_execution_summary",
     "is_tracing",
     "is_tracking",
     "refresh_worker_stages",
     "same_named_subclass",
-    "stage_cell",
+    "span_wrapper",
+    "stages_of",
     "time_stages",
     "worker_stage_snapshot",
 ]
 
 _TRACING = ExecutionTrackingMode.STAGE_TRACING
-_now = trace.span_clock
-_record_span = trace.record_span
+_now = spans.span_clock
+_record_span = spans.record_span
 
 
 class _Clock(threading.local):
@@ -87,7 +76,7 @@ class _Clock(threading.local):
     stage: Any = None
 
     def __init__(self) -> None:
-        self.tid = trace.register_thread()
+        self.tid = spans.register_thread()
 
 
 _clock = _Clock()
@@ -108,7 +97,7 @@ _STATS_FIELDS = (
 )
 
 
-class _StageStats:
+class StageStats:
     """Counters of one stage. Map stages may be updated from several reader threads.
 
     ``prepared`` is False for an iterator stage until its first ``next``: timing is installed
@@ -158,7 +147,7 @@ class _StageStats:
         self.traced = traced
         self.lock = threading.Lock()
         self.prepared = kind == "map"
-        self.inputs: list[_StageStats] = []
+        self.inputs: list[StageStats] = []
         self.has_consumer = False
         self.in_workers = False
         self.receiver: weakref.ref[Any] | None = None
@@ -170,7 +159,7 @@ class _StageStats:
         self.tid = tid
         self.min_ns = self.max_ns = own_ns
 
-    def link(self, child: _StageStats) -> None:
+    def link(self, child: StageStats) -> None:
         child.has_consumer = True
         if all(child is not known for known in self.inputs):
             self.inputs.append(child)
@@ -278,7 +267,7 @@ _TIMED_MAP_CLASSES: dict[type[Any], type[Any]] = {}
 _NO_RESULT: Any = object()
 
 
-def _run_timed(stats: _StageStats, call: Any, count: int, batched: bool) -> Any:
+def _run_timed(stats: StageStats, call: Any, count: int, batched: bool) -> Any:
     clock = _clock
     outer_nested = clock.nested_ns
     outer_stage = clock.stage
@@ -351,7 +340,7 @@ def _timed_map_graph(
         if replaced is not value:
             setattr(timed, name, replaced)
     timed.__class__ = _timed_map_class(type(node))
-    stats = _StageStats(repr(node), "map", type(node).__name__, traced)
+    stats = StageStats(repr(node), "map", type(node).__name__, traced)
     for parent in timed.parents:
         if isinstance(parent, MapDataset) and hasattr(parent, "_stage_stats"):
             stats.link(parent._stage_stats)  # pyright: ignore[reportAttributeAccessIssue]
@@ -398,7 +387,7 @@ def time_stages(iterator: DatasetIterator[Any]) -> None:
         if "_stage_stats" in vars(it):
             continue
         traced = it._ctx.dataset_options.execution_tracking_mode is _TRACING
-        it._stage_stats = _StageStats("", "iter", type(it).__name__, traced)  # type: ignore[attr-defined]
+        it._stage_stats = StageStats("", "iter", type(it).__name__, traced)  # type: ignore[attr-defined]
         it.__class__ = _timed_iterator_class(type(it))
         stack.extend(_child_iterators(it))
 
@@ -449,13 +438,21 @@ _SnapshotRow = tuple[Any, ...]
 
 #: What a worker sends: its stage rows (row 0 is its output stage), its worker index, its pid,
 #: its thread names and the trace spans recorded since its previous snapshot.
-WorkerSnapshot = tuple[list[_SnapshotRow], int, int, dict[int, str], list[trace.Span]]
+WorkerSnapshot = tuple[list[_SnapshotRow], int, int, dict[int, str], list[spans.Span]]
 
 
 def is_tracking(iterator: DatasetIterator[Any]) -> bool:
     """Whether ``iterator`` records stage timing (``STAGE_TIMING`` or ``STAGE_TRACING``)."""
-    mode = iterator._ctx.dataset_options.execution_tracking_mode
-    return mode is not ExecutionTrackingMode.DISABLED and "_stage_stats" in vars(iterator)
+    return stages_of(iterator) is not None
+
+
+def stages_of(iterator: DatasetIterator[Any]) -> StageStats | None:
+    """The statistics of ``iterator``'s stage (the root of its pipeline's stage graph), or
+    None if its pipeline does not track its stages."""
+    ctx = getattr(iterator, "_ctx", None)
+    if ctx is None or ctx.dataset_options.execution_tracking_mode is ExecutionTrackingMode.DISABLED:
+        return None
+    return vars(iterator).get("_stage_stats")
 
 
 def is_tracing(iterator: DatasetIterator[Any]) -> bool:
@@ -464,13 +461,36 @@ def is_tracing(iterator: DatasetIterator[Any]) -> bool:
     return mode is _TRACING and "_stage_stats" in vars(iterator)
 
 
+def span_wrapper(
+    iterator: DatasetIterator[Any],
+) -> Callable[[Callable[..., Any], str, str], Callable[..., Any]] | None:
+    """For a worker whose pipeline (output ``iterator``) traces its stages: a function that
+    wraps a callable of the worker loop so that each call is a span of the given name and
+    category on this thread (a message sent, a wait for the parent); None otherwise, so that
+    an untraced worker runs its plain methods."""
+    if not is_tracing(iterator):
+        return None
+    tid = spans.register_thread()
+
+    def wrap(call: Callable[..., Any], name: str, category: str) -> Callable[..., Any]:
+        def traced(*args: Any) -> Any:
+            start = spans.span_clock()
+            result = call(*args)
+            spans.record_span((tid, name, category, start, spans.span_clock() - start))
+            return result
+
+        return traced
+
+    return wrap
+
+
 def worker_stage_snapshot(iterator: DatasetIterator[Any]) -> WorkerSnapshot:
     """The stage statistics under ``iterator`` (and the trace spans of this process, which are
     taken) as plain values a worker sends to the parent."""
     _prepare_reachable(iterator)
     position: dict[int, int] = {}
-    order: list[_StageStats] = []
-    stack: list[_StageStats] = [iterator._stage_stats]  # type: ignore[attr-defined]
+    order: list[StageStats] = []
+    stack: list[StageStats] = [iterator._stage_stats]  # type: ignore[attr-defined]
     while stack:
         stats = stack.pop()
         if id(stats) in position:
@@ -485,8 +505,8 @@ def worker_stage_snapshot(iterator: DatasetIterator[Any]) -> WorkerSnapshot:
         )
         for s in order
     ]
-    pid, thread_names, spans = trace.drain_local_spans()
-    return rows, iterator._ctx.mp_context.process_index, pid, thread_names, spans
+    pid, thread_names, taken = spans.drain_local_spans()
+    return rows, iterator._ctx.mp_context.process_index, pid, thread_names, taken
 
 
 def attach_worker_stages(iterator: DatasetIterator[Any], snapshot: WorkerSnapshot) -> None:
@@ -494,14 +514,14 @@ def attach_worker_stages(iterator: DatasetIterator[Any], snapshot: WorkerSnapsho
     worker's elements, replacing the previous one, and keeps its trace spans. Does nothing if
     ``iterator`` is untimed."""
     receiver = vars(iterator).get("_stage_stats")
-    rows, index, pid, thread_names, spans = snapshot
+    rows, index, pid, thread_names, sent = snapshot
     if receiver is None or not rows:
         return
-    if spans:
-        trace.add_remote_spans(pid, f"grain_core worker {index} ({pid})", thread_names, spans)
+    if sent:
+        spans.add_remote_spans(pid, f"grain_core worker {index} ({pid})", thread_names, sent)
     nodes = []
     for row in rows:
-        stats = _StageStats(row[0], row[1], row[2])
+        stats = StageStats(row[0], row[1], row[2])
         for field, value in zip(_STATS_FIELDS[3:], row[3:-1], strict=True):
             setattr(stats, field, value)
         stats.prepared = stats.in_workers = True
@@ -514,15 +534,19 @@ def attach_worker_stages(iterator: DatasetIterator[Any], snapshot: WorkerSnapsho
 
 
 def refresh_worker_stages(iterator: DatasetIterator[Any]) -> None:
-    """Asks every stage under ``iterator`` that receives a worker process's stages for fresh
-    ones, and waits for them (call it from the thread that iterates: the answers come on the
-    pipes its elements come on). Threads that read inputs of their own (thread prefetch,
-    ``device_put``) are kept out of those inputs meanwhile: they finish the read in progress
-    first."""
+    """The one function that asks workers for their statistics: asks every stage under
+    ``iterator`` that receives a worker process's stages for fresh ones, and waits for them.
+
+    Threading rule: call it from the thread that iterates ``iterator`` (the answers come on
+    the pipes its elements come on), never from another thread while that one iterates.
+    Threads that read inputs of their own (thread prefetch, ``device_put``) are stopped
+    meanwhile (``ReadsInputsOnOwnThread.inputs_paused``): they finish the read in progress,
+    keep what they read and go on afterwards.
+    """
     _prepare_reachable(iterator)
     receivers = []
     readers = []  # outermost first: each reader thread reads from the ones after it
-    stack: list[_StageStats] = [iterator._stage_stats]  # type: ignore[attr-defined]
+    stack: list[StageStats] = [iterator._stage_stats]  # type: ignore[attr-defined]
     seen: set[int] = set()
     while stack:
         stats = stack.pop()
@@ -565,314 +589,3 @@ def _category(description: str, kind: str) -> str:
     if kind == "map" and ("source" in name or "range" in name):
         return "read"
     return "transform"
-
-
-# ----------------------------------------------------------------------------- summaries
-@dataclasses.dataclass(frozen=True)
-class StageSummary:
-    """One row of an execution summary.
-
-    Attributes:
-      id: row number; the output stage is 0.
-      name: the stage (iterator class and transform, or the MapDataset's repr).
-      kind: ``"iter"`` for an IterDataset stage, ``"map"`` for a MapDataset stage.
-      depth: distance from the output stage.
-      inputs: ids of the stages this one reads from.
-      num_produced_elements: elements produced (for map stages: indices read, holes included).
-      self_time_ns: time in this stage's own code, excluding its inputs.
-      share: ``self_time_ns`` over the summed self time of all stages.
-      instances: how many stage objects were merged into this row (interleave inputs).
-      total_time_ns: time in this stage including its inputs (per thread).
-      in_workers: the stage runs in ``mp_prefetch`` worker processes (figures summed over them).
-      type_name: the class of the iterator or MapDataset.
-      min_time_ns: the least self time of one call that produced an element (for batched
-        reads, of one element on average over the batch).
-      max_time_ns: the largest such self time.
-      output_spec: structure, dtypes and shapes of the first element (``None`` before one).
-      wait_share: the share of the consumer's wait in ``next`` this stage accounts for: on the
-        consumer's thread, its self time; behind a thread or process boundary, the boundary's
-        wait split in proportion to the time spent upstream (the boundary keeps none).
-      category: what the stage does: ``read``, ``transform``, ``batch``, ``wait`` (for
-        threads) or ``transport`` (elements from worker processes).
-    """
-
-    id: int
-    name: str
-    kind: str
-    depth: int
-    inputs: tuple[int, ...]
-    num_produced_elements: int
-    self_time_ns: int
-    share: float
-    instances: int
-    total_time_ns: int
-    in_workers: bool = False
-    type_name: str = ""
-    min_time_ns: int = 0
-    max_time_ns: int = 0
-    output_spec: str | None = None
-    wait_share: float = 0.0
-    category: str = ""
-
-    @property
-    def self_time_per_element_ns(self) -> float:
-        return self.self_time_ns / self.num_produced_elements if self.num_produced_elements else 0.0
-
-
-@dataclasses.dataclass(frozen=True)
-class ExecutionSummary:
-    """Per-stage counts and self times of one pipeline, output stage first.
-
-    ``output_wait_ns`` is the time the consumer spent inside the output stage's ``next``.
-    ``str(summary)`` is a readable table; ``to_dict()`` a JSON-serialisable form.
-    """
-
-    stages: tuple[StageSummary, ...]
-    output_wait_ns: int = 0
-
-    @property
-    def total_self_time_ns(self) -> int:
-        return sum(s.self_time_ns for s in self.stages)
-
-    def slowest(self) -> StageSummary:
-        """The stage with the largest self time."""
-        return max(self.stages, key=lambda s: s.self_time_ns)
-
-    def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
-
-    def __str__(self) -> str:
-        return self.to_text()
-
-    def to_text(self, width: int | None = None) -> str:
-        """The summary as a table (``str(summary)``).
-
-        Args:
-          width: None: every column, stage names cut at 100 characters. Else the most
-            characters a line may have: the title is wrapped, the min and max columns are
-            left out and stage names are cut so that every row fits.
-        """
-        narrow = width is not None
-        header: tuple[str, ...] = (
-            "id", "stage", "elements", "self time", "avg", "min", "max", "share", "wait",
-        )  # fmt: skip
-        rows: list[tuple[str, ...]] = []
-        for s in self.stages:
-            rows.append(
-                (
-                    str(s.id),
-                    stage_cell(
-                        ("[worker] " if s.in_workers else "") + s.name, s.depth, s.instances
-                    ),
-                    f"{s.num_produced_elements:,}",
-                    _format_ns(s.self_time_ns),
-                    _format_ns(s.self_time_per_element_ns),
-                    _format_ns(s.min_time_ns),
-                    _format_ns(s.max_time_ns),
-                    f"{100 * s.share:.1f}%",
-                    f"{100 * s.wait_share:.1f}%",
-                )
-            )
-        if narrow:
-            header = header[:5] + header[7:]
-            rows = [row[:5] + row[7:] for row in rows]
-        title = (
-            f"grain_core execution summary: the consumer waited {_format_ns(self.output_wait_ns)} "
-            "in next(). Self time excludes input stages; avg/min/max are per element; share is "
-            f"of the {_format_ns(self.total_self_time_ns)} summed over stages and threads; wait "
-            "is the share of the consumer's wait."
-        )
-        if any(s.in_workers for s in self.stages):
-            title += " [worker] stages ran in mp_prefetch worker processes (summed over them)."
-        if width is None:
-            return format_table(title, header, rows)
-        return format_table("\n".join(textwrap.wrap(title, width)), header, rows, width=width)
-
-
-def stage_cell(name: str, depth: int, instances: int) -> str:
-    """A stage's name in a table of a pipeline, output first: indented by its ``depth``, after
-    ``<-`` below the output, with ``xN`` when ``N`` objects were merged into its row."""
-    merged = f" x{instances}" if instances > 1 else ""
-    return "  " * depth + ("<- " if depth else "") + name + merged
-
-
-def format_table(
-    title: str,
-    header: Sequence[str],
-    rows: Sequence[Sequence[str]],
-    numbers: bool = True,
-    width: int | None = None,
-) -> str:
-    """``rows`` under ``header`` as aligned text columns: the first right-aligned, the second
-    (a stage name, indented by depth) left-aligned and cut at 100 characters (or so that a
-    row fits in ``width``), the others right-aligned if they are ``numbers``, else
-    left-aligned."""
-    widths = [max(len(r[i]) for r in (header, *rows)) for i in range(len(header))]
-    others = sum(widths) - widths[1] + 3 * (len(widths) - 1)
-    widths[1] = min(widths[1], 100 if width is None else max(len(header[1]), width - others))
-
-    def line(cells: Sequence[str]) -> str:
-        name = cells[1] if len(cells[1]) <= widths[1] else cells[1][: widths[1] - 3] + "..."
-        return " | ".join(
-            [cells[0].rjust(widths[0]), name.ljust(widths[1])]
-            + [
-                c.rjust(w) if numbers else c.ljust(w)
-                for c, w in zip(cells[2:], widths[2:], strict=True)
-            ]
-        ).rstrip()
-
-    rule = "-+-".join("-" * w for w in widths)
-    return "\n".join([title, line(header), rule, *(line(r) for r in rows)])
-
-
-def _format_ns(ns: float) -> str:
-    for unit, scale in (("s", 1e9), ("ms", 1e6), ("us", 1e3)):
-        if ns >= scale:
-            return f"{ns / scale:.2f} {unit}"
-    return f"{ns:.0f} ns"
-
-
-def _per_worker_name(name: str) -> str:
-    """Row name for a worker stage whose description differs between workers."""
-    if name.endswith(_PER_WORKER):
-        return name
-    cut = min((i for i in (name.find("["), name.find("(")) if i > 0), default=len(name))
-    return name[:cut] + _PER_WORKER
-
-
-_PER_WORKER = " (differs per worker)"
-
-
-def _wait_shares(rows: list[dict[str, Any]], total_wait: int) -> list[float]:
-    """Splits the consumer's wait ``total_wait`` over the rows (see ``StageSummary``)."""
-    wait = [0.0] * len(rows)
-
-    def behind_boundary(parent: dict[str, Any], child: dict[str, Any]) -> bool:
-        if parent["in_workers"] != child["in_workers"]:
-            return True
-        return bool(parent["tid"] and child["tid"] and parent["tid"] != child["tid"])
-
-    def assign(i: int, share: float) -> None:
-        row = rows[i]
-        inputs = [rows[k] for k in row["inputs"]]
-        synchronous = [
-            k for k, c in zip(row["inputs"], inputs, strict=True) if not behind_boundary(row, c)
-        ]
-        boundary = [
-            k for k, c in zip(row["inputs"], inputs, strict=True) if behind_boundary(row, c)
-        ]
-        own = row["self_ns"]
-        denominator = own + sum(rows[k]["total_ns"] for k in synchronous)
-        if denominator <= 0:
-            wait[i] += share
-            return
-        own_share = share * own / denominator
-        upstream = sum(rows[k]["total_ns"] for k in boundary)
-        if boundary and upstream > 0:
-            for k in boundary:
-                assign(k, own_share * rows[k]["total_ns"] / upstream)
-        else:
-            wait[i] += own_share
-        for k in synchronous:
-            assign(k, share * rows[k]["total_ns"] / denominator)
-
-    if rows and total_wait > 0:
-        assign(0, 1.0)
-    return wait
-
-
-def get_execution_summary(iterator: DatasetIterator[Any]) -> ExecutionSummary:
-    """Returns the per-stage statistics of the pipeline ``iterator`` is the output of.
-
-    Interleave inputs with the same structure are merged into one row per stage. Stages in
-    ``mp_prefetch`` worker processes are as the workers report them when asked, here (call it
-    from the thread that iterates).
-
-    Raises:
-      ValueError: if the pipeline does not track execution statistics.
-    """
-    ctx = getattr(iterator, "_ctx", None)
-    mode = ctx.dataset_options.execution_tracking_mode if ctx is not None else None
-    if mode in (None, ExecutionTrackingMode.DISABLED) or "_stage_stats" not in vars(iterator):
-        raise ValueError(
-            "Execution statistics are not collected for this iterator. Set "
-            "`grain_py_debug_mode` or set `execution_tracking_mode` in grain options to "
-            "`STAGE_TIMING` to enable execution statistics collection: "
-            "`grain_core.config.update('py_debug_mode', True)`, or "
-            "`ds = grain_core.experimental.WithOptionsIterDataset(ds, "
-            "grain_core.experimental.DatasetOptions(execution_tracking_mode="
-            "grain_core.experimental.ExecutionTrackingMode.STAGE_TIMING))`, before iterating."
-        )
-    refresh_worker_stages(iterator)
-    rows: list[dict[str, Any]] = []
-    # Siblings merge into one row: by name, and for worker stages by position, since every
-    # worker runs the same pipeline but names its own slice ("SliceMapDataset[1:24:2]").
-    index: dict[tuple[int, str | int], int] = {}
-    visited: set[int] = set()
-
-    def add(stats: _StageStats, parent_row: int, depth: int, position: int) -> int:
-        key = (parent_row, position if stats.in_workers else stats.name)
-        row_id = index.get(key)
-        if row_id is None:
-            row_id = len(rows)
-            index[key] = row_id
-            rows.append(
-                {
-                    "stats": [],
-                    "depth": depth,
-                    "inputs": [],
-                    "name": stats.name,
-                    "kind": stats.kind,
-                    "in_workers": stats.in_workers,
-                }
-            )
-            if parent_row >= 0:
-                rows[parent_row]["inputs"].append(row_id)
-        elif rows[row_id]["name"] != stats.name:
-            rows[row_id]["name"] = _per_worker_name(rows[row_id]["name"])
-        rows[row_id]["stats"].append(stats)
-        return row_id
-
-    def walk(stats: _StageStats, parent_row: int, depth: int, position: int) -> None:
-        if id(stats) in visited:
-            return
-        visited.add(id(stats))
-        row = add(stats, parent_row, depth, position)
-        for i, child in enumerate(stats.inputs):
-            walk(child, row, depth + 1, i)
-
-    walk(iterator._stage_stats, -1, 0, 0)  # type: ignore[attr-defined]
-    for r in rows:
-        produced = [s for s in r["stats"] if s.count]
-        r["self_ns"] = sum(s.self_ns for s in r["stats"])
-        r["total_ns"] = sum(s.total_ns for s in r["stats"])
-        r["tid"] = next((s.tid for s in produced if s.tid), 0)
-        r["min_ns"] = min((s.min_ns for s in produced), default=0)
-        r["max_ns"] = max((s.max_ns for s in produced), default=0)
-        r["spec"] = next((s.spec for s in produced if s.spec is not None), None)
-    total = sum(r["self_ns"] for r in rows) or 1
-    output_wait = rows[0]["total_ns"]
-    wait = _wait_shares(rows, output_wait)
-    stages = [
-        StageSummary(
-            id=i,
-            name=r["name"],
-            kind=r["kind"],
-            depth=r["depth"],
-            inputs=tuple(r["inputs"]),
-            num_produced_elements=sum(s.count for s in r["stats"]),
-            self_time_ns=r["self_ns"],
-            share=r["self_ns"] / total,
-            instances=len(r["stats"]),
-            total_time_ns=r["total_ns"],
-            in_workers=r["in_workers"],
-            type_name=r["stats"][0].type_name,
-            min_time_ns=r["min_ns"],
-            max_time_ns=r["max_ns"],
-            output_spec=r["spec"],
-            wait_share=wait[i],
-            category=r["stats"][0].category,
-        )
-        for i, r in enumerate(rows)
-    ]
-    return ExecutionSummary(tuple(stages), output_wait_ns=output_wait)

@@ -1,4 +1,4 @@
-"""Tests for grain_core.dataset.debug: Grain's debug mode and dataset-graph switches."""
+"""Tests for grain_core.observe.graph: Grain's debug mode and dataset-graph switches."""
 
 from __future__ import annotations
 
@@ -15,8 +15,8 @@ from conftest import image_pipeline
 
 import grain_core as grain
 from grain_core.config import config
-from grain_core.dataset import debug, stats
 from grain_core.experimental import dataset_graph, get_execution_summary
+from grain_core.observe import graph, stages, summary
 
 SYNC = grain.ReadOptions(num_threads=0)
 GRAPH_TITLE = "grain_core dataset graph:"
@@ -34,7 +34,7 @@ class FakeClock:
 @pytest.fixture
 def debug_clock(monkeypatch: pytest.MonkeyPatch) -> FakeClock:
     fake = FakeClock()
-    monkeypatch.setattr(debug, "_monotonic", fake)
+    monkeypatch.setattr(graph, "_monotonic", fake)
     return fake
 
 
@@ -72,12 +72,12 @@ def test_debug_mode_logs_the_summary_once_at_the_end(
     switches.update("py_debug_mode", True)
     it = iter(image_pipeline())
     assert len(list(it)) == 8
-    summaries = _messages(logs, debug.SUMMARY_TITLE)
+    summaries = _messages(logs, graph.SUMMARY_TITLE)
     assert len(summaries) == 1
     assert summaries[0].startswith("Grain Dataset Execution Summary (at the end of iteration)")
     assert "grain_core execution summary" in summaries[0] and "Map(normalize" in summaries[0]
     it.close()  # the end was reported already
-    assert len(_messages(logs, debug.SUMMARY_TITLE)) == 1
+    assert len(_messages(logs, graph.SUMMARY_TITLE)) == 1
     # Only the output reports: its inputs reverted to their timed classes.
     assert "_debug_reporter" in vars(it)
     assert all("_debug_reporter" not in vars(p) for p in it._parents)
@@ -139,7 +139,7 @@ def test_the_graph_is_logged_when_the_first_element_is_produced(
     list(it)
     assert len(_messages(logs, GRAPH_TITLE)) == 1
     # Without debug mode the output stops reporting after the graph; no summary is logged.
-    assert "_debug_reporter" not in vars(type(it)) and not _messages(logs, debug.SUMMARY_TITLE)
+    assert "_debug_reporter" not in vars(type(it)) and not _messages(logs, graph.SUMMARY_TITLE)
 
 
 def test_the_graph_is_written_to_the_directory(
@@ -194,7 +194,7 @@ def test_a_directory_that_became_unwritable_fails_with_its_name(
 def test_reporting_is_hinted_when_info_logs_are_hidden(
     switches: Any, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(debug, "_hinted_at_logging", False)
+    monkeypatch.setattr(graph, "_hinted_at_logging", False)
     caplog.set_level(logging.WARNING, logger="grain_core.debug")
     switches.update("py_dataset_visualization_output_dir", "")
     next(iter(image_pipeline()))
@@ -221,14 +221,14 @@ def test_summary_has_the_information_grain_logs(switches: Any) -> None:
 
 def test_wait_share_goes_behind_a_thread_boundary(monkeypatch: pytest.MonkeyPatch) -> None:
     clock = {"now": 0}
-    monkeypatch.setattr(stats, "_now", lambda: clock["now"])
+    monkeypatch.setattr(stages, "_now", lambda: clock["now"])
     rows = [
         {"inputs": [1], "in_workers": False, "tid": 1, "self_ns": 10, "total_ns": 100},
         {"inputs": [2, 3], "in_workers": False, "tid": 1, "self_ns": 90, "total_ns": 90},
         {"inputs": [], "in_workers": False, "tid": 2, "self_ns": 300, "total_ns": 300},
         {"inputs": [], "in_workers": True, "tid": 1, "self_ns": 100, "total_ns": 100},
     ]
-    shares = stats._wait_shares(rows, 100)
+    shares = summary._wait_shares(rows, 100)
     # The output keeps its own 10%; the prefetch's 90% is split 3:1 between its inputs.
     assert shares == pytest.approx([0.1, 0.0, 0.675, 0.225])
 
@@ -267,7 +267,7 @@ import logging
 import sys
 
 import grain_core as grain
-from grain_core.dataset import debug
+from grain_core.observe import graph
 
 mode = sys.argv[1]
 if mode == "root-at-info":  # as Grain's debugging tutorial runs, absl setting the level
@@ -286,7 +286,7 @@ run()
 if mode == "root-at-info":
     debug_logger = logging.getLogger("grain_core.debug")
     for handler in list(debug_logger.handlers):
-        if handler.get_name() == debug.HANDLER_NAME:
+        if handler.get_name() == graph.HANDLER_NAME:
             debug_logger.removeHandler(handler)
     print("removed", file=sys.stderr, flush=True)
     run()
@@ -307,18 +307,18 @@ def test_debug_output_shows_where_grains_does(tmp_path: Any) -> None:
     and the summary are shown, by a handler added once, which the user can remove."""
     shown, removed = _run_logging_script(tmp_path, "root-at-info").split("removed\n")
     assert shown.count(GRAPH_TITLE) == 1
-    assert shown.count(f"{debug.SUMMARY_TITLE} (at the end of iteration)") == 1
+    assert shown.count(f"{graph.SUMMARY_TITLE} (at the end of iteration)") == 1
     assert removed == ""
 
 
 def test_a_configured_handler_shows_debug_output_once(tmp_path: Any) -> None:
     err = _run_logging_script(tmp_path, "basic-config")
     assert err.count(GRAPH_TITLE) == 1
-    assert err.count(f"configured: {debug.SUMMARY_TITLE}") == 1
-    assert err.count(debug.SUMMARY_TITLE) == 1
+    assert err.count(f"configured: {graph.SUMMARY_TITLE}") == 1
+    assert err.count(graph.SUMMARY_TITLE) == 1
 
 
 def test_hidden_info_records_get_a_hint_not_a_handler(tmp_path: Any) -> None:
     err = _run_logging_script(tmp_path, "default")
-    assert GRAPH_TITLE not in err and debug.SUMMARY_TITLE not in err
+    assert GRAPH_TITLE not in err and graph.SUMMARY_TITLE not in err
     assert err.count("logging.basicConfig(level=logging.INFO)") == 1

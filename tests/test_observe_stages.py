@@ -1,18 +1,18 @@
-"""Tests for grain_core.dataset.stats: STAGE_TIMING execution statistics."""
+"""Tests for grain_core.observe.stages: STAGE_TIMING stage statistics, installed at no cost
+when off, and worker snapshots."""
 
 from __future__ import annotations
 
 import json
-import re
 import sys
 import threading
 from collections.abc import Iterator
 from typing import Any
 
 import pytest
+from conftest import StageClock, stage_pipeline
 
 import grain_core as grain
-from grain_core.dataset import stats
 from grain_core.dataset.base import MapDataset
 from grain_core.dataset.iterator import DatasetIterator
 from grain_core.experimental import (
@@ -23,30 +23,11 @@ from grain_core.experimental import (
     WithOptionsIterDataset,
     get_execution_summary,
 )
+from grain_core.observe import stages
 from grain_core.testing import check_iterator_conformance
 
 TIMING = DatasetOptions(execution_tracking_mode=ExecutionTrackingMode.STAGE_TIMING)
 SYNC = grain.ReadOptions(num_threads=0)
-
-
-class FakeClock:
-    """Replaces the stats clock; transforms ``advance`` it to cost a known amount of time."""
-
-    def __init__(self) -> None:
-        self.now = 0
-
-    def __call__(self) -> int:
-        return self.now
-
-    def advance(self, ns: int) -> None:
-        self.now += ns
-
-
-@pytest.fixture
-def clock(monkeypatch: pytest.MonkeyPatch) -> FakeClock:
-    fake = FakeClock()
-    monkeypatch.setattr(stats, "_now", fake)
-    return fake
 
 
 def _iterators(it: DatasetIterator[Any]) -> Iterator[DatasetIterator[Any]]:
@@ -56,35 +37,9 @@ def _iterators(it: DatasetIterator[Any]) -> Iterator[DatasetIterator[Any]]:
             yield from _iterators(parent)
 
 
-def _pipeline(clock: FakeClock | None = None) -> Any:
-    def costly(x: int) -> int:
-        if clock is not None:
-            clock.advance(1000)
-        return x + 1
-
-    def keep_even(x: int) -> bool:
-        if clock is not None:
-            clock.advance(10)
-        return x % 2 == 0
-
-    def cheap(x: int) -> int:
-        if clock is not None:
-            clock.advance(100)
-        return x * 2
-
-    return (
-        grain.MapDataset.range(100)
-        .map(costly)
-        .to_iter_dataset(SYNC)
-        .filter(keep_even)
-        .map(cheap)
-        .batch(5)
-    )
-
-
 # ------------------------------------------------------------------------ disabled: no cost
 def test_disabled_tracking_leaves_every_stage_untouched() -> None:
-    ds = _pipeline()
+    ds = stage_pipeline()
     map_graph = ds._parents[0]._parents[0]._parents[0].map_parent
     it = iter(ds)
     next(it)
@@ -96,20 +51,9 @@ def test_disabled_tracking_leaves_every_stage_untouched() -> None:
     assert "_untimed_class" not in vars(type(map_graph))
 
 
-def test_summary_without_tracking_raises() -> None:
-    it = iter(_pipeline())
-    # Grain's text (users match on it), then how to turn tracking on in grain_core.
-    grains = (
-        "Set `grain_py_debug_mode` or set `execution_tracking_mode` in grain options to "
-        "`STAGE_TIMING` to enable execution statistics collection"
-    )
-    with pytest.raises(ValueError, match=re.escape(grains)):
-        get_execution_summary(it)
-
-
 # ------------------------------------------------------------------------- enabled: results
-def test_counts_and_self_times_per_stage(clock: FakeClock) -> None:
-    it = iter(WithOptionsIterDataset(_pipeline(clock), TIMING))
+def test_counts_and_self_times_per_stage(stage_clock: StageClock) -> None:
+    it = iter(WithOptionsIterDataset(stage_pipeline(stage_clock), TIMING))
     assert len(list(it)) == 10
     summary = get_execution_summary(it)
     rows = {s.name.split("(")[0]: s for s in summary.stages}
@@ -142,26 +86,6 @@ def test_counts_and_self_times_per_stage(clock: FakeClock) -> None:
     assert [s.inputs for s in summary.stages] == [(1,), (2,), (3,), (4,), (5,), ()]
 
 
-def test_summary_prints_a_table(clock: FakeClock) -> None:
-    it = iter(WithOptionsIterDataset(_pipeline(clock), TIMING))
-    list(it)
-    text = str(get_execution_summary(it))
-    lines = text.splitlines()
-    assert "execution summary" in lines[0]
-    assert lines[1].split("|")[1].strip() == "stage"
-    assert "MapMapDataset(transform=costly" in text
-    assert "94.3%" in text  # 100_000 of 106_000 ns
-    assert "1.00 us" in text  # costly: 1000 ns per element
-    assert len(lines) == 3 + 6
-
-
-def test_summary_is_json_serialisable(clock: FakeClock) -> None:
-    it = iter(WithOptionsIterDataset(_pipeline(clock), TIMING))
-    next(it)
-    data = json.loads(json.dumps(get_execution_summary(it).to_dict()))
-    assert data["stages"][0]["num_produced_elements"] == 1
-
-
 def test_options_set_upstream_time_downstream_stages_too() -> None:
     ds = WithOptionsIterDataset(grain.MapDataset.range(20).to_iter_dataset(SYNC), TIMING)
     it = iter(ds.map(lambda x: x).batch(4))
@@ -171,16 +95,16 @@ def test_options_set_upstream_time_downstream_stages_too() -> None:
 
 
 def test_tracking_does_not_change_output_or_checkpoints() -> None:
-    plain = list(_pipeline())
-    tracked = list(WithOptionsIterDataset(_pipeline(), TIMING))
+    plain = list(stage_pipeline())
+    tracked = list(WithOptionsIterDataset(stage_pipeline(), TIMING))
     assert [b.tolist() for b in plain] == [b.tolist() for b in tracked]
     check_iterator_conformance(
-        lambda: WithOptionsIterDataset(_pipeline(), TIMING), positions=[0, 3, 10]
+        lambda: WithOptionsIterDataset(stage_pipeline(), TIMING), positions=[0, 3, 10]
     )
 
 
 def test_user_datasets_are_not_modified_and_stay_untimed() -> None:
-    ds = _pipeline()
+    ds = stage_pipeline()
     tracked = iter(WithOptionsIterDataset(ds, TIMING))
     list(tracked)
     untracked = iter(ds)
@@ -195,7 +119,7 @@ def test_user_datasets_are_not_modified_and_stay_untimed() -> None:
 
 
 def test_iterator_class_names_and_errors_are_unchanged() -> None:
-    it = iter(WithOptionsIterDataset(_pipeline(), TIMING))
+    it = iter(WithOptionsIterDataset(stage_pipeline(), TIMING))
     assert type(it).__name__ == "_BatchIterator"
     it.close()
     with pytest.raises(ValueError, match=r"closed iterator \(PrefetchDatasetIterator\)"):
@@ -317,30 +241,14 @@ def test_threaded_reads_time_map_stages() -> None:
     assert counts == {"Prefetch": 200, "MapMapDataset": 200, "RangeMapDataset": 200}
 
 
-@pytest.mark.parametrize("iter_buffer_size", [0, 2])
-def test_interleave_inputs_merge_into_one_row_per_stage(iter_buffer_size: int) -> None:
-    inputs = [
-        grain.MapDataset.range(i * 10, i * 10 + 5).to_iter_dataset(SYNC).map(abs) for i in range(4)
-    ]
-    ds = InterleaveIterDataset(inputs, cycle_length=2, iter_buffer_size=iter_buffer_size)
-    it = iter(WithOptionsIterDataset(ds, TIMING))
-    assert len(list(it)) == 20
-    summary = get_execution_summary(it)
-    assert summary.stages[0].name == "Interleave"
-    assert summary.stages[0].num_produced_elements == 20
-    merged = [s for s in summary.stages if s.name.startswith("Map(")]
-    assert len(merged) == 1
-    # Inputs the interleave finished and dropped still count.
-    assert merged[0].instances == 4
-    assert merged[0].num_produced_elements == 20
-
-
 # ------------------------------------------------------------------ worker snapshots
-def test_worker_snapshots_merge_under_the_receiving_stage(clock: FakeClock) -> None:
+def test_worker_snapshots_merge_under_the_receiving_stage(stage_clock: StageClock) -> None:
     """What mp_prefetch does with worker statistics, without processes: each worker's latest
     snapshot replaces its previous one under the parent stage that receives its elements."""
-    workers = [iter(WithOptionsIterDataset(_pipeline(clock).map(abs), TIMING)) for _ in range(2)]
-    assert all(stats.is_tracking(w) for w in workers)
+    workers = [
+        iter(WithOptionsIterDataset(stage_pipeline(stage_clock).map(abs), TIMING)) for _ in range(2)
+    ]
+    assert all(stages.is_tracking(w) for w in workers)
     inputs = [grain.MapDataset.range(2).to_iter_dataset(SYNC) for _ in range(2)]
     merge = InterleaveIterDataset(inputs, cycle_length=2, iter_buffer_size=0)
     parent = iter(WithOptionsIterDataset(merge, TIMING))
@@ -348,10 +256,10 @@ def test_worker_snapshots_merge_under_the_receiving_stage(clock: FakeClock) -> N
     receivers = parent._iters
     for worker, receiver in zip(workers, receivers, strict=True):
         next(worker)
-        stats.attach_worker_stages(receiver, stats.worker_stage_snapshot(worker))
+        stages.attach_worker_stages(receiver, stages.worker_stage_snapshot(worker))
         list(worker)
-        snapshot = json.loads(json.dumps(stats.worker_stage_snapshot(worker)))  # as sent
-        stats.attach_worker_stages(receiver, snapshot)
+        snapshot = json.loads(json.dumps(stages.worker_stage_snapshot(worker)))  # as sent
+        stages.attach_worker_stages(receiver, snapshot)
     summary = get_execution_summary(parent)
     in_workers = [s for s in summary.stages if s.in_workers]
     assert [s.name.split("(")[0] for s in in_workers][:2] == ["Map", "Batch"]
@@ -365,23 +273,8 @@ def test_worker_snapshots_merge_under_the_receiving_stage(clock: FakeClock) -> N
 
 
 def test_untracked_iterators_are_not_tracking_and_ignore_snapshots() -> None:
-    it = iter(_pipeline())
-    assert not stats.is_tracking(it)
+    it = iter(stage_pipeline())
+    assert not stages.is_tracking(it)
     row = ("Map", "iter", "_MapIterator", 1, 1, 1, 1, 1, None, 0, ())
-    stats.attach_worker_stages(it, ([row], 0, 1, {}, []))
+    stages.attach_worker_stages(it, ([row], 0, 1, {}, []))
     assert "_stage_stats" not in vars(it)
-
-
-def test_a_summary_fits_a_width() -> None:
-    def a_transform_with_a_long_descriptive_name(x: int) -> int:
-        return x + 1
-
-    ds = grain.MapDataset.range(64).map(a_transform_with_a_long_descriptive_name).batch(4)
-    it = iter(WithOptionsIterDataset(ds.to_iter_dataset(), TIMING))
-    list(it)
-    summary = get_execution_summary(it)
-    assert max(len(line) for line in str(summary).splitlines()) > 80
-    narrow = summary.to_text(width=80)
-    assert max(len(line) for line in narrow.splitlines()) <= 80
-    assert "self time" in narrow and "| min" not in narrow
-    assert narrow.splitlines()[0] == str(summary).splitlines()[0][: len(narrow.splitlines()[0])]

@@ -1,7 +1,7 @@
 """Grain's debugging switches: the execution summary in debug mode, and the dataset graph.
 
 * ``grain_core.config.update("py_debug_mode", True)``: pipelines built from then on time their
-  stages (``grain_core.dataset.stats``), and the pipeline's output logs the execution summary
+  stages (``grain_core.observe.stages``), and the pipeline's output logs the execution summary
   to the ``grain_core.debug`` logger at level INFO every ``py_debug_summary_interval`` seconds
   (60 by default, as in Grain) while elements are produced, and once when iteration ends
   (``StopIteration`` or ``close()``).
@@ -38,14 +38,14 @@ from typing import Any
 
 from grain_core.config import config
 from grain_core.dataset.iterator import DatasetIterator
-from grain_core.dataset.stats import (
+from grain_core.observe.spans import write_report_file
+from grain_core.observe.stages import same_named_subclass
+from grain_core.observe.summary import (
     ExecutionSummary,
     format_table,
     get_execution_summary,
-    same_named_subclass,
     stage_cell,
 )
-from grain_core.dataset.trace import write_report_file
 
 __all__ = [
     "HANDLER_NAME",

@@ -9,7 +9,7 @@ writes them in the trace-event format that ``ui.perfetto.dev`` and ``chrome://tr
 with one track per process and thread.
 
 How it works. A pipeline built while a ``Trace`` is open runs with
-``ExecutionTrackingMode.STAGE_TRACING``: stage timing (``grain_core.dataset.stats``) plus one
+``ExecutionTrackingMode.STAGE_TRACING``: stage timing (``grain_core.observe.stages``) plus one
 tuple per timed call appended to this process's ring buffer (a bounded ``deque``: the newest
 ``capacity`` spans are kept). The mode travels with the pipeline's options to its
 ``mp_prefetch`` workers, which append to their own ring buffers and send the spans to the parent
@@ -30,6 +30,7 @@ from collections.abc import Iterable
 from typing import Any
 
 from grain_core import storage
+from grain_core.dataset.options import trace_pipelines
 
 __all__ = [
     "DEFAULT_CAPACITY",
@@ -76,11 +77,6 @@ def register_thread() -> int:
 def record_span(span: Span) -> None:
     """Appends ``span`` to this process's ring buffer (the oldest span goes when it is full)."""
     _recorder.local.append(span)
-
-
-def is_recording() -> bool:
-    """Whether a ``Trace`` is open in this process: pipelines built now record spans."""
-    return _recorder.open is not None
 
 
 def drain_local_spans() -> tuple[int, dict[int, str], list[Span]]:
@@ -148,6 +144,7 @@ class Trace:
             if self.start_ns is not None:
                 raise RuntimeError("This Trace was already started; create a new one.")
             _recorder.open = self
+            trace_pipelines(True)
             if _recorder.local.maxlen != self.capacity:
                 _recorder.local = collections.deque(_recorder.local, maxlen=self.capacity)
                 _recorder.remote = collections.deque(_recorder.remote, maxlen=self.capacity)
@@ -162,6 +159,7 @@ class Trace:
             self.stop_ns = span_clock()
             if _recorder.open is self:
                 _recorder.open = None
+                trace_pipelines(False)
         self._events = None
 
     def __enter__(self) -> Trace:

@@ -1,4 +1,4 @@
-"""Tests for grain_core.dataset.trace: the timeline trace in Chrome trace-event format."""
+"""Tests for grain_core.observe.spans: the timeline trace in Chrome trace-event format."""
 
 from __future__ import annotations
 
@@ -12,9 +12,10 @@ import pytest
 from conftest import image_pipeline
 
 import grain_core as grain
-from grain_core.dataset import stats, trace
-from grain_core.dataset.trace import validate_trace_events
 from grain_core.experimental import ExecutionTrackingMode, Trace
+from grain_core.observe import spans as observe_spans
+from grain_core.observe import stages
+from grain_core.observe.spans import validate_trace_events
 
 SYNC = grain.ReadOptions(num_threads=0)
 
@@ -95,8 +96,8 @@ def test_the_window_keeps_the_first_seconds(monkeypatch: pytest.MonkeyPatch) -> 
         now["ns"] += 1_000_000_000
         return x
 
-    monkeypatch.setattr(stats, "_now", clock)
-    monkeypatch.setattr(trace, "span_clock", clock)
+    monkeypatch.setattr(stages, "_now", clock)
+    monkeypatch.setattr(observe_spans, "span_clock", clock)
     ds = grain.MapDataset.range(10).to_iter_dataset(SYNC).map(one_second)
     with Trace(seconds=3.5) as recording:
         list(iter(ds))
@@ -184,7 +185,7 @@ def test_every_worker_process_appears_on_the_same_clock(
     with Trace() as recording:
         with iter(ds.mp_prefetch(options)) as it:
             assert len(list(it)) == 8
-        closed = trace.span_clock()  # the workers' last spans came before close returned
+        closed = observe_spans.span_clock()  # the workers' last spans came before close returned
     events = recording.events()
     validate_trace_events(events)  # nesting, per-thread order, named tracks
     processes = {e["pid"]: e["args"]["name"] for e in events if e["name"] == "process_name"}

@@ -13,7 +13,7 @@ import html
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from grain_core.profiling import ProfileData
+    from grain_core.observe.profile import ProfileData
 
 __all__ = ["render", "require_plotly"]
 
