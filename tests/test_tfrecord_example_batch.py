@@ -32,7 +32,8 @@ from grain_tfrecord import (  # noqa: E402
     encode_example,
     parse_example_batch,
 )
-from grain_tfrecord._example_batch import _Walk, _WireBatch  # noqa: E402
+from grain_tfrecord._example_batch import _Walk  # noqa: E402
+from grain_tfrecord._example_wire import WireBatch  # noqa: E402
 
 import grain_core  # noqa: E402
 
@@ -44,7 +45,7 @@ _DTYPES = {"int": np.int64, "float": np.float32, "bytes": bytes}
 
 def _walked_without_fallback(records: list[bytes] | np.ndarray, spec: dict) -> bool:  # type: ignore[type-arg]
     """Whether the lock-step walk decoded every record (none went to the exact decoder)."""
-    batch = _WireBatch(records)
+    batch = WireBatch(records)
     _Walk(batch, {name: s._resolved[0] for name, s in spec.items()}).run()
     return not batch.fallback.any()
 
