@@ -411,22 +411,26 @@ class _Walk:
     def run(self) -> None:
         batch, raw = self.batch, self.raw
         rows = np.arange(batch.size)
-        # An empty record (or all padding) is an Example without features: the exact decoder.
-        valid = (batch.ends > batch.starts) & (raw[batch.starts] != 0)
-        start, stop, ok = delimited(raw, batch.starts, 0x0A, batch.ends)  # Example.features
-        valid &= ok
-        # Nothing may follow that field but the NUL padding of a fixed-width array.
-        if batch.padded:
-            valid &= stop >= batch.content_ends
-        else:
-            valid &= stop == batch.ends
-        self.leave(rows, valid)
-        rows, pos, end = rows[valid], start[valid], stop[valid]
+        starts, ends, content_ends = batch.starts, batch.ends, batch.content_ends
         if rows.size:
-            whole = self.by_record_template(rows, pos, end)
+            whole = self.by_record_layout(rows, starts, ends, content_ends)
+            if whole.all():
+                return
             if whole.any():
                 rest = ~whole
-                rows, pos, end = rows[rest], pos[rest], end[rest]
+                rows, starts, ends, content_ends = (
+                    rows[rest],
+                    starts[rest],
+                    ends[rest],
+                    content_ends[rest],
+                )
+        # An empty record (or all padding) is an Example without features: the exact decoder.
+        valid = (ends > starts) & (raw[starts] != 0)
+        start, stop, ok = delimited(raw, starts, 0x0A, ends)  # Example.features
+        # Nothing may follow that field but the NUL padding of a fixed-width array.
+        valid &= ok & (stop >= content_ends)
+        self.leave(rows, valid)
+        rows, pos, end = rows[valid], start[valid], stop[valid]
         while rows.size:
             going = pos < end  # the others have no more features
             if not going.all():
@@ -442,40 +446,61 @@ class _Walk:
             if not keep.all():
                 rows, pos, end = rows[keep], pos[keep], end[keep]
 
-    def by_record_template(self, rows: np.ndarray, pos: np.ndarray, end: np.ndarray) -> np.ndarray:
-        """Reads all map entries of the rows laid out entry for entry as one record (the
-        common case: every record has the same features in the same order): the layout that
-        the last batch with these features had, else the first row's. Returns which rows it
-        read; the others are left for the entry-by-entry walk."""
+    def by_record_layout(
+        self, rows: np.ndarray, start: np.ndarray, end: np.ndarray, content_end: np.ndarray
+    ) -> np.ndarray:
+        """Reads the whole records laid out entry for entry as one record (the common case:
+        every record has the same features in the same order): the layout that the last
+        batch with these features had, else the first row's. Returns which rows it read;
+        the others are left for the entry-by-entry walk."""
         layout = last_layout(self.kinds)
         matched = np.zeros(rows.size, dtype=bool)
         if layout is not None:
-            matched = self.read_layout(layout, rows, pos, end)
+            matched = self.read_layout(layout, rows, start, end, content_end)
             if matched.all():
                 return matched
         first = int(np.argmax(~matched))
-        layout = new_layout(self.batch.data, int(pos[first]), int(end[first]), self.kinds)
+        layout = new_layout(self.batch.data, int(start[first]), int(end[first]), self.kinds)
         if layout is None:
             return matched
         rest = np.flatnonzero(~matched)
-        matched[rest] = self.read_layout(layout, rows[rest], pos[rest], end[rest])
+        matched[rest] = self.read_layout(
+            layout, rows[rest], start[rest], end[rest], content_end[rest]
+        )
         return matched
 
     def read_layout(
-        self, layout: RecordLayout, rows: np.ndarray, pos: np.ndarray, end: np.ndarray
+        self,
+        layout: RecordLayout,
+        rows: np.ndarray,
+        start: np.ndarray,
+        end: np.ndarray,
+        content_end: np.ndarray,
     ) -> np.ndarray:
         """Reads the values of the rows laid out as ``layout``; returns which rows are."""
-        matched, starts, sizes = layout.locate(self.batch, pos, end)
+        matched, value_starts, sizes = layout.locate(self.batch, start, end, content_end)
         if not matched.any():
             return matched
         if not matched.all():
-            rows, starts, sizes = rows[matched], starts[matched], sizes[matched]
+            rows, value_starts, sizes = rows[matched], value_starts[matched], sizes[matched]
+        # The scalar int64 features of all entries as one word per row and entry.
+        scalars = layout.scalar_entries
+        words = None
+        if scalars.size:
+            words = _one_varint_each(
+                self.batch, value_starts[:, scalars].T.ravel(), sizes[:, scalars].T.ravel()
+            )
         for k, template in enumerate(layout.entries):
             if template.empty:
                 no_values = np.empty(0, dtype=_EMPTY_DTYPES[template.kind])
                 self.found[template.name].append((rows, np.zeros_like(rows), no_values))
+            elif words is not None and k in layout.scalar_column:
+                column = layout.scalar_column[k] * rows.size
+                self.one_varint_each(
+                    template.name, rows, sizes[:, k], words[column : column + rows.size]
+                )
             elif template.wanted:
-                start = starts[:, k] + template.size
+                start = value_starts[:, k]
                 self.values(template.name, template.kind, rows, start, start + sizes[:, k])
         return matched
 
@@ -587,8 +612,11 @@ class _Walk:
         if kind == _BYTES:
             self.found[name].append((rows, np.ones(rows.size, np.int64), self.items(start, stop)))
             return
-        if kind == _INT64 and self.short_varints(name, rows, start, sizes):
-            return
+        if kind == _INT64:
+            words = _one_varint_each(self.batch, start, sizes)
+            if words is not None:
+                self.one_varint_each(name, rows, sizes, words)
+                return
         data = gather(self.batch, start, stop)
         if kind == _FLOAT:
             floats = data.view(_LE_FLOAT32).astype(np.float32, copy=False)
@@ -613,38 +641,25 @@ class _Walk:
         counts = counted[ends] - counted[ends - sizes]
         self.found[name].append((rows, counts, values))
 
-    def short_varints(
-        self, name: str, rows: np.ndarray, start: np.ndarray, sizes: np.ndarray
-    ) -> bool:
-        """Reads packed lists of at most one varint of up to 8 bytes each (a scalar int64
-        feature, the usual case) as one little-endian word per row, without gathering the
-        bytes. Returns False, reading nothing, where some list is otherwise."""
-        if int(sizes.max(initial=0)) > _WORD_BYTES:
-            return False
-        words = self.batch.windows(_WORD_BYTES)[start].view("<u8").ravel() & _LIST_BYTES[sizes]
-        # One varint: every byte of the list continues but its last.
-        if not bool(((words & _CONTINUATION_BITS[sizes]) == _ONE_VARINT[sizes]).all()):
-            return False
-        for low, high, shift in _PACK_STEPS:  # squeezes out the continuation bits
-            words = (words & low) | ((words & high) >> shift)
+    def one_varint_each(
+        self, name: str, rows: np.ndarray, sizes: np.ndarray, values: np.ndarray
+    ) -> None:
+        """Keeps the values :func:`_one_varint_each` read (none where a list is empty)."""
         present = sizes > 0
         if present.all():
-            self.found[name].append((rows, np.ones(rows.size, np.int64), words.view(np.int64)))
+            self.found[name].append((rows, np.ones(rows.size, np.int64), values))
         else:
-            values = words[present].view(np.int64)
-            self.found[name].append((rows, present.astype(np.int64), values))
-        return True
+            self.found[name].append((rows, present.astype(np.int64), values[present]))
 
     def items(self, start: np.ndarray, stop: np.ndarray) -> np.ndarray:
         """The bytes between ``start`` and ``stop`` of each row, as an object array."""
-        values = np.empty(start.size, dtype=object)
         width = int(stop[0] - start[0]) if start.size else 0
         if width and bool((stop - start == width).all()):
             same_size = self.batch.windows(width)[start]
             # An S item drops trailing NULs: only items that end otherwise go this way.
             if bool(same_size[:, -1].all()):
-                values[:] = same_size.view(f"S{width}").ravel().tolist()
-                return values
+                return same_size.view(f"S{width}").ravel().astype(object)
+        values = np.empty(start.size, dtype=object)
         wire = self.batch.data
         values[:] = [wire[a:b] for a, b in zip(start.tolist(), stop.tolist(), strict=True)]
         return values
@@ -685,3 +700,18 @@ class _Walk:
         values = self.items(item, item_stop)
         counts = np.bincount(at, minlength=rows.size)[valid]
         self.found[name].append((rows[valid], counts, values))
+
+
+def _one_varint_each(batch: WireBatch, start: np.ndarray, sizes: np.ndarray) -> np.ndarray | None:
+    """Reads packed lists of at most one varint of up to 8 bytes each (a scalar int64
+    feature, the usual case) as one little-endian word per list, without gathering the
+    bytes: the values (0 for an empty list), or None where some list is otherwise."""
+    if int(sizes.max(initial=0)) > _WORD_BYTES:
+        return None
+    words = batch.windows(_WORD_BYTES)[start].view("<u8").ravel() & _LIST_BYTES[sizes]
+    # One varint: every byte of the list continues but its last.
+    if not bool(((words & _CONTINUATION_BITS[sizes]) == _ONE_VARINT[sizes]).all()):
+        return None
+    for low, high, shift in _PACK_STEPS:  # squeezes out the continuation bits
+        words = (words & low) | ((words & high) >> shift)
+    return words.view(np.int64)

@@ -16,7 +16,7 @@ from typing import Any
 
 import numpy as np
 
-from grain_tfrecord._example import _FLOAT, _Malformed
+from grain_tfrecord._example import _FLOAT, _INT64, _Malformed
 
 __all__ = [
     "EntryTemplate",
@@ -124,15 +124,16 @@ def gather(batch: WireBatch, start: np.ndarray, stop: np.ndarray) -> np.ndarray:
     lengths = stop - start
     if not lengths.size:
         return np.empty(0, np.uint8)
-    if int(lengths.min()) != int(lengths.max()) and int(lengths.sum()) >= 32 * lengths.size:
+    width = int(lengths[0])
+    if bool((lengths == width).all()):
+        return batch.windows(width)[start].reshape(-1)
+    if int(lengths.sum()) >= 32 * lengths.size:
         # Long regions of several sizes: joining slices copies at memcpy speed.
         view = batch.view
         return np.frombuffer(
             b"".join([view[a:b] for a, b in zip(start.tolist(), stop.tolist(), strict=True)]),
             np.uint8,
         )
-    if int(lengths.min()) == int(lengths.max()):
-        return batch.windows(int(lengths[0]))[start].reshape(-1)
     return batch.raw[ragged_index(start, lengths)]
 
 
@@ -140,6 +141,29 @@ def ragged_index(starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:
     """Indices of ``lengths[i]`` consecutive items from each ``starts[i]``, concatenated."""
     offsets = np.cumsum(lengths) - lengths
     return np.repeat(starts - offsets, lengths) + np.arange(int(lengths.sum()))
+
+
+def _field(data: bytes, pos: int, tag: int, limit: int) -> tuple[int, int, int]:
+    """Reads a length-delimited field with the one-byte ``tag`` and a length of at most
+    three bytes at ``pos``, within ``limit``: (the length's width, start, stop of its bytes).
+
+    Raises:
+      _Malformed: If it is not there so.
+    """
+    if pos >= limit or data[pos] != tag:
+        raise _Malformed
+    length = 0
+    for width in range(1, 4):
+        if pos + width >= limit:
+            raise _Malformed
+        byte = data[pos + width]
+        length |= (byte & 0x7F) << 7 * (width - 1)
+        if byte < 0x80:
+            start = pos + 1 + width
+            if start + length > limit:
+                raise _Malformed
+            return width, start, start + length
+    raise _Malformed
 
 
 @dataclasses.dataclass(frozen=True)
@@ -182,48 +206,59 @@ class EntryTemplate:
         tags; key, then value; a Feature with one list; a packed list or one bytes item."""
         lengths: list[tuple[int, int]] = []
         start = pos
-
-        def field(tag: int, limit: int, sized: bool = True) -> int:
-            nonlocal pos
-            if pos >= limit or data[pos] != tag:
-                raise _Malformed
-            pos += 1
-            length = shift = 0
-            for width in range(1, 4):
-                if pos >= limit:
-                    raise _Malformed
-                byte = data[pos]
-                pos += 1
-                length |= (byte & 0x7F) << shift
-                shift += 7
-                if byte < 0x80:
-                    if sized:
-                        lengths.append((pos - width - start, width))
-                    if pos + length > limit:
-                        raise _Malformed
-                    return pos + length
-            raise _Malformed
-
         try:
-            entry_end = field(0x0A, end)
-            key_end = field(0x0A, entry_end, sized=False)  # the name: fixed bytes
+            width, pos, entry_end = _field(data, pos, 0x0A, end)
+            lengths.append((pos - width - start, width))
+            _, pos, key_end = _field(data, pos, 0x0A, entry_end)  # the name: fixed bytes
             name = data[pos:key_end].decode("utf-8")
-            pos = key_end
-            value_end = field(0x12, entry_end)
+            width, pos, value_end = _field(data, key_end, 0x12, entry_end)
+            lengths.append((pos - width - start, width))
             kind = kinds.get(name)
             if value_end != entry_end:
                 return None
             empty = False
             if kind is not None:
-                list_end = field(kind << 3 | 2, value_end)
+                width, pos, list_end = _field(data, pos, kind << 3 | 2, value_end)
+                lengths.append((pos - width - start, width))
                 if list_end != value_end:
                     return None
                 empty = pos == list_end
-                if not empty and field(0x0A, list_end) != list_end:
-                    return None
+                if not empty:
+                    width, pos, packed_end = _field(data, pos, 0x0A, list_end)
+                    lengths.append((pos - width - start, width))
+                    if packed_end != list_end:
+                        return None
         except (_Malformed, UnicodeDecodeError):
             return None
-        size = pos - start
+        return EntryTemplate._of_header(
+            name, kind or 0, kind is not None, empty, entry_end, data, start, pos, lengths
+        )
+
+    @staticmethod
+    def features_field(data: bytes, pos: int, end: int) -> EntryTemplate | None:
+        """The template of the tag and length of an Example's ``features`` field at ``pos``
+        (its values: the map entries), or None if it is not there."""
+        try:
+            width, start, stop = _field(data, pos, 0x0A, end)
+        except _Malformed:
+            return None
+        return EntryTemplate._of_header("", 0, False, False, stop, data, pos, start, [(1, width)])
+
+    @staticmethod
+    def _of_header(
+        name: str,
+        kind: int,
+        wanted: bool,
+        empty: bool,
+        end: int,
+        data: bytes,
+        start: int,
+        stop: int,
+        lengths: list[tuple[int, int]],
+    ) -> EntryTemplate:
+        """The template of the header from ``start`` to ``stop`` with length prefixes at
+        ``lengths`` (offset, width), the last one the size of the values."""
+        size = stop - start
         header = np.frombuffer(data, np.uint8, size, start)
         fixed = np.ones(size, dtype=bool)
         offsets, beyond, shift, more = [], [], [], []
@@ -239,10 +274,10 @@ class EntryTemplate:
                 more.append(0x80 if k < width - 1 else 0)
         return EntryTemplate(
             name,
-            kind or 0,
-            kind is not None,
+            kind,
+            wanted,
             empty,
-            entry_end,
+            end,
             size,
             np.flatnonzero(fixed),
             header[fixed],
@@ -273,10 +308,11 @@ class EntryTemplate:
 
 @dataclasses.dataclass(frozen=True)
 class _RecordChecks:
-    """The checks of :meth:`EntryTemplate.match` for a record's entries at once: the headers of
-    all entries side by side (``sizes``: each entry's header size), compared with the bytes
-    they must hold: the templates' fixed bytes (``expected``) and, at ``length_columns``, the
-    length prefixes that the sizes of the values give."""
+    """The checks of :meth:`EntryTemplate.match` for a record's headers at once: the headers
+    side by side (``sizes``: each one's size), compared with the bytes they must hold: the
+    templates' fixed bytes (``expected``) and, at ``length_columns``, the length prefixes
+    that the sizes of the values give. ``size_bits``: per header, the bits its size of the
+    values must not have (3 for float values, all for an empty list)."""
 
     sizes: tuple[int, ...]
     expected: np.ndarray
@@ -286,11 +322,10 @@ class _RecordChecks:
     shift: np.ndarray
     more: np.ndarray
     max_size: np.ndarray
-    float_entries: np.ndarray
-    empty_entries: np.ndarray
+    size_bits: np.ndarray
 
     @staticmethod
-    def of(templates: list[EntryTemplate]) -> _RecordChecks:
+    def of(templates: Sequence[EntryTemplate]) -> _RecordChecks:
         first = np.cumsum([0] + [t.size for t in templates])
         expected = np.zeros(int(first[-1]), dtype=np.uint8)
         for k, t in enumerate(templates):
@@ -304,14 +339,13 @@ class _RecordChecks:
             np.concatenate([t.shift for t in templates]),
             np.concatenate([t.more for t in templates]),
             np.array([t.max_size for t in templates]),
-            np.array([k for k, t in enumerate(templates) if t.kind == _FLOAT], dtype=np.int64),
-            np.array([k for k, t in enumerate(templates) if t.empty], dtype=np.int64),
+            np.array([-1 if t.empty else 3 if t.kind == _FLOAT else 0 for t in templates]),
         )
 
     def match(self, batch: WireBatch, starts: np.ndarray, sizes: np.ndarray) -> np.ndarray:
-        """Which rows (entry ``k`` at ``starts[:, k]`` with values of ``sizes[:, k]`` bytes)
+        """Which rows (header ``k`` at ``starts[:, k]`` with values of ``sizes[:, k]`` bytes)
         have every header as the templates say."""
-        # Each entry's header is copied row by row (one memcpy each), not byte by byte.
+        # Each header is copied row by row (one memcpy each), not byte by byte.
         headers = np.concatenate(
             [batch.windows(size)[starts[:, k]] for k, size in enumerate(self.sizes)], axis=1
         )
@@ -322,58 +356,100 @@ class _RecordChecks:
             matched = np.ones(len(starts), dtype=bool)
         else:
             matched = (headers == expected).all(axis=1)
-        matched &= (sizes < self.max_size).all(axis=1)
-        if self.float_entries.size:
-            matched &= (sizes[:, self.float_entries] % 4 == 0).all(axis=1)
-        if self.empty_entries.size:
-            matched &= (sizes[:, self.empty_entries] == 0).all(axis=1)
+        unfit = sizes >= self.max_size
+        unfit |= (sizes & self.size_bits) != 0
+        if unfit.any():
+            matched &= ~unfit.any(axis=1)
         return matched
 
 
 @dataclasses.dataclass(frozen=True)
 class RecordLayout:
-    """The templates of a record's map entries, in order, and their checks at once."""
+    """A record's layout: the tag and length of its ``features`` field, then the templates
+    of its map entries in order (``columns``), and their checks at once.
 
+    Attributes:
+      entries: the map entries' templates (``columns`` but the first).
+      before: per column, the size of the headers before it: where it starts after the
+        record's start and the sizes of the entries' values before it.
+      header_sizes: per entry, the size of its header.
+      scalar_entries: the entries of wanted, non-empty int64 lists, whose values the walk
+        reads as one word each; ``scalar_column``: entry -> its place among them.
+    """
+
+    columns: tuple[EntryTemplate, ...]
     entries: tuple[EntryTemplate, ...]
-    checks: _RecordChecks | None
+    checks: _RecordChecks
+    before: np.ndarray
+    header_sizes: np.ndarray
+    scalar_entries: np.ndarray
+    scalar_column: dict[int, int]
 
     @staticmethod
     def of(data: bytes, pos: int, end: int, kinds: Mapping[str, int]) -> RecordLayout | None:
-        """The layout of the Features from ``pos`` to ``end``; None if an entry is not
-        canonical."""
-        entries: list[EntryTemplate] = []
-        while pos < end:
-            template = EntryTemplate.of(data, pos, end, kinds)
+        """The layout of the record from ``pos`` to ``end`` (a ``features`` field there,
+        whatever follows it); None if it is not there or an entry is not canonical."""
+        features = EntryTemplate.features_field(data, pos, end)
+        if features is None:
+            return None
+        columns = [features]
+        pos += features.size
+        while pos < features.end:
+            template = EntryTemplate.of(data, pos, features.end, kinds)
             if template is None:
                 return None
-            entries.append(template)
+            columns.append(template)
             pos = template.end
-        return RecordLayout(tuple(entries), _RecordChecks.of(entries) if entries else None)
+        entries = tuple(columns[1:])
+        scalars = [
+            k for k, t in enumerate(entries) if t.wanted and t.kind == _INT64 and not t.empty
+        ]
+        return RecordLayout(
+            tuple(columns),
+            entries,
+            _RecordChecks.of(columns),
+            np.cumsum([0] + [t.size for t in columns[:-1]]),
+            np.array([t.size for t in entries], dtype=np.int64),
+            np.array(scalars, dtype=np.int64),
+            {k: column for column, k in enumerate(scalars)},
+        )
 
     def locate(
-        self, batch: WireBatch, pos: np.ndarray, end: np.ndarray
+        self, batch: WireBatch, start: np.ndarray, end: np.ndarray, content_end: np.ndarray
     ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """Follows each row's sizes from entry to entry, from ``pos``, then checks every
-        header at once. Returns which rows are laid out so and end at ``end``, and per row
-        and entry where the entry starts and the size of its values."""
+        """Follows each row's sizes from header to header, from the record's ``start``,
+        then checks every header at once. Returns which rows are laid out so, their
+        ``features`` field ending at or after ``content_end`` and at most at ``end`` (an
+        ``S`` array's NUL padding may follow), and per row and entry where the entry's
+        values start and their size."""
         raw = batch.raw
-        sizes = np.empty((pos.size, len(self.entries)), dtype=np.int64)
+        sizes = np.empty((start.size, len(self.columns)), dtype=np.int64)
         starts = np.empty_like(sizes)
-        if self.checks is None:  # no features: the rows that end here
-            return pos == end, starts, sizes
-        for k, template in enumerate(self.entries):
+        limit = len(batch.data) - int(self.before[-1]) - self.columns[-1].size
+        if limit < 0:  # the headers alone are longer than the batch
+            return np.zeros(start.size, dtype=bool), starts[:, 1:], sizes[:, 1:]
+        # The record's start plus the sizes of the entries' values read so far.
+        reached = start
+        for k, template in enumerate(self.columns):
             # Rows laid out otherwise wander off; keep their reads inside the buffer.
-            pos = np.minimum(pos, len(batch.data) - template.size)
-            starts[:, k] = pos
-            size = raw[pos + template.size_offset].astype(np.int64)
-            if template.size_width > 1:
-                size &= 0x7F
+            reached = np.minimum(reached, limit)
+            starts[:, k] = reached
+            at = reached + (int(self.before[k]) + template.size_offset)
+            if template.size_width == 1:
+                sizes[:, k] = raw[at]
+            else:
+                size = raw[at].astype(np.int64) & 0x7F
                 for j in range(1, template.size_width):
-                    more = raw[pos + (template.size_offset + j)].astype(np.int64)
-                    size |= (more & 0x7F) << (7 * j)
-            sizes[:, k] = size
-            pos = pos + (template.size + size)
-        return self.checks.match(batch, starts, sizes) & (pos == end), starts, sizes
+                    size |= (raw[at + j].astype(np.int64) & 0x7F) << (7 * j)
+                sizes[:, k] = size
+            if k:  # the features field's size holds the entries
+                reached = reached + sizes[:, k]
+        starts += self.before
+        stop = reached + int(self.before[-1]) + self.columns[-1].size
+        matched = self.checks.match(batch, starts, sizes)
+        matched &= starts[:, 0] + self.columns[0].size + sizes[:, 0] == stop
+        matched &= (stop >= content_end) & (stop <= end)
+        return matched, starts[:, 1:] + self.header_sizes, sizes[:, 1:]
 
 
 # The last record layout seen per feature spec (its kinds), tried first on the next batch:
@@ -388,8 +464,8 @@ def last_layout(kinds: Mapping[str, int]) -> RecordLayout | None:
 
 
 def new_layout(data: bytes, pos: int, end: int, kinds: Mapping[str, int]) -> RecordLayout | None:
-    """The layout of the Features from ``pos`` to ``end`` (see :meth:`RecordLayout.of`),
-    kept as the last one for these wanted features."""
+    """The layout of the record from ``pos`` to ``end`` (see :meth:`RecordLayout.of`), kept
+    as the last one for these wanted features."""
     layout = RecordLayout.of(data, pos, end, kinds)
     if layout is not None:
         if len(_LAYOUTS) >= _MAX_LAYOUTS:
