@@ -350,8 +350,12 @@ class _RecordChecks:
             [batch.windows(size)[starts[:, k]] for k, size in enumerate(self.sizes)], axis=1
         )
         expected = np.repeat(self.expected[None, :], len(starts), axis=0)
-        lengths = sizes[:, self.length_entry] + self.beyond
-        expected[:, self.length_columns] = (lengths >> self.shift) & 0x7F | self.more
+        lengths = sizes[:, self.length_entry]  # a copy, computed on in place
+        lengths += self.beyond
+        lengths >>= self.shift
+        lengths &= 0x7F
+        lengths |= self.more
+        expected[:, self.length_columns] = lengths
         if headers.tobytes() == expected.tobytes():  # the usual case: every row matches
             matched = np.ones(len(starts), dtype=bool)
         else:
@@ -434,13 +438,13 @@ class RecordLayout:
             # Rows laid out otherwise wander off; keep their reads inside the buffer.
             reached = np.minimum(reached, limit)
             starts[:, k] = reached
-            at = reached + (int(self.before[k]) + template.size_offset)
+            prefix = raw[int(self.before[k]) + template.size_offset :]
             if template.size_width == 1:
-                sizes[:, k] = raw[at]
+                sizes[:, k] = prefix[reached]
             else:
-                size = raw[at].astype(np.int64) & 0x7F
+                size = prefix[reached].astype(np.int64) & 0x7F
                 for j in range(1, template.size_width):
-                    size |= (raw[at + j].astype(np.int64) & 0x7F) << (7 * j)
+                    size |= (prefix[reached + j].astype(np.int64) & 0x7F) << (7 * j)
                 sizes[:, k] = size
             if k:  # the features field's size holds the entries
                 reached = reached + sizes[:, k]
