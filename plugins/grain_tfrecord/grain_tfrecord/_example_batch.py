@@ -501,7 +501,7 @@ class _Walk:
                 )
             elif template.wanted:
                 start = value_starts[:, k]
-                self.values(template.name, template.kind, rows, start, start + sizes[:, k])
+                self.values(template.name, template.kind, rows, start, sizes[:, k])
         return matched
 
     def by_template(
@@ -525,7 +525,9 @@ class _Walk:
             no_values = np.empty(0, dtype=_EMPTY_DTYPES[template.kind])
             self.found[template.name].append((rows_found, np.zeros_like(rows_found), no_values))
         elif template.wanted and matched.any():
-            self.values(template.name, template.kind, rows[matched], start[matched], stop[matched])
+            self.values(
+                template.name, template.kind, rows[matched], start[matched], data_size[matched]
+            )
         return matched, np.where(matched, stop, pos)
 
     def entry(self, rows: np.ndarray, pos: np.ndarray, end: np.ndarray) -> np.ndarray:
@@ -601,28 +603,27 @@ class _Walk:
             self.leave(rows, valid)
             rows, packed, list_stop = rows[valid], packed[valid], list_stop[valid]
         if rows.size:
-            self.values(name, kind, rows, packed, list_stop)
+            self.values(name, kind, rows, packed, list_stop - packed)
 
     def values(
-        self, name: str, kind: int, rows: np.ndarray, start: np.ndarray, stop: np.ndarray
+        self, name: str, kind: int, rows: np.ndarray, start: np.ndarray, sizes: np.ndarray
     ) -> None:
         """The values of a packed numeric list, or the one item of a bytes list, in each of
-        ``rows`` between ``start`` and ``stop``."""
-        sizes = stop - start
+        ``rows``: ``sizes`` bytes from ``start``."""
         if kind == _BYTES:
-            self.found[name].append((rows, np.ones(rows.size, np.int64), self.items(start, stop)))
+            self.found[name].append((rows, np.ones(rows.size, np.int64), self.items(start, sizes)))
             return
         if kind == _INT64:
             words = _one_varint_each(self.batch, start, sizes)
             if words is not None:
                 self.one_varint_each(name, rows, sizes, words)
                 return
-        data = gather(self.batch, start, stop)
+        data = gather(self.batch, start, sizes)
         if kind == _FLOAT:
             floats = data.view(_LE_FLOAT32).astype(np.float32, copy=False)
             self.found[name].append((rows, sizes // 4, floats))
             return
-        ends_varint = self.raw[np.where(sizes > 0, stop - 1, 0)] < 0x80
+        ends_varint = self.raw[np.where(sizes > 0, start + sizes - 1, 0)] < 0x80
         if not ends_varint.all():
             self.leave(rows, ends_varint)
             keep = np.repeat(ends_varint, sizes)
@@ -651,16 +652,17 @@ class _Walk:
         else:
             self.found[name].append((rows, present.astype(np.int64), values[present]))
 
-    def items(self, start: np.ndarray, stop: np.ndarray) -> np.ndarray:
-        """The bytes between ``start`` and ``stop`` of each row, as an object array."""
-        width = int(stop[0] - start[0]) if start.size else 0
-        if width and bool((stop - start == width).all()):
+    def items(self, start: np.ndarray, sizes: np.ndarray) -> np.ndarray:
+        """The ``sizes`` bytes from ``start`` of each row, as an object array."""
+        width = int(sizes[0]) if start.size else 0
+        if width and bool((sizes == width).all()):
             same_size = self.batch.windows(width)[start]
             # An S item drops trailing NULs: only items that end otherwise go this way.
             if bool(same_size[:, -1].all()):
                 return same_size.view(f"S{width}").ravel().astype(object)
         values = np.empty(start.size, dtype=object)
         wire = self.batch.data
+        stop = start + sizes
         values[:] = [wire[a:b] for a, b in zip(start.tolist(), stop.tolist(), strict=True)]
         return values
 
@@ -697,7 +699,7 @@ class _Walk:
             at = item = item_stop = np.empty(0, np.int64)
         keep = valid[at]
         at, item, item_stop = at[keep], item[keep], item_stop[keep]
-        values = self.items(item, item_stop)
+        values = self.items(item, item_stop - item)
         counts = np.bincount(at, minlength=rows.size)[valid]
         self.found[name].append((rows[valid], counts, values))
 

@@ -119,9 +119,8 @@ def delimited(
     return start, stop, valid
 
 
-def gather(batch: WireBatch, start: np.ndarray, stop: np.ndarray) -> np.ndarray:
-    """The bytes of each row's region, concatenated in row order."""
-    lengths = stop - start
+def gather(batch: WireBatch, start: np.ndarray, lengths: np.ndarray) -> np.ndarray:
+    """The ``lengths`` bytes from ``start`` of each row, concatenated in row order."""
     if not lengths.size:
         return np.empty(0, np.uint8)
     width = int(lengths[0])
@@ -129,7 +128,7 @@ def gather(batch: WireBatch, start: np.ndarray, stop: np.ndarray) -> np.ndarray:
         return batch.windows(width)[start].reshape(-1)
     if int(lengths.sum()) >= 32 * lengths.size:
         # Long regions of several sizes: joining slices copies at memcpy speed.
-        view = batch.view
+        view, stop = batch.view, start + lengths
         return np.frombuffer(
             b"".join([view[a:b] for a, b in zip(start.tolist(), stop.tolist(), strict=True)]),
             np.uint8,
