@@ -24,12 +24,14 @@ __all__ = [
     "BatchedReadSource",
     "BatchMapping",
     "BatchedTransform",
+    "Batching",
     "BytesState",
     "CheckpointAliases",
     "ColumnBlockReading",
     "ColumnBlockStacking",
     "ColumnReadSource",
     "FanOutBounded",
+    "FunctionBatching",
     "GrainBatchedReadSource",
     "HoleMaking",
     "InPlaceSliceable",
@@ -42,6 +44,7 @@ __all__ = [
     "ShardStateOwner",
     "SharedMemoryBatchFn",
     "SupportsNextBlock",
+    "TransformApplying",
     "TransformOutputSpec",
     "WorkerSliceable",
     "WorkerStageReceiver",
@@ -130,6 +133,40 @@ class BatchFunctionOutputSpec(Protocol):
 
 
 @runtime_checkable
+class TransformApplying(Protocol):
+    """A node that applies one user transform to each element (``map``, ``random_map``,
+    ``map_with_index``): its element spec is the transform's ``output_spec``."""
+
+    @property
+    def transform(self) -> Any:
+        """The transform as given."""
+        ...
+
+
+@runtime_checkable
+class Batching(Protocol):
+    """A node whose elements are batches of ``batch_size`` of its parent's (the last one
+    smaller unless ``drop_remainder``): its element spec has that leading dimension."""
+
+    @property
+    def batch_size(self) -> int: ...
+
+    @property
+    def drop_remainder(self) -> bool: ...
+
+
+@runtime_checkable
+class FunctionBatching(Batching, Protocol):
+    """A batching node that may take a user's ``batch_fn``: its element spec is that
+    function's (``BatchFunctionOutputSpec``), wherever its batches are written."""
+
+    @property
+    def custom_batch_fn(self) -> Any:
+        """The batch function as given; None for the default stacking."""
+        ...
+
+
+@runtime_checkable
 class FanOutBounded(Protocol):
     """A ``flat_map`` transform that bounds how many elements one input becomes (a
     ``MapDataset.flat_map`` needs it: ``len`` is the bound times the parent's)."""
@@ -208,9 +245,11 @@ class ColumnBlockStacking(Protocol):
 class HoleMaking(Protocol):
     """A ``MapDataset`` that leaves holes (``None``) in its index space when
     ``creates_holes`` is true (``filter``, ``flat_map``): ``MapDataset.batch`` cannot follow
-    it."""
+    it, and its refusal names the node by ``display_name`` (the words Google Grain uses where
+    it has them, e.g. ``MapDataset.filter``)."""
 
     creates_holes: bool
+    display_name: str
 
 
 @runtime_checkable

@@ -30,9 +30,9 @@ from grain_core.dataset.base import (
     stop_iteration_error,
     transform_name,
 )
-from grain_core.dataset.batch import BatchIterDataset, has_holes_upstream
-from grain_core.dataset.map import MapIterDataset
-from grain_core.dataset.mp.shm_batch import with_shared_memory_output
+from grain_core.dataset.ops.batch import BatchIterDataset, has_holes_upstream
+from grain_core.dataset.ops.map import MapIterDataset
+from grain_core.dataset.ops.shm_batch import with_shared_memory_output
 from grain_core.dataset.options import DatasetOptions
 from grain_core.dataset.prefetch import PrefetchIterDataset, read_index
 from grain_core.dataset.with_options import WithOptionsIterDataset
@@ -108,8 +108,8 @@ def _view_or_obstacle(ds: IterDataset[Any], count: int) -> DispatchView | str:
     holes = has_holes_upstream(source)
     if holes is not None:
         return (
-            f"{holes} above to_iter_dataset(), followed by IterDataset steps: which elements "
-            "it drops decides what each later position holds"
+            f"{type(holes).__name__} above to_iter_dataset(), followed by IterDataset steps: "
+            "which elements it drops decides what each later position holds"
         )
     steps = _StepsAfterReading(
         source,

@@ -11,14 +11,17 @@ from grain_core import _tree
 from grain_core import random as _random
 from grain_core.dataset.base import (
     DatasetIterator,
+    ElementwiseIterator,
     Indices,
     IterDataset,
     MapDataset,
+    ParentStateIterator,
     _transform_fn,
     stop_iteration_error,
     transform_name,
 )
-from grain_core.dataset.batch import has_holes_upstream, make_batch, reads_blocks
+from grain_core.dataset.element_spec import parent_spec, transform_spec
+from grain_core.dataset.ops.batch import has_holes_upstream, make_batch, reads_blocks
 from grain_core.dataset.options import FilterRatioChecker
 from grain_core.dataset.source import StackedBlock, columns_wanted
 from grain_core.transforms import Filter
@@ -36,7 +39,18 @@ __all__ = [
 ]
 
 
-class _ElementwiseMapDataset(MapDataset[Any]):
+class _TransformApplying:
+    """A node's transform as given (``capabilities.TransformApplying``)."""
+
+    _transform: Any
+
+    @property
+    def transform(self) -> Any:
+        """The function or transformation object applied to each element."""
+        return self._transform
+
+
+class _ElementwiseMapDataset(_TransformApplying, MapDataset[Any]):
     """One parent, same length; subclasses define ``__getitem__`` and ``_getitems`` only."""
 
     def __init__(self, parent: MapDataset[Any], transform: Any) -> None:
@@ -53,6 +67,8 @@ class _ElementwiseMapDataset(MapDataset[Any]):
 
 class MapMapDataset(_ElementwiseMapDataset):
     """``ds[i] = fn(parent[i])``; holes pass through."""
+
+    element_spec_rule = transform_spec
 
     def __init__(self, parent: MapDataset[Any], transform: Any) -> None:
         super().__init__(parent, transform)
@@ -88,8 +104,8 @@ class BatchedMapMapDataset(_ElementwiseMapDataset):
         holes = has_holes_upstream(parent)
         if holes is not None:
             raise ValueError(
-                f"A batched map cannot follow `{holes}`, which leaves holes in the index "
-                "space; map element by element (batched=False), or batch after "
+                f"A batched map cannot follow `{type(holes).__name__}`, which leaves holes in "
+                "the index space; map element by element (batched=False), or batch after "
                 "`to_iter_dataset()` and map the batches."
             )
         self._fn = _transform_fn(transform, "map")
@@ -125,6 +141,8 @@ class BatchedMapMapDataset(_ElementwiseMapDataset):
 class MapWithIndexMapDataset(_ElementwiseMapDataset):
     """``ds[i] = fn(i, parent[i])`` with the raw index ``i``."""
 
+    element_spec_rule = transform_spec
+
     def __init__(self, parent: MapDataset[Any], transform: Any) -> None:
         super().__init__(parent, transform)
         self._fn = _transform_fn(transform, "map_with_index")
@@ -143,6 +161,8 @@ class MapWithIndexMapDataset(_ElementwiseMapDataset):
 
 class RandomMapMapDataset(_ElementwiseMapDataset):
     """``ds[i] = fn(parent[i], rng_i)``; ``rng_i`` is Philox with counter ``[0, 0, 0, i]``."""
+
+    element_spec_rule = transform_spec
 
     def __init__(self, parent: MapDataset[Any], transform: Any, *, seed: int | None = None) -> None:
         super().__init__(parent, transform)
@@ -183,7 +203,11 @@ class RandomMapMapDataset(_ElementwiseMapDataset):
 class FilterMapDataset(_ElementwiseMapDataset):
     """``ds[i] = parent[i]`` if the predicate holds, else ``None`` (a hole)."""
 
+    element_spec_rule = parent_spec
+
     creates_holes = True
+    # Grain's words in MapDataset.batch's refusal, which users match on.
+    display_name = "MapDataset.filter"
 
     def __init__(self, parent: MapDataset[Any], transform: Any) -> None:
         super().__init__(parent, transform)
@@ -201,17 +225,12 @@ class FilterMapDataset(_ElementwiseMapDataset):
 
 
 # ------------------------------------------------------------------------ IterDataset side
-class _ElementwiseIterDataset(IterDataset[Any]):
+class _ElementwiseIterDataset(_TransformApplying, IterDataset[Any]):
     _iterator_cls: type[DatasetIterator[Any]]
 
     def __init__(self, parent: IterDataset[Any], transform: Any) -> None:
         super().__init__(parent)
         self._transform = transform
-
-    @property
-    def transform(self) -> Any:
-        """The function or transformation object applied to each element."""
-        return self._transform
 
     def __iter__(self) -> DatasetIterator[Any]:
         return self._iterator_cls(iter(self._parents[0]), self)  # type: ignore[call-arg]
@@ -220,7 +239,7 @@ class _ElementwiseIterDataset(IterDataset[Any]):
         return f"{type(self).__name__}(transform={transform_name(self._transform)})"
 
 
-class _MapIterator(DatasetIterator[Any]):
+class _MapIterator(ElementwiseIterator[Any]):
     def __init__(self, parent: DatasetIterator[Any], ds: MapIterDataset) -> None:
         super().__init__(parent)
         self._fn = _transform_fn(ds._transform, "map")
@@ -232,24 +251,11 @@ class _MapIterator(DatasetIterator[Any]):
         except StopIteration as e:
             raise stop_iteration_error(transform_name(self._fn)) from e
 
-    def get_state(self) -> dict[str, Any]:
-        return self._parents[0].get_state()
-
-    def set_state(self, state: dict[str, Any]) -> None:
-        self._parents[0].set_state(state)
-
-    def _progress_held(self) -> None:
-        return None
-
-    def _get_next_index(self) -> int:
-        return self._parents[0]._get_next_index()
-
-    def _set_next_index(self, index: int) -> None:
-        self._parents[0]._set_next_index(index)
-
 
 class MapIterDataset(_ElementwiseIterDataset):
     """Applies ``fn`` to every element; state is the parent's."""
+
+    element_spec_rule = transform_spec
 
     _iterator_cls = _MapIterator
 
@@ -312,6 +318,8 @@ class _MapWithIndexIterator(_IndexedIterator):
 class MapWithIndexIterDataset(_ElementwiseIterDataset):
     """Applies ``fn(index, element)``; state ``{"parent", "counter"}``."""
 
+    element_spec_rule = transform_spec
+
     _iterator_cls = _MapWithIndexIterator
 
 
@@ -336,6 +344,8 @@ class _RandomMapIterator(_IndexedIterator):
 class RandomMapIterDataset(_ElementwiseIterDataset):
     """Applies ``fn(element, rng)``; state ``{"parent", "index_for_rng"}``."""
 
+    element_spec_rule = transform_spec
+
     _iterator_cls = _RandomMapIterator
 
     def __init__(
@@ -345,7 +355,7 @@ class RandomMapIterDataset(_ElementwiseIterDataset):
         self._seed = self._resolve_seed(seed, "random_map", below_2_32=False)
 
 
-class _FilterIterator(DatasetIterator[Any]):
+class _FilterIterator(ParentStateIterator[Any]):
     def __init__(self, parent: DatasetIterator[Any], ds: FilterIterDataset) -> None:
         super().__init__(parent)
         self._fn = _transform_fn(ds._transform, "filter")
@@ -374,17 +384,10 @@ class _FilterIterator(DatasetIterator[Any]):
                 self._checker.record(dropped, dropped, self._ctx.dataset_options)
                 dropped = 0
 
-    def get_state(self) -> dict[str, Any]:
-        return self._parents[0].get_state()
-
-    def set_state(self, state: dict[str, Any]) -> None:
-        self._parents[0].set_state(state)
-
-    def _progress_held(self) -> None:
-        return None
-
 
 class FilterIterDataset(_ElementwiseIterDataset):
     """Keeps elements for which the predicate holds; state is the parent's."""
+
+    element_spec_rule = parent_spec
 
     _iterator_cls = _FilterIterator

@@ -18,7 +18,15 @@ from grain_core.capabilities import (
     ColumnBlockStacking,
     HoleMaking,
 )
-from grain_core.dataset.base import INFINITE, DatasetIterator, Indices, IterDataset, MapDataset
+from grain_core.dataset.base import (
+    INFINITE,
+    DatasetIterator,
+    Indices,
+    IterDataset,
+    MapDataset,
+    ParentStateIterator,
+)
+from grain_core.dataset.element_spec import batch_spec
 from grain_core.dataset.source import ColumnBlock, StackedBlock, columns_wanted
 
 __all__ = [
@@ -135,8 +143,8 @@ def _resolve_batch_fn(batch_fn: Callable[[Sequence[Any]], Any] | None) -> Callab
 def _in_shared_memory(batch_fn: Callable[..., Any]) -> Callable[..., Any]:
     """``batch_fn`` writing its output into shared memory, or ``batch_fn`` itself when it
     cannot (a custom function without ``enable_shared_memory_output()``)."""
-    # The engines import this module, and only a batch sent between processes needs them.
-    from grain_core.dataset.mp import shared_memory_batch_fn  # import cost
+    # Shared memory (grain_core._ipc.shm, 30 ms) loads only for a batch sent between processes.
+    from grain_core.dataset.ops.shm_batch import shared_memory_batch_fn  # import cost
 
     return shared_memory_batch_fn(batch_fn) or batch_fn
 
@@ -149,20 +157,45 @@ def reads_blocks(ds: MapDataset[Any]) -> bool:
     return isinstance(ds, ColumnBlockReading) and ds.reads_columns
 
 
-def has_holes_upstream(ds: MapDataset[Any]) -> str | None:
-    """The type name of a node above ``ds`` that leaves holes (``None``) in the index space,
-    or None."""
+def has_holes_upstream(ds: MapDataset[Any]) -> HoleMaking | None:
+    """A node above ``ds`` (or ``ds``) that leaves holes (``None``) in the index space, or
+    None."""
     stack: list[MapDataset[Any]] = [ds]
     while stack:
         node = stack.pop()
         if isinstance(node, HoleMaking) and node.creates_holes:
-            return type(node).__name__
+            return node
         stack.extend(p for p in node.parents if isinstance(p, MapDataset))
     return None
 
 
-class BatchMapDataset(MapDataset[Any]):
+class _BatchShape:
+    """What the element spec of a batch node follows (``capabilities.FunctionBatching``): its
+    batch size, ``drop_remainder`` and batch function as given, wherever its batches are
+    written."""
+
+    _batch_size: int
+    _drop_remainder: bool
+    _given_batch_fn: Callable[..., Any]
+
+    @property
+    def batch_size(self) -> int:
+        return self._batch_size
+
+    @property
+    def drop_remainder(self) -> bool:
+        return self._drop_remainder
+
+    @property
+    def custom_batch_fn(self) -> Callable[..., Any] | None:
+        """The batch function as given; None for the default stacking (``make_batch``)."""
+        return None if self._given_batch_fn is make_batch else self._given_batch_fn
+
+
+class BatchMapDataset(_BatchShape, MapDataset[Any]):
     """``ds[i]`` batches parent elements ``[e*n + j*b, e*n + min(n, (j+1)*b))``."""
+
+    element_spec_rule = batch_spec
 
     def __init__(
         self,
@@ -175,12 +208,10 @@ class BatchMapDataset(MapDataset[Any]):
         batch_size = positive_int("batch_size", batch_size)
         holes = has_holes_upstream(parent)
         if holes is not None:
-            # Grain's words, which users match on: a filter is named by its method.
-            after = "MapDataset.filter" if holes == "FilterMapDataset" else holes
             raise ValueError(
-                f"`MapDataset.batch` can not follow `{after}`, which leaves holes in the index "
-                "space. Convert to an IterDataset with `to_iter_dataset()` first and batch "
-                "there."
+                f"`MapDataset.batch` can not follow `{holes.display_name}`, which leaves holes "
+                "in the index space. Convert to an IterDataset with `to_iter_dataset()` first "
+                "and batch there."
             )
         self._parent = parent
         self._batch_size = int(batch_size)
@@ -279,7 +310,7 @@ class BatchMapDataset(MapDataset[Any]):
         )
 
 
-class _BatchIterator(DatasetIterator[Any]):
+class _BatchIterator(ParentStateIterator[Any]):
     def __init__(self, parent: DatasetIterator[Any], ds: BatchIterDataset) -> None:
         super().__init__(parent)
         self._batch_size = ds._batch_size
@@ -298,15 +329,6 @@ class _BatchIterator(DatasetIterator[Any]):
             raise StopIteration
         return self._batch_fn(values)
 
-    def get_state(self) -> dict[str, Any]:
-        return self._parents[0].get_state()
-
-    def set_state(self, state: dict[str, Any]) -> None:
-        self._parents[0].set_state(state)
-
-    def _progress_held(self) -> None:
-        return None
-
     def _get_next_index(self) -> int:
         return -(-self._parents[0]._get_next_index() // self._batch_size)
 
@@ -314,8 +336,10 @@ class _BatchIterator(DatasetIterator[Any]):
         self._parents[0]._set_next_index(index * self._batch_size)
 
 
-class BatchIterDataset(IterDataset[Any]):
+class BatchIterDataset(_BatchShape, IterDataset[Any]):
     """Pulls up to ``batch_size`` elements per batch; state is the parent's."""
+
+    element_spec_rule = batch_spec
 
     def __init__(
         self,
@@ -330,14 +354,6 @@ class BatchIterDataset(IterDataset[Any]):
         # The function as given: the element spec is its, wherever the batches are written.
         self._given_batch_fn = _resolve_batch_fn(batch_fn)
         self._batch_fn = self._given_batch_fn
-
-    @property
-    def batch_size(self) -> int:
-        return self._batch_size
-
-    @property
-    def drop_remainder(self) -> bool:
-        return self._drop_remainder
 
     @property
     def batch_fn(self) -> Callable[..., Any]:
