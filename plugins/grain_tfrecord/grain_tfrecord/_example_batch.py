@@ -248,8 +248,8 @@ def parse_example_batch(
             name: [_rows_of(part, ~batch.fallback[part[0]]) for part in parts]
             for name, parts in found.items()
         }
-    for row in np.flatnonzero(batch.fallback).tolist():
-        _decode_one(batch, row, kinds, found)
+        for row in np.flatnonzero(batch.fallback).tolist():
+            _decode_one(batch, row, kinds, found)
     return {name: _assemble(name, spec, batch.size, found[name]) for name, spec in features.items()}
 
 
