@@ -9,7 +9,9 @@ record's start).
 The wire bytes of the whole batch are walked in lock-step with NumPy: each parse step (read
 a tag, a length, a feature name, gather the values) is one array operation over all records
 at once, so the per-record Python cost of :func:`decode_example` is paid once per batch.
-A record whose layout differs from the others at some step (another field order, a split
+Records laid out alike are first read whole by a record layout (``_example_wire``, which
+also holds the batch's bytes); the others are walked entry by entry here. A record whose
+layout differs from the others at some step (another field order, a split
 list, unknown fields, over-long lengths...) leaves the walk and is decoded by the exact
 per-record decoder, so the result is always protobuf's decoding of each record. Features
 that the spec does not name are skipped by their length without being parsed, as
