@@ -88,29 +88,48 @@ def worker_jax_platforms() -> str:
 #: glibc's environment variable for its tunables, read once when a program starts.
 _GLIBC_TUNABLES = "GLIBC_TUNABLES"
 _STREAMING_COPY_TUNABLE = "glibc.cpu.x86_non_temporal_threshold"
+#: malloc's thresholds in workers: glibc's own dynamic ones at their ceiling, from the start.
+_MALLOC_TUNABLES = {
+    "glibc.malloc.mmap_threshold": 32 * 1024 * 1024,
+    "glibc.malloc.trim_threshold": 64 * 1024 * 1024,
+}
 
 
 def worker_glibc_tunables(inherited: str | None, streaming_copy_bytes: int) -> str | None:
     """The ``GLIBC_TUNABLES`` the workers' forkserver starts with: ``inherited`` plus the
-    threshold above which ``memcpy`` uses streaming (non-temporal) stores.
+    threshold above which ``memcpy`` uses streaming (non-temporal) stores, and malloc's
+    thresholds (``_MALLOC_TUNABLES``).
 
-    Why: a worker copies each large array into a shared-memory block that the parent reads
-    later, from another core. Ordinary stores first read every destination line into the
-    cache and evict the pipeline's own data, and leave the lines modified in the worker's
-    core, from which the parent's reads must fetch them one by one; streaming stores write
-    to memory, which the parent reads at its full speed. 4 MiB batches from 2 workers, the
-    parent copying each out (as a transfer to a device does): 1.2-1.7x the batches of
-    glibc's ordinary stores here. (The parent touching one value per page only,
+    Streaming stores, why: a worker copies each large array into a shared-memory block that
+    the parent reads later, from another core. Ordinary stores first read every destination
+    line into the cache and evict the pipeline's own data, and leave the lines modified in
+    the worker's core, from which the parent's reads must fetch them one by one; streaming
+    stores write to memory, which the parent reads at its full speed. 4 MiB batches from 2
+    workers, the parent copying each out (as a transfer to a device does): 1.2-1.7x the
+    batches of glibc's ordinary stores here. (The parent touching one value per page only,
     ``mp_shm_transport``: 1.4x faster on one host, 0.8-0.9x on another.) glibc's own
     threshold is a fraction of the shared cache, which VMs often report as the whole host's
     (192 and 320 MiB on two hosts here), so it never applies. Smaller copies keep ordinary
-    stores: their blocks stay in the cache. A threshold the user set wins; glibc
-    ignores the tunable on other CPUs. Programs a worker starts inherit the variable.
+    stores: their blocks stay in the cache. 0: glibc's choice.
+
+    malloc's thresholds, why: a worker makes each result's arrays afresh and frees them once
+    they are copied into shared memory. glibc returns the top of its heap to the system once
+    twice the largest array it has freed lies free there, so a worker making 400 KB batches
+    gave its pages back and faulted them in again for every batch (35-60 page faults, a
+    quarter of its CPU time per batch, against none with these).
+
+    A tunable the user set wins (either malloc threshold keeps both of glibc's); glibc
+    ignores the streaming one on other CPUs. Programs a worker starts inherit the variable.
     """
-    if streaming_copy_bytes == 0 or (inherited and _STREAMING_COPY_TUNABLE in inherited):
+    wanted: dict[str, int] = {}
+    if not (inherited and any(name in inherited for name in _MALLOC_TUNABLES)):
+        wanted.update(_MALLOC_TUNABLES)
+    if streaming_copy_bytes and not (inherited and _STREAMING_COPY_TUNABLE in inherited):
+        wanted[_STREAMING_COPY_TUNABLE] = streaming_copy_bytes
+    if not wanted:
         return inherited
-    tunable = f"{_STREAMING_COPY_TUNABLE}={streaming_copy_bytes:#x}"
-    return f"{inherited}:{tunable}" if inherited else tunable
+    added = ":".join(f"{name}={value:#x}" for name, value in wanted.items())
+    return f"{inherited}:{added}" if inherited else added
 
 
 def _parent_import_path() -> str:
