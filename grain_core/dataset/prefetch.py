@@ -13,7 +13,7 @@ import sys
 import threading
 import time
 import weakref
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, NoReturn
 
 import numpy as np
@@ -480,10 +480,11 @@ class _BusyClock:
         # A thread that has ended reads as zeros through a file opened before it ended.
         return busy_ns / 1e9 if busy_ns else None
 
-    def close(self) -> None:
-        """Closes the thread's statistics file (idempotent)."""
+    def close(self, _os_close: Callable[[int], None] = os.close) -> None:
+        """Closes the thread's statistics file (idempotent). (``os.close`` is bound early: a
+        thread's clock may be collected while the interpreter shuts down.)"""
         if self._schedstat >= 0:
-            os.close(self._schedstat)
+            _os_close(self._schedstat)
             self._schedstat = -1
 
     def __del__(self) -> None:
