@@ -60,7 +60,7 @@ class WindowShuffle:
         window_size = options.pop("window_size")
         _reject_unknown_options(self.name, options)
         # Loading the plugins (`grain-core plugins`, a format lookup) loads no operator.
-        from grain_core.dataset.window_shuffle import WindowShuffleMapDataset  # import cost
+        from grain_core.dataset.ops.window_shuffle import WindowShuffleMapDataset  # import cost
 
         return WindowShuffleMapDataset(ds, window_size=window_size, seed=seed)
 

@@ -24,12 +24,14 @@ __all__ = [
     "BatchedReadSource",
     "BatchMapping",
     "BatchedTransform",
+    "Batching",
     "BytesState",
     "CheckpointAliases",
     "ColumnBlockReading",
     "ColumnBlockStacking",
     "ColumnReadSource",
     "FanOutBounded",
+    "FunctionBatching",
     "GrainBatchedReadSource",
     "HoleMaking",
     "InPlaceSliceable",
@@ -42,6 +44,7 @@ __all__ = [
     "ShardStateOwner",
     "SharedMemoryBatchFn",
     "SupportsNextBlock",
+    "TransformApplying",
     "TransformOutputSpec",
     "WorkerSliceable",
     "WorkerStageReceiver",
@@ -126,6 +129,40 @@ class BatchFunctionOutputSpec(Protocol):
 
     def output_spec(self, input_spec: Any, batch_size: int, drop_remainder: bool) -> Any:
         """The spec of a batch of ``batch_size`` elements of ``input_spec``."""
+        ...
+
+
+@runtime_checkable
+class TransformApplying(Protocol):
+    """A node that applies one user transform to each element (``map``, ``random_map``,
+    ``map_with_index``): its element spec is the transform's ``output_spec``."""
+
+    @property
+    def transform(self) -> Any:
+        """The transform as given."""
+        ...
+
+
+@runtime_checkable
+class Batching(Protocol):
+    """A node whose elements are batches of ``batch_size`` of its parent's (the last one
+    smaller unless ``drop_remainder``): its element spec has that leading dimension."""
+
+    @property
+    def batch_size(self) -> int: ...
+
+    @property
+    def drop_remainder(self) -> bool: ...
+
+
+@runtime_checkable
+class FunctionBatching(Batching, Protocol):
+    """A batching node that may take a user's ``batch_fn``: its element spec is that
+    function's (``BatchFunctionOutputSpec``), wherever its batches are written."""
+
+    @property
+    def custom_batch_fn(self) -> Any:
+        """The batch function as given; None for the default stacking."""
         ...
 
 

@@ -44,14 +44,14 @@ from grain_core.capabilities import (
     RecordRngDeclaring,
 )
 from grain_core.dataset.base import DatasetIterator, Indices, IterDataset, MapDataset
-from grain_core.dataset.batch import make_batch
-from grain_core.dataset.flatmap import FlatMapIterDataset
-from grain_core.dataset.interleave import (
+from grain_core.dataset.mp import MultiprocessPrefetchIterDataset
+from grain_core.dataset.ops.batch import make_batch
+from grain_core.dataset.ops.flatmap import FlatMapIterDataset
+from grain_core.dataset.ops.interleave import (
     interleave_input_states,
     interleave_next_input,
     interleave_state,
 )
-from grain_core.dataset.mp import MultiprocessPrefetchIterDataset
 from grain_core.dataset.source import BatchedReader
 from grain_core.options import MultiprocessingOptions, ReadOptions
 from grain_core.record import Record, RecordMetadata
@@ -286,8 +286,8 @@ class _RecordFlatMap:
 def _batch_fn(batch_fn: Any, shared_memory: bool) -> Any:
     """The function a ``Batch`` operation stacks with: the user's or ``make_batch``, writing
     into shared memory when the batch is sent to the parent process."""
-    # The worker engines load only for a DataLoader with workers.
-    from grain_core.dataset.mp import shared_memory_batch_fn  # import cost
+    # Shared memory (grain_core._ipc.shm) loads only for a DataLoader with workers.
+    from grain_core.dataset.ops.shm_batch import shared_memory_batch_fn  # import cost
 
     fn = make_batch if batch_fn is None else batch_fn
     if shared_memory:

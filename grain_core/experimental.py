@@ -9,10 +9,8 @@ from __future__ import annotations
 from typing import Any
 
 from grain_core.capabilities import SupportsNextBlock
-from grain_core.dataset.apply import apply_transformations
 from grain_core.dataset.autotune import PerformanceConfig, pick_performance_config
 from grain_core.dataset.base import ElementBlock
-from grain_core.dataset.cache import CacheIterDataset
 from grain_core.dataset.debug import DatasetGraph, GraphNode, dataset_graph
 from grain_core.dataset.elastic import ElasticIterator
 from grain_core.dataset.element_spec import (
@@ -20,26 +18,28 @@ from grain_core.dataset.element_spec import (
     ShapeDtypeStructProtocol,
     get_element_spec,
 )
-from grain_core.dataset.flatmap import FlatMapIterDataset, FlatMapMapDataset
-from grain_core.dataset.interleave import InterleaveIterDataset
-from grain_core.dataset.limit import LimitIterDataset
 from grain_core.dataset.multithread import multithread_prefetch
 from grain_core.dataset.next_index import get_next_index, set_next_index
-from grain_core.dataset.options import DatasetOptions, ExecutionTrackingMode
-from grain_core.dataset.packing import (
+from grain_core.dataset.ops.apply import apply_transformations
+from grain_core.dataset.ops.cache import CacheIterDataset
+from grain_core.dataset.ops.flatmap import FlatMapIterDataset, FlatMapMapDataset
+from grain_core.dataset.ops.interleave import InterleaveIterDataset
+from grain_core.dataset.ops.limit import LimitIterDataset
+from grain_core.dataset.ops.packing import (
     BestFitPackIterDataset,
     FirstFitPackIterDataset,
     PackAndBatchOperation,
 )
-from grain_core.dataset.packing_concat_split import BOSHandling, ConcatThenSplitIterDataset
+from grain_core.dataset.ops.packing_concat_split import BOSHandling, ConcatThenSplitIterDataset
+from grain_core.dataset.ops.rebatch import RebatchIterDataset, batch_and_pad
+from grain_core.dataset.ops.repeat import RepeatIterDataset
+from grain_core.dataset.ops.window_shuffle import WindowShuffleIterDataset, WindowShuffleMapDataset
+from grain_core.dataset.ops.zip import ZipIterDataset, ZipMapDataset
+from grain_core.dataset.options import DatasetOptions, ExecutionTrackingMode
 from grain_core.dataset.prefetch import ThreadPrefetchDatasetIterator, ThreadPrefetchIterDataset
-from grain_core.dataset.rebatch import RebatchIterDataset, batch_and_pad
-from grain_core.dataset.repeat_iter import RepeatIterDataset
 from grain_core.dataset.stats import ExecutionSummary, StageSummary, get_execution_summary
 from grain_core.dataset.trace import Trace
-from grain_core.dataset.window_shuffle import WindowShuffleIterDataset, WindowShuffleMapDataset
 from grain_core.dataset.with_options import WithOptionsIterDataset
-from grain_core.dataset.zip import ZipIterDataset, ZipMapDataset
 from grain_core.jax_utils import device_put, make_global_batch
 from grain_core.plugins import resolve_public_name
 from grain_core.random import RngPool, index_shuffle

@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 
 import grain_core as grain
 from grain_core import _tree
-from grain_core.dataset.batch import BatchIterDataset, BatchMapDataset, make_batch
+from grain_core.dataset.ops.batch import BatchIterDataset, BatchMapDataset, make_batch
 from grain_core.sources import ColumnBlock
 from grain_core.testing import check_iterator_conformance
 

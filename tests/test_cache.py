@@ -1,4 +1,4 @@
-"""Tests of grain_core.dataset.cache."""
+"""Tests of grain_core.dataset.ops.cache."""
 
 from __future__ import annotations
 

@@ -97,10 +97,26 @@ def test_sources_are_read_with_their_batched_read_chosen_when_built() -> None:
 
 
 def test_the_built_in_batch_functions_stack_column_blocks() -> None:
-    from grain_core.dataset.batch import make_batch
-    from grain_core.dataset.mp.shm_batch import make_batch_in_shared_memory
+    from grain_core.dataset.ops.batch import make_batch
+    from grain_core.dataset.ops.shm_batch import make_batch_in_shared_memory
 
     for batch_fn in (make_batch, make_batch_in_shared_memory):
         assert isinstance(batch_fn, capabilities.ColumnBlockStacking)
         assert batch_fn.stacks_column_blocks
     assert make_batch([np.ones(2), np.zeros(2)]).shape == (2, 2)
+
+
+def test_the_element_spec_reads_what_nodes_expose_as_capabilities() -> None:
+    ds = grain.MapDataset.range(4)
+    for mapped in (ds.map(str), ds.to_iter_dataset().map(str)):
+        assert isinstance(mapped, capabilities.TransformApplying) and mapped.transform is str
+    batches = (ds.batch(2, drop_remainder=True), ds.to_iter_dataset().batch(2, drop_remainder=True))
+    for batch in batches:
+        assert isinstance(batch, capabilities.FunctionBatching)
+        assert (batch.batch_size, batch.drop_remainder, batch.custom_batch_fn) == (2, True, None)
+    assert ds.batch(2, batch_fn=list).custom_batch_fn is list
+    rebatched = grain.experimental.RebatchIterDataset(batches[1], 3)
+    assert isinstance(rebatched, capabilities.Batching)
+    assert not isinstance(rebatched, capabilities.FunctionBatching)
+    assert not isinstance(_Plain(), capabilities.Batching)
+    assert not isinstance(_Plain(), capabilities.TransformApplying)

@@ -22,7 +22,7 @@ from hypothesis import strategies as st
 
 from grain_core import DatasetIterator, IterDataset, MapDataset, MultiprocessingOptions, ReadOptions
 from grain_core.checkpoint import CheckpointHandler
-from grain_core.dataset.interleave import InterleaveDatasetIterator
+from grain_core.dataset.ops.interleave import InterleaveDatasetIterator
 from grain_core.experimental import (
     BestFitPackIterDataset,
     ConcatThenSplitIterDataset,

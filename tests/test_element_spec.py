@@ -8,7 +8,8 @@ from typing import Any
 import numpy as np
 import pytest
 
-from grain_core import MapDataset, MultiprocessingOptions, transforms
+from grain_core import IterDataset, MapDataset, MultiprocessingOptions, transforms
+from grain_core.dataset import element_spec
 from grain_core.experimental import (
     CacheIterDataset,
     InterleaveIterDataset,
@@ -102,6 +103,8 @@ def test_custom_batch_fn_needs_output_spec() -> None:
 def test_unknown_sources_raise() -> None:
     with pytest.raises(NotImplementedError, match="without reading data"):
         get_element_spec(MapDataset.source([1, 2]))
+    with pytest.raises(NotImplementedError, match="without reading data"):
+        get_element_spec([1, 2])  # type: ignore[arg-type]  # not a dataset at all
 
 
 def test_node_hook() -> None:
@@ -116,3 +119,18 @@ def test_node_hook() -> None:
             return ShapeDtypeStruct((8,), np.int32)
 
     assert get_element_spec(Tokens().batch(2)) == ShapeDtypeStruct((None, 8), np.int32)
+
+
+def _node_classes(cls: type) -> list[type]:
+    return [cls, *(c for sub in cls.__subclasses__() for c in _node_classes(sub))]
+
+
+def test_every_node_class_names_a_rule_of_the_module_or_none() -> None:
+    # Each node declares its rule in one line; the rules are the module's, not the nodes'.
+    rules = {getattr(element_spec, name) for name in element_spec.__all__ if name.endswith("_spec")}
+    rules.discard(element_spec.get_element_spec)
+    declared = {
+        c: c.element_spec_rule for c in _node_classes(MapDataset) + _node_classes(IterDataset)
+    }
+    assert {rule for rule in declared.values() if rule is not None} == rules
+    assert declared[MapDataset] is None and declared[IterDataset] is None

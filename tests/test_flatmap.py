@@ -1,4 +1,4 @@
-"""Tests for grain_core.dataset.flatmap; differences from Grain in docs/compatibility.md."""
+"""Tests for grain_core.dataset.ops.flatmap; differences from Grain in docs/compatibility.md."""
 
 from __future__ import annotations
 

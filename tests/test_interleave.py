@@ -1,4 +1,4 @@
-"""Tests of grain_core.dataset.interleave."""
+"""Tests of grain_core.dataset.ops.interleave."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 
 from grain_core.capabilities import SupportsNextBlock
 from grain_core.dataset.base import DatasetIterator, IterDataset, MapDataset
-from grain_core.dataset.interleave import InterleaveIterDataset
+from grain_core.dataset.ops.interleave import InterleaveIterDataset
 from grain_core.experimental import DatasetOptions, WithOptionsIterDataset
 from grain_core.testing import assert_equal_output_after_checkpoint, check_iterator_conformance
 

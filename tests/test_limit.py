@@ -1,4 +1,4 @@
-"""Tests of grain_core.dataset.limit."""
+"""Tests of grain_core.dataset.ops.limit."""
 
 from __future__ import annotations
 

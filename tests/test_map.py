@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 
 import grain_core as grain
 from grain_core import transforms
-from grain_core.dataset.map import RandomMapIterDataset, RandomMapMapDataset
+from grain_core.dataset.ops.map import RandomMapIterDataset, RandomMapMapDataset
 from grain_core.testing import assert_equal_output_after_checkpoint, check_iterator_conformance
 
 MD = grain.MapDataset

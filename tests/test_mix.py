@@ -6,7 +6,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import grain_core as grain
-from grain_core.dataset.mix import select_by_proportions
+from grain_core.dataset.ops.mix import select_by_proportions
 from grain_core.testing import check_iterator_conformance
 from grain_core.transforms import DatasetSelectionMap
 
@@ -89,7 +89,7 @@ def test_select_from_datasets_with_explicit_map():
 
 
 def test_select_rejects_both_weights_and_selection_map():
-    from grain_core.dataset.mix import MixedMapDataset, SelectionWithProportionsMap
+    from grain_core.dataset.ops.mix import MixedMapDataset, SelectionWithProportionsMap
 
     with pytest.raises(ValueError, match="not both"):
         MixedMapDataset(

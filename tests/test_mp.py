@@ -31,11 +31,9 @@ import grain_core as grain
 from grain_core._ipc import errors as ipc_errors
 from grain_core._ipc import pool as ipc_pool
 from grain_core._ipc import shm as _shm
-from grain_core.dataset.batch import make_batch
-from grain_core.dataset.mp import MultiprocessPrefetchIterDataset, protocol, rotation, shm_batch
+from grain_core.dataset.mp import MultiprocessPrefetchIterDataset, protocol, rotation
 from grain_core.dataset.mp import dispatch as mp_dispatch
 from grain_core.dataset.mp.pickling import pickle_pipeline
-from grain_core.dataset.source import StackedBlock
 from grain_core.dataset.stats import get_execution_summary
 from grain_core.dataset.worker_slicing import slice_for_worker
 from grain_core.experimental import DatasetOptions, ExecutionTrackingMode, WithOptionsIterDataset
@@ -94,38 +92,6 @@ def test_final_batch_is_stacked_into_shared_memory(no_shm_leak: None) -> None:
     for a, e in zip(out, expected, strict=True):
         assert_trees_equal(a, e)
     assert out[0]["s"].dtype == np.dtype("<U5")  # strings are not truncated
-
-
-def test_batches_stacked_into_shared_memory_equal_make_batch(
-    no_shm_leak: None, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    monkeypatch.setattr(_shm, "_pool", _shm._BlockPool(4))  # as in a worker
-    rng = np.random.default_rng(0)
-    try:
-        for values in (
-            [rng.random((64, 4, 8)) for _ in range(5)],  # leaves end to end: one copy
-            [np.array(float(i)) for i in range(9000)],  # 0-d leaves
-        ):
-            batch = shm_batch.make_batch_in_shared_memory(values)
-            assert isinstance(batch, _shm.SharedMemoryArray)
-            assert_trees_equal(batch, make_batch(values))
-            del batch
-        # Leaves that differ in dtype are promoted as make_batch does, not cast.
-        mixed = [np.ones((128, 64), np.float32), np.full((128, 64), 0.1, np.float64)]
-        assert_trees_equal(
-            shm_batch.make_batch_in_shared_memory(mixed),
-            make_batch(mixed),
-        )
-        # Rows that add up to the same length but differ in shape are an error, as in make_batch.
-        with pytest.raises(ValueError, match="same structure but got: .*leaf shapes must match"):
-            shm_batch.make_batch_in_shared_memory([np.ones((1, 8192)), np.ones((3, 8192))])
-        # Arrays gathered a batch at a time are the batch already: no element is taken apart
-        # and stacked again (the transport moves the large leaves).
-        gathered = {"image": rng.random((128, 28, 28)), "label": np.arange(128)}
-        block = StackedBlock(gathered, 128)
-        assert shm_batch.make_batch_in_shared_memory(block) is gathered
-    finally:
-        _shm.unlink_pool()
 
 
 def test_sequential_slice_goldens() -> None:

@@ -886,9 +886,9 @@ def test_a_worker_computes_its_assigned_positions_while_it_has_no_credit(
     # assigned, up to the read-ahead, while the parent holds back its credits (as read threads
     # would): the parent then finds results ready. A buffer of 0 sends nothing beyond the
     # credits.
-    from grain_core.dataset import prefetch
+    from grain_core.dataset import read_concurrency
 
-    monkeypatch.setattr(prefetch, "_inline_while_cpu_bound", True)
+    monkeypatch.setattr(read_concurrency, "_inline_while_cpu_bound", True)
     log = tmp_path / "computed.txt"
     read_options = grain.ReadOptions(num_threads=4, prefetch_buffer_size=8)
     ds = grain.MapDataset.range(100).map(LogProduced(str(log))).to_iter_dataset(read_options)

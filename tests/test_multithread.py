@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from grain_core import DatasetIterator, IterDataset, MapDataset, ReadOptions
-from grain_core.dataset.interleave import InterleaveIterDataset
+from grain_core.dataset.ops.interleave import InterleaveIterDataset
 from grain_core.experimental import multithread_prefetch
 from grain_core.testing import assert_equal_output_after_checkpoint, check_iterator_conformance
 

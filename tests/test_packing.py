@@ -1,4 +1,4 @@
-"""Tests for first-fit / best-fit packing and PackAndBatchOperation (grain_core.dataset.packing)."""
+"""Tests for first-fit / best-fit packing and PackAndBatchOperation (grain_core.dataset.ops.packing)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 
 import grain_core as grain
 from grain_core import experimental
-from grain_core.dataset.packing import (
+from grain_core.dataset.ops.packing import (
     BestFitPackIterDataset,
     FirstFitPackIterDataset,
     PackAndBatchOperation,

@@ -1,4 +1,4 @@
-"""Tests for ConcatThenSplitIterDataset and BOSHandling (grain_core.dataset.packing_concat_split)."""
+"""Tests for ConcatThenSplitIterDataset and BOSHandling (grain_core.dataset.ops.packing_concat_split)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 
 import grain_core as grain
 from grain_core import experimental
-from grain_core.dataset.packing_concat_split import BOSHandling, ConcatThenSplitIterDataset
+from grain_core.dataset.ops.packing_concat_split import BOSHandling, ConcatThenSplitIterDataset
 from grain_core.testing import (
     assert_equal_output_after_checkpoint,
     assert_trees_equal,

@@ -14,7 +14,7 @@ import pytest
 import grain_core
 import grain_core.python as grain
 from grain_core import checkpoint, constants, data_loader, samplers, sharding, sources, transforms
-from grain_core.dataset.batch import make_batch
+from grain_core.dataset.ops.batch import make_batch
 from grain_core.testing import assert_trees_equal
 
 cloudpickle.register_pickle_by_value(sys.modules[__name__])

@@ -1,4 +1,4 @@
-"""Tests for grain_core.dataset.rebatch: RebatchIterDataset and batch_and_pad."""
+"""Tests for grain_core.dataset.ops.rebatch: RebatchIterDataset and batch_and_pad."""
 
 from __future__ import annotations
 

@@ -308,7 +308,7 @@ def test_orbax_checkpoint_manager_on_s3(s3: Any) -> None:
 
 
 def test_elastic_shard_state_files_in_the_bucket(s3: Any) -> None:
-    from grain_core.dataset.interleave import InterleaveIterDataset
+    from grain_core.dataset.ops.interleave import InterleaveIterDataset
     from grain_core.experimental import ElasticIterator
     from grain_core.sharding import ShardOptions
 

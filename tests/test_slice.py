@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 
 import grain_core as grain
-from grain_core.dataset.slice import SliceMapDataset
+from grain_core.dataset.ops.slice import SliceMapDataset
 
 MD = grain.MapDataset
 

@@ -1,4 +1,4 @@
-"""Tests for grain_core.dataset.window_shuffle; differences from Grain in docs/compatibility.md."""
+"""Tests for grain_core.dataset.ops.window_shuffle; differences from Grain in docs/compatibility.md."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Tests of grain_core.dataset.zip."""
+"""Tests of grain_core.dataset.ops.zip."""
 
 from __future__ import annotations
 

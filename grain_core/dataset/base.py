@@ -17,7 +17,7 @@ import os
 import sys
 import warnings
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
-from typing import TYPE_CHECKING, Any, Generic, TypeVar, overload
+from typing import TYPE_CHECKING, Any, ClassVar, Generic, TypeVar, overload
 
 import numpy as np
 
@@ -81,6 +81,9 @@ class _Node:
 
     _parents: tuple[Any, ...]
     _seed_value: int | None = None
+    #: How ``get_element_spec`` derives this node's element spec from its parents': a rule of
+    #: ``dataset/element_spec.py`` (None: not without reading data).
+    element_spec_rule: ClassVar[Callable[[Any], Any] | None] = None
 
     @property
     def parents(self) -> tuple[Any, ...]:
@@ -212,7 +215,7 @@ class MapDataset(_Node, Generic[T], abc.ABC):
         datasets: Sequence[MapDataset[Any]], weights: Sequence[float] | None = None
     ) -> MapDataset[Any]:
         """Deterministic proportional interleave of ``datasets`` (exact at every prefix)."""
-        from grain_core.dataset.mix import MixedMapDataset  # fluent API cycle
+        from grain_core.dataset.ops.mix import MixedMapDataset  # fluent API cycle
 
         return MixedMapDataset(datasets, proportions=weights)
 
@@ -221,14 +224,14 @@ class MapDataset(_Node, Generic[T], abc.ABC):
         datasets: Sequence[MapDataset[Any]], selection_map: transforms.DatasetSelectionMap
     ) -> MapDataset[Any]:
         """Element ``i`` is ``datasets[d][j]`` where ``(d, j) = selection_map[i]``."""
-        from grain_core.dataset.mix import MixedMapDataset  # fluent API cycle
+        from grain_core.dataset.ops.mix import MixedMapDataset  # fluent API cycle
 
         return MixedMapDataset(datasets, selection_map=selection_map)
 
     @staticmethod
     def concatenate(datasets: Sequence[MapDataset[Any]]) -> MapDataset[Any]:
         """Epoch ``e`` of the result is epoch ``e`` of every component, in order."""
-        from grain_core.dataset.mix import ConcatenateMapDataset  # fluent API cycle
+        from grain_core.dataset.ops.mix import ConcatenateMapDataset  # fluent API cycle
 
         return ConcatenateMapDataset(datasets)
 
@@ -257,13 +260,13 @@ class MapDataset(_Node, Generic[T], abc.ABC):
         batch_fn: Callable[[Sequence[T]], S] | None = None,
     ) -> MapDataset[Any]:
         """Groups consecutive elements; leaves are stacked into NumPy arrays."""
-        from grain_core.dataset.batch import BatchMapDataset  # fluent API cycle
+        from grain_core.dataset.ops.batch import BatchMapDataset  # fluent API cycle
 
         return BatchMapDataset(self, batch_size, drop_remainder=drop_remainder, batch_fn=batch_fn)
 
     def filter(self, transform: Any) -> MapDataset[T]:
         """Keeps elements for which the predicate is true; others become holes (``None``)."""
-        from grain_core.dataset.map import FilterMapDataset  # fluent API cycle
+        from grain_core.dataset.ops.map import FilterMapDataset  # fluent API cycle
 
         return FilterMapDataset(self, transform)
 
@@ -281,7 +284,10 @@ class MapDataset(_Node, Generic[T], abc.ABC):
         Raises:
           ValueError: If ``batched`` and a node below leaves holes (``filter``).
         """
-        from grain_core.dataset.map import BatchedMapMapDataset, MapMapDataset  # fluent API cycle
+        from grain_core.dataset.ops.map import (  # fluent API cycle
+            BatchedMapMapDataset,
+            MapMapDataset,
+        )
 
         if batched or (isinstance(transform, BatchedTransform) and transform.batched is True):
             return BatchedMapMapDataset(self, transform)
@@ -289,29 +295,34 @@ class MapDataset(_Node, Generic[T], abc.ABC):
 
     def map_with_index(self, transform: Any) -> MapDataset[Any]:
         """Applies ``transform(index, element)`` with the raw index (may exceed ``len``)."""
-        from grain_core.dataset.map import MapWithIndexMapDataset  # fluent API cycle
+        from grain_core.dataset.ops.map import MapWithIndexMapDataset  # fluent API cycle
 
         return MapWithIndexMapDataset(self, transform)
 
     def random_map(self, transform: Any, *, seed: int | None = None) -> MapDataset[Any]:
         """Applies ``transform(element, rng)`` with a per-index Philox generator."""
-        from grain_core.dataset.map import RandomMapMapDataset  # fluent API cycle
+        from grain_core.dataset.ops.map import RandomMapMapDataset  # fluent API cycle
 
         return RandomMapMapDataset(self, transform, seed=seed)
 
     def seed(self, seed: int) -> MapDataset[T]:
         """Sets the root seed from which downstream random transforms derive theirs."""
+        from grain_core.dataset.ops.seed import _WithSeedMapDataset  # fluent API cycle
+
         return _WithSeedMapDataset(self, seed)
 
     def shuffle(self, seed: int | None = None) -> MapDataset[T]:
         """Global per-epoch permutation with O(1) memory and random access."""
-        from grain_core.dataset.shuffle import ShuffleMapDataset  # fluent API cycle
+        from grain_core.dataset.ops.shuffle import ShuffleMapDataset  # fluent API cycle
 
         return ShuffleMapDataset(self, seed=seed)
 
     def slice(self, sl: slice | Sequence[int] | MapDataset[int]) -> MapDataset[T]:
         """Selects ``ds[sl]`` for a slice, or re-indexes by a sequence of indices."""
-        from grain_core.dataset.slice import ReindexMapDataset, SliceMapDataset  # fluent API cycle
+        from grain_core.dataset.ops.slice import (  # fluent API cycle
+            ReindexMapDataset,
+            SliceMapDataset,
+        )
 
         if isinstance(sl, slice):
             return SliceMapDataset(self, sl)
@@ -323,7 +334,7 @@ class MapDataset(_Node, Generic[T], abc.ABC):
         self, num_epochs: int | None = None, *, reseed_each_epoch: bool = True
     ) -> MapDataset[T]:
         """Repeats ``num_epochs`` times (``None``: forever); random nodes vary per epoch."""
-        from grain_core.dataset.repeat import RepeatMapDataset  # fluent API cycle
+        from grain_core.dataset.ops.repeat import RepeatMapDataset  # fluent API cycle
 
         return RepeatMapDataset(self, num_epochs, reseed_each_epoch=reseed_each_epoch)
 
@@ -337,34 +348,9 @@ class MapDataset(_Node, Generic[T], abc.ABC):
 
     def apply(self, transformations: Any) -> MapDataset[Any]:
         """Applies one transformation object or a sequence of them, in order."""
-        from grain_core.dataset.apply import apply_transformations  # fluent API cycle
+        from grain_core.dataset.ops.apply import apply_transformations  # fluent API cycle
 
         return apply_transformations(self, transformations)
-
-
-class _WithSeedMapDataset(MapDataset[T]):
-    """Pass-through node carrying the seed set by ``.seed()``."""
-
-    passes_values = True
-
-    def __init__(self, parent: MapDataset[T], seed: int) -> None:
-        super().__init__(parent)
-        self._seed_value = _random.validate_seed(seed, "`.seed()`", below_2_32=False)
-        self._parent = parent
-
-    def __len__(self) -> int:
-        return len(self._parent)
-
-    def __getitem__(self, index: Any) -> Any:
-        if isinstance(index, slice):
-            return self.slice(index)
-        return self._parent[index]
-
-    def _getitems(self, indices: Indices) -> Sequence[Any]:
-        return self._parent._getitems(indices)
-
-    def __repr__(self) -> str:
-        return f"SeedMapDataset(seed={self._seed_value})"
 
 
 # ------------------------------------------------------------------------- iterators
@@ -685,7 +671,7 @@ class IterDataset(_Node, Iterable[T], Generic[T], abc.ABC):
         weights: Sequence[float] | Mapping[str, float] | None = None,
     ) -> IterDataset[Any]:
         """Proportional interleave; stops when a draw hits an exhausted component."""
-        from grain_core.dataset.mix import MixedIterDataset  # fluent API cycle
+        from grain_core.dataset.ops.mix import MixedIterDataset  # fluent API cycle
 
         return MixedIterDataset(datasets, weights)
 
@@ -712,31 +698,33 @@ class IterDataset(_Node, Iterable[T], Generic[T], abc.ABC):
     ) -> IterDataset[Any]:
         """Groups consecutive elements; leaves are stacked into NumPy arrays (see
         ``MapDataset.batch``)."""
-        from grain_core.dataset.batch import BatchIterDataset  # fluent API cycle
+        from grain_core.dataset.ops.batch import BatchIterDataset  # fluent API cycle
 
         return BatchIterDataset(self, batch_size, drop_remainder=drop_remainder, batch_fn=batch_fn)
 
     def filter(self, transform: Any) -> IterDataset[T]:
-        from grain_core.dataset.map import FilterIterDataset  # fluent API cycle
+        from grain_core.dataset.ops.map import FilterIterDataset  # fluent API cycle
 
         return FilterIterDataset(self, transform)
 
     def map(self, transform: Any) -> IterDataset[Any]:
-        from grain_core.dataset.map import MapIterDataset  # fluent API cycle
+        from grain_core.dataset.ops.map import MapIterDataset  # fluent API cycle
 
         return MapIterDataset(self, transform)
 
     def map_with_index(self, transform: Any) -> IterDataset[Any]:
-        from grain_core.dataset.map import MapWithIndexIterDataset  # fluent API cycle
+        from grain_core.dataset.ops.map import MapWithIndexIterDataset  # fluent API cycle
 
         return MapWithIndexIterDataset(self, transform)
 
     def random_map(self, transform: Any, *, seed: int | None = None) -> IterDataset[Any]:
-        from grain_core.dataset.map import RandomMapIterDataset  # fluent API cycle
+        from grain_core.dataset.ops.map import RandomMapIterDataset  # fluent API cycle
 
         return RandomMapIterDataset(self, transform, seed=seed)
 
     def seed(self, seed: int) -> IterDataset[T]:
+        from grain_core.dataset.ops.seed import _WithSeedIterDataset  # fluent API cycle
+
         return _WithSeedIterDataset(self, seed)
 
     def prefetch(self, multiprocessing_options: MultiprocessingOptions) -> IterDataset[T]:
@@ -758,20 +746,6 @@ class IterDataset(_Node, Iterable[T], Generic[T], abc.ABC):
         return mp_prefetch(self, options, worker_init_fn, sequential_slice=sequential_slice)
 
     def apply(self, transformations: Any) -> IterDataset[Any]:
-        from grain_core.dataset.apply import apply_transformations  # fluent API cycle
+        from grain_core.dataset.ops.apply import apply_transformations  # fluent API cycle
 
         return apply_transformations(self, transformations)
-
-
-class _WithSeedIterDataset(IterDataset[T]):
-    """Pass-through node carrying the seed set by ``.seed()``."""
-
-    def __init__(self, parent: IterDataset[T], seed: int) -> None:
-        super().__init__(parent)
-        self._seed_value = _random.validate_seed(seed, "`.seed()`", below_2_32=False)
-
-    def __iter__(self) -> DatasetIterator[T]:
-        return self._parents[0].__iter__()
-
-    def __repr__(self) -> str:
-        return f"SeedIterDataset(seed={self._seed_value})"

@@ -42,16 +42,16 @@ from typing import Any
 from grain_core import _checkpoint_io
 from grain_core.capabilities import InPlaceSliceable, ShardStateOwner, WorkerSliceable
 from grain_core.dataset.base import DatasetIterator, IterDataset, MapDataset
-from grain_core.dataset.interleave import (
+from grain_core.dataset.ops.interleave import (
     InterleaveDatasetIterator,
     InterleaveIterDataset,
     interleave_state,
 )
-from grain_core.dataset.map import FilterMapDataset
-from grain_core.dataset.mix import MixedIterDataset
+from grain_core.dataset.ops.map import FilterMapDataset
+from grain_core.dataset.ops.mix import MixedIterDataset
+from grain_core.dataset.ops.zip import ZipIterDataset
 from grain_core.dataset.prefetch import PrefetchIterDataset
 from grain_core.dataset.worker_slicing import slice_for_worker
-from grain_core.dataset.zip import ZipIterDataset
 from grain_core.options import MultiprocessingOptions, ReadOptions
 from grain_core.sharding import ShardOptions
 

@@ -2,45 +2,42 @@
 
 ``get_element_spec(ds)`` answers without reading data by walking the graph: sources with a
 known element type start the walk, each node derives its spec from its parents'. A node class
-(also a third-party one) takes part by defining ``_element_spec(self) -> spec``; the built-in
-nodes are described in this module so that node modules need no spec code of their own.
+takes part in one line, ``element_spec_rule = <a rule of this module>`` (the rules below read
+what a node exposes through the capabilities ``TransformApplying``, ``Batching`` and
+``FunctionBatching``), or, a third-party one, by defining ``_element_spec(self) -> spec``.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
-from typing import Any, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 import numpy as np
 
 from grain_core import _tree
-from grain_core.capabilities import BatchFunctionOutputSpec, TransformOutputSpec
-from grain_core.dataset import batch as _batch
-from grain_core.dataset import cache as _cache
-from grain_core.dataset import interleave as _interleave
-from grain_core.dataset import limit as _limit
-from grain_core.dataset import map as _map
-from grain_core.dataset import mix as _mix
-from grain_core.dataset import mp as _mp
-from grain_core.dataset import prefetch as _prefetch
-from grain_core.dataset import rebatch as _rebatch
-from grain_core.dataset import repeat as _repeat
-from grain_core.dataset import repeat_iter as _repeat_iter
-from grain_core.dataset import shuffle as _shuffle
-from grain_core.dataset import slice as _slice
-from grain_core.dataset import source as _source
-from grain_core.dataset import window_shuffle as _window_shuffle
-from grain_core.dataset import with_options as _with_options
-from grain_core.dataset import zip as _zip
-from grain_core.dataset.base import (
-    IterDataset,
-    MapDataset,
-    _WithSeedIterDataset,
-    _WithSeedMapDataset,
+from grain_core.capabilities import (
+    BatchFunctionOutputSpec,
+    Batching,
+    FunctionBatching,
+    TransformApplying,
+    TransformOutputSpec,
 )
 
-__all__ = ["ShapeDtypeStruct", "ShapeDtypeStructProtocol", "get_element_spec"]
+if TYPE_CHECKING:
+    from grain_core.dataset.base import IterDataset, MapDataset
+
+__all__ = [
+    "ShapeDtypeStruct",
+    "ShapeDtypeStructProtocol",
+    "batch_spec",
+    "every_parent_spec",
+    "first_dataset_spec",
+    "get_element_spec",
+    "parent_spec",
+    "range_spec",
+    "rebatch_spec",
+    "transform_spec",
+]
 
 
 @runtime_checkable
@@ -78,22 +75,49 @@ def get_element_spec(ds: MapDataset[Any] | IterDataset[Any]) -> Any:
     own = getattr(ds, "_element_spec", None)
     if own is not None:
         return own()
-    for cls in type(ds).__mro__:
-        rule = _RULES.get(cls)
-        if rule is not None:
-            return rule(ds)
-    raise NotImplementedError(
-        f"Cannot derive the element spec of {ds!r} without reading data. Give its class an "
-        "`_element_spec(self)` method, or read an element and inspect it."
-    )
+    rule = getattr(type(ds), "element_spec_rule", None)  # None too for a non-dataset
+    if rule is None:
+        raise NotImplementedError(
+            f"Cannot derive the element spec of {ds!r} without reading data. Give its class an "
+            "`_element_spec(self)` method, or read an element and inspect it."
+        )
+    return rule(ds)
 
 
-def _parent_spec(ds: Any) -> Any:
-    return get_element_spec(ds._parents[0])
+def parent_spec(ds: Any) -> Any:
+    """The rule of a node whose elements are its (first) parent's, or like them."""
+    return get_element_spec(ds.parents[0])
 
 
-def _transform_output_spec(ds: Any) -> Any:
-    transform = ds._transform
+def every_parent_spec(ds: Any) -> Any:
+    """The rule of a node whose elements are tuples of one element of each parent."""
+    return tuple(get_element_spec(p) for p in ds.parents)
+
+
+def first_dataset_spec(ds: Any) -> Any:
+    """The rule of a node reading the elements of ``ds.datasets`` (interleave).
+
+    Raises:
+      NotImplementedError: for no datasets.
+    """
+    if not len(ds.datasets):
+        raise NotImplementedError("An interleave of no datasets has no element spec.")
+    return get_element_spec(ds.datasets[0])
+
+
+def range_spec(ds: Any) -> Any:
+    """The rule of a range of integers."""
+    return ShapeDtypeStruct((), np.int64)
+
+
+def transform_spec(ds: TransformApplying) -> Any:
+    """The rule of a node applying a transform to each element: the transform's
+    ``output_spec`` of its parent's spec.
+
+    Raises:
+      ValueError: if the transform has no ``output_spec``.
+    """
+    transform = ds.transform
     if not isinstance(transform, TransformOutputSpec):
         raise ValueError(
             f"Cannot infer the element spec after {ds!r}: its transform has no "
@@ -101,91 +125,32 @@ def _transform_output_spec(ds: Any) -> Any:
             "`grain.transforms.Map`/`RandomMap`/`MapWithIndex` subclass) returning the PyTree of "
             "`ShapeDtypeStruct` it produces."
         )
-    return transform.output_spec(_parent_spec(ds))
+    return transform.output_spec(parent_spec(ds))
 
 
-def _batch_spec(ds: Any) -> Any:
-    size, drop = ds._batch_size, ds._drop_remainder
-    batch_fn = ds._given_batch_fn
-    if batch_fn is not _batch.make_batch:
+def batch_spec(ds: FunctionBatching) -> Any:
+    """The rule of ``batch``: the parent's spec with a leading batch dimension (``None`` unless
+    ``drop_remainder``), or a custom batch function's ``output_spec``.
+
+    Raises:
+      NotImplementedError: for a custom batch function without ``output_spec``.
+    """
+    size, drop = ds.batch_size, ds.drop_remainder
+    batch_fn = ds.custom_batch_fn
+    if batch_fn is not None:
         if not isinstance(batch_fn, BatchFunctionOutputSpec):
             raise NotImplementedError(
                 f"Cannot infer the element spec of {ds!r}: its custom batch_fn has no "
                 "`output_spec(input_spec, batch_size, drop_remainder)` method."
             )
-        return batch_fn.output_spec(_parent_spec(ds), size, drop)
-    return _with_leading_dim(_parent_spec(ds), size if drop else None)
-
-
-def _with_leading_dim(spec: Any, dim: int | None) -> Any:
-    return _tree.map_structure(lambda s: ShapeDtypeStruct((dim, *s.shape), s.dtype), spec)
-
-
-def _rebatch_spec(ds: Any) -> Any:
+        return batch_fn.output_spec(parent_spec(ds), size, drop)
     return _tree.map_structure(
-        lambda s: ShapeDtypeStruct((ds._batch_size, *s.shape[1:]), s.dtype), _parent_spec(ds)
+        lambda s: ShapeDtypeStruct((size if drop else None, *s.shape), s.dtype), parent_spec(ds)
     )
 
 
-def _zip_spec(ds: Any) -> Any:
-    return tuple(get_element_spec(p) for p in ds._parents)
-
-
-def _first_input_spec(ds: Any) -> Any:
-    return get_element_spec(ds._parents[0])
-
-
-def _interleave_spec(ds: _interleave.InterleaveIterDataset) -> Any:
-    if not len(ds.datasets):
-        raise NotImplementedError("An interleave of no datasets has no element spec.")
-    return get_element_spec(ds.datasets[0])
-
-
-def _range_spec(ds: Any) -> Any:
-    return ShapeDtypeStruct((), np.int64)
-
-
-_PASS_THROUGH: tuple[type, ...] = (
-    _WithSeedMapDataset,
-    _WithSeedIterDataset,
-    _map.FilterMapDataset,
-    _map.FilterIterDataset,
-    _shuffle.ShuffleMapDataset,
-    _slice.SliceMapDataset,
-    _slice.ReindexMapDataset,
-    _repeat.RepeatMapDataset,
-    _prefetch.PrefetchIterDataset,
-    _prefetch.ThreadPrefetchIterDataset,
-    _window_shuffle.WindowShuffleMapDataset,
-    _window_shuffle.WindowShuffleIterDataset,
-    _limit.LimitIterDataset,
-    _repeat_iter.RepeatIterDataset,
-    _cache.CacheIterDataset,
-    _with_options.WithOptionsIterDataset,
-    _mp.MultiprocessPrefetchIterDataset,
-)
-
-_RULES: dict[type, Callable[[Any], Any]] = {
-    **dict.fromkeys(_PASS_THROUGH, _parent_spec),
-    _source.RangeMapDataset: _range_spec,
-    **dict.fromkeys(
-        (
-            _map.MapMapDataset,
-            _map.MapIterDataset,
-            _map.RandomMapMapDataset,
-            _map.RandomMapIterDataset,
-            _map.MapWithIndexMapDataset,
-            _map.MapWithIndexIterDataset,
-        ),
-        _transform_output_spec,
-    ),
-    _batch.BatchMapDataset: _batch_spec,
-    _batch.BatchIterDataset: _batch_spec,
-    _rebatch.RebatchIterDataset: _rebatch_spec,
-    _zip.ZipMapDataset: _zip_spec,
-    _zip.ZipIterDataset: _zip_spec,
-    _mix.MixedMapDataset: _first_input_spec,
-    _mix.ConcatenateMapDataset: _first_input_spec,
-    _mix.MixedIterDataset: _first_input_spec,
-    _interleave.InterleaveIterDataset: _interleave_spec,
-}
+def rebatch_spec(ds: Batching) -> Any:
+    """The rule of ``RebatchIterDataset``: the parent's batches with ``batch_size`` rows."""
+    return _tree.map_structure(
+        lambda s: ShapeDtypeStruct((ds.batch_size, *s.shape[1:]), s.dtype), parent_spec(ds)
+    )

@@ -14,7 +14,7 @@ from grain_core.dataset.base import (
     IterDataset,
     ShareContext,
 )
-from grain_core.dataset.interleave import InterleaveIterDataset
+from grain_core.dataset.ops.interleave import InterleaveIterDataset
 from grain_core.dataset.worker_slicing import slice_for_worker
 
 __all__ = ["ThreadShareIterDataset", "multithread_prefetch"]

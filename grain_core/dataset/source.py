@@ -21,6 +21,7 @@ import numpy as np
 from grain_core import _tree
 from grain_core.capabilities import BatchedReadSource, ColumnReadSource, GrainBatchedReadSource
 from grain_core.dataset.base import Indices, MapDataset
+from grain_core.dataset.element_spec import range_spec
 from grain_core.options import ReadOptions
 from grain_core.sharding import ShardOptions, even_split
 
@@ -281,6 +282,8 @@ class SourceMapDataset(MapDataset[Any]):
 
 class RangeMapDataset(MapDataset[int]):
     """Integers ``start + (i % len) * step`` with Python ``range`` argument rules."""
+
+    element_spec_rule = range_spec
 
     def __init__(self, start: int, stop: int | None = None, step: int = 1) -> None:
         super().__init__()

@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from grain_core.dataset.base import DatasetIterator, IterDataset
+from grain_core.dataset.element_spec import parent_spec
 from grain_core.dataset.options import DatasetOptions
 
 __all__ = ["WithOptionsIterDataset"]
@@ -20,6 +21,8 @@ class WithOptionsIterDataset(IterDataset[Any]):
     Raises:
       TypeError: if ``options`` is not a ``DatasetOptions``.
     """
+
+    element_spec_rule = parent_spec
 
     def __init__(self, parent: IterDataset[Any], options: DatasetOptions) -> None:
         super().__init__(parent)

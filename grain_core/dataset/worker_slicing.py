@@ -14,13 +14,14 @@ import copy
 from typing import Any
 
 from grain_core.capabilities import InPlaceSliceable, WorkerSliceable
-from grain_core.dataset.base import IterDataset, MapDataset, _WithSeedMapDataset
-from grain_core.dataset.map import (
+from grain_core.dataset.base import IterDataset, MapDataset
+from grain_core.dataset.ops.map import (
     FilterMapDataset,
     MapMapDataset,
     MapWithIndexMapDataset,
     RandomMapMapDataset,
 )
+from grain_core.dataset.ops.seed import _WithSeedMapDataset
 from grain_core.dataset.prefetch import PrefetchIterDataset
 from grain_core.dataset.source import RangeMapDataset, SourceMapDataset
 from grain_core.sharding import ShardOptions, even_split

@@ -18,7 +18,7 @@ import numpy as np
 
 from grain_core import _tree, transforms
 from grain_core.data_loader import _RecordBatch, _RecordFilter, _RecordMap
-from grain_core.dataset.batch import make_batch
+from grain_core.dataset.ops.batch import make_batch
 from grain_core.record import Record
 
 __all__ = [

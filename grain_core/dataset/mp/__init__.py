@@ -16,7 +16,7 @@ This module chooses the engine and merges: the parent side is an ``InterleaveIte
 with one input per worker (rotation) or per strided class of positions (dispatch), so the
 state is the interleave state with one worker pipeline state per input. The rest of the
 folder: ``protocol`` (the messages), ``pickling``, ``worker`` (the worker loop both engines
-share), ``shm_batch`` (batches written into shared memory), ``positions`` (what dispatching
+share), ``positions`` (what dispatching
 workers compute), ``share_index`` (``get_next_index``/``set_next_index`` with one worker). The processes themselves are ``grain_core._ipc``'s.
 """
 
@@ -30,7 +30,7 @@ from collections.abc import Callable
 from typing import Any
 
 from grain_core.dataset.base import DatasetIterator, IterDataset
-from grain_core.dataset.interleave import InterleaveIterDataset
+from grain_core.dataset.element_spec import parent_spec
 from grain_core.dataset.mp import dispatch, remote, rotation
 from grain_core.dataset.mp.consumer import ClassConsumer, DispatchedClassIterator
 from grain_core.dataset.mp.in_process import (
@@ -40,9 +40,9 @@ from grain_core.dataset.mp.in_process import (
     usable_cores,
 )
 from grain_core.dataset.mp.pickling import EngineInput
-from grain_core.dataset.mp.shm_batch import shared_memory_batch_fn
 from grain_core.dataset.mp.worker import WarmWorkers, start_worker_server
 from grain_core.dataset.multithread import multithread_prefetch
+from grain_core.dataset.ops.interleave import InterleaveIterDataset
 from grain_core.dataset.options import DatasetOptions
 from grain_core.dataset.with_options import WithOptionsIterDataset
 from grain_core.options import MultiprocessingOptions
@@ -52,7 +52,6 @@ __all__ = [
     "MultiprocessPrefetchIterDataset",
     "mp_prefetch",
     "seconds_per_result_with_workers",
-    "shared_memory_batch_fn",
     "start_worker_server",
     "transport_seconds",
     "usable_cores",
@@ -128,6 +127,8 @@ def _upstream_options(ds: IterDataset[Any]) -> DatasetOptions | None:
 
 class MultiprocessPrefetchIterDataset(IterDataset[Any]):
     """The pipeline ``parent`` run by worker processes (see module docstring)."""
+
+    element_spec_rule = parent_spec
 
     def __init__(
         self,

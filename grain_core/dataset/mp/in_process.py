@@ -62,7 +62,8 @@ from grain_core.dataset.base import DatasetIterator
 from grain_core.dataset.mp.positions import read_steps
 from grain_core.dataset.mp.protocol import ELEMENT, ERROR, overdraft_room
 from grain_core.dataset.options import DatasetOptions
-from grain_core.dataset.prefetch import READ_THREAD_PREFIX, PrefetchIterDataset
+from grain_core.dataset.prefetch import PrefetchIterDataset
+from grain_core.dataset.read_concurrency import READ_THREAD_PREFIX
 
 __all__ = [
     "MARGIN",

@@ -30,9 +30,9 @@ from grain_core.dataset.base import (
     stop_iteration_error,
     transform_name,
 )
-from grain_core.dataset.batch import BatchIterDataset, has_holes_upstream
-from grain_core.dataset.map import MapIterDataset
-from grain_core.dataset.mp.shm_batch import with_shared_memory_output
+from grain_core.dataset.ops.batch import BatchIterDataset, has_holes_upstream
+from grain_core.dataset.ops.map import MapIterDataset
+from grain_core.dataset.ops.shm_batch import with_shared_memory_output
 from grain_core.dataset.options import DatasetOptions
 from grain_core.dataset.prefetch import PrefetchIterDataset, read_index
 from grain_core.dataset.with_options import WithOptionsIterDataset

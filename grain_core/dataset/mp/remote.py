@@ -40,7 +40,7 @@ from grain_core.dataset.mp.consumer import ClassConsumer
 from grain_core.dataset.mp.positions import PositionReader, dispatch_obstacle
 from grain_core.dataset.mp.protocol import ELEMENT, ERROR
 from grain_core.dataset.options import DatasetOptions
-from grain_core.dataset.prefetch import read_inline_while_cpu_bound
+from grain_core.dataset.read_concurrency import read_inline_while_cpu_bound
 from grain_core.options import MultiprocessingOptions
 from grain_core.plugins import WorkerBackend, WorkerGroup, WorkerJob, WorkerLostError
 

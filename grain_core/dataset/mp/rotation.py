@@ -56,7 +56,6 @@ from grain_core.dataset.mp.protocol import (
     stats_request_message,
 )
 from grain_core.dataset.mp.share_index import share_next_index, share_state_at
-from grain_core.dataset.mp.shm_batch import with_shared_memory_output
 from grain_core.dataset.mp.worker import (
     GROUP_S,
     WorkerLoop,
@@ -65,6 +64,7 @@ from grain_core.dataset.mp.worker import (
     release_workers,
     run_worker,
 )
+from grain_core.dataset.ops.shm_batch import with_shared_memory_output
 from grain_core.dataset.options import DatasetOptions
 from grain_core.dataset.worker_slicing import slice_for_worker
 from grain_core.plugins import loaded_plugin_names

@@ -41,7 +41,7 @@ from grain_core.dataset.mp.protocol import (
     stats_message,
     warning_message,
 )
-from grain_core.dataset.prefetch import read_inline_while_cpu_bound
+from grain_core.dataset.read_concurrency import read_inline_while_cpu_bound
 from grain_core.dataset.stats import is_tracing, is_tracking, worker_stage_snapshot
 from grain_core.options import MultiprocessingOptions
 

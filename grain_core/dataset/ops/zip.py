@@ -6,6 +6,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from grain_core.dataset.base import DatasetIterator, Indices, IterDataset, MapDataset
+from grain_core.dataset.element_spec import every_parent_spec
 
 __all__ = ["ZipIterDataset", "ZipMapDataset"]
 
@@ -17,6 +18,8 @@ class ZipMapDataset(MapDataset[tuple[Any, ...]]):
     Raises:
       ValueError: for no parents or parents of different lengths.
     """
+
+    element_spec_rule = every_parent_spec
 
     def __init__(self, parents: Sequence[MapDataset[Any]]) -> None:
         parents = list(parents)
@@ -55,6 +58,8 @@ class ZipIterDataset(IterDataset[tuple[Any, ...]]):
     Raises:
       ValueError: for no parents.
     """
+
+    element_spec_rule = every_parent_spec
 
     def __init__(self, parents: Sequence[IterDataset[Any]], *, strict: bool = True) -> None:
         parents = list(parents)

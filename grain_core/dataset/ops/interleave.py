@@ -37,6 +37,7 @@ from grain_core.dataset.base import (
     IterDataset,
     MapDataset,
 )
+from grain_core.dataset.element_spec import first_dataset_spec
 from grain_core.dataset.prefetch import PrefetchIterDataset, ThreadPrefetchDatasetIterator
 
 __all__ = [
@@ -95,6 +96,8 @@ class InterleaveIterDataset(IterDataset[Any]):
     Raises:
       ValueError: if ``cycle_length`` or a thread/buffer count is out of range.
     """
+
+    element_spec_rule = first_dataset_spec
 
     def __init__(
         self,

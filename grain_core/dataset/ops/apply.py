@@ -5,8 +5,8 @@ from __future__ import annotations
 from typing import Any
 
 from grain_core import transforms
-from grain_core.dataset import flatmap
 from grain_core.dataset.base import MapDataset
+from grain_core.dataset.ops import flatmap
 
 __all__ = ["apply_transformations"]
 

@@ -23,6 +23,7 @@ import numpy as np
 from grain_core import random as _random
 from grain_core._checks import positive_int
 from grain_core.dataset.base import DatasetIterator, Indices, IterDataset, MapDataset
+from grain_core.dataset.element_spec import parent_spec
 
 __all__ = ["WindowShuffleIterDataset", "WindowShuffleMapDataset"]
 
@@ -60,6 +61,8 @@ class WindowShuffleMapDataset(MapDataset[Any]):
     Raises:
       ValueError: ``window_size <= 0``, or no seed given and none set upstream.
     """
+
+    element_spec_rule = parent_spec
 
     passes_values = True
 
@@ -128,6 +131,8 @@ class WindowShuffleIterDataset(IterDataset[Any]):
     Raises:
       ValueError: ``window_size <= 0``, or no seed given and none set upstream.
     """
+
+    element_spec_rule = parent_spec
 
     def __init__(
         self, parent: IterDataset[Any], *, window_size: int, seed: int | None = None

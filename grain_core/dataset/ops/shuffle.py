@@ -9,6 +9,7 @@ import numpy as np
 
 from grain_core import random as _random
 from grain_core.dataset.base import Indices, MapDataset
+from grain_core.dataset.element_spec import parent_spec
 
 __all__ = ["ShuffleMapDataset"]
 
@@ -21,6 +22,8 @@ class ShuffleMapDataset(MapDataset[Any]):
     O(1) memory and random access; every epoch uses a different permutation. Blocks of indices
     are permuted with one vectorised call.
     """
+
+    element_spec_rule = parent_spec
 
     passes_values = True
 

@@ -19,6 +19,7 @@ from grain_core.capabilities import (
     HoleMaking,
 )
 from grain_core.dataset.base import INFINITE, DatasetIterator, Indices, IterDataset, MapDataset
+from grain_core.dataset.element_spec import batch_spec
 from grain_core.dataset.source import ColumnBlock, StackedBlock, columns_wanted
 
 __all__ = [
@@ -135,8 +136,8 @@ def _resolve_batch_fn(batch_fn: Callable[[Sequence[Any]], Any] | None) -> Callab
 def _in_shared_memory(batch_fn: Callable[..., Any]) -> Callable[..., Any]:
     """``batch_fn`` writing its output into shared memory, or ``batch_fn`` itself when it
     cannot (a custom function without ``enable_shared_memory_output()``)."""
-    # The engines import this module, and only a batch sent between processes needs them.
-    from grain_core.dataset.mp import shared_memory_batch_fn  # import cost
+    # Shared memory (grain_core._ipc.shm, 30 ms) loads only for a batch sent between processes.
+    from grain_core.dataset.ops.shm_batch import shared_memory_batch_fn  # import cost
 
     return shared_memory_batch_fn(batch_fn) or batch_fn
 
@@ -161,8 +162,33 @@ def has_holes_upstream(ds: MapDataset[Any]) -> str | None:
     return None
 
 
-class BatchMapDataset(MapDataset[Any]):
+class _BatchShape:
+    """What the element spec of a batch node follows (``capabilities.FunctionBatching``): its
+    batch size, ``drop_remainder`` and batch function as given, wherever its batches are
+    written."""
+
+    _batch_size: int
+    _drop_remainder: bool
+    _given_batch_fn: Callable[..., Any]
+
+    @property
+    def batch_size(self) -> int:
+        return self._batch_size
+
+    @property
+    def drop_remainder(self) -> bool:
+        return self._drop_remainder
+
+    @property
+    def custom_batch_fn(self) -> Callable[..., Any] | None:
+        """The batch function as given; None for the default stacking (``make_batch``)."""
+        return None if self._given_batch_fn is make_batch else self._given_batch_fn
+
+
+class BatchMapDataset(_BatchShape, MapDataset[Any]):
     """``ds[i]`` batches parent elements ``[e*n + j*b, e*n + min(n, (j+1)*b))``."""
+
+    element_spec_rule = batch_spec
 
     def __init__(
         self,
@@ -314,8 +340,10 @@ class _BatchIterator(DatasetIterator[Any]):
         self._parents[0]._set_next_index(index * self._batch_size)
 
 
-class BatchIterDataset(IterDataset[Any]):
+class BatchIterDataset(_BatchShape, IterDataset[Any]):
     """Pulls up to ``batch_size`` elements per batch; state is the parent's."""
+
+    element_spec_rule = batch_spec
 
     def __init__(
         self,
@@ -330,14 +358,6 @@ class BatchIterDataset(IterDataset[Any]):
         # The function as given: the element spec is its, wherever the batches are written.
         self._given_batch_fn = _resolve_batch_fn(batch_fn)
         self._batch_fn = self._given_batch_fn
-
-    @property
-    def batch_size(self) -> int:
-        return self._batch_size
-
-    @property
-    def drop_remainder(self) -> bool:
-        return self._drop_remainder
 
     @property
     def batch_fn(self) -> Callable[..., Any]:

@@ -15,7 +15,8 @@ import numpy as np
 from grain_core import _tree
 from grain_core._checks import positive_int
 from grain_core.dataset.base import DatasetIterator, IterDataset
-from grain_core.dataset.batch import make_batch
+from grain_core.dataset.element_spec import rebatch_spec
+from grain_core.dataset.ops.batch import make_batch
 
 __all__ = ["RebatchIterDataset", "batch_and_pad"]
 
@@ -58,6 +59,8 @@ class RebatchIterDataset(IterDataset[Any]):
       ValueError: ``batch_size <= 0``; at read time, an input batch with 0 rows or leaves
         whose leading dimensions differ.
     """
+
+    element_spec_rule = rebatch_spec
 
     def __init__(
         self, parent: IterDataset[Any], batch_size: int, drop_remainder: bool = False

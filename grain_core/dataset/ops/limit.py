@@ -6,6 +6,7 @@ from typing import Any
 
 from grain_core._checks import positive_int
 from grain_core.dataset.base import DatasetIterator, IterDataset
+from grain_core.dataset.element_spec import parent_spec
 
 __all__ = ["LimitIterDataset"]
 
@@ -16,6 +17,8 @@ class LimitIterDataset(IterDataset[Any]):
     Raises:
       ValueError: if ``count`` is not a positive integer.
     """
+
+    element_spec_rule = parent_spec
 
     def __init__(self, parent: IterDataset[Any], count: int) -> None:
         super().__init__(parent)

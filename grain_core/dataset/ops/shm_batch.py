@@ -14,7 +14,7 @@ from grain_core import _tree
 from grain_core._ipc import shm
 from grain_core.capabilities import SharedMemoryBatchFn
 from grain_core.dataset.base import IterDataset
-from grain_core.dataset.batch import (
+from grain_core.dataset.ops.batch import (
     BatchIterDataset,
     BatchMapDataset,
     make_batch,

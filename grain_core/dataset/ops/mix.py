@@ -21,6 +21,7 @@ from grain_core.dataset.base import (
     IterDataset,
     MapDataset,
 )
+from grain_core.dataset.element_spec import parent_spec
 from grain_core.transforms import DatasetSelectionMap
 
 # Most elements taken from a block-reading component at once.
@@ -97,6 +98,8 @@ class SelectionWithProportionsMap(DatasetSelectionMap):
 class MixedMapDataset(MapDataset[Any]):
     """Element ``i`` is ``parents[d][j]`` with ``(d, j)`` from a selection map."""
 
+    element_spec_rule = parent_spec
+
     def __init__(
         self,
         parents: Sequence[MapDataset[Any]],
@@ -165,6 +168,8 @@ class MixedMapDataset(MapDataset[Any]):
 
 class ConcatenateMapDataset(MapDataset[Any]):
     """Epoch ``e`` of the result is epoch ``e`` of every component, in order."""
+
+    element_spec_rule = parent_spec
 
     def __init__(self, parents: Sequence[MapDataset[Any]]) -> None:
         parents = list(parents)
@@ -293,6 +298,8 @@ class _MixedIterator(DatasetIterator[Any]):
 
 class MixedIterDataset(IterDataset[Any]):
     """Proportional mix of IterDatasets; a mapping of names allows changing components later."""
+
+    element_spec_rule = parent_spec
 
     def __init__(
         self,

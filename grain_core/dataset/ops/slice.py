@@ -8,12 +8,15 @@ from typing import Any
 import numpy as np
 
 from grain_core.dataset.base import Indices, MapDataset
+from grain_core.dataset.element_spec import parent_spec
 
 __all__ = ["ReindexMapDataset", "SliceMapDataset"]
 
 
 class SliceMapDataset(MapDataset[Any]):
     """``ds[i] = parent[start + (i % len) * step + (i // len) * n]``."""
+
+    element_spec_rule = parent_spec
 
     passes_values = True
 
@@ -51,6 +54,8 @@ class SliceMapDataset(MapDataset[Any]):
 
 class ReindexMapDataset(MapDataset[Any]):
     """``ds[i] = parent[indices[i % len] + (i // len) * n]``."""
+
+    element_spec_rule = parent_spec
 
     def __init__(self, parent: MapDataset[Any], indices: Sequence[int] | MapDataset[int]) -> None:
         super().__init__(parent)

@@ -18,7 +18,8 @@ from grain_core.dataset.base import (
     stop_iteration_error,
     transform_name,
 )
-from grain_core.dataset.batch import has_holes_upstream, make_batch, reads_blocks
+from grain_core.dataset.element_spec import parent_spec, transform_spec
+from grain_core.dataset.ops.batch import has_holes_upstream, make_batch, reads_blocks
 from grain_core.dataset.options import FilterRatioChecker
 from grain_core.dataset.source import StackedBlock, columns_wanted
 from grain_core.transforms import Filter
@@ -36,7 +37,18 @@ __all__ = [
 ]
 
 
-class _ElementwiseMapDataset(MapDataset[Any]):
+class _TransformApplying:
+    """A node's transform as given (``capabilities.TransformApplying``)."""
+
+    _transform: Any
+
+    @property
+    def transform(self) -> Any:
+        """The function or transformation object applied to each element."""
+        return self._transform
+
+
+class _ElementwiseMapDataset(_TransformApplying, MapDataset[Any]):
     """One parent, same length; subclasses define ``__getitem__`` and ``_getitems`` only."""
 
     def __init__(self, parent: MapDataset[Any], transform: Any) -> None:
@@ -53,6 +65,8 @@ class _ElementwiseMapDataset(MapDataset[Any]):
 
 class MapMapDataset(_ElementwiseMapDataset):
     """``ds[i] = fn(parent[i])``; holes pass through."""
+
+    element_spec_rule = transform_spec
 
     def __init__(self, parent: MapDataset[Any], transform: Any) -> None:
         super().__init__(parent, transform)
@@ -125,6 +139,8 @@ class BatchedMapMapDataset(_ElementwiseMapDataset):
 class MapWithIndexMapDataset(_ElementwiseMapDataset):
     """``ds[i] = fn(i, parent[i])`` with the raw index ``i``."""
 
+    element_spec_rule = transform_spec
+
     def __init__(self, parent: MapDataset[Any], transform: Any) -> None:
         super().__init__(parent, transform)
         self._fn = _transform_fn(transform, "map_with_index")
@@ -143,6 +159,8 @@ class MapWithIndexMapDataset(_ElementwiseMapDataset):
 
 class RandomMapMapDataset(_ElementwiseMapDataset):
     """``ds[i] = fn(parent[i], rng_i)``; ``rng_i`` is Philox with counter ``[0, 0, 0, i]``."""
+
+    element_spec_rule = transform_spec
 
     def __init__(self, parent: MapDataset[Any], transform: Any, *, seed: int | None = None) -> None:
         super().__init__(parent, transform)
@@ -183,6 +201,8 @@ class RandomMapMapDataset(_ElementwiseMapDataset):
 class FilterMapDataset(_ElementwiseMapDataset):
     """``ds[i] = parent[i]`` if the predicate holds, else ``None`` (a hole)."""
 
+    element_spec_rule = parent_spec
+
     creates_holes = True
 
     def __init__(self, parent: MapDataset[Any], transform: Any) -> None:
@@ -201,17 +221,12 @@ class FilterMapDataset(_ElementwiseMapDataset):
 
 
 # ------------------------------------------------------------------------ IterDataset side
-class _ElementwiseIterDataset(IterDataset[Any]):
+class _ElementwiseIterDataset(_TransformApplying, IterDataset[Any]):
     _iterator_cls: type[DatasetIterator[Any]]
 
     def __init__(self, parent: IterDataset[Any], transform: Any) -> None:
         super().__init__(parent)
         self._transform = transform
-
-    @property
-    def transform(self) -> Any:
-        """The function or transformation object applied to each element."""
-        return self._transform
 
     def __iter__(self) -> DatasetIterator[Any]:
         return self._iterator_cls(iter(self._parents[0]), self)  # type: ignore[call-arg]
@@ -250,6 +265,8 @@ class _MapIterator(DatasetIterator[Any]):
 
 class MapIterDataset(_ElementwiseIterDataset):
     """Applies ``fn`` to every element; state is the parent's."""
+
+    element_spec_rule = transform_spec
 
     _iterator_cls = _MapIterator
 
@@ -312,6 +329,8 @@ class _MapWithIndexIterator(_IndexedIterator):
 class MapWithIndexIterDataset(_ElementwiseIterDataset):
     """Applies ``fn(index, element)``; state ``{"parent", "counter"}``."""
 
+    element_spec_rule = transform_spec
+
     _iterator_cls = _MapWithIndexIterator
 
 
@@ -335,6 +354,8 @@ class _RandomMapIterator(_IndexedIterator):
 
 class RandomMapIterDataset(_ElementwiseIterDataset):
     """Applies ``fn(element, rng)``; state ``{"parent", "index_for_rng"}``."""
+
+    element_spec_rule = transform_spec
 
     _iterator_cls = _RandomMapIterator
 
@@ -386,5 +407,7 @@ class _FilterIterator(DatasetIterator[Any]):
 
 class FilterIterDataset(_ElementwiseIterDataset):
     """Keeps elements for which the predicate holds; state is the parent's."""
+
+    element_spec_rule = parent_spec
 
     _iterator_cls = _FilterIterator

@@ -7,6 +7,7 @@ from typing import Any
 
 from grain_core._checks import as_flag
 from grain_core.dataset.base import DatasetIterator, IterDataset
+from grain_core.dataset.element_spec import parent_spec
 
 __all__ = ["CacheIterDataset"]
 
@@ -20,6 +21,8 @@ class CacheIterDataset(IterDataset[Any]):
     has its own cache; a state restored in a fresh iterator rebuilds the cache by re-reading the
     parent from its start.
     """
+
+    element_spec_rule = parent_spec
 
     def __init__(self, parent: IterDataset[Any]) -> None:
         super().__init__(parent)
