@@ -33,6 +33,7 @@ import dataclasses
 import hashlib
 import json
 import sys
+import threading
 from collections.abc import Callable, Coroutine, Mapping
 from typing import Any, Final
 
@@ -48,10 +49,12 @@ __all__ = [
     "read_process_file",
     "read_shard_process_state",
     "read_shard_states",
+    "restore_and_start",
     "restore_item",
     "save_coroutine",
     "save_item",
     "shard_file",
+    "start_when_restored",
     "write_process_file",
     "write_shard_checkpoint",
     "written_process_counts",
@@ -463,19 +466,69 @@ def save_item(directory: Any, item: Any) -> None:
     write_process_file(directory, encode_state(item.get_state()))
 
 
-def restore_item(directory: Any, item: Any) -> None:
+def restore_item(directory: Any, item: Any, *, start_prefetch: bool = False) -> None:
     """Restores iterator ``item`` in place from ``directory`` (see ``save_item``); an iterator
     with the same state on every process restores from any process's file.
+
+    Args:
+      directory: The checkpoint directory (a local path or URL).
+      item: The iterator to restore.
+      start_prefetch: Also start the background work of the iterators restored, in the same
+        walk of the iterator tree (see ``restore_and_start``).
 
     Raises:
       ValueError: If the file is missing, truncated or not JSON, or holds the state of another
         kind of iterator, naming the file.
     """
-    if _checkpoints_shard_states(item):
-        item.restore_shard_checkpoint(directory)
-        return
-    same_everywhere = isinstance(item, SameStateEverywhere) and item.state_same_on_every_process
-    _set_state(item, read_process_file(directory, any_process=same_everywhere), directory)
+
+    def restore() -> None:
+        if _checkpoints_shard_states(item):
+            item.restore_shard_checkpoint(directory)
+            return
+        same = isinstance(item, SameStateEverywhere) and item.state_same_on_every_process
+        _set_state(item, read_process_file(directory, any_process=same), directory)
+
+    if start_prefetch:
+        restore_and_start(restore)
+    else:
+        restore()
+
+
+class _RestoreStarts(threading.local):
+    """The background work queued by the iterators that the restore running on this thread
+    has set so far; ``None`` outside a restore that starts it."""
+
+    queue: list[Callable[[], None]] | None = None
+
+
+_RESTORE_STARTS = _RestoreStarts()
+
+
+def restore_and_start(restore: Callable[[], None]) -> None:
+    """Runs ``restore`` (``set_state`` calls that walk an iterator tree), then starts the
+    background work that the iterators it set queued with ``start_when_restored``, in the
+    order they queued it: the tree is walked once, and nothing starts before every iterator
+    has its state (inputs of one engine start from all their positions)."""
+    outer = _RESTORE_STARTS.queue
+    starts: list[Callable[[], None]] = []
+    _RESTORE_STARTS.queue = starts
+    try:
+        restore()
+    finally:
+        _RESTORE_STARTS.queue = outer
+    for start in starts:
+        start()
+
+
+def start_when_restored(start: Callable[[], None]) -> bool:
+    """Queues ``start`` (an iterator's own background work, at the end of its ``set_state``)
+    to run when the restore that is setting its state ends, if that restore starts background
+    work (``restore_and_start``); returns whether it did."""
+    starts = _RESTORE_STARTS.queue
+    if starts is None:
+        return False
+    starts.append(start)
+    return True
 
 
 def _checkpoints_shard_states(item: Any) -> bool:

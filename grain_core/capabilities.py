@@ -245,9 +245,11 @@ class ColumnBlockStacking(Protocol):
 class HoleMaking(Protocol):
     """A ``MapDataset`` that leaves holes (``None``) in its index space when
     ``creates_holes`` is true (``filter``, ``flat_map``): ``MapDataset.batch`` cannot follow
-    it."""
+    it, and its refusal names the node by ``display_name`` (the words Google Grain uses where
+    it has them, e.g. ``MapDataset.filter``)."""
 
     creates_holes: bool
+    display_name: str
 
 
 @runtime_checkable

@@ -43,8 +43,7 @@ class CheckpointHandler:
             another kind of iterator.
         """
         item = item if item is not None else args.item
-        restore_item(directory, item)
-        item.start_prefetch()
+        restore_item(directory, item, start_prefetch=True)
         return item
 
     def structure(self) -> None:

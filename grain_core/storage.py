@@ -22,6 +22,10 @@ planted symlink), is synced and renamed into place; temporary files that a kille
 for the same target are removed by the next successful write. On an object store the object
 is written with one whole-object upload (atomic there) and its size is read back; its local
 spool file is cleaned up the same way (in the temporary directory).
+
+URLs are served by :mod:`grain_core._remote_files` (the fsspec file systems, their errors and
+the remote file that ``open_read`` returns); this module keeps paths, local files and the
+atomic writes.
 """
 
 from __future__ import annotations
@@ -32,7 +36,6 @@ import fcntl
 import functools
 import glob as _glob
 import os
-import queue
 import random
 import re
 import stat
@@ -40,6 +43,8 @@ import tempfile
 import threading
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any, BinaryIO, Final, cast
+
+from grain_core._remote_files import RemoteFile, StorageError, filesystem, remote_errors
 
 __all__ = [
     "READ_AHEAD_BYTES",
@@ -69,8 +74,6 @@ PathArg = Any
 # Block size of sequential remote reads: one request per block, and the next block is fetched
 # in the background while the current one is parsed (fsspec's "background" cache).
 READ_AHEAD_BYTES: Final = 16 << 20
-# Bytes a streamed download asks its file for at a time (one item of its queue).
-_STREAM_CHUNK: Final = 1 << 20
 # Uploads up to this size are sent from memory in one PUT; larger ones from the spooled file.
 _UPLOAD_FROM_MEMORY: Final = 64 << 20
 # Temporary files are named ``.tmp.<pid>.<random>.<target name>``; a writer that writes its
@@ -82,42 +85,6 @@ _TEMP_RANDOM: Final = random.SystemRandom()
 _CREATE_PRIVATE: Final = os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
 _TEMP_LAYER: Final = re.escape(_TEMP_PREFIX) + r"(\d+)\.[a-z0-9_]{8}\."
 _URL = re.compile(r"^(?P<scheme>[A-Za-z][A-Za-z0-9+.\-]+)://")
-_REMOTE_PIP = "pip install fsspec"
-# Which package serves a scheme, for the error when it is missing.
-_SCHEME_PACKAGES: Final = {
-    "s3": "s3fs",
-    "s3a": "s3fs",
-    "gs": "gcsfs",
-    "gcs": "gcsfs",
-    "az": "adlfs",
-    "abfs": "adlfs",
-    "abfss": "adlfs",
-    "hf": "huggingface_hub",
-}
-
-
-class StorageError(OSError):
-    """A remote read or write failed after the file system's retries.
-
-    Attributes:
-      url: The file.
-      byte_range: ``(start, end)`` of the bytes being read, or None for a whole-file operation.
-    """
-
-    def __init__(self, message: str, *, url: str, byte_range: tuple[int, int] | None) -> None:
-        super().__init__(message)
-        self.url = url
-        self.byte_range = byte_range
-
-    def __reduce__(self) -> tuple[object, ...]:
-        # Keeps the attributes when the error crosses a process boundary.
-        return (_rebuild_storage_error, (str(self), self.url, self.byte_range))
-
-
-def _rebuild_storage_error(
-    message: str, url: str, byte_range: tuple[int, int] | None
-) -> StorageError:
-    return StorageError(message, url=url, byte_range=byte_range)
 
 
 # ------------------------------------------------------------------------------ paths
@@ -178,106 +145,6 @@ def cache_dir(kind: str) -> str:
     return os.path.join(root, kind)
 
 
-# ---------------------------------------------------------------------- file systems
-def filesystem(url: str, storage_options: Mapping[str, Any] | None = None) -> tuple[Any, str]:
-    """Returns the fsspec file system serving ``url`` and the path within it.
-
-    Instances are cached by fsspec per (protocol, options, process), so calling this for every
-    file costs little; worker processes build their own from the same URL and options.
-
-    Raises:
-      ImportError: If fsspec, or the package for the URL's scheme, is not installed (the
-        message names what to ``pip install``).
-      ValueError: If no fsspec implementation is known for the scheme.
-    """
-    scheme = url.split("://", 1)[0].lower()
-    package = _SCHEME_PACKAGES.get(scheme)
-    try:
-        import fsspec  # optional dependency
-    except ImportError as e:
-        extra = f" {package}" if package else ""
-        raise ImportError(
-            f"Opening {url} needs fsspec{' and ' + package if package else ''}: "
-            f"{_REMOTE_PIP}{extra}"
-        ) from e
-    try:
-        return fsspec.core.url_to_fs(url, **dict(storage_options or {}))
-    except ImportError as e:
-        hint = f"pip install {package}" if package else str(e)
-        raise ImportError(
-            f"Opening {url} needs the fsspec implementation of {scheme}://: {hint}"
-        ) from e
-    except ValueError as e:
-        if scheme in fsspec.available_protocols():
-            raise
-        raise ValueError(
-            f"Cannot open {url}: no file system is known for the scheme {scheme}:// ({e}). "
-            "Use a local path, or a URL of an fsspec protocol (s3://, gs://, memory://, ...) "
-            "with its package installed (s3fs, gcsfs, ...)."
-        ) from e
-
-
-# gcsfs's number of tries is fixed (6, about 30 s of backoff); a request's timeout is not.
-_GCSFS_RETRIES: Final = (
-    "gcsfs tries 6 times with backoff; a request's timeout is set through "
-    "storage_options={'requests_timeout': seconds}, the endpoint through endpoint_url= or "
-    "STORAGE_EMULATOR_HOST"
-)
-# How a scheme's file system retries, for the error that an unreachable store gives.
-_RETRY_HINTS: Final = {
-    "s3": "retries are set through storage_options (s3fs: config_kwargs={'retries': "
-    "{'max_attempts': N}})",
-    "gs": _GCSFS_RETRIES,
-    "gcs": _GCSFS_RETRIES,
-}
-
-
-@contextlib.contextmanager
-def _remote_errors(
-    url: str, what: str, byte_range: tuple[int, int] | None = None
-) -> Iterator[None]:
-    """Turns a remote failure into an error naming the URL (and the byte range being read)."""
-    try:
-        yield
-    except FileNotFoundError as e:
-        raise FileNotFoundError(f"{url} does not exist (missing bucket or object: {e}).") from e
-    except PermissionError as e:
-        raise PermissionError(
-            f"Access to {url} was denied ({e}); check the credentials in storage_options or "
-            "the environment."
-        ) from e
-    except (StorageError, ImportError, TypeError, AttributeError):
-        raise
-    except Exception as e:  # botocore, aiohttp and gcsfs raise their own exception types
-        if _is_credential_error(e):
-            raise PermissionError(
-                f"No usable credentials to access {url} ({type(e).__name__}: {e}). Pass them in "
-                "storage_options (s3fs: key= and secret=; gcsfs: token=) or set them in the "
-                "environment (AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY, "
-                "GOOGLE_APPLICATION_CREDENTIALS)."
-            ) from e
-        where = "" if byte_range is None else f" bytes {byte_range[0]}-{byte_range[1]} of"
-        scheme = url.split("://", 1)[0].lower()
-        retries = _RETRY_HINTS.get(scheme, "retries are set through storage_options")
-        raise StorageError(
-            f"{what}{where} {url} failed after the file system's retries "
-            f"({type(e).__name__}: {e}). Check that the store is reachable; {retries}.",
-            url=url,
-            byte_range=byte_range,
-        ) from e
-
-
-def _is_credential_error(error: BaseException) -> bool:
-    """Whether ``error`` says that no credentials could be found or used (botocore's
-    ``NoCredentialsError``, ``PartialCredentialsError``, ``CredentialRetrievalError``, SSO
-    token errors; google-auth's ``DefaultCredentialsError`` and ``RefreshError``): a store
-    that refuses to sign a request, not one that cannot be reached."""
-    names = {cls.__name__ for cls in type(error).__mro__}
-    return any("Credential" in name for name in names) or bool(
-        names & {"RefreshError", "NoAuthTokenError", "TokenRetrievalError", "SSOTokenLoadError"}
-    )
-
-
 # --------------------------------------------------------------------------- reading
 def open_read(
     path: PathArg,
@@ -308,237 +175,7 @@ def open_read(
             file.seek(offset)
         return file
     fs, fs_path = filesystem(text, storage_options)
-    return cast(BinaryIO, _RemoteFile(text, fs, fs_path, read_ahead, offset))
-
-
-def _streams(fs: Any, fs_path: str) -> bool:
-    """Whether ``fs`` reads ``fs_path`` as one streamed download (its own ``open_async``)."""
-    import fsspec.asyn  # optional dependency (fs comes from fsspec, which is installed)
-
-    if not isinstance(fs, fsspec.asyn.AsyncFileSystem):
-        return False
-    if type(fs).open_async is fsspec.asyn.AsyncFileSystem.open_async:
-        return False
-    # A path naming a version (s3fs's ?versionId=, gcsfs's generation) is read by ranges:
-    # the streamed file asks for the object's latest version.
-    split = getattr(fs, "split_path", None)
-    parts = split(fs_path) if split is not None else ()
-    return not (isinstance(parts, tuple) and len(parts) == 3 and parts[2])
-
-
-class _RemoteFile:
-    """A remote file read through a streamed download or ranged requests (see
-    :func:`open_read`), whose failed reads name the URL and the byte range."""
-
-    def __init__(self, url: str, fs: Any, fs_path: str, read_ahead: int, offset: int) -> None:
-        self._url = url
-        self._fs = fs
-        self._fs_path = fs_path
-        self._read_ahead = read_ahead
-        self._position = offset
-        self._file: Any = None  # the fsspec file serving ranged reads, opened when needed
-        self._download: _StreamedDownload | None = None
-        # The download's current chunk, which starts at byte self._chunk_start of the file;
-        # the reads are at self._chunk[self._chunk_pos].
-        self._chunk = b""
-        self._chunk_start = 0
-        self._chunk_pos = 0
-        if offset == 0 and _streams(fs, fs_path):
-            self._download = _StreamedDownload(fs, fs_path, read_ahead)
-            with _remote_errors(url, "Opening"):
-                self.size = self._download.size()
-        else:
-            self.size = int(self._ranged().size)
-
-    def _ranged(self) -> Any:
-        """The fsspec file serving ranged reads (opened on first use)."""
-        if self._file is None:
-            with _remote_errors(self._url, "Opening"):
-                self._file = self._fs.open(
-                    self._fs_path, "rb", block_size=self._read_ahead, cache_type="background"
-                )
-            self._file.seek(self._position)
-        return self._file
-
-    def read(self, size: int = -1) -> bytes:
-        start = self._position
-        end = self.size if size < 0 else min(start + size, self.size)
-        if self._download is not None:
-            try:
-                taken = self._take(end - start)
-            except Exception:
-                # The download broke: go on with ranged requests, which the file system
-                # retries, from where it stopped.
-                self._leave_stream()
-            else:
-                self._position += len(taken)
-                return taken
-        with _remote_errors(self._url, "Reading", (self._position, end)):
-            data: bytes = self._ranged().read(end - self._position)
-        self._position += len(data)
-        return data
-
-    def _take(self, size: int) -> bytes:
-        """``size`` bytes (fewer at the end) from the download: a chunk as it arrived when it
-        is what is asked, otherwise copied once from the chunks holding them."""
-        assert self._download is not None
-        pieces: list[bytes | memoryview] = []
-        while size > 0:
-            if self._chunk_pos >= len(self._chunk):
-                self._chunk_start += len(self._chunk)
-                self._chunk = self._download.take()
-                self._chunk_pos = 0
-                if not self._chunk:
-                    break
-            chunk, pos = self._chunk, self._chunk_pos
-            end = min(pos + size, len(chunk))
-            pieces.append(chunk if pos == 0 and end == len(chunk) else memoryview(chunk)[pos:end])
-            self._chunk_pos = end
-            size -= end - pos
-        if len(pieces) == 1 and isinstance(pieces[0], bytes):
-            return pieces[0]
-        return b"".join(pieces)
-
-    def _leave_stream(self) -> None:
-        if self._download is not None:
-            self._download.cancel()
-            self._download = None
-        self._chunk = b""
-        self._chunk_pos = 0
-
-    def seek(self, offset: int, whence: int = os.SEEK_SET) -> int:
-        if whence == os.SEEK_CUR:
-            offset += self._position
-        elif whence == os.SEEK_END:
-            offset += self.size
-        if self._download is not None:
-            if self._chunk_start <= offset <= self._position:  # back within the chunk
-                self._chunk_pos = offset - self._chunk_start
-                self._position = offset
-                return offset
-            ahead = offset - self._position
-            if 0 <= ahead <= self._read_ahead:  # near ahead: the stream brings it soon
-                while ahead > 0:
-                    skipped = len(self.read(min(ahead, _STREAM_CHUNK)))
-                    if not skipped:
-                        break
-                    ahead -= skipped
-                self._position = offset
-                return offset
-            self._leave_stream()
-        self._position = int(self._ranged().seek(offset))
-        return self._position
-
-    def tell(self) -> int:
-        return self._position
-
-    def close(self) -> None:
-        self._leave_stream()
-        if self._file is not None:
-            self._file.close()
-
-    def __del__(self) -> None:
-        download = getattr(self, "_download", None)  # absent if __init__ failed
-        if download is not None:
-            download.cancel()
-
-    def __enter__(self) -> _RemoteFile:
-        return self
-
-    def __exit__(self, *exc_info: object) -> None:
-        self.close()
-
-
-class _StreamedDownload:
-    """One file downloaded from its start by a coroutine on its file system's event loop,
-    chunk by chunk into a queue that the reading thread takes from, holding at most about
-    ``budget`` bytes that were not taken yet (the coroutine waits while it holds more).
-
-    Args:
-      fs: An fsspec file system with ``open_async``.
-      fs_path: The file.
-      budget: Bytes downloaded ahead of the reader, at most (at least one chunk).
-    """
-
-    def __init__(self, fs: Any, fs_path: str, budget: int) -> None:
-        import asyncio  # import cost: only streamed remote reads run a coroutine
-
-        self._budget = budget
-        self._chunk = max(1, min(budget, _STREAM_CHUNK))
-        self._queue: queue.SimpleQueue[bytes | BaseException] = queue.SimpleQueue()
-        self._lock = threading.Lock()
-        self._held = 0  # bytes queued and not yet taken
-        self._paused = False
-        self._room: Any = None  # the asyncio.Event the paused coroutine waits on
-        self._loop = fs.loop
-        self._size: int | None = None
-        self._started = threading.Event()  # the size is known, or the request failed
-        self._future = asyncio.run_coroutine_threadsafe(self._pump(fs, fs_path), fs.loop)
-
-    async def _pump(self, fs: Any, fs_path: str) -> None:
-        import asyncio  # import cost: only streamed remote reads run a coroutine
-
-        self._room = asyncio.Event()
-        file = None
-        try:
-            file = await fs.open_async(fs_path, "rb")
-            chunk = await file.read(self._chunk)
-            # s3fs knows the size from the response; other streamed files from opening.
-            size = getattr(file, "size", None)
-            self._size = int(size if size is not None else (await fs._info(fs_path))["size"])
-            self._started.set()
-            while True:
-                with self._lock:
-                    self._held += len(chunk)
-                    self._paused = self._held >= self._budget
-                    if self._paused:
-                        self._room.clear()
-                self._queue.put(chunk)
-                if not chunk:
-                    return
-                if self._paused:
-                    await self._room.wait()
-                chunk = await file.read(self._chunk)
-        except Exception as e:
-            self._queue.put(e)
-            self._started.set()
-        finally:  # ended, failed or cancelled (the reader left the stream)
-            if file is not None:
-                await file.close()
-
-    def size(self) -> int:
-        """The file's size, once the response to the request arrived.
-
-        Raises:
-          Exception: The file system's, if the request failed.
-        """
-        self._started.wait()
-        if self._size is None:
-            self.take()  # the failure is what was queued: raises it
-        assert self._size is not None
-        return self._size
-
-    def take(self) -> bytes:
-        """The next chunk (``b""`` at the end), waiting for it.
-
-        Raises:
-          Exception: The file system's, if the download failed.
-        """
-        item = self._queue.get()
-        if isinstance(item, BaseException):
-            raise item
-        with self._lock:
-            self._held -= len(item)
-            wake = self._paused and self._held < self._budget
-            if wake:
-                self._paused = False
-        if wake:
-            self._loop.call_soon_threadsafe(self._room.set)
-        return item
-
-    def cancel(self) -> None:
-        """Stops the download (what is queued is dropped)."""
-        self._future.cancel()
+    return cast(BinaryIO, RemoteFile(text, fs, fs_path, read_ahead, offset))
 
 
 def read_bytes(path: PathArg, storage_options: Mapping[str, Any] | None = None) -> bytes:
@@ -553,7 +190,7 @@ def read_bytes(path: PathArg, storage_options: Mapping[str, Any] | None = None) 
         with open(text, "rb") as file:
             return file.read()
     fs, fs_path = filesystem(text, storage_options)
-    with _remote_errors(text, "Reading"):
+    with remote_errors(text, "Reading"):
         return fs.cat_file(fs_path)
 
 
@@ -580,7 +217,7 @@ def version(path: PathArg, storage_options: Mapping[str, Any] | None = None) -> 
         stat = os.stat(text)
         return stat.st_size, str(stat.st_mtime_ns)
     fs, fs_path = filesystem(text, storage_options)
-    with _remote_errors(text, "Looking up"):
+    with remote_errors(text, "Looking up"):
         info = fs.info(fs_path)
         if info.get("type") == "directory":
             raise IsADirectoryError(f"{text} is a directory, not a file.")
@@ -602,7 +239,7 @@ def exists(path: PathArg, storage_options: Mapping[str, Any] | None = None) -> b
     if not is_url(text):
         return os.path.exists(text)
     fs, fs_path = filesystem(text, storage_options)
-    with _remote_errors(text, "Looking up"):
+    with remote_errors(text, "Looking up"):
         return bool(fs.exists(fs_path))
 
 
@@ -624,7 +261,7 @@ def glob(
         matches = sorted(_glob.glob(text))
     else:
         fs, fs_path = filesystem(text, storage_options)
-        with _remote_errors(text, "Listing"):
+        with remote_errors(text, "Listing"):
             found = fs.glob(fs_path, detail=True)
         matches = sorted(
             fs.unstrip_protocol(name)
@@ -665,7 +302,7 @@ class RangeReader:
         if not self._remote:
             return os.pread(self._local_fd(), end - start, start)
         fs, fs_path = self._filesystem()
-        with _remote_errors(self.path, "Reading", (start, end)):
+        with remote_errors(self.path, "Reading", (start, end)):
             return fs.cat_file(fs_path, start=start, end=end)
 
     def read_many(self, starts: Sequence[int], ends: Sequence[int]) -> list[bytes]:
@@ -678,13 +315,13 @@ class RangeReader:
         if not self._remote or len(starts) == 1:
             return [self.read(s, e) for s, e in zip(starts, ends, strict=True)]
         fs, fs_path = self._filesystem()
-        with _remote_errors(self.path, "Reading", (min(starts), max(ends))):
+        with remote_errors(self.path, "Reading", (min(starts), max(ends))):
             parts = fs.cat_ranges(
                 [fs_path] * len(starts), list(starts), list(ends), on_error="return"
             )
         for part, start, end in zip(parts, starts, ends, strict=True):
             if isinstance(part, BaseException):
-                with _remote_errors(self.path, "Reading", (start, end)):
+                with remote_errors(self.path, "Reading", (start, end)):
                     raise part
         return parts
 
@@ -863,7 +500,7 @@ class AtomicWriter:
         """Uploads the spool file open on ``written``."""
         fs, fs_path = filesystem(self.path, self._options)
         length = os.fstat(written).st_size
-        with _remote_errors(self.path, "Writing"):
+        with remote_errors(self.path, "Writing"):
             if length <= _UPLOAD_FROM_MEMORY:
                 fs.pipe_file(fs_path, _read_all(written, length))
             else:  # by name: checked to be a regular file of this user's just before
@@ -915,7 +552,7 @@ def write_bytes(
     text = path_string(path)
     if is_url(text):  # small enough to send from memory without spooling it first
         fs, fs_path = filesystem(text, storage_options)
-        with _remote_errors(text, "Writing"):
+        with remote_errors(text, "Writing"):
             fs.pipe_file(fs_path, data)
             fs.invalidate_cache(fs_path)
             stored = int(fs.info(fs_path)["size"])

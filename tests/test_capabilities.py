@@ -39,6 +39,7 @@ class _Flags:
     max_fan_out = 3
     uses_record_rng = False
     creates_holes = True
+    display_name = "flags"
     maps_batches = True
     reads_columns = True
     checkpoints_shard_states = True

@@ -8,6 +8,7 @@ import os
 import re
 import subprocess
 import sys
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -293,3 +294,101 @@ def test_killed_saves_leave_no_temporary_files_behind(tmp_path: Path) -> None:
     assert len(os.listdir(tmp_path)) == 3
     checkpoint.CheckpointHandler().save(tmp_path, _dataset_iterator())
     assert os.listdir(tmp_path) == ["process_0-of-1.json"]
+
+
+class _VisitCountingIterator(grain.DatasetIterator[int]):
+    """Passes its parent's elements and state through, recording each call a restore makes."""
+
+    def __init__(self, parent: grain.DatasetIterator[int], visits: list[str]) -> None:
+        super().__init__(parent)
+        self._visits = visits
+
+    def __next__(self) -> int:
+        return next(self._parent)
+
+    def get_state(self) -> dict[str, Any]:
+        return self._parent.get_state()
+
+    def set_state(self, state: dict[str, Any]) -> None:
+        self._visits.append("set_state")
+        self._parent.set_state(state)
+
+    def start_prefetch(self) -> None:
+        self._visits.append("start_prefetch")
+        super().start_prefetch()
+
+
+class _VisitCounting(grain.IterDataset[int]):
+    def __init__(self, parent: grain.IterDataset[int], visits: list[str]) -> None:
+        super().__init__(parent)
+        self._visits = visits
+
+    def __iter__(self) -> grain.DatasetIterator[int]:
+        return _VisitCountingIterator(iter(self._parent), self._visits)
+
+
+class _SignallingSource:
+    """Ten records; reading record ``signal_at`` sets ``read``."""
+
+    def __init__(self, signal_at: int) -> None:
+        self.read = threading.Event()
+        self._signal_at = signal_at
+
+    def __len__(self) -> int:
+        return 10
+
+    def __getitem__(self, index: int) -> int:
+        if index == self._signal_at:
+            self.read.set()
+        return index
+
+
+def test_restore_walks_the_iterator_tree_once_and_starts_the_read_ahead(tmp_path: Path) -> None:
+    handler = checkpoint.CheckpointHandler()
+    source = _SignallingSource(signal_at=4)
+    visits: list[str] = []
+
+    def make() -> Any:
+        read = grain.MapDataset.source(source).to_iter_dataset()
+        read_ahead = grain.experimental.ThreadPrefetchIterDataset(read, prefetch_buffer_size=2)
+        return iter(_VisitCounting(read_ahead, visits).map(lambda x: x * 2))
+
+    with make() as it:
+        for _ in range(3):
+            next(it)
+        handler.save(tmp_path, it)
+    source.read.clear()
+    with make() as fresh:
+        visits.clear()
+        handler.restore(tmp_path, fresh)
+        assert visits == ["set_state"]
+        # The restore started the read-ahead thread: record 4 is read before any next().
+        assert source.read.wait(timeout=120)
+        assert list(fresh) == [6, 8, 10, 12, 14, 16, 18]
+
+
+def test_restore_creates_and_starts_an_interleaves_inputs_in_one_walk(tmp_path: Path) -> None:
+    handler = checkpoint.CheckpointHandler()
+    visits: list[str] = []
+
+    def make() -> Any:
+        inputs = [
+            _VisitCounting(grain.MapDataset.range(start, 40, 4).to_iter_dataset(), visits)
+            for start in range(4)
+        ]
+        return iter(
+            grain.experimental.InterleaveIterDataset(inputs, cycle_length=2, iter_buffer_size=0)
+        )
+
+    with make() as it:
+        expected = list(it)
+    with make() as it:
+        for _ in range(5):
+            next(it)
+        handler.save(tmp_path, it)
+    with make() as fresh:
+        visits.clear()
+        handler.restore(tmp_path, fresh)
+        # The two inputs in the cycle are created with their states and started: one visit each.
+        assert visits == ["set_state", "set_state"]
+        assert list(fresh) == expected[5:]

@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, Generic, TypeVar, overload
 import numpy as np
 
 from grain_core import random as _random
-from grain_core._checkpoint_io import load_coroutine, save_coroutine
+from grain_core._checkpoint_io import load_coroutine, save_coroutine, start_when_restored
 from grain_core._checks import non_negative_int
 from grain_core.capabilities import BatchedTransform
 from grain_core.dataset.options import DatasetOptions, ExecutionTrackingMode, pipeline_options
@@ -34,10 +34,12 @@ if TYPE_CHECKING:
 __all__ = [
     "DatasetIterator",
     "ElementBlock",
+    "ElementwiseIterator",
     "IterDataset",
     "IteratorContext",
     "MapDataset",
     "MultiprocessingContext",
+    "ParentStateIterator",
     "ShareContext",
 ]
 
@@ -557,6 +559,13 @@ class DatasetIterator(Iterator[T], abc.ABC):
             if start is not None:
                 start()
 
+    def _start_when_restored(self) -> bool:
+        """Called at the end of ``set_state`` by an iterator with background work of its own:
+        a restore that starts background work (``CheckpointHandler.restore``) starts it when
+        every iterator has its state, so the restore walks the tree once. Returns whether the
+        restore will start it."""
+        return start_when_restored(self.start_prefetch)
+
     def close(self) -> None:
         """Releases resources of this iterator and its parents. Idempotent."""
         if self._closed:
@@ -627,6 +636,34 @@ class DatasetIterator(Iterator[T], abc.ABC):
 
     async def load(self, directory: Any) -> Any:
         return load_coroutine(directory, self)
+
+
+class ParentStateIterator(DatasetIterator[T]):
+    """An iterator over one parent whose position is its parent's: it owns the state protocol
+    (``get_state`` and ``set_state`` are the parent's, and it holds nothing of its own across
+    shard counts), so a node built on it implements only its own logic (``__next__``)."""
+
+    def get_state(self) -> dict[str, Any]:
+        state: dict[str, Any] = self._parents[0].get_state()
+        return state
+
+    def set_state(self, state: dict[str, Any]) -> None:
+        self._parents[0].set_state(state)
+
+    def _progress_held(self) -> None:
+        return None
+
+
+class ElementwiseIterator(ParentStateIterator[T]):
+    """A ``ParentStateIterator`` whose every element comes from the parent's next one, so it
+    has produced as many elements as its parent and jumps where its parent jumps."""
+
+    def _get_next_index(self) -> int:
+        index: int = self._parents[0]._get_next_index()
+        return index
+
+    def _set_next_index(self, index: int) -> None:
+        self._parents[0]._set_next_index(index)
 
 
 class ElementBlock(Generic[T]):

@@ -201,6 +201,7 @@ class ElasticIterator(DatasetIterator[Any]):
         if isinstance(self._ds, MapDataset):
             self._global_next_index = self._state_int(state, "global_next_index")
             self._drop_iterator()
+            self._start_when_restored()
         else:
             self.base_iterator.set_state(state)
             self._ended = False

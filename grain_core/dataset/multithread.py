@@ -10,6 +10,7 @@ from grain_core.capabilities import SupportsNextBlock
 from grain_core.dataset.base import (
     DatasetIterator,
     ElementBlock,
+    ElementwiseIterator,
     IteratorContext,
     IterDataset,
     ShareContext,
@@ -92,7 +93,7 @@ class ThreadShareIterDataset(IterDataset[Any]):
         return f"ThreadShareIterDataset(index={self.index}, count={self.count})"
 
 
-class _ThreadShareIterator(DatasetIterator[Any]):
+class _ThreadShareIterator(ElementwiseIterator[Any]):
     """Gives its parents the share's context whenever it joins a pipeline's."""
 
     def __init__(self, parent: DatasetIterator[Any], index: int, count: int) -> None:
@@ -110,21 +111,6 @@ class _ThreadShareIterator(DatasetIterator[Any]):
 
     def __next__(self) -> Any:
         return next(self._parents[0])
-
-    def get_state(self) -> dict[str, Any]:
-        return self._parents[0].get_state()
-
-    def set_state(self, state: dict[str, Any]) -> None:
-        self._parents[0].set_state(state)
-
-    def _progress_held(self) -> None:
-        return None
-
-    def _get_next_index(self) -> int:
-        return self._parents[0]._get_next_index()
-
-    def _set_next_index(self, index: int) -> None:
-        self._parents[0]._set_next_index(index)
 
 
 class _BlockwiseThreadShareIterator(_ThreadShareIterator):

@@ -332,6 +332,7 @@ class PrefetchDatasetIterator(DatasetIterator[Any]):
             )
         self._cancel_pending()
         self._reset(next_index)
+        self._start_when_restored()
 
     def source_extended(self) -> None:
         """Reads on into indices appended to a growing MapDataset (the positions assigned to an
@@ -571,6 +572,7 @@ class ThreadPrefetchDatasetIterator(DatasetIterator[Any]):
         self._source.set_state(state)
         self._state = self._snapshot()
         self._exhausted = False
+        self._start_when_restored()
 
     def _progress_held(self) -> None:
         # The state is the source's as of the last element handed out: read-ahead is not in it.

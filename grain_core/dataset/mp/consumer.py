@@ -304,6 +304,7 @@ class DispatchedClassIterator(DatasetIterator[Any]):
 
     def set_state(self, state: dict[str, Any]) -> None:
         self._consumer.restore(self._index, self._state_int(state, "next_index"))
+        self._start_when_restored()
 
     def _get_next_index(self) -> int:
         consumer = self._consumer

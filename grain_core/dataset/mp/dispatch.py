@@ -172,19 +172,14 @@ class LocalWorkers:
         plugins = loaded_plugin_names()
 
         def make_specs() -> list[WorkerSpec]:
-            dataset, init_fn = engine.payload()
             return [
-                WorkerSpec(
-                    index=w,
-                    count=self._count,
-                    init_fn=init_fn,
-                    dataset=dataset,
-                    sequential_slice=False,
-                    state=None,
-                    plugins=plugins,
+                WorkerSpec.for_engine(
+                    engine,
+                    w,
+                    self._count,
                     options=options,
-                    shm_prefix=WorkerPool.new_prefix(w),
-                    pool_size=2 * self._buffer + 2,
+                    plugins=plugins,
+                    results_in_flight=self._buffer,
                     buffer_size=engine.options.per_worker_buffer_size,
                 )
                 for w in range(self._count)

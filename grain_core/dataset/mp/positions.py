@@ -108,8 +108,8 @@ def _view_or_obstacle(ds: IterDataset[Any], count: int) -> DispatchView | str:
     holes = has_holes_upstream(source)
     if holes is not None:
         return (
-            f"{holes} above to_iter_dataset(), followed by IterDataset steps: which elements "
-            "it drops decides what each later position holds"
+            f"{type(holes).__name__} above to_iter_dataset(), followed by IterDataset steps: "
+            "which elements it drops decides what each later position holds"
         )
     steps = _StepsAfterReading(
         source,

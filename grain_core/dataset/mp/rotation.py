@@ -311,19 +311,16 @@ class RotationIterator(DatasetIterator[Any]):
         options = self._ctx.dataset_options
 
         def make_specs() -> list[WorkerSpec]:
-            dataset, init_fn = engine.payload()
-            spec = WorkerSpec(
-                index=self._index,
-                count=self._count,
-                init_fn=init_fn,
-                dataset=dataset,
+            spec = WorkerSpec.for_engine(
+                engine,
+                self._index,
+                self._count,
+                options=options,
+                plugins=plugins,
+                results_in_flight=self._buffer,
+                buffer_size=self._buffer,
                 sequential_slice=engine.sequential_slice,
                 state=self._state,
-                plugins=plugins,
-                options=options,
-                shm_prefix=WorkerPool.new_prefix(self._index),
-                pool_size=2 * self._buffer + 2,
-                buffer_size=self._buffer,
             )
             return [spec]
 
@@ -505,6 +502,7 @@ class RotationIterator(DatasetIterator[Any]):
         self._error = None
         self._received.clear()
         if self._pool is None:
+            self._start_when_restored()
             return
         released = self._drop_messages_in_flight()
         self._generation += 1

@@ -30,7 +30,12 @@ from grain_core._ipc import shm
 from grain_core._ipc.errors import error_payload
 from grain_core._ipc.pool import WorkerPool, readiness_check
 from grain_core.dataset import trace
-from grain_core.dataset.mp.pickling import dumps, dumps_message, register_numpy_scalar_reducers
+from grain_core.dataset.mp.pickling import (
+    EngineInput,
+    dumps,
+    dumps_message,
+    register_numpy_scalar_reducers,
+)
 from grain_core.dataset.mp.protocol import (
     OVERDRAFT_BYTES,
     SHARED_AHEAD_BYTES,
@@ -112,6 +117,49 @@ class WorkerSpec:
         self.shm_prefix = shm_prefix
         self.pool_size = pool_size
         self.buffer_size = buffer_size
+
+    @classmethod
+    def for_engine(
+        cls,
+        engine: EngineInput,
+        index: int,
+        count: int,
+        *,
+        options: Any,
+        plugins: list[str] | None,
+        results_in_flight: int,
+        buffer_size: int,
+        sequential_slice: bool = False,
+        state: Any = None,
+    ) -> WorkerSpec:
+        """The spec of worker ``index`` of ``count`` running ``engine``'s pipeline: its
+        payload, its own block prefix, and free blocks for ``results_in_flight`` results (two
+        each, and two more).
+
+        Args:
+          engine: The engines' input (its payload is pickled once, for every worker).
+          index / count: This worker's index and the number of workers.
+          options: As the attribute.
+          plugins: As the attribute.
+          results_in_flight: The results the parent lets this worker have in flight.
+          buffer_size: As the attribute.
+          sequential_slice: As the attribute.
+          state: As the attribute.
+        """
+        dataset, init_fn = engine.payload()
+        return cls(
+            index=index,
+            count=count,
+            init_fn=init_fn,
+            dataset=dataset,
+            sequential_slice=sequential_slice,
+            state=state,
+            plugins=plugins,
+            options=options,
+            shm_prefix=WorkerPool.new_prefix(index),
+            pool_size=2 * results_in_flight + 2,
+            buffer_size=buffer_size,
+        )
 
 
 def start_worker_server() -> None:

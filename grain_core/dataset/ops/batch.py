@@ -18,7 +18,14 @@ from grain_core.capabilities import (
     ColumnBlockStacking,
     HoleMaking,
 )
-from grain_core.dataset.base import INFINITE, DatasetIterator, Indices, IterDataset, MapDataset
+from grain_core.dataset.base import (
+    INFINITE,
+    DatasetIterator,
+    Indices,
+    IterDataset,
+    MapDataset,
+    ParentStateIterator,
+)
 from grain_core.dataset.element_spec import batch_spec
 from grain_core.dataset.source import ColumnBlock, StackedBlock, columns_wanted
 
@@ -150,14 +157,14 @@ def reads_blocks(ds: MapDataset[Any]) -> bool:
     return isinstance(ds, ColumnBlockReading) and ds.reads_columns
 
 
-def has_holes_upstream(ds: MapDataset[Any]) -> str | None:
-    """The type name of a node above ``ds`` that leaves holes (``None``) in the index space,
-    or None."""
+def has_holes_upstream(ds: MapDataset[Any]) -> HoleMaking | None:
+    """A node above ``ds`` (or ``ds``) that leaves holes (``None``) in the index space, or
+    None."""
     stack: list[MapDataset[Any]] = [ds]
     while stack:
         node = stack.pop()
         if isinstance(node, HoleMaking) and node.creates_holes:
-            return type(node).__name__
+            return node
         stack.extend(p for p in node.parents if isinstance(p, MapDataset))
     return None
 
@@ -201,12 +208,10 @@ class BatchMapDataset(_BatchShape, MapDataset[Any]):
         batch_size = positive_int("batch_size", batch_size)
         holes = has_holes_upstream(parent)
         if holes is not None:
-            # Grain's words, which users match on: a filter is named by its method.
-            after = "MapDataset.filter" if holes == "FilterMapDataset" else holes
             raise ValueError(
-                f"`MapDataset.batch` can not follow `{after}`, which leaves holes in the index "
-                "space. Convert to an IterDataset with `to_iter_dataset()` first and batch "
-                "there."
+                f"`MapDataset.batch` can not follow `{holes.display_name}`, which leaves holes "
+                "in the index space. Convert to an IterDataset with `to_iter_dataset()` first "
+                "and batch there."
             )
         self._parent = parent
         self._batch_size = int(batch_size)
@@ -305,7 +310,7 @@ class BatchMapDataset(_BatchShape, MapDataset[Any]):
         )
 
 
-class _BatchIterator(DatasetIterator[Any]):
+class _BatchIterator(ParentStateIterator[Any]):
     def __init__(self, parent: DatasetIterator[Any], ds: BatchIterDataset) -> None:
         super().__init__(parent)
         self._batch_size = ds._batch_size
@@ -323,15 +328,6 @@ class _BatchIterator(DatasetIterator[Any]):
         if not values or (self._drop_remainder and len(values) < self._batch_size):
             raise StopIteration
         return self._batch_fn(values)
-
-    def get_state(self) -> dict[str, Any]:
-        return self._parents[0].get_state()
-
-    def set_state(self, state: dict[str, Any]) -> None:
-        self._parents[0].set_state(state)
-
-    def _progress_held(self) -> None:
-        return None
 
     def _get_next_index(self) -> int:
         return -(-self._parents[0]._get_next_index() // self._batch_size)

@@ -85,6 +85,7 @@ class FlatMapMapDataset(MapDataset[Any]):
     """
 
     creates_holes = True
+    display_name = "FlatMapMapDataset"
 
     def __init__(self, parent: MapDataset[Any], transform: Any) -> None:
         super().__init__(parent)

@@ -24,10 +24,12 @@ from __future__ import annotations
 
 import concurrent.futures
 import copy
+import functools
 import operator
 from collections.abc import Iterator, Sequence
 from typing import Any, Final
 
+from grain_core._checkpoint_io import restore_and_start, start_when_restored
 from grain_core._checks import as_flag, non_negative_int, positive_int
 from grain_core.capabilities import SupportsNextBlock
 from grain_core.dataset.base import (
@@ -371,18 +373,41 @@ class InterleaveDatasetIterator(DatasetIterator[Any]):
 
     def start_prefetch(self) -> None:
         """Creates the active slots' iterators and starts their background reading."""
+        self._start_slots(started=None)
+
+    def _start_slots(self, started: set[int] | None) -> None:
+        """``start_prefetch``, or with ``started`` the start that ends a restore: the iterators
+        of slots in ``started`` were restored and started by it, and an iterator created with
+        a slot's state is restored and started in one walk too.
+
+        Args:
+          started: The slots whose iterators the restore set and started; ``None`` outside a
+            restore.
+        """
         if self._closed:
             return
         self._started = self._cycle_length > 0
         pending = [s for s in range(self._cycle_length) if not self._exhausted[s]]
         pending = [s for s in pending if self._iters[s] is None]
-        if self._num_make_iter_threads > 1 and len(pending) > 1:
+        if started is not None:
+            started = started | {s for s in pending if self._slot_states[s] is not None}
+            restore_and_start(lambda: self._create_slots(pending))
+        elif self._num_make_iter_threads > 1 and len(pending) > 1:
             self._create_concurrently(pending)
         for slot in range(self._cycle_length):
             if not self._exhausted[slot]:
                 it = self._iters[slot] or self._materialise(slot)
-                it.start_prefetch()
+                if started is None or slot not in started:
+                    it.start_prefetch()
         self._schedule_ahead()
+
+    def _create_slots(self, slots: list[int]) -> None:
+        """Creates the iterators of ``slots``, concurrently where the dataset says so."""
+        if self._num_make_iter_threads > 1 and len(slots) > 1:
+            self._create_concurrently(slots)
+            return
+        for slot in slots:
+            self._materialise(slot)
 
     def _create_concurrently(self, slots: list[int]) -> None:
         with concurrent.futures.ThreadPoolExecutor(
@@ -446,6 +471,7 @@ class InterleaveDatasetIterator(DatasetIterator[Any]):
         live = {self._indices[s]: it for s, it in enumerate(self._iters) if it is not None}
         for slot in range(c):
             self._install(slot, None)
+        reused: set[int] = set()
         for slot, (index, sub_state, done) in enumerate(
             zip(indices, states, exhausted, strict=True)
         ):
@@ -454,6 +480,7 @@ class InterleaveDatasetIterator(DatasetIterator[Any]):
                 it.set_state(sub_state)  # reuse: no iterator (or worker process) is rebuilt
                 self._install(slot, it)
                 self._slot_states[slot] = None
+                reused.add(slot)
             else:
                 if it is not None:
                     live[index] = it
@@ -471,6 +498,7 @@ class InterleaveDatasetIterator(DatasetIterator[Any]):
         }
         for index in [i for i in self._made_ahead if i < next_in_datasets]:
             self._close_future(self._made_ahead.pop(index))
+        start_when_restored(functools.partial(self._start_slots, reused))
 
     # ------------------------------------------------------------- elastic helpers
     def get_shard_states(self) -> list[dict[str, Any]]:

@@ -11,9 +11,11 @@ from grain_core import _tree
 from grain_core import random as _random
 from grain_core.dataset.base import (
     DatasetIterator,
+    ElementwiseIterator,
     Indices,
     IterDataset,
     MapDataset,
+    ParentStateIterator,
     _transform_fn,
     stop_iteration_error,
     transform_name,
@@ -102,8 +104,8 @@ class BatchedMapMapDataset(_ElementwiseMapDataset):
         holes = has_holes_upstream(parent)
         if holes is not None:
             raise ValueError(
-                f"A batched map cannot follow `{holes}`, which leaves holes in the index "
-                "space; map element by element (batched=False), or batch after "
+                f"A batched map cannot follow `{type(holes).__name__}`, which leaves holes in "
+                "the index space; map element by element (batched=False), or batch after "
                 "`to_iter_dataset()` and map the batches."
             )
         self._fn = _transform_fn(transform, "map")
@@ -204,6 +206,8 @@ class FilterMapDataset(_ElementwiseMapDataset):
     element_spec_rule = parent_spec
 
     creates_holes = True
+    # Grain's words in MapDataset.batch's refusal, which users match on.
+    display_name = "MapDataset.filter"
 
     def __init__(self, parent: MapDataset[Any], transform: Any) -> None:
         super().__init__(parent, transform)
@@ -235,7 +239,7 @@ class _ElementwiseIterDataset(_TransformApplying, IterDataset[Any]):
         return f"{type(self).__name__}(transform={transform_name(self._transform)})"
 
 
-class _MapIterator(DatasetIterator[Any]):
+class _MapIterator(ElementwiseIterator[Any]):
     def __init__(self, parent: DatasetIterator[Any], ds: MapIterDataset) -> None:
         super().__init__(parent)
         self._fn = _transform_fn(ds._transform, "map")
@@ -246,21 +250,6 @@ class _MapIterator(DatasetIterator[Any]):
             return self._fn(x)
         except StopIteration as e:
             raise stop_iteration_error(transform_name(self._fn)) from e
-
-    def get_state(self) -> dict[str, Any]:
-        return self._parents[0].get_state()
-
-    def set_state(self, state: dict[str, Any]) -> None:
-        self._parents[0].set_state(state)
-
-    def _progress_held(self) -> None:
-        return None
-
-    def _get_next_index(self) -> int:
-        return self._parents[0]._get_next_index()
-
-    def _set_next_index(self, index: int) -> None:
-        self._parents[0]._set_next_index(index)
 
 
 class MapIterDataset(_ElementwiseIterDataset):
@@ -366,7 +355,7 @@ class RandomMapIterDataset(_ElementwiseIterDataset):
         self._seed = self._resolve_seed(seed, "random_map", below_2_32=False)
 
 
-class _FilterIterator(DatasetIterator[Any]):
+class _FilterIterator(ParentStateIterator[Any]):
     def __init__(self, parent: DatasetIterator[Any], ds: FilterIterDataset) -> None:
         super().__init__(parent)
         self._fn = _transform_fn(ds._transform, "filter")
@@ -394,15 +383,6 @@ class _FilterIterator(DatasetIterator[Any]):
             if dropped >= 1000:
                 self._checker.record(dropped, dropped, self._ctx.dataset_options)
                 dropped = 0
-
-    def get_state(self) -> dict[str, Any]:
-        return self._parents[0].get_state()
-
-    def set_state(self, state: dict[str, Any]) -> None:
-        self._parents[0].set_state(state)
-
-    def _progress_held(self) -> None:
-        return None
 
 
 class FilterIterDataset(_ElementwiseIterDataset):
