@@ -320,7 +320,13 @@ def test_the_default_plugins_belong_to_the_dataset_layer() -> None:
 
 def test_observability_imports_of_the_dataset_only_its_base_types() -> None:
     # Neither an operator nor an engine: the dataset and the engines ask a PipelineObserver.
-    base_types = {"grain_core.dataset.base", "grain_core.dataset.options"}
+    # transfer_cost imports no dataset module: the profiler prices worker processes with the
+    # model the engines' in-process decision uses, without loading the engines.
+    base_types = {
+        "grain_core.dataset.base",
+        "grain_core.dataset.options",
+        "grain_core.dataset.transfer_cost",
+    }
     observe = next(layer for layer in _layer_table() if layer.name == "Observability")
     paths = [
         CORE / Path(*m.split(".")[1:]).with_suffix(".py")
@@ -336,6 +342,10 @@ def test_observability_imports_of_the_dataset_only_its_base_types() -> None:
         return imp.target in base_types
 
     assert _violations(paths, allowed) == []
+    cost_model = CORE / "dataset" / "transfer_cost.py"
+    assert (
+        _violations([cost_model], lambda imp: not _within(imp.target, "grain_core.dataset")) == []
+    )
 
 
 def test_every_layer_a_row_may_import_is_a_row_below_it() -> None:
