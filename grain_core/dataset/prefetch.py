@@ -20,6 +20,7 @@ from grain_core.dataset.base import (
     ElementBlock,
     IterDataset,
     MapDataset,
+    pipeline_observer,
     stop_iteration_error,
 )
 from grain_core.dataset.element_spec import parent_spec
@@ -517,6 +518,7 @@ class ThreadPrefetchDatasetIterator(DatasetIterator[Any]):
         )
         self._exhausted = False
         self._carried = _Carried()
+        pipeline_observer().reads_inputs_on_own_thread(self, self.inputs_paused)
 
     def _snapshot(self) -> Any:
         return _snapshot(self._source, self._owns_state_copies)
