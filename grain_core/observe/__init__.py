@@ -7,7 +7,7 @@
 * ``summary``: the execution summary (``experimental.get_execution_summary``).
 * ``graph``: Grain's debug mode and the dataset graph (``experimental.dataset_graph``).
 * ``profile`` and ``report_html``: ``grain-core profile``, a pipeline run under a trace and
-  written as an HTML report (imported only by that verb).
+  written as an HTML report (imported only by that verb and ``grain_core.profiling``).
 
 The dataset layer and the engines sit below this package and never import it: importing it
 registers ``Observer`` with ``grain_core.dataset.base.set_pipeline_observer``, and
