@@ -247,6 +247,19 @@ def test_importing_the_transport_loads_no_dataset_module() -> None:
     assert out.stdout.strip() == "[]"
 
 
+def test_importing_the_profiler_loads_no_engine_module() -> None:
+    # Its advice on worker processes comes from dataset/transfer_cost.py, not the engines.
+    code = (
+        "import sys\n"
+        "import grain_core.observe.profile\n"
+        f"print(sorted(m for m in sys.modules if m.startswith({ENGINES!r})))\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], check=True, capture_output=True, text=True, cwd=ROOT
+    )
+    assert out.stdout.strip() == "[]"
+
+
 # The layer table.
 
 
