@@ -32,7 +32,8 @@ from _harness import ReportedSeconds, Unavailable, workload
 SETUP_S = 1.0
 HEAVY_FIRST_BATCH_ELEMENTS = 20_000
 
-# The children's shared part. Arguments: workload ("mnist" or "heavy"), seconds of set-up
+# The children's shared part. Arguments: workload ("mnist", "heavy" or "setup": heavy with a
+# worker set-up of about 0.3 s), seconds of set-up
 # before iter(), heavy elements, workers, epochs (0: time iter() to the first batch only),
 # persistent workers ("1" or "0").
 COMMON = """
@@ -47,6 +48,19 @@ def heavy(x):
     for _ in range(150):
         a = np.sin(a) * 0.5 + 1.0
     return a
+
+def lookup_table():
+    # About 0.3 s of CPU: what a worker's set-up costs when it loads a vocabulary or a model.
+    return np.sort(np.random.default_rng(0).random(4_000_000))
+
+class HeavyWithTable:
+    # heavy(x), by a transformation that builds its table where it is unpickled (a worker).
+    def __getstate__(self):
+        return {}
+    def __setstate__(self, state):
+        self.table = lookup_table()
+    def __call__(self, x):
+        return heavy(x)
 
 workload, setup_s, heavy_elements = sys.argv[1], float(sys.argv[2]), int(sys.argv[3])
 workers, epochs, persistent = int(sys.argv[4]), int(sys.argv[5]), sys.argv[6] == "1"
@@ -85,6 +99,8 @@ import grain_core as grain
 if workload == "mnist":
     ds = grain.MapDataset.source({"image": images, "label": labels}).seed(0).shuffle()
     ds = ds.map(normalise).batch(128)
+elif workload == "setup":
+    ds = grain.MapDataset.range(heavy_elements).map(HeavyWithTable()).batch(64)
 else:
     ds = grain.MapDataset.range(heavy_elements).map(heavy).batch(64)
 ds = ds.to_iter_dataset()

@@ -152,10 +152,9 @@ def _check_streaming_copy(cfg: Config, monkeypatch: pytest.MonkeyPatch) -> None:
     from grain_core._ipc import pool
 
     cfg.update("py_mp_worker_streaming_copy_bytes", 1 << 20)
-    assert (
-        pool.worker_glibc_tunables(None, 1 << 20) == "glibc.cpu.x86_non_temporal_threshold=0x100000"
-    )
-    assert pool.worker_glibc_tunables(None, 0) is None
+    streaming = "glibc.cpu.x86_non_temporal_threshold=0x100000"
+    assert pool.worker_glibc_tunables(None, 1 << 20).endswith(f":{streaming}")  # type: ignore[union-attr]
+    assert streaming not in (pool.worker_glibc_tunables(None, 0) or "")
 
 
 _OPTION_CHECKS = {

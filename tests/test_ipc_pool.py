@@ -24,6 +24,7 @@ from conftest import fails_after
 import grain_core
 import grain_core as grain
 from grain_core._ipc import pool as ipc_pool
+from grain_core._ipc import watchdog
 from grain_core.multiprocessing import WorkerStalledError
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="forkserver")
@@ -283,7 +284,7 @@ def test_the_stack_request_does_not_delay_the_watchdog(
     # A stack thread that would get an hour to answer: the warning and the error still come
     # at their deadlines (with the stacks asked for ahead of them, faulthandler writing them
     # to stderr when the worker cannot answer). Before, each report waited for the answer.
-    monkeypatch.setattr(ipc_pool, "_STACK_ANSWER_S", 3600.0)
+    monkeypatch.setattr(watchdog, "STACK_ANSWER_S", 3600.0)
     monkeypatch.setattr(ipc_pool, "STOP_TIMEOUT_S", 1.0)  # the stuck worker is killed sooner
     grain.config.update("py_mp_prefetch_dispatch", engine == "dispatch")
     options = grain.MultiprocessingOptions(num_workers=1, stall_warning_s=0.2, stall_timeout_s=0.6)
@@ -403,20 +404,20 @@ def test_faulthandler_is_signalled_once_for_a_stack_request_unanswered_for_a_sec
         prefix = ipc_pool.WorkerPool.new_prefix(i)
         specs.append(_StuckSpec(i, 2, prefix, holds_gil=i == 0, release=release, dumps=dumps))
     pool = ipc_pool.WorkerPool(specs, _stuck_worker, stall_warning_s=30.0, clock=lambda: now[0])
-    watches = [ipc_pool.StallWatch(0.0, lambda i=i: (i, f"element {i}")) for i in range(2)]
+    watches = [watchdog.StallWatch(0.0, lambda i=i: (i, f"element {i}")) for i in range(2)]
     stuck, answering = pool._procs[0].pid, 1
     try:
         with fails_after(120):
             assert [pool.recv(i) for i in range(2)] == [("stuck",)] * 2
             for watch in watches:
-                pool._ask_for_stacks(watch)
-            multiprocessing.connection.wait([pool._stack_answers[answering]])
-            now[0] = ipc_pool._STACK_ANSWER_S - 0.01
-            assert "no answer yet" in pool._stall_report(watches[0], 29.0, None)
-            assert "in _stuck_worker" in pool._stall_report(watches[1], 29.0, None)
+                pool._watchdog.ask_for_stacks(watch)
+            multiprocessing.connection.wait([pool._watchdog.workers[answering].answers])
+            now[0] = watchdog.STACK_ANSWER_S - 0.01
+            assert "no answer yet" in pool._watchdog.report(watches[0], 29.0, None)
+            assert "in _stuck_worker" in pool._watchdog.report(watches[1], 29.0, None)
             assert signalled == []
-            now[0] = ipc_pool._STACK_ANSWER_S
-            assert "no answer yet" in pool._stall_report(watches[0], 30.0, None)
+            now[0] = watchdog.STACK_ANSWER_S
+            assert "no answer yet" in pool._watchdog.report(watches[0], 30.0, None)
             assert signalled == [stuck]
             with open(specs[0].dumps, "rb", buffering=0) as f:  # the worker holds it open
                 written = b""
@@ -425,19 +426,19 @@ def test_faulthandler_is_signalled_once_for_a_stack_request_unanswered_for_a_sec
             for t in (1.5, 2.0, 31.0, 60.0):
                 now[0] = t
                 for watch in watches:
-                    pool._ask_for_stacks(watch)
-                multiprocessing.connection.wait([pool._stack_answers[answering]])
-                assert "no answer yet" in pool._stall_report(watches[0], t, None)
-                assert "in _stuck_worker" in pool._stall_report(watches[1], t, None)
+                    pool._watchdog.ask_for_stacks(watch)
+                multiprocessing.connection.wait([pool._watchdog.workers[answering].answers])
+                assert "no answer yet" in pool._watchdog.report(watches[0], t, None)
+                assert "in _stuck_worker" in pool._watchdog.report(watches[1], t, None)
             assert signalled == [stuck]
             _write_byte(specs[0].release)
-            multiprocessing.connection.wait([pool._stack_answers[0]])
-            assert "in _stuck_worker" in pool._stall_report(watches[0], 90.0, None)
+            multiprocessing.connection.wait([pool._watchdog.workers[0].answers])
+            assert "in _stuck_worker" in pool._watchdog.report(watches[0], 90.0, None)
             now[0] = 90.0
-            pool._ask_for_stacks(watches[0])
-            multiprocessing.connection.wait([pool._stack_answers[0]])
+            pool._watchdog.ask_for_stacks(watches[0])
+            multiprocessing.connection.wait([pool._watchdog.workers[0].answers])
             now[0] = 120.0
-            assert "in _stuck_worker" in pool._stall_report(watches[0], 120.0, None)
+            assert "in _stuck_worker" in pool._watchdog.report(watches[0], 120.0, None)
             assert signalled == [stuck]
             _write_byte(specs[1].release)
     finally:

@@ -5,6 +5,7 @@ Ray's backend is tested against a real Ray instance in tests/test_ray.py."""
 
 from __future__ import annotations
 
+import gc
 import itertools
 import pickle
 from collections.abc import Callable
@@ -77,6 +78,34 @@ class _InlineBackend:
 
     def start(self, job: WorkerJob) -> WorkerGroup:
         group = _InlineGroup(job, self.num_workers or job.num_workers)
+        self.groups.append(group)
+        return group
+
+
+class _OtherHostGroup(_InlineGroup):
+    """Workers on another host: each task is computed by a worker made for it, its results
+    travel pickled, and the worker is gone (its memory collected) before the parent unpickles
+    them."""
+
+    def __init__(self, job: WorkerJob, count: int) -> None:
+        super().__init__(job, count)
+        self.make_worker = pickle.loads(pickle.dumps(job.make_worker))
+        self.count = count
+
+    def wait(self, timeout: float | None) -> list[tuple[int, Any]]:
+        if not self.pending:
+            return []
+        ticket, worker, task = self.pending.pop(0)
+        computer = self.make_worker(worker, self.count)
+        data = pickle.dumps(computer(task))
+        del computer
+        gc.collect()
+        return [(ticket, pickle.loads(data))]
+
+
+class _OtherHostBackend(_InlineBackend):
+    def start(self, job: WorkerJob) -> WorkerGroup:
+        group = _OtherHostGroup(job, self.num_workers or job.num_workers)
         self.groups.append(group)
         return group
 
@@ -188,6 +217,28 @@ def test_an_error_arrives_at_its_position_with_type_and_worker_traceback() -> No
     assert "Raised in inline worker" in notes and "_fails_at_seven" in notes
     with pytest.raises(KeyError):  # again, until the iterator is restored elsewhere
         next(it)
+
+
+def _row(x: int) -> np.ndarray:
+    return np.full((64, 64), x, np.float32)
+
+
+def test_a_batch_in_shared_memory_on_a_backend_worker_travels_and_frees_its_block(
+    no_shm_leak: None,
+) -> None:
+    # A batch told to write into shared memory (enable_shared_memory_output) on a worker
+    # with no block pool: the worker frees the block when it drops the batch, and the batch
+    # travels by value (the worker is gone before its results are read), not by block name.
+    def make() -> grain.IterDataset:
+        batched = grain.MapDataset.range(10).map(_row).batch(4)
+        batched.enable_shared_memory_output()
+        return batched.to_iter_dataset()
+
+    got = list(make().mp_prefetch(_opts(2, _OtherHostBackend(2))))
+    expected = list(grain.MapDataset.range(10).map(_row).batch(4).to_iter_dataset())
+    assert [b.tolist() for b in got] == [b.tolist() for b in expected]
+    del got
+    gc.collect()
 
 
 def test_workers_get_cpu_jax_and_are_released_when_the_iterator_closes() -> None:

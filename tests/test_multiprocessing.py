@@ -59,6 +59,15 @@ def test_unlink_on_del_frees_the_block() -> None:
     assert not _exists(name)
 
 
+def test_an_array_that_frees_its_block_pickles_its_data() -> None:
+    # Its block may be gone before the receiver maps it.
+    arr = SharedMemoryArray(16, np.int64)
+    arr[:] = np.arange(16)
+    arr.unlink_on_del()
+    again = pickle.loads(pickle.dumps(arr))
+    assert type(again) is np.ndarray and again.tolist() == list(range(16))
+
+
 _FORK_SCRIPT = """
 import gc
 import os

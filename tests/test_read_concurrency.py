@@ -4,6 +4,9 @@ are tested through ``to_iter_dataset`` in test_prefetch)."""
 
 from __future__ import annotations
 
+import threading
+import time
+
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
@@ -137,3 +140,49 @@ def test_read_concurrency_stays_within_bounds(blocks, max_value, overlaps_consum
         now += dt
         controller.block_done(elements, share, now)
         assert 0 <= controller.value <= max_value
+
+
+class _Sleeping:
+    """A MapDataset stand-in whose reads take 20 ms off the CPU."""
+
+    def _getitems(self, indices: range) -> list[int]:
+        time.sleep(0.02)
+        return list(indices)
+
+
+class _AlwaysBusy:
+    """A thread's busy clock that counts every instant as busy (on a CPU or in its run
+    queue), as for a thread of a worker on a machine whose cores are all taken."""
+
+    def read(self) -> float:
+        return time.perf_counter()
+
+
+@pytest.mark.parametrize("worker", [False, True])
+def test_a_worker_judges_its_reads_by_busy_time(
+    monkeypatch: pytest.MonkeyPatch, worker: bool
+) -> None:
+    # A worker's process uses every core already: a read that waited for a busy CPU must
+    # not look like a read waiting on I/O (which makes the reader try read threads).
+    # CPU time alone says 'waiting' for both; the busy clock tells them apart in a worker.
+    monkeypatch.setattr(read_concurrency, "_inline_while_cpu_bound", worker)
+    monkeypatch.setattr(read_concurrency, "_thread_busy_clock", _AlwaysBusy)
+    concurrency = ReadConcurrency(4, overlaps_consumer=read_concurrency.overlaps_consumer())
+    concurrency.measured = True  # past the first block, which is judged by busy time anyway
+    reader = read_concurrency.BlockReader(True, concurrency, 16)
+    assert reader.read(_Sleeping(), 0, 4) == [0, 1, 2, 3]  # type: ignore[arg-type]
+    if worker:
+        assert reader.cpu_share >= 1.0
+    else:
+        assert reader.cpu_share < 0.5
+
+
+def test_each_thread_has_its_own_busy_clock() -> None:
+    here = read_concurrency._thread_busy_clock()
+    assert read_concurrency._thread_busy_clock() is here
+    other: list[object] = []
+    thread = threading.Thread(target=lambda: other.append(read_concurrency._thread_busy_clock()))
+    thread.start()
+    thread.join()
+    assert other[0] is not here
+    assert (here.read() or 0.0) > 0.0

@@ -32,7 +32,8 @@ from grain_tfrecord import (  # noqa: E402
     encode_example,
     parse_example_batch,
 )
-from grain_tfrecord._example_batch import _Walk, _WireBatch  # noqa: E402
+from grain_tfrecord._example_batch import _Walk  # noqa: E402
+from grain_tfrecord._example_wire import WireBatch  # noqa: E402
 
 import grain_core  # noqa: E402
 
@@ -44,7 +45,7 @@ _DTYPES = {"int": np.int64, "float": np.float32, "bytes": bytes}
 
 def _walked_without_fallback(records: list[bytes] | np.ndarray, spec: dict) -> bool:  # type: ignore[type-arg]
     """Whether the lock-step walk decoded every record (none went to the exact decoder)."""
-    batch = _WireBatch(records)
+    batch = WireBatch(records)
     _Walk(batch, {name: s._resolved[0] for name, s in spec.items()}).run()
     return not batch.fallback.any()
 
@@ -238,6 +239,73 @@ def test_batches_sharing_a_layout_agree_with_the_protobuf_runtime(
     or negative ints) and the records that leave it (other layouts, missing features,
     unpacked lists) decode as protobuf decodes each record."""
     _assert_parsed_as_protobuf_parses(records, form)
+
+
+# What may follow a record's features field: nothing, an unknown field, the features field
+# again (protobuf merges the two maps), an empty one.
+_AFTER_FEATURES = [b"", b"\x10\x05", b"\x0a\x00", encode_example({"label": 7})]
+
+
+@settings(max_examples=100)
+@given(
+    _shared_layout_batch(),
+    st.lists(st.sampled_from(_AFTER_FEATURES), min_size=40, max_size=40),
+    st.sampled_from(sorted(_FORMS)),
+)
+def test_records_with_more_after_their_features_field_leave_the_record_layout(
+    records: list[tuple[bytes, dict]],  # type: ignore[type-arg]
+    after: list[bytes],
+    form: str,
+) -> None:
+    """The record layout reads a record only where its features field ends it (or the NUL
+    padding of an S array follows): records laid out alike but followed by more fields
+    decode as protobuf decodes them."""
+    longer = [(data + more, values) for (data, values), more in zip(records, after, strict=False)]
+    _assert_parsed_as_protobuf_parses(longer, form)
+
+
+@settings(max_examples=80)
+@given(
+    st.lists(st.sampled_from([0, 1, 30, 31, 40]), min_size=1, max_size=30),
+    st.sampled_from(sorted(_FORMS)),
+)
+def test_length_prefixes_of_several_widths_in_one_batch(
+    sizes: list[int],
+    form: str,
+) -> None:
+    """Records alike but for their list sizes, whose features field and entries need one-
+    or two-byte length prefixes: each reads as protobuf decodes it (a row whose prefixes
+    are wider than the layout's leaves it), whichever layout an earlier batch left."""
+    rng = np.random.default_rng(len(sizes))
+    records = []
+    for i, size in enumerate(sizes):
+        values = {"label": i * 1000, "vec": rng.random(size, dtype=np.float32)}
+        records.append((encode_example(values), values))
+    _assert_parsed_as_protobuf_parses(records, form)
+
+
+def test_a_features_field_ending_before_its_entries_leaves_the_record_layout() -> None:
+    """Bytes laid out as a record's entries but after its features field ends are read as
+    protobuf reads them (here: a second features field, whose map entry is the name's
+    bytes), not as the entries of a record laid out alike."""
+    pytest.importorskip("google.protobuf")
+
+    def field(number: int, payload: bytes) -> bytes:
+        return encode_varint(number << 3 | 2) + encode_varint(len(payload)) + payload
+
+    def entry(name: bytes, value: int) -> bytes:
+        return field(1, field(1, name) + field(2, field(3, field(1, bytes([value])))))
+
+    name = b"\n\x01a"  # as a map entry: the key "a" without a value
+    alike = field(1, entry(b"label", 1) + entry(name, 2))
+    shorter = field(1, entry(b"label", 3)) + entry(name, 4)
+    pb = grain_tfrecord.example_message_classes()
+    assert "a" in pb.Example.FromString(shorter).features.feature
+    spec = {"label": VarLenFeature(np.int64), name.decode(): VarLenFeature(np.int64)}
+    for batch in ([alike, shorter], np.array([alike, shorter])):
+        parsed = parse_example_batch(batch, spec)
+        assert parsed[name.decode()].rows()[1].tolist() == []  # type: ignore[union-attr]
+        assert parsed["label"].rows()[1].tolist() == [3]  # type: ignore[union-attr]
 
 
 def test_a_list_ending_inside_a_varint_is_refused_in_a_shared_layout() -> None:

@@ -19,7 +19,7 @@ does not get workers running the checkout's.
 The parent waits on the output pipe together with the process sentinel, so a worker that dies is
 noticed at once. The worker watches the parent's sentinel in a thread, so it exits as soon as
 the parent dies. A watchdog in the parent's waits warns about, and may give up on, a worker
-that sends nothing for long, with the worker's Python stacks (``StallWatch``).
+that sends nothing for long, with the worker's Python stacks (``watchdog.py``).
 """
 
 from __future__ import annotations
@@ -27,7 +27,6 @@ from __future__ import annotations
 import dataclasses
 import faulthandler
 import io
-import logging
 import multiprocessing
 import multiprocessing.connection
 import multiprocessing.context as mp_context
@@ -38,7 +37,6 @@ import secrets
 import select
 import signal
 import sys
-import tempfile
 import threading
 import time
 import weakref
@@ -47,11 +45,8 @@ from multiprocessing import forkserver, popen_forkserver, reduction, spawn, util
 from typing import Any, Protocol
 
 from grain_core._ipc import shm
-from grain_core._ipc.errors import (
-    WorkerDiedError,
-    WorkerStalledError,
-    unreadable_element_error,
-)
+from grain_core._ipc.errors import WorkerDiedError, unreadable_element_error
+from grain_core._ipc.watchdog import StallWatch, StallWatchdog, serve_stacks
 from grain_core.config import config
 
 __all__ = [
@@ -88,29 +83,48 @@ def worker_jax_platforms() -> str:
 #: glibc's environment variable for its tunables, read once when a program starts.
 _GLIBC_TUNABLES = "GLIBC_TUNABLES"
 _STREAMING_COPY_TUNABLE = "glibc.cpu.x86_non_temporal_threshold"
+#: malloc's thresholds in workers: glibc's own dynamic ones at their ceiling, from the start.
+_MALLOC_TUNABLES = {
+    "glibc.malloc.mmap_threshold": 32 * 1024 * 1024,
+    "glibc.malloc.trim_threshold": 64 * 1024 * 1024,
+}
 
 
 def worker_glibc_tunables(inherited: str | None, streaming_copy_bytes: int) -> str | None:
     """The ``GLIBC_TUNABLES`` the workers' forkserver starts with: ``inherited`` plus the
-    threshold above which ``memcpy`` uses streaming (non-temporal) stores.
+    threshold above which ``memcpy`` uses streaming (non-temporal) stores, and malloc's
+    thresholds (``_MALLOC_TUNABLES``).
 
-    Why: a worker copies each large array into a shared-memory block that the parent reads
-    later, from another core. Ordinary stores first read every destination line into the
-    cache and evict the pipeline's own data, and leave the lines modified in the worker's
-    core, from which the parent's reads must fetch them one by one; streaming stores write
-    to memory, which the parent reads at its full speed. 4 MiB batches from 2 workers, the
-    parent copying each out (as a transfer to a device does): 1.2-1.7x the batches of
-    glibc's ordinary stores here. (The parent touching one value per page only,
+    Streaming stores, why: a worker copies each large array into a shared-memory block that
+    the parent reads later, from another core. Ordinary stores first read every destination
+    line into the cache and evict the pipeline's own data, and leave the lines modified in
+    the worker's core, from which the parent's reads must fetch them one by one; streaming
+    stores write to memory, which the parent reads at its full speed. 4 MiB batches from 2
+    workers, the parent copying each out (as a transfer to a device does): 1.2-1.7x the
+    batches of glibc's ordinary stores here. (The parent touching one value per page only,
     ``mp_shm_transport``: 1.4x faster on one host, 0.8-0.9x on another.) glibc's own
     threshold is a fraction of the shared cache, which VMs often report as the whole host's
     (192 and 320 MiB on two hosts here), so it never applies. Smaller copies keep ordinary
-    stores: their blocks stay in the cache. A threshold the user set wins; glibc
-    ignores the tunable on other CPUs. Programs a worker starts inherit the variable.
+    stores: their blocks stay in the cache. 0: glibc's choice.
+
+    malloc's thresholds, why: a worker makes each result's arrays afresh and frees them once
+    they are copied into shared memory. glibc returns the top of its heap to the system once
+    twice the largest array it has freed lies free there, so a worker making 400 KB batches
+    gave its pages back and faulted them in again for every batch (35-60 page faults, a
+    quarter of its CPU time per batch, against none with these).
+
+    A tunable the user set wins (either malloc threshold keeps both of glibc's); glibc
+    ignores the streaming one on other CPUs. Programs a worker starts inherit the variable.
     """
-    if streaming_copy_bytes == 0 or (inherited and _STREAMING_COPY_TUNABLE in inherited):
+    wanted: dict[str, int] = {}
+    if not (inherited and any(name in inherited for name in _MALLOC_TUNABLES)):
+        wanted.update(_MALLOC_TUNABLES)
+    if streaming_copy_bytes and not (inherited and _STREAMING_COPY_TUNABLE in inherited):
+        wanted[_STREAMING_COPY_TUNABLE] = streaming_copy_bytes
+    if not wanted:
         return inherited
-    tunable = f"{_STREAMING_COPY_TUNABLE}={streaming_copy_bytes:#x}"
-    return f"{inherited}:{tunable}" if inherited else tunable
+    added = ":".join(f"{name}={value:#x}" for name, value in wanted.items())
+    return f"{inherited}:{added}" if inherited else added
 
 
 def _parent_import_path() -> str:
@@ -279,11 +293,7 @@ def _start_worker(
     # A crash in native code (a decoder, a C extension) prints the worker's Python stack to
     # the stderr it shares with the parent, which then names the signal.
     faulthandler.enable()
-    # The watchdog's fallback when the stack thread cannot run (native code holding the GIL):
-    # the signal handler writes every thread's stack to that stderr without the GIL.
-    if _STACK_SIGNAL is not None:
-        faulthandler.register(_STACK_SIGNAL, all_threads=True)
-    _serve_stacks(stack_requests, stack_answers)
+    serve_stacks(stack_requests, stack_answers)  # for the parent's watchdog
     _adopt_environ(setup.environ)
     os.environ["JAX_PLATFORMS"] = setup.jax_platforms
     for call in setup.calls:
@@ -291,33 +301,6 @@ def _start_worker(
     shm.set_name_prefix(spec.shm_prefix)
     _watch_parent()
     entry(spec, control, output)
-
-
-#: The signal on which a worker's faulthandler writes its stacks to stderr (None: Windows).
-_STACK_SIGNAL: signal.Signals | None = getattr(signal, "SIGUSR1", None)
-
-
-def _serve_stacks(requests: Any, answers: Any) -> None:
-    """Answers each request of the parent's watchdog with the worker's Python stacks (every
-    thread's, from ``faulthandler``), from a thread, so while the main thread is stuck in user
-    code that waits (a read, a lock, a sleep)."""
-
-    def serve() -> None:
-        while True:
-            try:
-                requests.recv_bytes()
-            except (EOFError, OSError):
-                return  # the parent closed the pipe: the pool stops
-            with tempfile.TemporaryFile() as f:
-                faulthandler.dump_traceback(file=f, all_threads=True)
-                f.seek(0)
-                text = f.read()
-            try:
-                answers.send_bytes(text)
-            except OSError:
-                return
-
-    threading.Thread(target=serve, name="grain_core-stack-dump", daemon=True).start()
 
 
 def _watch_parent() -> None:
@@ -410,29 +393,6 @@ _SIGNAL_HINTS = {
 }
 
 
-@dataclasses.dataclass(frozen=True, slots=True)
-class StallWatch:
-    """What the consumer waits for, for the watchdog's messages about a worker that sends
-    nothing.
-
-    Attributes:
-      since: ``time.monotonic()`` when the consumer began waiting for it.
-      waiting_for: Returns the worker computing it (its index in the pool; None: not known)
-        and the element in words ("position 12").
-    """
-
-    since: float
-    waiting_for: Callable[[], tuple[int | None, str]]
-
-
-_LOG = logging.getLogger("grain_core")
-
-#: Seconds before a watchdog report that the parent asks the stuck worker for its stacks (at
-#: most half the time since the last report); a report without an answer by then has
-#: faulthandler write them to stderr instead (the worker's stack thread cannot run while
-#: native code holds the GIL). Reports come at their deadlines whatever the answer.
-_STACK_ANSWER_S = 1.0
-
 #: Seconds that stopping a pool gives its workers to exit before they are killed.
 STOP_TIMEOUT_S = 5.0
 
@@ -453,7 +413,7 @@ class WorkerPool:
         stacks. None: no warnings.
       stall_timeout_s: Watchdog: after this long the wait raises ``WorkerStalledError`` (the
         worker keeps running). None: wait forever.
-      clock: What times a stack request's age (``_STACK_ANSWER_S``): ``time.monotonic``, or a
+      clock: What times a stack request's age (``watchdog.STACK_ANSWER_S``): ``time.monotonic``, or a
         test's clock that it advances itself.
 
     Raises:
@@ -470,19 +430,7 @@ class WorkerPool:
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self._closed = False
-        self._clock = clock
-        self._stall_warning_s = stall_warning_s
-        self._stall_timeout_s = stall_timeout_s
-        self._watched = stall_warning_s is not None or stall_timeout_s is not None
-        self._stack_requests: list[Any] = []
-        self._stack_answers: list[Any] = []
-        # Per worker: when the unanswered request was sent (None: none is), and whether
-        # faulthandler was signalled for it. The signal is the last resort, once a request has
-        # gone unanswered for _STACK_ANSWER_S and only once: faulthandler dumps from inside the
-        # signal handler, and a dump landing in the import machinery (a short stall_timeout_s
-        # hit again and again while a worker still imports its modules) crashed the worker.
-        self._stacks_asked: list[float | None] = []
-        self._stacks_signalled: list[bool] = []
+        self._watchdog = StallWatchdog(stall_warning_s, stall_timeout_s, clock)
         # Held while a thread reads the workers' pipes: a second thread fails at once with a
         # clear error (its poll() of the same pipes would fail with "concurrent poll()
         # invocation", or its reads take the other's messages).
@@ -527,10 +475,9 @@ class WorkerPool:
                 proc.start()
                 for conn in (control_r, output_w, requests_r, answers_w):
                     conn.close()
-                self._stack_requests.append(requests_w)
-                self._stack_answers.append(answers_r)
-                self._stacks_asked.append(None)
-                self._stacks_signalled.append(False)
+                self._watchdog.add_worker(
+                    f"{spec.index} of {spec.count}", proc, requests_w, answers_r
+                )
                 self._procs.append(proc)
                 self._controls.append(control_w)
                 self._outputs.append(output_r)
@@ -591,14 +538,14 @@ class WorkerPool:
             self._in_use.release()
 
     def _ready_workers(self, timeout: float | None, watch: StallWatch | None) -> list[int]:
-        if timeout is None and watch is not None and self._watched:
+        if timeout is None and watch is not None and self._watchdog.enabled:
             polled: list[tuple[list[int], list[int]]] = []
 
             def wait(seconds: float | None) -> bool:
                 polled[:] = [self._poller.poll(seconds)]
                 return any(polled[0])
 
-            self._watched_wait(wait, watch)
+            self._watchdog.watched_wait(wait, watch)
             ready, ended = polled[0]
         else:
             ready, ended = self._poller.poll(timeout)
@@ -641,8 +588,8 @@ class WorkerPool:
         conn = self._outputs[index]
         if not ready and not self._output_ready[index]():
             waitables = [conn, self._procs[index].sentinel]
-            if waiting_for is not None and self._watched:
-                self._watched_wait(
+            if waiting_for is not None and self._watchdog.enabled:
+                self._watchdog.watched_wait(
                     lambda seconds: bool(multiprocessing.connection.wait(waitables, seconds)),
                     StallWatch(time.monotonic(), waiting_for),
                 )
@@ -679,98 +626,6 @@ class WorkerPool:
         """
         if self._owner_pid != os.getpid():
             raise self._died(0)
-
-    def _watched_wait(self, wait: Callable[[float | None], bool], watch: StallWatch) -> None:
-        """Calls ``wait(seconds)`` until it returns True, warning at each multiple of the
-        warning threshold and raising past the deadline, both measured from ``watch.since``.
-
-        The worker's stacks are asked for ahead of each report (``_STACK_ANSWER_S`` before it,
-        at most half the time since the last one), so that no report waits for them."""
-        warn_s, limit_s = self._stall_warning_s, self._stall_timeout_s
-        warnings_given = 0
-        last_report = 0.0
-        asked = False  # for the next report
-        while True:
-            due = [limit_s] if limit_s is not None else []
-            if warn_s is not None:
-                due.append(warn_s * (warnings_given + 1))
-            report_at = min(due)
-            ask_at = report_at - min(_STACK_ANSWER_S, (report_at - last_report) / 2)
-            waited = time.monotonic() - watch.since
-            if not asked and waited >= ask_at:
-                self._ask_for_stacks(watch)
-                asked = True
-            if wait(max(0.0, (report_at if asked else ask_at) - waited)):
-                return
-            waited = time.monotonic() - watch.since
-            if waited < report_at:
-                continue
-            if limit_s is not None and waited >= limit_s:
-                raise WorkerStalledError(self._stall_report(watch, waited, limit_s))
-            assert warn_s is not None
-            warnings_given = int(waited // warn_s)
-            last_report, asked = waited, False
-            _LOG.warning("%s", self._stall_report(watch, waited, None))
-
-    def _ask_for_stacks(self, watch: StallWatch) -> None:
-        """Asks the worker computing what ``watch`` waits for for its Python stacks (unless
-        an earlier request is still unanswered)."""
-        worker, _ = watch.waiting_for()
-        if worker is None or self._stacks_asked[worker] is not None:
-            return
-        try:
-            self._stack_requests[worker].send_bytes(b"")
-        except OSError:  # the worker is ending: the report says so
-            return
-        self._stacks_asked[worker] = self._clock()
-
-    def _stall_report(self, watch: StallWatch, waited: float, limit_s: float | None) -> str:
-        worker, what = watch.waiting_for()
-        if worker is None:
-            who, stacks = "a worker process", ""
-        else:
-            proc = self._procs[worker]
-            who = f"worker process {self._labels[worker]} (pid {proc.pid})"
-            stacks = f" Its Python stacks:\n{self._worker_stacks(worker)}"
-        if limit_s is None:
-            verdict = (
-                "still waiting (MultiprocessingOptions.stall_warning_s sets how often this "
-                "warning comes; stall_timeout_s makes it an error)."
-            )
-        else:
-            verdict = (
-                f"giving up (MultiprocessingOptions.stall_timeout_s={limit_s:g}); the worker "
-                "is left running. A pipeline step may be stuck (a deadlock, a read without a "
-                "timeout), or one element takes that long: raise stall_timeout_s."
-            )
-        return f"The main process waited {waited:.1f} s for {what} from {who}: {verdict}{stacks}"
-
-    def _worker_stacks(self, index: int) -> str:
-        """Worker ``index``'s Python stacks, its stack thread's latest answer (asked for ahead
-        of the report); without one (native code holding the GIL, or no request in time),
-        faulthandler writes them to stderr. Never waits."""
-        answers = self._stack_answers[index]
-        answer = None
-        try:
-            while answers.poll(0):
-                answer = answers.recv_bytes()
-                self._stacks_asked[index] = None
-                self._stacks_signalled[index] = False
-            if answer is not None:
-                return str(answer.decode(errors="replace"))
-            if _STACK_SIGNAL is None:
-                return "(no answer yet)"
-            asked = self._stacks_asked[index]
-            unanswered_s = 0.0 if asked is None else self._clock() - asked
-            if unanswered_s >= _STACK_ANSWER_S and not self._stacks_signalled[index]:
-                os.kill(self._procs[index].pid, _STACK_SIGNAL)
-                self._stacks_signalled[index] = True
-        except (EOFError, OSError):
-            return "(unavailable: the worker process is ending)"
-        return (
-            "(no answer yet: native code may hold the worker's GIL; faulthandler writes its "
-            f"stacks to stderr once a request has waited {_STACK_ANSWER_S:g} s)"
-        )
 
     def _died(self, index: int) -> WorkerDiedError:
         proc = self._procs[index]
@@ -815,7 +670,7 @@ class WorkerPool:
         for index, proc in enumerate(self._procs):
             proc.join(timeout=5)
             shm.unlink_prefix(self._prefixes[index])
-        for conn in (*self._outputs, *self._stack_requests, *self._stack_answers):
+        for conn in (*self._outputs, *self._watchdog.pipes()):
             conn.close()
         for proc in self._procs:
             if proc.exitcode is not None:
@@ -842,7 +697,7 @@ class WorkerPool:
                         os.close(fd)
                     except OSError:
                         pass
-        for conn in (*self._controls, *self._outputs, *self._stack_requests, *self._stack_answers):
+        for conn in (*self._controls, *self._outputs, *self._watchdog.pipes()):
             conn.close()
         # Every later wait answers at once: each worker "ended", i.e. ``_died``'s error.
         self._output_ready = [_always_ready] * len(self._outputs)

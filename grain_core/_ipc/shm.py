@@ -344,7 +344,8 @@ class SharedMemoryArray(np.ndarray):  # type: ignore[type-arg]
     """A NumPy array whose buffer is a POSIX shared-memory block.
 
     Pickling sends the block's name, not the data. By default collecting the array only unmaps
-    the block; after :meth:`unlink_on_del` it also frees it. NumPy operations that allocate new
+    the block; after :meth:`unlink_on_del` it also frees it, and pickling sends the data (the
+    block may be gone before the receiver maps it). NumPy operations that allocate new
     arrays return plain ``ndarray`` objects.
 
     Args:
@@ -358,6 +359,8 @@ class SharedMemoryArray(np.ndarray):  # type: ignore[type-arg]
 
     _shm_name: str | None
     _shm_size: int
+    #: The process that frees the block with this array (``unlink_on_del``; 0: none).
+    _freed_by: int
 
     def __new__(cls, shape: Any, dtype: Any = float) -> SharedMemoryArray:
         dtype = np.dtype(dtype)
@@ -375,12 +378,14 @@ class SharedMemoryArray(np.ndarray):  # type: ignore[type-arg]
         arr: SharedMemoryArray = np.ndarray.__new__(cls, shape, dtype=dtype, buffer=mapping)  # type: ignore[assignment]
         arr._shm_name = name
         arr._shm_size = arr.nbytes
+        arr._freed_by = 0
         return arr
 
     def __array_finalize__(self, obj: Any) -> None:
         # Views share the block; their data pointer tells whether they cover all of it.
         self._shm_name = getattr(obj, "_shm_name", None)
         self._shm_size = getattr(obj, "_shm_size", 0)
+        self._freed_by = getattr(obj, "_freed_by", 0)
 
     def __array_wrap__(self, arr: Any, context: Any = None, return_scalar: bool = False) -> Any:
         out = arr.view(np.ndarray)
@@ -430,7 +435,8 @@ class SharedMemoryArray(np.ndarray):  # type: ignore[type-arg]
         child's copy of the array leaves the block to its parent)."""
         name = self._shm_name
         if name is not None:
-            weakref.finalize(self, _unlink_if_owner, os.getpid(), name)
+            self._freed_by = os.getpid()
+            weakref.finalize(self, _unlink_if_owner, self._freed_by, name)
 
     @classmethod
     def enable_async_del(cls, num_threads: int = 1, max_outstanding_requests: int = 50) -> None:
@@ -442,7 +448,10 @@ class SharedMemoryArray(np.ndarray):  # type: ignore[type-arg]
             _deleter.limit = max_outstanding_requests
 
     def __reduce__(self) -> Any:
-        if self._is_whole_block():
+        # A block freed with its array (``unlink_on_del``) may be gone before the receiver
+        # maps it: a batch stacked into shared memory by a worker elsewhere than a local
+        # process (a worker backend's) is dropped there once pickled. Its data travels.
+        if self._is_whole_block() and not self._freed_by:
             return (SharedMemoryArray.from_metadata, (self.metadata,))
         return np.asarray(self).view(np.ndarray).__reduce__()
 

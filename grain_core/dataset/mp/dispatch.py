@@ -51,7 +51,8 @@ from typing import Any
 
 from grain_core._ipc import shm
 from grain_core._ipc.errors import UnreadableElementError, WorkerDiedError, remote_error
-from grain_core._ipc.pool import STOP_TIMEOUT_S, StallWatch, WorkerPool
+from grain_core._ipc.pool import STOP_TIMEOUT_S, WorkerPool
+from grain_core._ipc.watchdog import StallWatch
 from grain_core.config import config
 from grain_core.dataset.base import IterDataset, pipeline_observer
 from grain_core.dataset.mp.consumer import ClassConsumer

@@ -9,7 +9,9 @@ record's start).
 The wire bytes of the whole batch are walked in lock-step with NumPy: each parse step (read
 a tag, a length, a feature name, gather the values) is one array operation over all records
 at once, so the per-record Python cost of :func:`decode_example` is paid once per batch.
-A record whose layout differs from the others at some step (another field order, a split
+Records laid out alike are first read whole by a record layout (``_example_wire``, which
+also holds the batch's bytes); the others are walked entry by entry here. A record whose
+layout differs from the others at some step (another field order, a split
 list, unknown fields, over-long lengths...) leaves the walk and is decoded by the exact
 per-record decoder, so the result is always protobuf's decoding of each record. Features
 that the spec does not name are skipped by their length without being parsed, as
@@ -40,6 +42,16 @@ from grain_tfrecord._example import (
     decode_varints,
     resolve_dtype,
 )
+from grain_tfrecord._example_wire import (
+    EntryTemplate,
+    RecordLayout,
+    WireBatch,
+    delimited,
+    gather,
+    last_layout,
+    new_layout,
+    ragged_index,
+)
 
 __all__ = [
     "FixedLenFeature",
@@ -50,7 +62,6 @@ __all__ = [
     "parse_example_batch",
 ]
 
-_PAD = 16  # zero bytes after the batch's wire bytes: a window read never leaves the buffer
 # Lists of up to 8 bytes read as one word: per list size, the mask of its bytes, of their
 # continuation bits, and the continuation bits of a list holding one varint.
 _WORD_BYTES = 8
@@ -228,7 +239,7 @@ def parse_example_batch(
                 f"feature {name!r}: {spec!r} is not a FixedLenFeature, FixedLenSequenceFeature "
                 "or VarLenFeature."
             )
-    batch = _WireBatch(serialized)
+    batch = WireBatch(serialized)
     kinds = {name: spec._resolved[0] for name, spec in features.items()}
     walk = _Walk(batch, kinds)
     walk.run()
@@ -239,9 +250,13 @@ def parse_example_batch(
             name: [_rows_of(part, ~batch.fallback[part[0]]) for part in parts]
             for name, parts in found.items()
         }
-    for row in np.flatnonzero(batch.fallback).tolist():
-        _decode_one(batch, row, kinds, found)
+        for row in np.flatnonzero(batch.fallback).tolist():
+            _decode_one(batch, row, kinds, found)
     return {name: _assemble(name, spec, batch.size, found[name]) for name, spec in features.items()}
+
+
+# What the walk found of one feature: (rows, their value counts, their values in row order).
+_Found = tuple[np.ndarray, np.ndarray, np.ndarray]
 
 
 def _rows_of(part: _Found, keep: np.ndarray) -> _Found:
@@ -250,7 +265,7 @@ def _rows_of(part: _Found, keep: np.ndarray) -> _Found:
 
 
 def _decode_one(
-    batch: _WireBatch, row: int, kinds: dict[str, int], found: dict[str, list[_Found]]
+    batch: WireBatch, row: int, kinds: dict[str, int], found: dict[str, list[_Found]]
 ) -> None:
     """Decodes record ``row`` with the exact per-record decoder."""
     try:
@@ -352,7 +367,7 @@ def _assemble(
         padding = "" if utf8 else b"" if kind == _BYTES else 0
     out = np.empty((size * longest, *spec.shape), dtype=numpy_dtype)
     out[:] = spec._fit(padding, spec.shape, "default_value")
-    out[_ragged_index(rows * longest, steps)] = values.reshape(-1, *spec.shape)
+    out[ragged_index(rows * longest, steps)] = values.reshape(-1, *spec.shape)
     return out.reshape(size, longest, *spec.shape)
 
 
@@ -379,339 +394,13 @@ def _merge(parts: list[_Found], kind: int) -> _Found:
     _, last = np.unique(rows[::-1], return_index=True)
     chosen = rows.size - 1 - last
     rows, counts, offsets = rows[chosen], counts[chosen], offsets[chosen]
-    return rows, counts, values[_ragged_index(offsets, counts)]
-
-
-# --------------------------------------------------------------------------- the batch bytes
-class _WireBatch:
-    """The records' bytes in one buffer, where each record starts and ends, and which records
-    the lock-step walk gave up on (``fallback``)."""
-
-    def __init__(self, serialized: Sequence[bytes] | np.ndarray) -> None:
-        self.padded = isinstance(serialized, np.ndarray) and serialized.dtype.kind == "S"
-        if self.padded:
-            assert isinstance(serialized, np.ndarray)
-            width = serialized.dtype.itemsize
-            self.size = serialized.size
-            # One copy: the array's buffer joined with the padding the windows read past.
-            self.data = b"".join((np.ascontiguousarray(serialized).data, bytes(_PAD)))
-            self.starts = np.arange(self.size, dtype=np.int64) * width
-            self.ends = self.starts + width
-            # Where each record's bytes end before its NUL padding (NumPy's length of an S
-            # item leaves trailing NULs out; the message itself may end in NULs).
-            self.content_ends = self.starts + np.char.str_len(serialized).ravel()
-        else:
-            records = (
-                serialized.ravel().tolist()
-                if isinstance(serialized, np.ndarray)
-                else serialized
-                if isinstance(serialized, list)
-                else list(serialized)
-            )
-            self.size = len(records)
-            sizes = np.fromiter(map(len, records), np.int64, self.size)
-            self.ends = np.cumsum(sizes)
-            self.starts = self.ends - sizes
-            self.data = b"".join([*records, bytes(_PAD)])
-            self.content_ends = self.ends
-        self.raw = np.frombuffer(self.data, np.uint8)
-        self.view = memoryview(self.data)
-        self.fallback = np.zeros(self.size, dtype=bool)
-
-    def windows(self, width: int) -> np.ndarray:
-        """A read-only view whose row ``i`` is the ``width`` bytes from byte ``i``: indexing
-        it with start positions gathers equal-sized regions with one row copy each."""
-        return np.ndarray((len(self.data) - width + 1, width), np.uint8, self.data, 0, (1, 1))
-
-    def record(self, row: int) -> bytes:
-        return self.data[int(self.starts[row]) : int(self.ends[row])]
-
-
-# What the walk found of one feature: (rows, their value counts, their values in row order).
-_Found = tuple[np.ndarray, np.ndarray, np.ndarray]
-
-
-def _varints(raw: np.ndarray, pos: np.ndarray, limit: int) -> tuple[np.ndarray, np.ndarray, Any]:
-    """Reads one varint (at most ``limit`` bytes) at each of ``pos``: (values, positions
-    after them, mask of the valid ones, or None when all are)."""
-    byte = raw[pos]
-    going = byte >= 0x80
-    values = byte.astype(np.int64)
-    if not going.any():
-        return values, pos + 1, None
-    # Byte by byte, while some varint goes on: lengths are one to three bytes long.
-    values &= 0x7F
-    size = np.ones_like(pos)
-    for k in range(1, limit):
-        byte = raw[pos + np.where(going, k, 0)]
-        values |= np.where(going, (byte & 0x7F).astype(np.int64) << 7 * k, 0)
-        size += going
-        going &= byte >= 0x80
-        if not going.any():
-            return values, pos + size, None
-    return values, pos + size, ~going
-
-
-def _delimited(
-    raw: np.ndarray, pos: np.ndarray, tag: int, end: np.ndarray
-) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Reads, at each of ``pos``, the tag of a length-delimited field and its length:
-    (start, stop) of its bytes and whether it is that field and ends by ``end``."""
-    found, pos, ok = _varints(raw, pos, 5)
-    valid = (found == tag) & (pos < end)
-    if ok is not None:
-        valid &= ok
-    pos = np.where(valid, pos, 0)
-    length, start, ok = _varints(raw, pos, 5)
-    stop = start + length
-    valid &= stop <= end
-    if ok is not None:
-        valid &= ok
-    return start, stop, valid
-
-
-def _gather(batch: _WireBatch, start: np.ndarray, stop: np.ndarray) -> np.ndarray:
-    """The bytes of each row's region, concatenated in row order."""
-    lengths = stop - start
-    if not lengths.size:
-        return np.empty(0, np.uint8)
-    if int(lengths.min()) != int(lengths.max()) and int(lengths.sum()) >= 32 * lengths.size:
-        # Long regions of several sizes: joining slices copies at memcpy speed.
-        view = batch.view
-        return np.frombuffer(
-            b"".join([view[a:b] for a, b in zip(start.tolist(), stop.tolist(), strict=True)]),
-            np.uint8,
-        )
-    if int(lengths.min()) == int(lengths.max()):
-        return batch.windows(int(lengths[0]))[start].reshape(-1)
-    return batch.raw[_ragged_index(start, lengths)]
-
-
-def _ragged_index(starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:
-    """Indices of ``lengths[i]`` consecutive items from each ``starts[i]``, concatenated."""
-    offsets = np.cumsum(lengths) - lengths
-    return np.repeat(starts - offsets, lengths) + np.arange(int(lengths.sum()))
-
-
-@dataclasses.dataclass(frozen=True)
-class _Template:
-    """The bytes of one map entry before its values, as one record has them.
-
-    Each length prefix in the header is the size of the values plus the header bytes after
-    that prefix; the last prefix is the size of the values. A row matches when its header
-    has the same bytes but for the length prefixes, and each length prefix, at the same
-    width, encodes the row's size of the values plus that constant.
-
-    Attributes:
-      fixed, fixed_bytes: offsets and bytes of the header that are equal in every row.
-      size_offset, size_width: where the last length prefix is.
-      length_offsets: offsets of every length-prefix byte; ``beyond``, ``shift``, ``more``:
-        per such byte, the constant added to the size, the bits it holds (7 * k) and its
-        continuation bit.
-      max_size: the size from which some prefix would need more bytes.
-    """
-
-    name: str
-    kind: int
-    wanted: bool
-    empty: bool  # the list is empty: the values' size (its length) must be 0
-    end: int  # where the entry ends in the record it was made from
-    size: int
-    fixed: np.ndarray
-    fixed_bytes: np.ndarray
-    size_offset: int
-    size_width: int
-    length_offsets: np.ndarray
-    beyond: np.ndarray
-    shift: np.ndarray
-    more: np.ndarray
-    max_size: int
-
-    @staticmethod
-    def of(data: bytes, pos: int, end: int, kinds: Mapping[str, int]) -> _Template | None:
-        """The template of the entry at ``pos``, or None if it is not canonical: one-byte
-        tags; key, then value; a Feature with one list; a packed list or one bytes item."""
-        lengths: list[tuple[int, int]] = []
-        start = pos
-
-        def field(tag: int, limit: int, sized: bool = True) -> int:
-            nonlocal pos
-            if pos >= limit or data[pos] != tag:
-                raise _Malformed
-            pos += 1
-            length = shift = 0
-            for width in range(1, 4):
-                if pos >= limit:
-                    raise _Malformed
-                byte = data[pos]
-                pos += 1
-                length |= (byte & 0x7F) << shift
-                shift += 7
-                if byte < 0x80:
-                    if sized:
-                        lengths.append((pos - width - start, width))
-                    if pos + length > limit:
-                        raise _Malformed
-                    return pos + length
-            raise _Malformed
-
-        try:
-            entry_end = field(0x0A, end)
-            key_end = field(0x0A, entry_end, sized=False)  # the name: fixed bytes
-            name = data[pos:key_end].decode("utf-8")
-            pos = key_end
-            value_end = field(0x12, entry_end)
-            kind = kinds.get(name)
-            if value_end != entry_end:
-                return None
-            empty = False
-            if kind is not None:
-                list_end = field(kind << 3 | 2, value_end)
-                if list_end != value_end:
-                    return None
-                empty = pos == list_end
-                if not empty and field(0x0A, list_end) != list_end:
-                    return None
-        except (_Malformed, UnicodeDecodeError):
-            return None
-        size = pos - start
-        header = np.frombuffer(data, np.uint8, size, start)
-        fixed = np.ones(size, dtype=bool)
-        offsets, beyond, shift, more = [], [], [], []
-        max_size = 1 << 62
-        for offset, width in lengths:
-            fixed[offset : offset + width] = False
-            after = size - offset - width
-            max_size = min(max_size, (1 << 7 * width) - after)
-            for k in range(width):
-                offsets.append(offset + k)
-                beyond.append(after)
-                shift.append(7 * k)
-                more.append(0x80 if k < width - 1 else 0)
-        return _Template(
-            name,
-            kind or 0,
-            kind is not None,
-            empty,
-            entry_end,
-            size,
-            np.flatnonzero(fixed),
-            header[fixed],
-            lengths[-1][0],
-            lengths[-1][1],
-            np.array(offsets),
-            np.array(beyond, dtype=np.int64),
-            np.array(shift, dtype=np.int64),
-            np.array(more, dtype=np.int64),
-            max_size,
-        )
-
-    def match(self, window: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """Which rows' headers (``window``: their first ``size`` bytes) match, and their
-        sizes of the values."""
-        at = self.size_offset
-        data_size = window[:, at].astype(np.int64)
-        if self.size_width > 1:
-            data_size &= 0x7F
-            for k in range(1, self.size_width):
-                data_size |= (window[:, at + k].astype(np.int64) & 0x7F) << (7 * k)
-        matched = (window[:, self.fixed] == self.fixed_bytes).all(axis=1)
-        expected = ((data_size[:, None] + self.beyond) >> self.shift) & 0x7F | self.more
-        matched &= (window[:, self.length_offsets] == expected).all(axis=1)
-        matched &= data_size < self.max_size
-        return matched, data_size
-
-
-@dataclasses.dataclass(frozen=True)
-class _RecordChecks:
-    """The checks of :meth:`_Template.match` for a record's entries at once: the headers of
-    all entries side by side (``sizes``: each entry's header size), compared with the bytes
-    they must hold: the templates' fixed bytes (``expected``) and, at ``length_columns``, the
-    length prefixes that the sizes of the values give."""
-
-    sizes: tuple[int, ...]
-    expected: np.ndarray
-    length_columns: np.ndarray
-    length_entry: np.ndarray
-    beyond: np.ndarray
-    shift: np.ndarray
-    more: np.ndarray
-    max_size: np.ndarray
-    float_entries: np.ndarray
-    empty_entries: np.ndarray
-
-    @staticmethod
-    def of(templates: list[_Template]) -> _RecordChecks:
-        first = np.cumsum([0] + [t.size for t in templates])
-        expected = np.zeros(int(first[-1]), dtype=np.uint8)
-        for k, t in enumerate(templates):
-            expected[t.fixed + first[k]] = t.fixed_bytes
-        return _RecordChecks(
-            tuple(t.size for t in templates),
-            expected,
-            np.concatenate([t.length_offsets + first[k] for k, t in enumerate(templates)]),
-            np.repeat(np.arange(len(templates)), [t.length_offsets.size for t in templates]),
-            np.concatenate([t.beyond for t in templates]),
-            np.concatenate([t.shift for t in templates]),
-            np.concatenate([t.more for t in templates]),
-            np.array([t.max_size for t in templates]),
-            np.array([k for k, t in enumerate(templates) if t.kind == _FLOAT], dtype=np.int64),
-            np.array([k for k, t in enumerate(templates) if t.empty], dtype=np.int64),
-        )
-
-    def match(self, batch: _WireBatch, starts: np.ndarray, sizes: np.ndarray) -> np.ndarray:
-        """Which rows (entry ``k`` at ``starts[:, k]`` with values of ``sizes[:, k]`` bytes)
-        have every header as the templates say."""
-        # Each entry's header is copied row by row (one memcpy each), not byte by byte.
-        headers = np.concatenate(
-            [batch.windows(size)[starts[:, k]] for k, size in enumerate(self.sizes)], axis=1
-        )
-        expected = np.repeat(self.expected[None, :], len(starts), axis=0)
-        lengths = sizes[:, self.length_entry] + self.beyond
-        expected[:, self.length_columns] = (lengths >> self.shift) & 0x7F | self.more
-        if headers.tobytes() == expected.tobytes():  # the usual case: every row matches
-            matched = np.ones(len(starts), dtype=bool)
-        else:
-            matched = (headers == expected).all(axis=1)
-        matched &= (sizes < self.max_size).all(axis=1)
-        if self.float_entries.size:
-            matched &= (sizes[:, self.float_entries] % 4 == 0).all(axis=1)
-        if self.empty_entries.size:
-            matched &= (sizes[:, self.empty_entries] == 0).all(axis=1)
-        return matched
-
-
-@dataclasses.dataclass(frozen=True)
-class _RecordLayout:
-    """The templates of a record's map entries, in order, and their checks at once."""
-
-    entries: tuple[_Template, ...]
-    checks: _RecordChecks | None
-
-    @staticmethod
-    def of(data: bytes, pos: int, end: int, kinds: Mapping[str, int]) -> _RecordLayout | None:
-        """The layout of the Features from ``pos`` to ``end``; None if an entry is not
-        canonical."""
-        entries: list[_Template] = []
-        while pos < end:
-            template = _Template.of(data, pos, end, kinds)
-            if template is None:
-                return None
-            entries.append(template)
-            pos = template.end
-        return _RecordLayout(tuple(entries), _RecordChecks.of(entries) if entries else None)
-
-
-# The last record layout seen per feature spec (its kinds), tried first on the next batch:
-# consecutive batches of one dataset nearly always share it.
-_LAYOUTS: dict[tuple[tuple[str, int], ...], _RecordLayout] = {}
-_MAX_LAYOUTS = 64
+    return rows, counts, values[ragged_index(offsets, counts)]
 
 
 class _Walk:
     """The lock-step walk over a batch; ``found`` collects the wanted features' values."""
 
-    def __init__(self, batch: _WireBatch, kinds: dict[str, int]) -> None:
+    def __init__(self, batch: WireBatch, kinds: dict[str, int]) -> None:
         self.batch = batch
         self.raw = batch.raw
         self.kinds = kinds
@@ -724,22 +413,26 @@ class _Walk:
     def run(self) -> None:
         batch, raw = self.batch, self.raw
         rows = np.arange(batch.size)
-        # An empty record (or all padding) is an Example without features: the exact decoder.
-        valid = (batch.ends > batch.starts) & (raw[batch.starts] != 0)
-        start, stop, ok = _delimited(raw, batch.starts, 0x0A, batch.ends)  # Example.features
-        valid &= ok
-        # Nothing may follow that field but the NUL padding of a fixed-width array.
-        if batch.padded:
-            valid &= stop >= batch.content_ends
-        else:
-            valid &= stop == batch.ends
-        self.leave(rows, valid)
-        rows, pos, end = rows[valid], start[valid], stop[valid]
+        starts, ends, content_ends = batch.starts, batch.ends, batch.content_ends
         if rows.size:
-            whole = self.by_record_template(rows, pos, end)
+            whole = self.by_record_layout(rows, starts, ends, content_ends)
+            if whole.all():
+                return
             if whole.any():
                 rest = ~whole
-                rows, pos, end = rows[rest], pos[rest], end[rest]
+                rows, starts, ends, content_ends = (
+                    rows[rest],
+                    starts[rest],
+                    ends[rest],
+                    content_ends[rest],
+                )
+        # An empty record (or all padding) is an Example without features: the exact decoder.
+        valid = (ends > starts) & (raw[starts] != 0)
+        start, stop, ok = delimited(raw, starts, 0x0A, ends)  # Example.features
+        # Nothing may follow that field but the NUL padding of a fixed-width array.
+        valid &= ok & (stop >= content_ends)
+        self.leave(rows, valid)
+        rows, pos, end = rows[valid], start[valid], stop[valid]
         while rows.size:
             going = pos < end  # the others have no more features
             if not going.all():
@@ -755,64 +448,62 @@ class _Walk:
             if not keep.all():
                 rows, pos, end = rows[keep], pos[keep], end[keep]
 
-    def by_record_template(self, rows: np.ndarray, pos: np.ndarray, end: np.ndarray) -> np.ndarray:
-        """Reads all map entries of the rows laid out entry for entry as one record (the
-        common case: every record has the same features in the same order): the layout that
-        the last batch with these features had, else the first row's. Returns which rows it
-        read; the others are left for the entry-by-entry walk."""
-        key = tuple(self.kinds.items())
-        layout = _LAYOUTS.get(key)
+    def by_record_layout(
+        self, rows: np.ndarray, start: np.ndarray, end: np.ndarray, content_end: np.ndarray
+    ) -> np.ndarray:
+        """Reads the whole records laid out entry for entry as one record (the common case:
+        every record has the same features in the same order): the layout that the last
+        batch with these features had, else the first row's. Returns which rows it read;
+        the others are left for the entry-by-entry walk."""
+        layout = last_layout(self.kinds)
         matched = np.zeros(rows.size, dtype=bool)
         if layout is not None:
-            matched = self.read_layout(layout, rows, pos, end)
+            matched = self.read_layout(layout, rows, start, end, content_end)
             if matched.all():
                 return matched
         first = int(np.argmax(~matched))
-        layout = _RecordLayout.of(self.batch.data, int(pos[first]), int(end[first]), self.kinds)
+        layout = new_layout(self.batch.data, int(start[first]), int(end[first]), self.kinds)
         if layout is None:
             return matched
-        if len(_LAYOUTS) >= _MAX_LAYOUTS:
-            _LAYOUTS.clear()
-        _LAYOUTS[key] = layout
         rest = np.flatnonzero(~matched)
-        matched[rest] = self.read_layout(layout, rows[rest], pos[rest], end[rest])
+        matched[rest] = self.read_layout(
+            layout, rows[rest], start[rest], end[rest], content_end[rest]
+        )
         return matched
 
     def read_layout(
-        self, layout: _RecordLayout, rows: np.ndarray, pos: np.ndarray, end: np.ndarray
+        self,
+        layout: RecordLayout,
+        rows: np.ndarray,
+        start: np.ndarray,
+        end: np.ndarray,
+        content_end: np.ndarray,
     ) -> np.ndarray:
-        """One pass follows each row's sizes from entry to entry, then every header is checked
-        at once; the values of the rows that match are read. Returns which rows match."""
-        data, raw = self.batch.data, self.raw
-        if not layout.entries:  # no features: the rows that end here
-            return pos == end
-        sizes = np.empty((rows.size, len(layout.entries)), dtype=np.int64)
-        starts = np.empty_like(sizes)
-        for k, template in enumerate(layout.entries):
-            # Rows laid out otherwise wander off; keep their reads inside the buffer.
-            pos = np.minimum(pos, len(data) - template.size)
-            starts[:, k] = pos
-            size = raw[pos + template.size_offset].astype(np.int64)
-            if template.size_width > 1:
-                size &= 0x7F
-                for j in range(1, template.size_width):
-                    more = raw[pos + (template.size_offset + j)].astype(np.int64)
-                    size |= (more & 0x7F) << (7 * j)
-            sizes[:, k] = size
-            pos = pos + (template.size + size)
-        assert layout.checks is not None
-        matched = layout.checks.match(self.batch, starts, sizes) & (pos == end)
+        """Reads the values of the rows laid out as ``layout``; returns which rows are."""
+        matched, value_starts, sizes = layout.locate(self.batch, start, end, content_end)
         if not matched.any():
             return matched
         if not matched.all():
-            rows, starts, sizes = rows[matched], starts[matched], sizes[matched]
+            rows, value_starts, sizes = rows[matched], value_starts[matched], sizes[matched]
+        # The scalar int64 features of all entries as one word per row and entry.
+        scalars = layout.scalar_entries
+        words = None
+        if scalars.size:
+            words = _one_varint_each(
+                self.batch, value_starts[:, scalars].T.ravel(), sizes[:, scalars].T.ravel()
+            )
         for k, template in enumerate(layout.entries):
             if template.empty:
                 no_values = np.empty(0, dtype=_EMPTY_DTYPES[template.kind])
                 self.found[template.name].append((rows, np.zeros_like(rows), no_values))
+            elif words is not None and k in layout.scalar_column:
+                column = layout.scalar_column[k] * rows.size
+                self.one_varint_each(
+                    template.name, rows, sizes[:, k], words[column : column + rows.size]
+                )
             elif template.wanted:
-                start = starts[:, k] + template.size
-                self.values(template.name, template.kind, rows, start, start + sizes[:, k])
+                start = value_starts[:, k]
+                self.values(template.name, template.kind, rows, start, sizes[:, k])
         return matched
 
     def by_template(
@@ -821,7 +512,7 @@ class _Walk:
         """Reads the next map entry of the rows laid out as the first row's: the same bytes
         up to the values (tags, name) but for the lengths, which must agree with the size of
         the values. Returns which rows matched and where their entries end."""
-        template = _Template.of(self.batch.data, int(pos[0]), int(end[0]), self.kinds)
+        template = EntryTemplate.of(self.batch.data, int(pos[0]), int(end[0]), self.kinds)
         if template is None:
             return np.zeros(rows.size, dtype=bool), pos.copy()
         matched, data_size = template.match(self.batch.windows(template.size)[pos])
@@ -836,17 +527,19 @@ class _Walk:
             no_values = np.empty(0, dtype=_EMPTY_DTYPES[template.kind])
             self.found[template.name].append((rows_found, np.zeros_like(rows_found), no_values))
         elif template.wanted and matched.any():
-            self.values(template.name, template.kind, rows[matched], start[matched], stop[matched])
+            self.values(
+                template.name, template.kind, rows[matched], start[matched], data_size[matched]
+            )
         return matched, np.where(matched, stop, pos)
 
     def entry(self, rows: np.ndarray, pos: np.ndarray, end: np.ndarray) -> np.ndarray:
         """Reads the next map entry of each row field by field; returns where each ends."""
         raw = self.raw
         # A map entry in the canonical layout: key, then value, then nothing else.
-        entry, entry_stop, valid = _delimited(raw, pos, 0x0A, end)
-        key, key_stop, ok = _delimited(raw, entry, 0x0A, entry_stop)
+        entry, entry_stop, valid = delimited(raw, pos, 0x0A, end)
+        key, key_stop, ok = delimited(raw, entry, 0x0A, entry_stop)
         valid &= ok
-        value, value_stop, ok = _delimited(raw, np.where(valid, key_stop, 0), 0x12, entry_stop)
+        value, value_stop, ok = delimited(raw, np.where(valid, key_stop, 0), 0x12, entry_stop)
         valid &= ok & (value_stop == entry_stop)
         if not valid.all():
             self.leave(rows, valid)
@@ -896,14 +589,14 @@ class _Walk:
     ) -> None:
         """A Feature holding one list of the wanted kind, in each of ``rows``."""
         raw = self.raw
-        start, list_stop, valid = _delimited(raw, start, kind << 3 | 2, stop)
+        start, list_stop, valid = delimited(raw, start, kind << 3 | 2, stop)
         valid &= list_stop == stop
         if kind == _BYTES:
             self.bytes_list(name, rows, start, list_stop, valid)
             return
         # A packed list, or nothing (an empty list).
         empty = start == list_stop
-        packed, packed_stop, ok = _delimited(raw, np.where(empty, 0, start), 0x0A, list_stop)
+        packed, packed_stop, ok = delimited(raw, np.where(empty, 0, start), 0x0A, list_stop)
         valid &= empty | (ok & (packed_stop == list_stop))
         packed = np.where(empty, start, packed)
         if kind == _FLOAT:
@@ -912,25 +605,27 @@ class _Walk:
             self.leave(rows, valid)
             rows, packed, list_stop = rows[valid], packed[valid], list_stop[valid]
         if rows.size:
-            self.values(name, kind, rows, packed, list_stop)
+            self.values(name, kind, rows, packed, list_stop - packed)
 
     def values(
-        self, name: str, kind: int, rows: np.ndarray, start: np.ndarray, stop: np.ndarray
+        self, name: str, kind: int, rows: np.ndarray, start: np.ndarray, sizes: np.ndarray
     ) -> None:
         """The values of a packed numeric list, or the one item of a bytes list, in each of
-        ``rows`` between ``start`` and ``stop``."""
-        sizes = stop - start
+        ``rows``: ``sizes`` bytes from ``start``."""
         if kind == _BYTES:
-            self.found[name].append((rows, np.ones(rows.size, np.int64), self.items(start, stop)))
+            self.found[name].append((rows, np.ones(rows.size, np.int64), self.items(start, sizes)))
             return
-        if kind == _INT64 and self.short_varints(name, rows, start, sizes):
-            return
-        data = _gather(self.batch, start, stop)
+        if kind == _INT64:
+            words = _one_varint_each(self.batch, start, sizes)
+            if words is not None:
+                self.one_varint_each(name, rows, sizes, words)
+                return
+        data = gather(self.batch, start, sizes)
         if kind == _FLOAT:
             floats = data.view(_LE_FLOAT32).astype(np.float32, copy=False)
             self.found[name].append((rows, sizes // 4, floats))
             return
-        ends_varint = self.raw[np.where(sizes > 0, stop - 1, 0)] < 0x80
+        ends_varint = self.raw[np.where(sizes > 0, start + sizes - 1, 0)] < 0x80
         if not ends_varint.all():
             self.leave(rows, ends_varint)
             keep = np.repeat(ends_varint, sizes)
@@ -949,39 +644,27 @@ class _Walk:
         counts = counted[ends] - counted[ends - sizes]
         self.found[name].append((rows, counts, values))
 
-    def short_varints(
-        self, name: str, rows: np.ndarray, start: np.ndarray, sizes: np.ndarray
-    ) -> bool:
-        """Reads packed lists of at most one varint of up to 8 bytes each (a scalar int64
-        feature, the usual case) as one little-endian word per row, without gathering the
-        bytes. Returns False, reading nothing, where some list is otherwise."""
-        if int(sizes.max(initial=0)) > _WORD_BYTES:
-            return False
-        words = self.batch.windows(_WORD_BYTES)[start].view("<u8").ravel() & _LIST_BYTES[sizes]
-        # One varint: every byte of the list continues but its last.
-        if not bool(((words & _CONTINUATION_BITS[sizes]) == _ONE_VARINT[sizes]).all()):
-            return False
-        for low, high, shift in _PACK_STEPS:  # squeezes out the continuation bits
-            words = (words & low) | ((words & high) >> shift)
+    def one_varint_each(
+        self, name: str, rows: np.ndarray, sizes: np.ndarray, values: np.ndarray
+    ) -> None:
+        """Keeps the values :func:`_one_varint_each` read (none where a list is empty)."""
         present = sizes > 0
         if present.all():
-            self.found[name].append((rows, np.ones(rows.size, np.int64), words.view(np.int64)))
+            self.found[name].append((rows, np.ones(rows.size, np.int64), values))
         else:
-            values = words[present].view(np.int64)
-            self.found[name].append((rows, present.astype(np.int64), values))
-        return True
+            self.found[name].append((rows, present.astype(np.int64), values[present]))
 
-    def items(self, start: np.ndarray, stop: np.ndarray) -> np.ndarray:
-        """The bytes between ``start`` and ``stop`` of each row, as an object array."""
-        values = np.empty(start.size, dtype=object)
-        width = int(stop[0] - start[0]) if start.size else 0
-        if width and bool((stop - start == width).all()):
+    def items(self, start: np.ndarray, sizes: np.ndarray) -> np.ndarray:
+        """The ``sizes`` bytes from ``start`` of each row, as an object array."""
+        width = int(sizes[0]) if start.size else 0
+        if width and bool((sizes == width).all()):
             same_size = self.batch.windows(width)[start]
             # An S item drops trailing NULs: only items that end otherwise go this way.
             if bool(same_size[:, -1].all()):
-                values[:] = same_size.view(f"S{width}").ravel().tolist()
-                return values
+                return same_size.view(f"S{width}").ravel().astype(object)
+        values = np.empty(start.size, dtype=object)
         wire = self.batch.data
+        stop = start + sizes
         values[:] = [wire[a:b] for a, b in zip(start.tolist(), stop.tolist(), strict=True)]
         return values
 
@@ -996,7 +679,7 @@ class _Walk:
         going = valid & (pos < stop)
         while going.any():
             at = where[going]
-            item, item_stop, ok = _delimited(raw, pos[at], 0x0A, stop[at])
+            item, item_stop, ok = delimited(raw, pos[at], 0x0A, stop[at])
             valid[at[~ok]] = False
             at, item, item_stop = at[ok], item[ok], item_stop[ok]
             item_rows.append(at)
@@ -1018,6 +701,21 @@ class _Walk:
             at = item = item_stop = np.empty(0, np.int64)
         keep = valid[at]
         at, item, item_stop = at[keep], item[keep], item_stop[keep]
-        values = self.items(item, item_stop)
+        values = self.items(item, item_stop - item)
         counts = np.bincount(at, minlength=rows.size)[valid]
         self.found[name].append((rows[valid], counts, values))
+
+
+def _one_varint_each(batch: WireBatch, start: np.ndarray, sizes: np.ndarray) -> np.ndarray | None:
+    """Reads packed lists of at most one varint of up to 8 bytes each (a scalar int64
+    feature, the usual case) as one little-endian word per list, without gathering the
+    bytes: the values (0 for an empty list), or None where some list is otherwise."""
+    if int(sizes.max(initial=0)) > _WORD_BYTES:
+        return None
+    words = batch.windows(_WORD_BYTES)[start].view("<u8").ravel() & _LIST_BYTES[sizes]
+    # One varint: every byte of the list continues but its last.
+    if not bool(((words & _CONTINUATION_BITS[sizes]) == _ONE_VARINT[sizes]).all()):
+        return None
+    for low, high, shift in _PACK_STEPS:  # squeezes out the continuation bits
+        words = (words & low) | ((words & high) >> shift)
+    return words.view(np.int64)
