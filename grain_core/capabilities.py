@@ -8,7 +8,6 @@ them by defining the methods; no base class is needed.
 
 from __future__ import annotations
 
-import contextlib
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, Protocol, TypeVar, runtime_checkable
 
@@ -36,7 +35,6 @@ __all__ = [
     "HoleMaking",
     "InPlaceSliceable",
     "MetadataBlockSampler",
-    "ReadsInputsOnOwnThread",
     "RecordKeysSampler",
     "RecordRngDeclaring",
     "SameStateEverywhere",
@@ -47,7 +45,6 @@ __all__ = [
     "TransformApplying",
     "TransformOutputSpec",
     "WorkerSliceable",
-    "WorkerStageReceiver",
 ]
 
 
@@ -329,34 +326,4 @@ class SupportsNextBlock(Protocol[T]):
         the iterator is exhausted. An error that ``next`` would raise after some elements is
         raised by the call after the block that holds them.
         """
-        ...
-
-
-@runtime_checkable
-class WorkerStageReceiver(Protocol):
-    """An iterator that receives the stage statistics of a worker process (``mp_prefetch``'s
-    inputs), which it asks for whenever the parent reports: an execution summary, the dataset
-    graph or a trace then shows what the workers had done, never an older snapshot. Asking
-    every receiver before waiting for any lets the workers answer at the same time."""
-
-    def request_worker_stages(self) -> None:
-        """Asks the worker for its stage statistics now."""
-        ...
-
-    def receive_worker_stages(self) -> None:
-        """Waits for the answer to the last request (elements that arrive first are kept for
-        the consumer); returns at once if the worker has ended."""
-        ...
-
-
-@runtime_checkable
-class ReadsInputsOnOwnThread(Protocol):
-    """An iterator whose inputs are read by a thread of its own (thread prefetch). While
-    ``inputs_paused()`` is entered, that thread is stopped (no lock is taken per read), so the
-    caller's thread may use the inputs: a report asking the workers under them for their
-    statistics."""
-
-    def inputs_paused(self) -> contextlib.AbstractContextManager[Any]:
-        """A context in which the iterator's own thread does not read its inputs (it finishes
-        the read in progress first)."""
         ...

@@ -247,6 +247,19 @@ def test_importing_the_transport_loads_no_dataset_module() -> None:
     assert out.stdout.strip() == "[]"
 
 
+def test_importing_the_profiler_loads_no_engine_module() -> None:
+    # Its advice on worker processes comes from dataset/transfer_cost.py, not the engines.
+    code = (
+        "import sys\n"
+        "import grain_core.observe.profile\n"
+        f"print(sorted(m for m in sys.modules if m.startswith({ENGINES!r})))\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], check=True, capture_output=True, text=True, cwd=ROOT
+    )
+    assert out.stdout.strip() == "[]"
+
+
 # The layer table.
 
 
@@ -320,19 +333,18 @@ def test_the_default_plugins_belong_to_the_dataset_layer() -> None:
 
 def test_observability_imports_of_the_dataset_only_its_base_types() -> None:
     # Neither an operator nor an engine: the dataset and the engines ask a PipelineObserver.
+    # transfer_cost imports no dataset module: the profiler prices worker processes with the
+    # model the engines' in-process decision uses, without loading the engines.
     base_types = {
         "grain_core.dataset.iterator",
         "grain_core.dataset.base",
         "grain_core.dataset.options",
+        "grain_core.dataset.transfer_cost",
     }
+    # Every module of observe/ sits in the Observability row and is checked.
+    paths = _sources(CORE / "observe")
     observe = next(layer for layer in _layer_table() if layer.name == "Observability")
-    paths = [
-        CORE / Path(*m.split(".")[1:]).with_suffix(".py")
-        for m in observe.modules
-        if _within(m, "grain_core.observe") and m != "grain_core.observe"
-    ]
-    paths.append(CORE / "observe" / "__init__.py")
-    assert all(p.is_file() for p in paths)
+    assert {_module_name(p) for p in paths} <= set(observe.modules)
 
     def allowed(imp: Import) -> bool:
         if imp.package_of_module or not _within(imp.target, "grain_core.dataset"):
@@ -340,6 +352,10 @@ def test_observability_imports_of_the_dataset_only_its_base_types() -> None:
         return imp.target in base_types
 
     assert _violations(paths, allowed) == []
+    cost_model = CORE / "dataset" / "transfer_cost.py"
+    assert (
+        _violations([cost_model], lambda imp: not _within(imp.target, "grain_core.dataset")) == []
+    )
 
 
 def test_every_layer_a_row_may_import_is_a_row_below_it() -> None:

@@ -234,7 +234,7 @@ def test_payoff_keeps_cheap_results_here_without_pricing_their_transport(
     def unpriced(result: Any) -> tuple[float, float]:
         raise AssertionError("transport priced for results workers cannot speed up")
 
-    monkeypatch.setattr(in_process, "transport_seconds", unpriced)
+    monkeypatch.setattr(in_process, "cheapest_transport_seconds", unpriced)
     # 1 us per result: less than the parent alone spends receiving one from a worker.
     assert (
         _decide(monkeypatch, WorkerPayoff(workers=2, results=100_000), (1e-6, 1e-6), (0.0, 0.0))

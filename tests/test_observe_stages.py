@@ -14,7 +14,7 @@ from conftest import StageClock, stage_pipeline
 
 import grain_core as grain
 from grain_core.dataset.base import MapDataset
-from grain_core.dataset.iterator import DatasetIterator
+from grain_core.dataset.iterator import DatasetIterator, pipeline_observer
 from grain_core.experimental import (
     DatasetOptions,
     ExecutionTrackingMode,
@@ -154,7 +154,7 @@ def test_thread_prefetch_stages_run_on_another_thread() -> None:
 
 
 class _GatedReceiver(DatasetIterator[int]):
-    """A stand-in for a worker-stage receiver: its elements wait for ``gate`` (``reading`` is
+    """A stand-in for a worker-stage receiver, registered as one when built: its elements wait for ``gate`` (``reading`` is
     set once a read has started), and it records whether statistics were asked for while a
     read was in progress (the pipes of real workers would then be used by two threads)."""
 
@@ -165,6 +165,9 @@ class _GatedReceiver(DatasetIterator[int]):
         self.in_read = False
         self.asked_during_read: list[bool] = []
         self._next = 0
+        pipeline_observer().receives_worker_stages(
+            self, self.request_worker_stages, self.receive_worker_stages
+        )
 
     def __next__(self) -> int:
         self.in_read = True

@@ -11,6 +11,7 @@ the engines of ``dataset/mp/`` build on it without importing the operators they 
 from __future__ import annotations
 
 import abc
+import contextlib
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, Generic, TypeVar
 
@@ -413,6 +414,25 @@ class PipelineObserver:
         that wraps a callable of the worker loop so that each call is a span of the given name
         and category; None otherwise."""
         return None
+
+    def receives_worker_stages(
+        self,
+        iterator: DatasetIterator[Any],
+        request: Callable[[], None],
+        receive: Callable[[], None],
+    ) -> None:
+        """Registers ``iterator``, built to receive a worker process's elements, as the stage
+        that receives its statistics: ``request`` asks the worker for them now, ``receive``
+        waits for the answer (both bound methods of ``iterator``, held weakly)."""
+
+    def reads_inputs_on_own_thread(
+        self,
+        iterator: DatasetIterator[Any],
+        inputs_paused: Callable[[], contextlib.AbstractContextManager[Any]],
+    ) -> None:
+        """Registers ``iterator``, built with a thread of its own that reads its inputs:
+        ``inputs_paused()`` is a context in which that thread does not read them (a bound
+        method of ``iterator``, held weakly)."""
 
 
 _observer = PipelineObserver()

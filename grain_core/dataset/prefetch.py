@@ -17,7 +17,7 @@ from typing import Any, NoReturn
 from grain_core._checks import as_int
 from grain_core.dataset.base import IterDataset, MapDataset, stop_iteration_error
 from grain_core.dataset.element_spec import parent_spec
-from grain_core.dataset.iterator import DatasetIterator, ElementBlock
+from grain_core.dataset.iterator import DatasetIterator, ElementBlock, pipeline_observer
 from grain_core.dataset.options import FilterRatioChecker
 from grain_core.dataset.read_concurrency import (
     MAX_BLOCK,
@@ -512,6 +512,7 @@ class ThreadPrefetchDatasetIterator(DatasetIterator[Any]):
         )
         self._exhausted = False
         self._carried = _Carried()
+        pipeline_observer().reads_inputs_on_own_thread(self, self.inputs_paused)
 
     def _snapshot(self) -> Any:
         return _snapshot(self._source, self._owns_state_copies)

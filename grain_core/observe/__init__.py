@@ -7,7 +7,7 @@
 * ``summary``: the execution summary (``experimental.get_execution_summary``).
 * ``graph``: Grain's debug mode and the dataset graph (``experimental.dataset_graph``).
 * ``profile`` and ``report_html``: ``grain-core profile``, a pipeline run under a trace and
-  written as an HTML report (imported only by that verb).
+  written as an HTML report (imported only by that verb and ``grain_core.profiling``).
 
 The dataset layer and the engines sit below this package and never import it: importing it
 registers ``Observer`` with ``grain_core.dataset.iterator.set_pipeline_observer``, and
@@ -16,6 +16,7 @@ registers ``Observer`` with ``grain_core.dataset.iterator.set_pipeline_observer`
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 from typing import Any
 
@@ -27,7 +28,7 @@ __all__ = ["Observer"]
 
 class Observer(PipelineObserver):
     """grain_core's observer of pipelines: stage timing, debug-mode reports, worker
-    statistics and trace spans."""
+    statistics (from the stages registered as receiving them) and trace spans."""
 
     def time_stages(self, iterator: DatasetIterator[Any]) -> None:
         stages.time_stages(iterator)
@@ -50,6 +51,21 @@ class Observer(PipelineObserver):
         self, iterator: DatasetIterator[Any]
     ) -> Callable[[Callable[..., Any], str, str], Callable[..., Any]] | None:
         return stages.span_wrapper(iterator)
+
+    def receives_worker_stages(
+        self,
+        iterator: DatasetIterator[Any],
+        request: Callable[[], None],
+        receive: Callable[[], None],
+    ) -> None:
+        stages.register_worker_receiver(iterator, request, receive)
+
+    def reads_inputs_on_own_thread(
+        self,
+        iterator: DatasetIterator[Any],
+        inputs_paused: Callable[[], contextlib.AbstractContextManager[Any]],
+    ) -> None:
+        stages.register_reader_thread(iterator, inputs_paused)
 
 
 set_pipeline_observer(Observer())

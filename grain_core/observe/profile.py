@@ -37,8 +37,9 @@ import cloudpickle
 from grain_core._progress import progress as progress_bar
 from grain_core.dataset.base import IterDataset, MapDataset
 from grain_core.dataset.iterator import DatasetIterator
-from grain_core.dataset.mp import (
+from grain_core.dataset.transfer_cost import (
     MARGIN,
+    cheapest_transport_seconds,
     seconds_per_result_with_workers,
     transport_seconds,
     usable_cores,
@@ -63,8 +64,6 @@ __all__ = [
 
 #: Trace categories of stages that wait for others rather than compute.
 _WAITING = ("wait", "transport")
-#: Pickling the last batch is timed this many times, the least taken (as the engine does).
-_TRANSPORTS_MEASURED = 3
 #: Engine stages in the words of the user's pipeline (``mp_prefetch``'s own parts).
 _ENGINE_STAGES = {
     "DispatchedClass": "receiving results from the workers",
@@ -308,7 +307,6 @@ def profile(
             it.close()
     trace_json = recording.to_json()
     start = recording.start_ns or 0
-    transports = [transport_seconds(batch) for _ in range(_TRANSPORTS_MEASURED)]
     trace_json["otherData"]["grain_core"] = {
         "loop_start_ns": loop_start - start,
         "batch_end_ns": [t - loop_start for t in batch_ends],
@@ -316,7 +314,7 @@ def profile(
         "graph": graph_of(summary).to_dict(),
         "graph_text": str(graph_of(summary)),
         "step_s": step_seconds,
-        "transport_s": [min(t[0] for t in transports), min(t[1] for t in transports)],
+        "transport_s": list(cheapest_transport_seconds(batch)),
         "usable_cores": usable_cores(),
     }
     if trace_output is not None:

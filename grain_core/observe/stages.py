@@ -26,8 +26,9 @@ buffer (``grain_core.observe.spans``).
 Worker processes (``mp_prefetch``). A tracked worker pipeline sends ``worker_stage_snapshot`` of
 its stages to the parent before its stream ends or stops at an error, and whenever the parent
 asks (nothing is sent, and nothing is checked per element, when tracking is off). The parent's
-stage receiving a worker's elements is a ``capabilities.WorkerStageReceiver``: every summary
-first asks all of them and waits for the answers (``refresh_worker_stages``), so it shows what
+stage receiving a worker's elements registers itself when built (``register_worker_receiver``,
+through ``PipelineObserver.receives_worker_stages``): every summary first asks all of them
+and waits for the answers (``refresh_worker_stages``), so it shows what
 the workers had done when it was taken. The parent keeps the latest snapshot of each worker
 under its receiving stage (``attach_worker_stages``), so the summary shows the worker stages,
 summed over workers and marked ``[worker]``, below the ``mp_prefetch`` stage whose self time is
@@ -44,7 +45,6 @@ from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 from grain_core import _tree
-from grain_core.capabilities import ReadsInputsOnOwnThread, WorkerStageReceiver
 from grain_core.dataset.base import Indices, MapDataset, transform_name
 from grain_core.dataset.iterator import DatasetIterator
 from grain_core.dataset.options import ExecutionTrackingMode
@@ -56,6 +56,8 @@ __all__ = [
     "is_tracing",
     "is_tracking",
     "refresh_worker_stages",
+    "register_reader_thread",
+    "register_worker_receiver",
     "same_named_subclass",
     "span_wrapper",
     "stages_of",
@@ -113,10 +115,11 @@ class StageStats:
     attributes when it is prepared and, for inputs created later, from the first ``next`` call
     a consumer stage makes on them.
 
-    ``receiver`` (a weak reference) is the iterator of a stage that receives a worker process's
-    stages, which ``refresh_worker_stages`` asks for fresh ones; ``reader_thread`` (a weak
-    reference) the iterator of a stage whose inputs its own thread reads, which that refresh
-    pauses while it uses them.
+    ``receiver`` (weak references to its request and receive methods) is how to ask the
+    worker process whose stages this stage receives for fresh ones, as ``refresh_worker_stages``
+    does; ``reader_thread`` (a weak reference to its ``inputs_paused``) how to pause the thread
+    of a stage whose inputs its own thread reads, which that refresh does while it uses them
+    (both as registered when the iterator was built).
     """
 
     __slots__ = (
@@ -150,8 +153,8 @@ class StageStats:
         self.inputs: list[StageStats] = []
         self.has_consumer = False
         self.in_workers = False
-        self.receiver: weakref.ref[Any] | None = None
-        self.reader_thread: weakref.ref[Any] | None = None
+        self.receiver: _ReceiverMethods | None = None
+        self.reader_thread: _PauseMethod | None = None
 
     def first_element(self, element: Any, own_ns: int, tid: int) -> None:
         """Records what only the first element tells: its spec, and the thread."""
@@ -405,10 +408,8 @@ def _prepare(it: DatasetIterator[Any]) -> None:
     for child in _child_iterators(it):
         time_stages(child)
         stats.link(child._stage_stats)  # type: ignore[attr-defined]
-    if isinstance(it, WorkerStageReceiver):
-        stats.receiver = weakref.ref(it)
-    if isinstance(it, ReadsInputsOnOwnThread):
-        stats.reader_thread = weakref.ref(it)
+    stats.receiver = _worker_receivers.get(it)
+    stats.reader_thread = _reader_threads.get(it)
     stats.prepared = True
 
 
@@ -533,6 +534,41 @@ def attach_worker_stages(iterator: DatasetIterator[Any], snapshot: WorkerSnapsho
     receiver.link(nodes[0])
 
 
+#: How to ask for a worker's stages and wait for them: weak references to the request and
+#: receive methods of the iterator that receives them.
+_ReceiverMethods = tuple[
+    weakref.WeakMethod[Callable[[], None]], weakref.WeakMethod[Callable[[], None]]
+]
+#: How to pause the thread that reads an iterator's inputs (a weak ``inputs_paused``).
+_PauseMethod = weakref.WeakMethod[Callable[[], contextlib.AbstractContextManager[Any]]]
+
+#: The iterators registered when built as receiving a worker's stages, and as reading their
+#: inputs on a thread of their own; a stage takes its entry when it is prepared.
+_worker_receivers: weakref.WeakKeyDictionary[DatasetIterator[Any], _ReceiverMethods] = (
+    weakref.WeakKeyDictionary()
+)
+_reader_threads: weakref.WeakKeyDictionary[DatasetIterator[Any], _PauseMethod] = (
+    weakref.WeakKeyDictionary()
+)
+
+
+def register_worker_receiver(
+    iterator: DatasetIterator[Any], request: Callable[[], None], receive: Callable[[], None]
+) -> None:
+    """Registers ``iterator`` as the stage receiving a worker's stages: ``request`` and
+    ``receive``, bound methods of it, ask the worker for them and wait for the answer."""
+    _worker_receivers[iterator] = (weakref.WeakMethod(request), weakref.WeakMethod(receive))
+
+
+def register_reader_thread(
+    iterator: DatasetIterator[Any],
+    inputs_paused: Callable[[], contextlib.AbstractContextManager[Any]],
+) -> None:
+    """Registers ``iterator`` as reading its inputs on a thread of its own, which
+    ``inputs_paused()``, a bound method of it, stops while entered."""
+    _reader_threads[iterator] = weakref.WeakMethod(inputs_paused)
+
+
 def refresh_worker_stages(iterator: DatasetIterator[Any]) -> None:
     """The one function that asks workers for their statistics: asks every stage under
     ``iterator`` that receives a worker process's stages for fresh ones, and waits for them.
@@ -540,12 +576,13 @@ def refresh_worker_stages(iterator: DatasetIterator[Any]) -> None:
     Threading rule: call it from the thread that iterates ``iterator`` (the answers come on
     the pipes its elements come on), never from another thread while that one iterates.
     Threads that read inputs of their own (thread prefetch, ``device_put``) are stopped
-    meanwhile (``ReadsInputsOnOwnThread.inputs_paused``): they finish the read in progress,
-    keep what they read and go on afterwards.
+    meanwhile (the ``inputs_paused`` registered with ``register_reader_thread``): they finish
+    the read in progress, keep what they read and go on afterwards.
     """
     _prepare_reachable(iterator)
-    receivers = []
-    readers = []  # outermost first: each reader thread reads from the ones after it
+    receivers: list[tuple[Callable[[], None], Callable[[], None]]] = []
+    # Outermost first: each reader thread reads from the ones after it.
+    readers: list[Callable[[], contextlib.AbstractContextManager[Any]]] = []
     stack: list[StageStats] = [iterator._stage_stats]  # type: ignore[attr-defined]
     seen: set[int] = set()
     while stack:
@@ -553,26 +590,29 @@ def refresh_worker_stages(iterator: DatasetIterator[Any]) -> None:
         if id(stats) in seen or stats.in_workers:
             continue
         seen.add(id(stats))
-        receiver = stats.receiver() if stats.receiver is not None else None
-        if receiver is not None:
-            receivers.append(receiver)
-        reader = stats.reader_thread() if stats.reader_thread is not None else None
-        if reader is not None:
-            readers.append(reader)
+        if stats.receiver is not None:
+            request, receive = (method() for method in stats.receiver)
+            if request is not None and receive is not None:
+                receivers.append((request, receive))
+        inputs_paused = stats.reader_thread() if stats.reader_thread is not None else None
+        if inputs_paused is not None:
+            readers.append(inputs_paused)
         stack.extend(stats.inputs)
     if receivers:
         with _readers_paused(readers):
-            for receiver in receivers:  # all ask first: the workers answer at the same time
-                receiver.request_worker_stages()
-            for receiver in receivers:
-                receiver.receive_worker_stages()
+            for request, _ in receivers:  # all ask first: the workers answer at the same time
+                request()
+            for _, receive in receivers:
+                receive()
 
 
 @contextlib.contextmanager
-def _readers_paused(readers: Sequence[ReadsInputsOnOwnThread]) -> Iterator[None]:
+def _readers_paused(
+    readers: Sequence[Callable[[], contextlib.AbstractContextManager[Any]]],
+) -> Iterator[None]:
     with contextlib.ExitStack() as paused:
-        for reader in readers:
-            paused.enter_context(reader.inputs_paused())
+        for inputs_paused in readers:
+            paused.enter_context(inputs_paused())
         yield
 
 

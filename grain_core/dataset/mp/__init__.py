@@ -34,12 +34,6 @@ from grain_core.dataset.element_spec import parent_spec
 from grain_core.dataset.iterator import DatasetIterator
 from grain_core.dataset.mp import dispatch, positions, remote, rotation
 from grain_core.dataset.mp.consumer import ClassConsumer, DispatchedClassIterator
-from grain_core.dataset.mp.in_process import (
-    MARGIN,
-    seconds_per_result_with_workers,
-    transport_seconds,
-    usable_cores,
-)
 from grain_core.dataset.mp.pickling import EngineInput
 from grain_core.dataset.mp.worker import WarmWorkers, start_worker_server
 from grain_core.dataset.multithread import multithread_prefetch
@@ -49,13 +43,9 @@ from grain_core.dataset.with_options import WithOptionsIterDataset
 from grain_core.options import MultiprocessingOptions
 
 __all__ = [
-    "MARGIN",
     "MultiprocessPrefetchIterDataset",
     "mp_prefetch",
-    "seconds_per_result_with_workers",
     "start_worker_server",
-    "transport_seconds",
-    "usable_cores",
 ]
 
 

@@ -20,7 +20,7 @@ from typing import Any, Protocol
 
 from grain_core._ipc.errors import UnreadableElementError, WorkerDiedError
 from grain_core.config import config
-from grain_core.dataset.iterator import DatasetIterator
+from grain_core.dataset.iterator import DatasetIterator, pipeline_observer
 from grain_core.dataset.mp.in_process import InProcessProducer, WorkerPayoff, clock
 from grain_core.dataset.mp.pickling import EngineInput
 from grain_core.dataset.mp.protocol import ERROR
@@ -280,6 +280,9 @@ class DispatchedClassIterator(DatasetIterator[Any]):
         self._consumer = consumer
         self._index = index
         consumer.register(index, self)
+        pipeline_observer().receives_worker_stages(
+            self, self.request_worker_stages, self.receive_worker_stages
+        )
 
     def __next__(self) -> Any:
         self._check_open()

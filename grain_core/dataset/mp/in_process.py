@@ -27,7 +27,8 @@ caches) cost here, each measured from the consumer's call to its result (``recor
 * ``START_S``: starting and stopping the workers.
 
 In this process a result costs ``c + g``. With ``N`` workers it costs at best
-``w = max(g + r, (c + s) / N, (u + s + r) / K)``: the consumer works and receives
+``w = max(g + r, (c + s) / N, (u + s + r) / K)`` (``dataset/transfer_cost.py``, the model
+the profiler advises with too): the consumer works and receives
 every result, each worker computes and sends its share, and all of it runs on the ``K`` cores
 the ``N + 1`` processes get beside the ``O`` other tasks, ``K = min(N + 1, C (N + 1) / (N + 1
 + O))`` (a fair share of the cores for each task ready to run). Workers run when
@@ -46,7 +47,6 @@ from __future__ import annotations
 
 import logging
 import os
-import pickle
 import sys
 import threading
 import time
@@ -54,17 +54,20 @@ import traceback
 import weakref
 from typing import Any
 
-import numpy as np
-
-from grain_core import _tree
-from grain_core._ipc import shm
 from grain_core.dataset.iterator import DatasetIterator
-from grain_core.dataset.mp.protocol import ELEMENT, ERROR, overdraft_room
+from grain_core.dataset.mp.protocol import ELEMENT, ERROR
 from grain_core.dataset.options import DatasetOptions
 from grain_core.dataset.read_concurrency import READ_THREAD_PREFIX
+from grain_core.dataset.transfer_cost import (
+    MARGIN,
+    RESULT_S,
+    cheapest_transport_seconds,
+    cores_to_run_on,
+    seconds_per_result_with_workers,
+    usable_cores,
+)
 
 __all__ = [
-    "MARGIN",
     "START_S",
     "InProcessProducer",
     "ParentWatchdog",
@@ -72,9 +75,6 @@ __all__ = [
     "clock",
     "cpu_seconds",
     "others_running",
-    "seconds_per_result_with_workers",
-    "transport_seconds",
-    "usable_cores",
 ]
 
 _LOG = logging.getLogger("grain_core")
@@ -84,16 +84,6 @@ _LOG = logging.getLogger("grain_core")
 #: 7-9 ms to stop them; 7 ms and 2-7 ms for a ``range`` pipeline). The trial in this process
 #: lasts as long.
 START_S = 0.035
-#: Workers run only if they promise to take at most this share of the in-process time.
-MARGIN = 0.8
-#: Parent seconds per message received (its wake-up, the pipe read, the merge's turn) and per
-#: result (the dispatcher's bookkeeping): 67 us per 400 KB batch in shared memory and 2.4 us
-#: per small element (64 to a message) measured with 2 workers.
-MESSAGE_S = 50e-6
-RESULT_S = 2e-6
-#: Pickling a result is timed this many times, the least taken: the first copy into fresh
-#: memory pays page faults that a worker's recycled shared-memory blocks do not.
-_TRANSPORTS_MEASURED = 3
 
 
 def clock() -> float:
@@ -106,39 +96,6 @@ def cpu_seconds() -> float:
     return time.process_time()
 
 
-def seconds_per_result_with_workers(
-    c: float, g: float, u: float, s: float, r: float, workers: int, cores: float
-) -> float:
-    """``w`` of the module docstring: the best a result can cost the consumer when
-    ``workers`` processes compute them on ``cores`` cores (``K``), from what one costs in this
-    process (``c`` wall, ``u`` CPU seconds), the consumer's time between two (``g``) and its
-    transport (``s`` sending, ``r`` receiving)."""
-    return max(g + r, (c + s) / workers, (u + s + r) / cores)
-
-
-def _cores_to_run_on() -> int:
-    """The CPU cores this process may run on (its affinity)."""
-    if hasattr(os, "sched_getaffinity"):
-        return len(os.sched_getaffinity(0))
-    return os.cpu_count() or 1
-
-
-def usable_cores() -> float:
-    """The CPU cores this process may use: those it may run on, at most its control group's
-    CPU quota (cgroup v2 ``cpu.max``; a quota may give a fraction of a core)."""
-    cores = _cores_to_run_on()
-    try:
-        with open("/proc/self/cgroup") as f:
-            group = next(line[3:].strip() for line in f if line.startswith("0::"))
-        with open(f"/sys/fs/cgroup{group.rstrip('/')}/cpu.max") as f:
-            quota, period = f.read().split()
-    except (OSError, StopIteration, ValueError):  # no cgroup v2 controller: no quota
-        return cores
-    if quota == "max":
-        return cores
-    return max(0.1, min(cores, int(quota) / int(period)))
-
-
 def others_running() -> float:
     """Tasks other than the caller ready to run on this process's cores now (Linux: the
     machine's from ``/proc/loadavg``, in proportion to the cores this process may run on;
@@ -148,7 +105,7 @@ def others_running() -> float:
             running = int(f.read().split()[3].split("/")[0])
     except (OSError, ValueError, IndexError):
         return 0.0
-    return max(0, running - 1) * _cores_to_run_on() / (os.cpu_count() or 1)
+    return max(0, running - 1) * cores_to_run_on() / (os.cpu_count() or 1)
 
 
 class InProcessProducer:
@@ -407,7 +364,7 @@ class WorkerPayoff:
         # Reading the machine's load and quota and pickling a result cost more than a cheap
         # result does: each is measured only while the workers could still pay off, first on
         # an idle machine with a free transport.
-        if through_workers(0.0, RESULT_S, min(n + 1, _cores_to_run_on())) >= MARGIN * here:
+        if through_workers(0.0, RESULT_S, min(n + 1, cores_to_run_on())) >= MARGIN * here:
             return False
         # A load that lasts shows in both counts; a burst in one is not what the workers would
         # meet for the rest of the iterator (and if they do, ``delivered`` hands back).
@@ -415,30 +372,5 @@ class WorkerPayoff:
         cores = min(n + 1, usable_cores() * (n + 1) / (n + 1 + others))
         if through_workers(0.0, RESULT_S, cores) >= MARGIN * here:
             return False
-        transports = [transport_seconds(result) for _ in range(_TRANSPORTS_MEASURED)]
-        s = min(t[0] for t in transports)
-        r = min(t[1] for t in transports)
+        s, r = cheapest_transport_seconds(result)
         return through_workers(s, r, cores) < MARGIN * here
-
-
-def transport_seconds(result: Any) -> tuple[float, float]:
-    """Seconds a worker spends sending ``result`` and the parent receiving it (``s``, ``r``),
-    its copies measured by pickling it here."""
-    start = time.perf_counter()
-    try:
-        data = pickle.dumps(result, protocol=pickle.HIGHEST_PROTOCOL)
-    except Exception:  # noqa: BLE001 - workers cloudpickle it: priced as one message
-        return MESSAGE_S, MESSAGE_S + RESULT_S
-    dumped = time.perf_counter()
-    pickle.loads(data)
-    loaded = time.perf_counter()
-    # Arrays as large as a worker writes into shared memory go one result to a message and
-    # are mapped, not copied, by the parent; smaller results go several to a message.
-    in_shared_memory = any(
-        isinstance(leaf, np.ndarray) and leaf.nbytes >= shm.DEFAULT_MIN_SHM_SIZE
-        for leaf in _tree.flatten(result)
-    )
-    per_message = 1 if in_shared_memory else overdraft_room(len(data))
-    s = dumped - start + MESSAGE_S / per_message
-    r = RESULT_S + MESSAGE_S / per_message + (0.0 if in_shared_memory else loaded - dumped)
-    return s, r

@@ -29,7 +29,8 @@ Flow control, decided alike on both sides: a worker sends against credits (the p
 ``per_worker_buffer_size`` and returns one for each element handed out). An element that
 needs no shared memory may also go without a credit, while the worker's *overdraft*
 (elements sent beyond its credits, which the next credits cover first) stays within
-``SMALL_AHEAD`` elements and ``OVERDRAFT_BYTES`` pickled (``overdraft_room``); credits then
+``SMALL_AHEAD`` elements and ``OVERDRAFT_BYTES`` pickled (``overdraft_room``, defined with
+the transport's cost in ``dataset/transfer_cost.py``, which prices it); credits then
 go back in batches (``credit_batch``). A dispatching parent also grants more credits than
 ``per_worker_buffer_size`` for results in shared memory while ``SHARED_AHEAD_BYTES`` holds
 them (``shared_ahead_room``): cheap elements then travel several per wake-up of the worker,
@@ -44,6 +45,7 @@ from typing import Any
 
 from grain_core._ipc.errors import ErrorPayload
 from grain_core.dataset.iterator import DatasetIterator, pipeline_observer
+from grain_core.dataset.transfer_cost import OVERDRAFT_BYTES, SMALL_AHEAD, overdraft_room
 
 __all__ = [
     "ASSIGN",
@@ -84,18 +86,6 @@ ELEMENT, END, ERROR, STATS, ELEMENTS, WARNING, PICKLED_ELEMENTS, WANTS_CREDIT = 
 
 #: Generation of side messages (statistics, warnings): no restore's (they count up from 0).
 STATS_GENERATION = -1
-
-#: The overdraft: elements a worker may send beyond its credits (``per_worker_buffer_size``
-#: ahead of the consumer), at most this many and this many bytes pickled.
-SMALL_AHEAD = 64
-OVERDRAFT_BYTES = 1024 * 1024
-
-
-def overdraft_room(element_bytes: int) -> int:
-    """How many elements of ``element_bytes`` pickled bytes a worker may send beyond its
-    credits (the worker and the parent decide alike)."""
-    return min(SMALL_AHEAD, OVERDRAFT_BYTES // max(1, element_bytes))
-
 
 #: Shared memory a dispatching worker's results may hold beyond those the consumer took, when
 #: ``per_worker_buffer_size`` results hold less: with one 400 KB batch ahead per worker (the

@@ -301,6 +301,9 @@ class RotationIterator(DatasetIterator[Any]):
         self._early: collections.deque[tuple[Any, ...] | BaseException] = collections.deque()
         self._stats_requests = 0  # requests sent
         self._stats_answered = 0  # the last request answered
+        pipeline_observer().receives_worker_stages(
+            self, self.request_worker_stages, self.receive_worker_stages
+        )
 
     def _start(self) -> None:
         """Starts the worker (or takes the one the last iterator left running for this
