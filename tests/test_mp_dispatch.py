@@ -38,7 +38,6 @@ from grain_core.dataset.mp.protocol import (
     ELEMENTS,
     PICKLED_ELEMENTS,
     SHARED_AHEAD_BYTES,
-    SMALL_AHEAD,
     STATS,
     STATS_GENERATION,
     WANTS_CREDIT,
@@ -47,6 +46,7 @@ from grain_core.dataset.mp.protocol import (
 )
 from grain_core.dataset.mp.rotation import RotationWorkerLoop, credit_message, set_state_message
 from grain_core.dataset.mp.worker import WorkerSpec
+from grain_core.dataset.transfer_cost import OVERDRAFT_BYTES, SMALL_AHEAD
 from grain_core.options import MultiprocessingOptions
 from grain_core.testing import check_iterator_conformance
 
@@ -959,8 +959,6 @@ def test_small_results_go_beyond_the_credits_within_the_overdraft(
     # shared memory waits for a credit. Each credit covers the oldest result overdrawn, so
     # as many more go. Both engines' workers.
     import pickle
-
-    from grain_core.dataset.mp.protocol import OVERDRAFT_BYTES
 
     ds = grain.MapDataset.range(200)
     if result == "int":

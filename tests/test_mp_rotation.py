@@ -18,6 +18,7 @@ from conftest import LogProduced, big_element, fails_after, mp_options
 import grain_core as grain
 from grain_core._ipc import pool as ipc_pool
 from grain_core._ipc import shm as _shm
+from grain_core.dataset import transfer_cost
 from grain_core.dataset.mp import positions, protocol, rotation
 from grain_core.testing import assert_trees_equal, check_iterator_conformance
 
@@ -98,7 +99,7 @@ def test_worker_stays_within_its_buffer_ahead(
         limit = buffer + 1
     else:
         element = 0 if size == "small" else _large_bytes(0)
-        overdraft = protocol.overdraft_room(len(pickle.dumps((element, {"state": 0}))))
+        overdraft = transfer_cost.overdraft_room(len(pickle.dumps((element, {"state": 0}))))
         limit = buffer + overdraft + 1
     with fails_after(60), iter(ds.mp_prefetch(mp_options(1, buffer))) as it:
         consumed = 0
@@ -173,7 +174,7 @@ def test_rotation_credits_go_back_in_batches_while_elements_overdraw(
     monkeypatch.setattr(ipc_pool.WorkerPool, "send", recording_send)
     ds = grain.MapDataset.range(3000).to_iter_dataset().map(_times_ten)
     assert list(ds.mp_prefetch(mp_options(2, buffer=1))) == [x * 10 for x in range(3000)]
-    assert sum(credits) >= 3000 - 2 * (1 + protocol.SMALL_AHEAD)
+    assert sum(credits) >= 3000 - 2 * (1 + transfer_cost.SMALL_AHEAD)
     assert len(credits) < 3000 / 8
 
 

@@ -64,13 +64,13 @@ from grain_core.dataset.mp.protocol import (
     assign_message,
     credit_batch,
     element_block_names,
-    overdraft_room,
     receive_side_message,
     shared_ahead_room,
     stats_request_message,
 )
 from grain_core.dataset.mp.worker import WorkerSpec, lease_workers, release_workers
 from grain_core.dataset.options import DatasetOptions
+from grain_core.dataset.transfer_cost import overdraft_room
 from grain_core.plugins import loaded_plugin_names
 
 __all__ = ["LocalWorkers"]

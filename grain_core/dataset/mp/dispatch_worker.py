@@ -14,8 +14,9 @@ from typing import Any
 
 from grain_core._ipc import shm
 from grain_core.dataset.mp.pickling import FIXED_SIZE_TYPES, dumps_message
-from grain_core.dataset.mp.protocol import OVERDRAFT_BYTES, elements_message
+from grain_core.dataset.mp.protocol import elements_message
 from grain_core.dataset.mp.worker import GROUP_S, WorkerLoop, WorkerSpec, run_worker
+from grain_core.dataset.transfer_cost import OVERDRAFT_BYTES
 
 __all__ = ["DispatchWorkerLoop", "worker_main"]
 

@@ -45,7 +45,7 @@ from typing import Any
 
 from grain_core._ipc.errors import ErrorPayload
 from grain_core.dataset.iterator import DatasetIterator, pipeline_observer
-from grain_core.dataset.transfer_cost import OVERDRAFT_BYTES, SMALL_AHEAD, overdraft_room
+from grain_core.dataset.transfer_cost import SMALL_AHEAD
 
 __all__ = [
     "ASSIGN",
@@ -54,11 +54,9 @@ __all__ = [
     "ELEMENTS",
     "END",
     "ERROR",
-    "OVERDRAFT_BYTES",
     "PICKLED_ELEMENTS",
     "SET_STATE",
     "SHARED_AHEAD_BYTES",
-    "SMALL_AHEAD",
     "STATS",
     "STATS_GENERATION",
     "STATS_REQUEST",
@@ -70,7 +68,6 @@ __all__ = [
     "element_message",
     "elements_message",
     "error_message",
-    "overdraft_room",
     "receive_side_message",
     "shared_ahead_room",
     "stats_message",

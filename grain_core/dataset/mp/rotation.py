@@ -51,7 +51,6 @@ from grain_core.dataset.mp.protocol import (
     STATS_GENERATION,
     WANTS_CREDIT,
     credit_batch,
-    overdraft_room,
     receive_side_message,
     stats_request_message,
 )
@@ -65,6 +64,7 @@ from grain_core.dataset.mp.worker import (
     run_worker,
 )
 from grain_core.dataset.options import DatasetOptions
+from grain_core.dataset.transfer_cost import overdraft_room
 from grain_core.plugins import loaded_plugin_names
 
 if TYPE_CHECKING:

@@ -39,9 +39,7 @@ from grain_core.dataset.mp.pickling import (
     register_numpy_scalar_reducers,
 )
 from grain_core.dataset.mp.protocol import (
-    OVERDRAFT_BYTES,
     SHARED_AHEAD_BYTES,
-    SMALL_AHEAD,
     STATS_REQUEST,
     element_message,
     error_message,
@@ -49,6 +47,7 @@ from grain_core.dataset.mp.protocol import (
     warning_message,
 )
 from grain_core.dataset.read_concurrency import read_inline_while_cpu_bound
+from grain_core.dataset.transfer_cost import OVERDRAFT_BYTES, SMALL_AHEAD
 from grain_core.options import MultiprocessingOptions
 
 __all__ = [
